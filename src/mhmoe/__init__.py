@@ -1,0 +1,26 @@
+"""mhmoe: Multi-Head Mixture-of-Experts and Mixture-of-Head attention as Hugging Face Transformers models.
+
+Importing the package registers model_type "mhmoe" with AutoConfig, AutoModel and AutoModelForCausalLM.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .models.mhmoe import (
+    MHMoEConfig,
+    MHMoEForCausalLM,
+    MHMoEModel,
+    MHMoEPreTrainedModel,
+    MoELayerCost,
+    matched_moe_settings,
+    moe_layer_cost,
+)
+
+AutoConfig.register(MHMoEConfig.model_type, MHMoEConfig, exist_ok=True)
+AutoModel.register(MHMoEConfig, MHMoEModel, exist_ok=True)
+AutoModelForCausalLM.register(MHMoEConfig, MHMoEForCausalLM, exist_ok=True)
+
+__version__ = "0.1.0"
+__all__ = [
+    "MHMoEConfig", "MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel",
+    "MoELayerCost", "matched_moe_settings", "moe_layer_cost",
+]  # fmt: skip

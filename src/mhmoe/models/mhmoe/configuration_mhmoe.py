@@ -1,0 +1,203 @@
+"""MHMoE model configuration: one config for dense, SMoE, fine-grained SMoE and MH-MoE decoders."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+from .parity import matched_moe_settings
+
+AUX_LOSS_MODES = ("per_layer", "mixtral")
+
+
+@strict
+class MHMoEConfig(PreTrainedConfig):
+    r"""LLaMA-style decoder whose feed-forward is, per layer, a dense SwiGLU MLP or an MH-MoE block.
+
+    The MoE block projects each token with a head layer (`moe_head_layer`), splits it into `moe_heads` sub-tokens of
+    width `hidden_size // moe_heads`, routes every sub-token to its top `num_experts_per_tok` of `num_experts` SwiGLU
+    experts (inner width `moe_intermediate_size`), concatenates the sub-tokens and projects them with a merge layer
+    (`moe_merge_layer`). `moe_heads=1` without head/merge layers is a Mixtral-style sparse MoE; `decoder_sparse_step=0`
+    is a dense LLaMA. Layer `i` is MoE when `decoder_sparse_step > 0` and `(i + 1) % decoder_sparse_step == 0`.
+
+    `router_aux_loss_mode="per_layer"` averages the Switch load-balancing loss of each MoE layer over its sub-tokens;
+    `"mixtral"` pools router statistics over all layers exactly like Transformers' Mixtral. `capacity_factor=None` is
+    dropless; a number caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments and the
+    overflow contributes nothing (the token keeps its residual).
+    """
+
+    model_type = "mhmoe"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    # mixture of experts
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 2048
+    moe_heads: int = 1
+    moe_head_layer: bool | None = None  # None: on when moe_heads > 1
+    moe_merge_layer: bool | None = None  # None: on when moe_heads > 1
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    router_aux_loss_mode: str = "per_layer"
+    router_z_loss_coef: float = 0.0
+    router_jitter_noise: float = 0.0
+    capacity_factor: float | int | None = None
+    output_router_logits: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.moe_head_layer is None:
+            self.moe_head_layer = self.moe_heads > 1
+        if self.moe_merge_layer is None:
+            self.moe_merge_layer = self.moe_heads > 1
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Refuse every invalid combination in words (run by `@strict` at construction)."""
+        problems = []
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            problems.append(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.decoder_sparse_step < 0:
+            problems.append(f"decoder_sparse_step must be >= 0 (0 = dense model), got {self.decoder_sparse_step}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}")
+        if self.decoder_sparse_step > 0:
+            if self.moe_heads < 1 or self.hidden_size % self.moe_heads:
+                problems.append(
+                    f"hidden_size ({self.hidden_size}) must be divisible by moe_heads ({self.moe_heads}); choose "
+                    "moe_heads among the divisors of hidden_size"
+                )
+            if self.num_experts < 1:
+                problems.append(f"num_experts must be >= 1, got {self.num_experts}")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                problems.append(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and num_experts "
+                    f"({self.num_experts})"
+                )
+            if self.moe_intermediate_size < 1:
+                problems.append(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        if self.shared_expert_intermediate_size < 0:
+            problems.append(
+                f"shared_expert_intermediate_size must be >= 0 (0 = no shared expert), got "
+                f"{self.shared_expert_intermediate_size}"
+            )
+        if self.router_aux_loss_mode not in AUX_LOSS_MODES:
+            problems.append(f"router_aux_loss_mode must be one of {AUX_LOSS_MODES}, got {self.router_aux_loss_mode!r}")
+        if self.router_aux_loss_mode == "mixtral" and self.moe_heads != 1:
+            problems.append("router_aux_loss_mode='mixtral' pools token-level statistics and needs moe_heads=1")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter_noise", "attention_dropout"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            problems.append(f"capacity_factor must be > 0 or None (dropless), got {self.capacity_factor}")
+        if problems:
+            raise ValueError("Invalid MHMoEConfig: " + "; ".join(problems) + ".")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.decoder_sparse_step > 0 and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_llama_config(cls, llama_config, **kwargs) -> "MHMoEConfig":
+        """The dense MHMoE config whose model has exactly `LlamaForCausalLM`'s parameters."""
+        fields = _shared_fields(llama_config)
+        fields.update(mlp_bias=llama_config.mlp_bias, attention_bias=llama_config.attention_bias, decoder_sparse_step=0)
+        fields.update(kwargs)
+        return cls(**fields)
+
+    @classmethod
+    def from_mixtral_config(cls, mixtral_config, **kwargs) -> "MHMoEConfig":
+        """The SMoE MHMoE config whose model has exactly `MixtralForCausalLM`'s parameters, logits and aux loss."""
+        fields = _shared_fields(mixtral_config)
+        fields.update(
+            sliding_window=mixtral_config.sliding_window,
+            num_experts=mixtral_config.num_local_experts,
+            num_experts_per_tok=mixtral_config.num_experts_per_tok,
+            moe_intermediate_size=mixtral_config.intermediate_size,
+            moe_heads=1,
+            moe_head_layer=False,
+            moe_merge_layer=False,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            router_aux_loss_coef=mixtral_config.router_aux_loss_coef,
+            router_aux_loss_mode="mixtral",
+            router_jitter_noise=mixtral_config.router_jitter_noise,
+            output_router_logits=mixtral_config.output_router_logits,
+        )
+        fields.update(kwargs)
+        return cls(**fields)
+
+    @classmethod
+    def matched_to_smoe(
+        cls, smoe_config: "MHMoEConfig", moe_heads: int, num_experts_per_tok: int, round_experts_to: int = 8, **kwargs
+    ) -> "MHMoEConfig":
+        """The MH-MoE config whose MoE layers match `smoe_config`'s activated FLOPs and total parameters.
+
+        Head and merge layers are counted; see `mhmoe.parity.matched_moe_settings` for the equations.
+        """
+        intermediate, experts = matched_moe_settings(
+            hidden_size=smoe_config.hidden_size,
+            smoe_intermediate_size=smoe_config.moe_intermediate_size,
+            smoe_num_experts=smoe_config.num_experts,
+            smoe_top_k=smoe_config.num_experts_per_tok,
+            smoe_head_and_merge=bool(smoe_config.moe_head_layer) + bool(smoe_config.moe_merge_layer),
+            moe_heads=moe_heads,
+            top_k=num_experts_per_tok,
+            round_experts_to=round_experts_to,
+        )
+        fields = smoe_config.to_dict()
+        for key in ("model_type", "transformers_version", "architectures", "auto_map"):
+            fields.pop(key, None)
+        fields.update(
+            moe_heads=moe_heads,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate,
+            num_experts=experts,
+            moe_head_layer=True,
+            moe_merge_layer=True,
+        )
+        fields.update(kwargs)
+        return cls(**fields)
+
+
+def _shared_fields(config) -> dict:
+    """The LLaMA-family fields that carry over unchanged."""
+    names = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
+        "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
+        "rope_parameters", "attention_dropout",
+    )  # fmt: skip
+    return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
+
+
+__all__ = ["MHMoEConfig"]

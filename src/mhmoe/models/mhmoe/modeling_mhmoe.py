@@ -1,0 +1,374 @@
+"""MHMoE: a LLaMA-style decoder whose feed-forward is a dense SwiGLU MLP or a Multi-Head MoE block.
+
+Configured dense it has exactly `LlamaForCausalLM`'s parameters; configured as plain SMoE (moe_heads=1, no head/merge
+layer, no shared expert) exactly `MixtralForCausalLM`'s. Shape legend: B batch, T tokens, D hidden_size,
+h moe_heads, W = D / h sub-token width, N = B·T·h routed rows, E experts, K experts per row.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_mhmoe import MHMoEConfig
+from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward, load_balancing_loss, router_z_loss
+from .routing import route
+
+
+class MHMoERMSNorm(LlamaRMSNorm):
+    pass
+
+
+class MHMoEMLP(nn.Module):
+    """SwiGLU feed-forward with Llama's parameter names (dense layers and the shared expert)."""
+
+    def __init__(self, config: MHMoEConfig, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+@use_experts_implementation(experts_interface=MHMOE_EXPERTS_FUNCTIONS)
+class MHMoEExperts(nn.Module):
+    """`num_experts` SwiGLU experts on sub-tokens of width W, stored as 3-D parameters like Mixtral's."""
+
+    def __init__(self, config: MHMoEConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size // config.moe_heads
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # `eager`; `grouped_mm` is the default
+        return eager_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+class MHMoETopKRouter(nn.Module):
+    """Linear router computed in fp32 whatever the model dtype (Switch's selective precision)."""
+
+    def __init__(self, config: MHMoEConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.capacity_factor = config.capacity_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size // config.moe_heads))
+
+    def forward(self, hidden_states: torch.Tensor):
+        router_logits = nn.functional.linear(hidden_states.float(), self.weight.float())  # (N, E)
+        weights, experts = route(router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor)
+        return router_logits, weights, experts
+
+
+class MHMoESparseMoeBlock(nn.Module):
+    """head layer -> split into h sub-tokens -> top-k experts per sub-token -> concatenate -> merge layer."""
+
+    def __init__(self, config: MHMoEConfig):
+        super().__init__()
+        self.moe_heads = config.moe_heads
+        self.jitter_noise = config.router_jitter_noise
+        d = config.hidden_size
+        self.head_proj = nn.Linear(d, d, bias=False) if config.moe_head_layer else None
+        self.gate = MHMoETopKRouter(config)
+        self.experts = MHMoEExperts(config)
+        self.merge_proj = nn.Linear(d, d, bias=False) if config.moe_merge_layer else None
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = MHMoEMLP(config, shared) if shared else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch_size, seq_len, hidden_dim = hidden_states.shape
+        sub_tokens = self.head_proj(hidden_states) if self.head_proj is not None else hidden_states
+        sub_tokens = sub_tokens.reshape(-1, hidden_dim // self.moe_heads)  # (B·T·h, W), token-major
+        if self.training and self.jitter_noise > 0:
+            sub_tokens = sub_tokens * torch.empty_like(sub_tokens).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
+        _, weights, experts = self.gate(sub_tokens)
+        out = self.experts(sub_tokens, experts, weights)  # (B·T·h, W)
+        out = out.reshape(batch_size, seq_len, hidden_dim)  # concatenate each token's sub-tokens
+        if self.merge_proj is not None:
+            out = self.merge_proj(out)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(hidden_states)
+        return out
+
+
+class MHMoEAttention(nn.Module):
+    """Multi-head attention with GQA, RoPE and an optional sliding window; backends via ALL_ATTENTION_FUNCTIONS."""
+
+    def __init__(self, config: MHMoEConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, hd)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, hd)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.config.sliding_window,
+            **kwargs,
+        )  # attn_output: (B, T, H, hd), per head, before o_proj
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class MHMoEDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: MHMoEConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = MHMoEAttention(config, layer_idx)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = MHMoESparseMoeBlock(config)
+        else:
+            self.mlp = MHMoEMLP(config, config.intermediate_size, bias=config.mlp_bias)
+        self.input_layernorm = MHMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = MHMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class MHMoEPreTrainedModel(PreTrainedModel):
+    config: MHMoEConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MHMoEDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(MHMoETopKRouter, index=0),
+        "hidden_states": MHMoEDecoderLayer,
+        "attentions": MHMoEAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, MHMoEExperts):
+            module.gate_up_proj.normal_(mean=0.0, std=std)
+            module.down_proj.normal_(mean=0.0, std=std)
+        elif isinstance(module, MHMoETopKRouter):
+            module.weight.normal_(mean=0.0, std=std)
+
+
+class MHMoEModel(MHMoEPreTrainedModel):
+    def __init__(self, config: MHMoEConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([MHMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = MHMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
+        causal_mask = mask_function(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+@dataclass
+class MHMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    """Mixtral's output plus the router z-loss (unweighted), kept apart so training can log it."""
+
+    z_loss: torch.FloatTensor | None = None
+
+
+class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MHMoEConfig):
+        super().__init__(config)
+        self.model = MHMoEModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MHMoECausalLMOutputWithPast:
+        """Causal LM forward. With `output_router_logits` (argument or config), returns the load-balancing `aux_loss`
+        and `z_loss` and, when `labels` are given, adds them to the LM loss weighted by `router_aux_loss_coef` and
+        `router_z_loss_coef`."""
+        config = self.config
+        if output_router_logits is None:
+            output_router_logits = config.output_router_logits
+        outputs: MoeModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        aux_loss = z_loss = None
+        if output_router_logits and outputs.router_logits:
+            aux_loss = load_balancing_loss(
+                outputs.router_logits,
+                config.num_experts,
+                config.num_experts_per_tok,
+                attention_mask,
+                config.moe_heads,
+                config.router_aux_loss_mode,
+            )
+            z_loss = router_z_loss(outputs.router_logits, attention_mask, config.moe_heads)
+            if loss is not None:
+                loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + config.router_z_loss_coef * z_loss.to(loss.device)
+
+        return MHMoECausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
+        )
+
+
+__all__ = ["MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel"]

@@ -1,0 +1,84 @@
+"""FLOPs and parameter parity between sparse MoE and MH-MoE layers (pure arithmetic, no torch).
+
+Shape legend: d = hidden_size, h = moe_heads, E = num_experts, k = num_experts_per_tok, f = moe_intermediate_size.
+
+A SwiGLU expert on width w has 3·w·f weights and costs 3·w·f multiply-adds per routed (sub-)token. One MH-MoE layer
+per token: head and merge layers d² each, router h·(d/h)·E = d·E, experts h·k·3·(d/h)·f = 3·d·f·k, shared expert
+3·d·f_shared. The paper's eq. (8), f_mh = f_moe − d/k, is exact only for k=1 and 2-matrix FFNs; for SwiGLU the
+leading-term FLOPs equation is 2d² + 3·d·f_mh·k_mh = 3·d·f_moe·k_moe (its Section 3 settings follow it).
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoELayerCost:
+    """Parameters and per-token activated multiply-adds of one MoE layer (biases and norms excluded)."""
+
+    params: int
+    macs_per_token: int
+    expert_params: int
+    head_merge_params: int
+    router_params: int
+    shared_expert_params: int
+
+    @property
+    def flops_per_token(self) -> int:
+        return 2 * self.macs_per_token
+
+
+def moe_layer_cost(config) -> MoELayerCost:
+    """Cost of one MoE layer of `config` (an `MHMoEConfig` or anything with the same fields)."""
+    d, h, E = config.hidden_size, config.moe_heads, config.num_experts
+    k, f = config.num_experts_per_tok, config.moe_intermediate_size
+    f_shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    width = d // h  # sub-token width
+    head_merge = (int(bool(config.moe_head_layer)) + int(bool(config.moe_merge_layer))) * d * d
+    router = E * width
+    experts = E * 3 * width * f
+    shared = 3 * d * f_shared
+    macs = head_merge + h * width * E + h * k * 3 * width * f + shared
+    return MoELayerCost(
+        params=head_merge + router + experts + shared,
+        macs_per_token=macs,
+        expert_params=experts,
+        head_merge_params=head_merge,
+        router_params=router,
+        shared_expert_params=shared,
+    )
+
+
+def matched_moe_settings(
+    hidden_size: int,
+    smoe_intermediate_size: int,
+    smoe_num_experts: int,
+    smoe_top_k: int,
+    moe_heads: int,
+    top_k: int,
+    round_experts_to: int = 8,
+    smoe_head_and_merge: int = 0,
+) -> tuple[int, int]:
+    """Solve for the MH-MoE (moe_intermediate_size, num_experts) matching an SMoE layer (leading terms).
+
+    FLOPs:  n·d² + 3·d·f_s·k_s = 2·d² + 3·d·f·k           (n = head/merge layers of the SMoE, usually 0)
+    params: n·d² + 3·d·f_s·E_s = 2·d² + 3·(d/h)·f·E
+    f is rounded to the nearest integer, E to the nearest multiple of `round_experts_to` (at least `top_k`).
+    """
+    d, h = hidden_size, moe_heads
+    if h < 1 or d % h:
+        raise ValueError(f"hidden_size ({d}) must be divisible by moe_heads ({h})")
+    if top_k < 1 or round_experts_to < 1:
+        raise ValueError(f"top_k ({top_k}) and round_experts_to ({round_experts_to}) must be >= 1")
+    smoe_macs = smoe_head_and_merge * d * d + 3 * d * smoe_intermediate_size * smoe_top_k
+    intermediate = round((smoe_macs - 2 * d * d) / (3 * d * top_k))
+    if intermediate < 1:
+        raise ValueError(
+            f"the head and merge layers alone (2·d² = {2 * d * d} multiply-adds) exceed the SMoE layer's activated "
+            f"cost ({smoe_macs}); use a larger SMoE intermediate size or top-k"
+        )
+    smoe_params = smoe_head_and_merge * d * d + 3 * d * smoe_intermediate_size * smoe_num_experts
+    exact_experts = (smoe_params - 2 * d * d) / (3 * (d // h) * intermediate)
+    experts = max(round(exact_experts / round_experts_to) * round_experts_to, round_experts_to)
+    while experts < top_k:
+        experts += round_experts_to
+    return intermediate, experts

@@ -1,0 +1,61 @@
+"""Router top-k and dispatch: the one place the model decides where (sub-)tokens go.
+
+Shape legend: N routed rows (tokens × moe_heads sub-tokens, token-major), E experts, K = num_experts_per_tok,
+S = N·K (row, expert) assignments. A dropped assignment (over capacity) carries the sentinel expert id E and weight 0.
+
+This is the PyTorch reference. `route` and `sort_by_expert` are the dispatch points a fused kernel may back; they
+must stay runnable on torch alone because exported checkpoints (`trust_remote_code`) ship this file.
+"""
+
+import math
+
+import torch
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True, capacity_factor: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32, top-k, optional renormalisation and Switch capacity.
+
+    Returns `weights` (N, K) fp32 and `experts` (N, K) int64; dropped assignments get expert E and weight 0.
+    """
+    num_rows, num_experts = router_logits.shape
+    probs = torch.softmax(router_logits.float(), dim=-1)  # (N, E)
+    weights, experts = torch.topk(probs, top_k, dim=-1)  # (N, K)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * num_rows * top_k / num_experts)
+        kept = _within_capacity(experts, num_experts, capacity)
+        experts = torch.where(kept, experts, num_experts)
+        weights = weights * kept
+    return weights, experts
+
+
+def _within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """(N, K) bool: the assignment is among the first `capacity` of its expert.
+
+    Priority goes by choice rank first (every row's top-1 before any top-2, as in GShard), then by row order.
+    """
+    num_rows, top_k = experts.shape
+    flat = experts.t().reshape(-1)  # (K·N,) slot-major: priority order
+    sorted_experts, order = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts  # (E,) first position of each expert in the sorted list
+    rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[sorted_experts]
+    rank = torch.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    return (rank < capacity).view(top_k, num_rows).t()
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group assignments by expert.
+
+    `experts` (N, K) with ids in [0, E] (E = dropped). Returns `order` (S,) indices into the flattened (N·K)
+    assignments, sorted by expert with dropped ones last, and `offsets` (E,) int32 cumulative end of each expert's
+    group (offsets[-1] = number of kept assignments), the layout `torch._grouped_mm` takes.
+    """
+    flat = experts.reshape(-1)
+    _, order = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    return order, torch.cumsum(counts, 0, dtype=torch.int32)
