@@ -76,9 +76,10 @@ class MHMoEConfig(PreTrainedConfig):
         if self.moe_merge_layer is None:
             self.moe_merge_layer = self.moe_heads > 1
         super().__post_init__(**kwargs)
+        self.check_combinations()
 
-    def validate_architecture(self):
-        """Refuse every invalid combination in words (run by `@strict` at construction)."""
+    def check_combinations(self):
+        """Refuse every invalid combination with a `ValueError` that says what is wrong (run at construction)."""
         problems = []
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append(

@@ -19,7 +19,10 @@ def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) 
     """
     x = x.to(weight_t.dtype)
     grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if grouped is not None and not (x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 0)):
+    # the kernels need 16-byte aligned rows and pointers (and SM80+ on CUDA)
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], *weight_t.shape[-2:]))
+    aligned = aligned and x.data_ptr() % 16 == 0 and weight_t.data_ptr() % 16 == 0
+    if grouped is not None and aligned and not (x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 0)):
         return grouped(x, weight_t, offs=offsets)
     out = x.new_empty(x.shape[0], weight_t.shape[-1])
     start = 0
