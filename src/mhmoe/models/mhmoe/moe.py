@@ -115,24 +115,18 @@ def load_balancing_loss(
     f_e: fraction of top-k assignments to expert e; P_e: mean router probability of e. `per_layer` averages the loss of
     each layer; `mixtral` pools f and P over all layers first, exactly as Transformers' Mixtral does.
     """
-    tokens_per_expert, prob_per_expert, losses = 0.0, 0.0, []
+    counts_sum, probs_sum, rows_sum, losses = 0.0, 0.0, 0.0, []
     for logits in router_logits:
         probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
         selected = torch.topk(probs, top_k, dim=-1).indices  # (N, K)
         mask = _rows_mask(attention_mask, probs.shape[0], moe_heads)
-        if mask is None:
-            mask = probs.new_ones(probs.shape[0])
-        mask = mask.to(probs.device)
+        mask = probs.new_ones(probs.shape[0]) if mask is None else mask.to(probs.device)  # (N,)
         counts = probs.new_zeros(num_experts).scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(top_k))
-        f, p = counts / mask.sum(), (probs * mask[:, None]).sum(0) / mask.sum()
-        if mode == "mixtral":
-            tokens_per_expert, prob_per_expert = tokens_per_expert + counts, prob_per_expert + (probs * mask[:, None]).sum(0)
-            losses.append(mask.sum())
-        else:
-            losses.append(num_experts * torch.sum(f * p))
+        prob_sum, rows = (probs * mask[:, None]).sum(0), mask.sum()  # (E,), ()
+        losses.append(num_experts * torch.sum((counts / rows) * (prob_sum / rows)))
+        counts_sum, probs_sum, rows_sum = counts_sum + counts, probs_sum + prob_sum, rows_sum + rows
     if mode == "mixtral":
-        total = torch.stack(losses).sum()
-        return num_experts * torch.sum((tokens_per_expert / total) * (prob_per_expert / total))
+        return num_experts * torch.sum((counts_sum / rows_sum) * (probs_sum / rows_sum))
     return torch.stack(losses).mean()
 
 
