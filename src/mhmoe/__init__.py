@@ -16,6 +16,7 @@ from .models.mhmoe import (
     moe_layer_cost,
 )
 from .models.moh_llama import MoHLlamaConfig, MoHLlamaForCausalLM, MoHLlamaModel
+from .analysis import expert_load, head_load, plot_load
 from .patch import apply_moh
 
 AutoConfig.register(MHMoEConfig.model_type, MHMoEConfig, exist_ok=True)
@@ -30,4 +31,5 @@ __all__ = [
     "MHMoEConfig", "MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel",
     "MoELayerCost", "matched_moe_settings", "moe_layer_cost",
     "MoHLlamaConfig", "MoHLlamaForCausalLM", "MoHLlamaModel", "apply_moh",
+    "expert_load", "head_load", "plot_load",
 ]  # fmt: skip

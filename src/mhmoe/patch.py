@@ -77,7 +77,8 @@ def apply_moh(model, **moh_fields):
             raise ValueError(f"{kind} is already a Mixture-of-Head attention model")
         raise ValueError(f"apply_moh supports Llama, Mistral and Qwen2 models, got {kind}")
     if model is not base and type(model) is not _FAMILIES[family][1]:
-        raise ValueError(f"apply_moh supports {_FAMILIES[family][1].__name__} around {family.__name__}, got {type(model)}")
+        expected = _FAMILIES[family][1].__name__
+        raise ValueError(f"apply_moh supports {expected} around {family.__name__}, got {type(model).__name__}")
 
     config = base.config
     fields = {name: moh_fields.get(name, getattr(config, name, default)) for name, default in MOH_FIELDS.items()}
