@@ -18,8 +18,8 @@ Routers (`moh_router`):
 gradient, so the router (or, for "l2", the query projection through the norms) keeps learning.
 
 Head skipping: in decoding (few query rows, no gradient) attention and the `o_proj` contribution are computed only for
-each row's active heads, on views of the KV cache and of `o_proj.weight` (no copies); K/V stay cached for all heads.
-The result equals the masked computation (tested).
+each row's active heads, on views of the KV cache (never copied) and of a head-major copy of `o_proj.weight` (kept per
+layer, one o_proj of memory); K/V stay cached for all heads. The result equals the masked computation (tested).
 
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
 """
@@ -298,14 +298,27 @@ def _pieces(start: int, end: int, groups: int) -> list[tuple[int, int, int, int]
     return pieces
 
 
-def _mask_row(attention_mask: torch.Tensor | None, b: int, t: int, length: int, dtype) -> torch.Tensor | None:
-    """Row (b, t) of a 4-D eager (additive) or sdpa (boolean) mask as an additive (length,) mask."""
+def _mask_row(attention_mask: torch.Tensor | None, b: int, t: int, length: int) -> torch.Tensor | None:
+    """Row (b, t) of a 4-D eager (additive float) or sdpa (boolean) mask, shaped (1, 1, 1, length) for sdpa."""
     if attention_mask is None:
         return None
-    row = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0, t, :length]
-    if row.dtype == torch.bool:
-        return torch.zeros(row.shape, dtype=dtype, device=row.device).masked_fill(~row, torch.finfo(dtype).min)
-    return row.to(dtype)
+    return attention_mask[b if attention_mask.shape[0] > 1 else 0, 0, t, :length].view(1, 1, 1, length)
+
+
+def _head_major_weight(o_proj: nn.Linear) -> torch.Tensor:
+    """o_proj.weight transposed and contiguous, (H·hd, d), cached on the module (not in the state dict).
+
+    Each head's o_proj input columns become a contiguous block of rows, which a vector-matrix product streams through;
+    the column slices of the (d, H·hd) weight are strided and cost more than the full product on CPU. The copy costs
+    one o_proj weight per layer of memory and is rebuilt whenever the weight changes (training, loading, `.to()`).
+    """
+    weight = o_proj.weight
+    stamp = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    cached = getattr(o_proj, "_moh_head_major", None)
+    if cached is None or cached[0] != stamp:
+        cached = (stamp, weight.detach().t().contiguous())
+        o_proj._moh_head_major = cached
+    return cached[1]
 
 
 def skipped_heads_attention(
@@ -321,34 +334,34 @@ def skipped_heads_attention(
 
     query (B, H, T, hd) post-RoPE, key/value (B, Hkv, L, hd), gates (B, T, H) with 0 on inactive heads. Returns
     (B, T, d) = o_proj(concat_h gates_h · attention_h). Per query row, the active heads are split into runs of
-    consecutive heads; each run attends on a view of the cache (one batched matmul per run and GQA block) and adds its
-    o_proj contribution from a view of the weight's columns, so the work and memory traffic scale with the active heads.
+    consecutive heads; each run attends on a view of the cache (one `scaled_dot_product_attention` per run and GQA
+    block: a block's query heads act as query positions of its key/value head) and adds its o_proj contribution from
+    a block of the head-major o_proj weight (`_head_major_weight`), so the work and the memory reads scale with the
+    active heads. The cache is never copied.
     """
     batch, heads, seq, head_dim = query.shape
     groups = heads // key.shape[1]
     length = key.shape[2]
-    weight = o_proj.weight  # (d, H·hd)
-    out = query.new_empty(batch, seq, weight.shape[0])
+    weight_t = _head_major_weight(o_proj)  # (H·hd, d)
+    out = query.new_empty(batch, seq, weight_t.shape[1])
     active = (gates != 0).cpu()
     gates = gates.to(query.dtype)
     for b in range(batch):
         for t in range(seq):
-            mask = _mask_row(attention_mask, b, t, length, query.dtype)
-            acc = o_proj.bias if o_proj.bias is not None else None
+            mask = _mask_row(attention_mask, b, t, length)
+            acc = o_proj.bias
             for start, end in _runs(active[b, t].nonzero().flatten().tolist()):
                 parts = []
                 for q0, q1, kv0, kv1 in _pieces(start, end, groups):
-                    q = query[b, q0:q1, t].reshape(kv1 - kv0, -1, head_dim)  # (m, n/m, hd)
-                    scores = torch.matmul(q, key[b, kv0:kv1].transpose(1, 2)) * scaling  # (m, n/m, L)
-                    if mask is not None:
-                        scores = scores + mask
-                    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-                    parts.append(torch.matmul(probs, value[b, kv0:kv1]).reshape(-1, head_dim))
+                    q = query[b, q0:q1, t].view(1, kv1 - kv0, -1, head_dim)  # (1, m, n/m, hd)
+                    k, v = key[b : b + 1, kv0:kv1], value[b : b + 1, kv0:kv1]  # views: (1, m, L, hd)
+                    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+                    parts.append(attended.view(-1, head_dim))
                 heads_out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (end - start, hd)
-                heads_out = (heads_out * gates[b, t, start:end, None]).reshape(-1)
-                columns = weight[:, start * head_dim : end * head_dim]  # view: (d, (end - start)·hd)
-                acc = torch.mv(columns, heads_out) if acc is None else torch.addmv(acc, columns, heads_out)
-            out[b, t] = acc
+                heads_out = (heads_out * gates[b, t, start:end, None]).view(1, -1)
+                rows = weight_t[start * head_dim : end * head_dim]  # contiguous view: ((end - start)·hd, d)
+                acc = torch.mm(heads_out, rows) if acc is None else torch.addmm(acc, heads_out, rows)
+            out[b, t] = acc.view(-1)
     return out
 
 
