@@ -266,6 +266,24 @@ def test_decoding_skips_heads_and_matches_the_masked_path(monkeypatch):
     torch.testing.assert_close(skipped, masked, rtol=1e-5, atol=1e-5)
 
 
+def test_head_major_o_proj_copy_follows_weight_updates():
+    torch.manual_seed(0)
+    batch, head_dim, length = 1, 4, 6
+    query = torch.randn(batch, HEADS, 1, head_dim)
+    key, value = torch.randn(batch, 4, length, head_dim), torch.randn(batch, 4, length, head_dim)
+    gates = torch.zeros(batch, 1, HEADS)
+    gates[..., [0, 1, 4, 6]] = 1
+    o_proj = torch.nn.Linear(HEADS * head_dim, HIDDEN, bias=False)
+    with torch.no_grad():
+        first = skipped_heads_attention(query, key, value, None, gates, o_proj, 0.5)
+        o_proj.weight.mul_(2)  # in place: the cached head-major copy is stale now
+        second = skipped_heads_attention(query, key, value, None, gates, o_proj, 0.5)
+        expected = masked_heads_attention(query, key, value, None, gates, o_proj, 0.5)
+    torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(second, 2 * first, rtol=1e-5, atol=1e-6)
+    assert "_moh_head_major" not in str(list(o_proj.state_dict()))
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_short_unpadded_prompt_stays_causal(attn):
     """sdpa passes no mask for an unpadded prompt (is_causal): a few query rows must not be head-skipped then."""
