@@ -345,20 +345,26 @@ def skipped_heads_attention(
     weight_t = _head_major_weight(o_proj)  # (H·hd, d)
     out = query.new_empty(batch, seq, weight_t.shape[1])
     active = (gates != 0).cpu()
+    weighted = not bool(((gates == 0) | (gates == 1)).all())  # straight-through gates are 0/1: nothing to multiply
     gates = gates.to(query.dtype)
     for b in range(batch):
+        key_b, value_b = key[b : b + 1], value[b : b + 1]  # (1, Hkv, L, hd)
         for t in range(seq):
             mask = _mask_row(attention_mask, b, t, length)
+            query_row, gates_row = query[b, :, t], gates[b, t]  # (H, hd), (H,)
             acc = o_proj.bias
             for start, end in _runs(active[b, t].nonzero().flatten().tolist()):
                 parts = []
                 for q0, q1, kv0, kv1 in _pieces(start, end, groups):
-                    q = query[b, q0:q1, t].view(1, kv1 - kv0, -1, head_dim)  # (1, m, n/m, hd)
-                    k, v = key[b : b + 1, kv0:kv1], value[b : b + 1, kv0:kv1]  # views: (1, m, L, hd)
-                    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+                    q = query_row[q0:q1].view(1, kv1 - kv0, -1, head_dim)  # (1, m, n/m, hd)
+                    attended = F.scaled_dot_product_attention(
+                        q, key_b[:, kv0:kv1], value_b[:, kv0:kv1], attn_mask=mask, scale=scaling
+                    )  # on views of the cache: (1, m, L, hd)
                     parts.append(attended.view(-1, head_dim))
                 heads_out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (end - start, hd)
-                heads_out = (heads_out * gates[b, t, start:end, None]).view(1, -1)
+                if weighted:
+                    heads_out = heads_out * gates_row[start:end, None]
+                heads_out = heads_out.view(1, -1)
                 rows = weight_t[start * head_dim : end * head_dim]  # contiguous view: ((end - start)·hd, d)
                 acc = torch.mm(heads_out, rows) if acc is None else torch.addmm(acc, heads_out, rows)
             out[b, t] = acc.view(-1)
