@@ -17,9 +17,10 @@ Routers (`moh_router`):
 `moh_straight_through` (eq. 9-10): forward gates are exactly 0/1 (selected or not), backward uses the soft gates'
 gradient, so the router (or, for "l2", the query projection through the norms) keeps learning.
 
-Head skipping: in decoding (few query rows, no gradient) attention and the `o_proj` contribution are computed only for
-each row's active heads, on views of the KV cache (never copied) and of a head-major copy of `o_proj.weight` (kept per
-layer, one o_proj of memory); K/V stay cached for all heads. The result equals the masked computation (tested).
+Head skipping (CPU): in decoding (few query rows, no gradient) attention and the `o_proj` contribution are computed
+only for each row's active heads, on views of the KV cache (never copied) and of a head-major copy of `o_proj.weight`
+(kept per layer, one o_proj of memory); K/V stay cached for all heads. The result equals the masked computation
+(tested). `module.moh_head_skipping = False` turns it off.
 
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
 """
@@ -254,7 +255,9 @@ class MoHAttentionMixin:
 
 def _use_head_skipping(module, query_states, attention_mask, gates, kwargs) -> bool:
     router = module.head_router
-    if not getattr(module, "moh_head_skipping", True):
+    if not getattr(module, "moh_head_skipping", True) or torch.compiler.is_compiling():
+        return False
+    if query_states.device.type != "cpu":  # measured on CPU only; on GPUs one fused kernel over all heads may win
         return False
     if router.shared_heads + router.active_heads >= router.num_heads:  # every head is active: nothing to skip
         return False
