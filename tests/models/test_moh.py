@@ -528,6 +528,18 @@ def test_mhmoe_with_learned_router_trains_from_scratch():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.model.layers[0].self_attn.head_router.parameters())
 
 
+def test_fresh_learned_router_learns_token_dependent_routing():
+    """Zero-initialised routers tie: every token starts on the same routed heads; training spreads the load."""
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=4, moh_active_heads=2))  # paper's coefficient 0.01
+    data = repetitive_corpus()
+    before = mhmoe.head_load(model, [data])[:, 4:]
+    assert set(before.unique().tolist()) == {0.0, 1.0}
+    train(model, steps=60)
+    after = mhmoe.head_load(model, [data])[:, 4:]
+    assert ((after > 0.2) & (after < 0.8)).all(), after
+
+
 def test_save_and_reload_through_auto_classes(tmp_path):
     torch.manual_seed(0)
     models = build_generation_models()
