@@ -7,6 +7,7 @@ from transformers.modeling_rope_utils import RopeParameters
 from .parity import matched_moe_settings
 
 AUX_LOSS_MODES = ("per_layer", "mixtral")
+MOH_ROUTERS = ("learned", "l2")
 
 
 @strict
@@ -23,6 +24,12 @@ class MHMoEConfig(PreTrainedConfig):
     `"mixtral"` pools router statistics over all layers exactly like Transformers' Mixtral. `capacity_factor=None` is
     dropless; a number caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments and the
     overflow contributes nothing (the token keeps its residual).
+
+    Mixture-of-Head attention (MoH) is on when `moh_shared_heads` and `moh_active_heads` are set: the first
+    `moh_shared_heads` heads are always on and the router picks `moh_active_heads` of the remaining heads per token
+    (`moh_router` "learned": the paper's two-stage router; "l2": parameter-free, from the pre-RoPE query norms).
+    `moh_straight_through` makes the gates 0/1 in the forward pass (straight-through estimator);
+    `moh_aux_loss_coef` weights the head load-balancing loss. See `moh.py`.
     """
 
     model_type = "mhmoe"
@@ -65,6 +72,12 @@ class MHMoEConfig(PreTrainedConfig):
     router_jitter_noise: float = 0.0
     capacity_factor: float | int | None = None
     output_router_logits: bool = False
+    # mixture-of-head attention (MoH); both None = plain multi-head attention
+    moh_shared_heads: int | None = None
+    moh_active_heads: int | None = None
+    moh_router: str = "learned"
+    moh_straight_through: bool = False
+    moh_aux_loss_coef: float | int = 0.01
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -121,6 +134,7 @@ class MHMoEConfig(PreTrainedConfig):
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             problems.append(f"capacity_factor must be > 0 or None (dropless), got {self.capacity_factor}")
+        problems += moh_config_problems(self)
         if problems:
             raise ValueError("Invalid MHMoEConfig: " + "; ".join(problems) + ".")
 
@@ -190,6 +204,37 @@ class MHMoEConfig(PreTrainedConfig):
         return cls(**fields)
 
 
+def moh_config_problems(config) -> list[str]:
+    """What is wrong with a config's moh_* fields, in words (empty list: valid). Shared by every MoH config."""
+    problems = []
+    heads, shared, active = config.num_attention_heads, config.moh_shared_heads, config.moh_active_heads
+    if config.moh_router not in MOH_ROUTERS:
+        problems.append(f"moh_router must be one of {MOH_ROUTERS}, got {config.moh_router!r}")
+    if config.moh_aux_loss_coef < 0:
+        problems.append(f"moh_aux_loss_coef must be >= 0, got {config.moh_aux_loss_coef}")
+    if (shared is None) != (active is None):
+        problems.append(
+            f"moh_shared_heads and moh_active_heads must be set together (both None = plain multi-head attention), "
+            f"got moh_shared_heads={shared} and moh_active_heads={active}"
+        )
+    elif shared is not None:
+        if shared < 0:
+            problems.append(f"moh_shared_heads must be >= 0, got {shared}")
+        elif shared >= heads:
+            problems.append(
+                f"moh_shared_heads ({shared}) must be smaller than num_attention_heads ({heads}) so that at least one "
+                "head is routed"
+            )
+        if active < 1:
+            problems.append(f"moh_active_heads (routed heads active per token) must be >= 1, got {active}")
+        elif 0 <= shared < heads and shared + active > heads:
+            problems.append(
+                f"moh_shared_heads + moh_active_heads ({shared} + {active}) must be <= num_attention_heads ({heads}): "
+                f"the router picks moh_active_heads of the {heads - shared} routed heads"
+            )
+    return problems
+
+
 def _shared_fields(config) -> dict:
     """The LLaMA-family fields that carry over unchanged."""
     names = (
@@ -201,4 +246,4 @@ def _shared_fields(config) -> dict:
     return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
 
 
-__all__ = ["MHMoEConfig"]
+__all__ = ["MHMoEConfig", "moh_config_problems"]

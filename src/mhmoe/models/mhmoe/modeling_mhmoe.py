@@ -31,6 +31,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_mhmoe import MHMoEConfig
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward, load_balancing_loss, router_z_loss
+from .moh import MoHRouter, add_head_router, moh_attention_forward, moh_load_balancing_loss
 from .routing import route
 
 
@@ -117,7 +118,8 @@ class MHMoESparseMoeBlock(nn.Module):
 
 
 class MHMoEAttention(nn.Module):
-    """Multi-head attention with GQA, RoPE and an optional sliding window; backends via ALL_ATTENTION_FUNCTIONS."""
+    """Multi-head attention with GQA, RoPE and an optional sliding window; backends via ALL_ATTENTION_FUNCTIONS.
+    With moh_* set, Mixture-of-Head attention (`moh.py`): a head router gates each head's output before o_proj."""
 
     def __init__(self, config: MHMoEConfig, layer_idx: int):
         super().__init__()
@@ -133,6 +135,7 @@ class MHMoEAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        add_head_router(self, config)  # self.head_router: None unless MoH
 
     def forward(
         self,
@@ -142,6 +145,11 @@ class MHMoEAttention(nn.Module):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.head_router is not None:
+            return moh_attention_forward(
+                self, hidden_states, position_embeddings, attention_mask, past_key_values, self.config.sliding_window,
+                **kwargs,
+            )  # fmt: skip
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, hd)
@@ -217,6 +225,7 @@ class MHMoEPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {
         "router_logits": OutputRecorder(MHMoETopKRouter, index=0),
+        "moh_router_logits": OutputRecorder(MoHRouter, index=1),
         "hidden_states": MHMoEDecoderLayer,
         "attentions": MHMoEAttention,
     }
@@ -230,6 +239,8 @@ class MHMoEPreTrainedModel(PreTrainedModel):
             module.down_proj.normal_(mean=0.0, std=std)
         elif isinstance(module, MHMoETopKRouter):
             module.weight.normal_(mean=0.0, std=std)
+        elif isinstance(module, MoHRouter):
+            module.reset_parameters()
 
 
 class MHMoEModel(MHMoEPreTrainedModel):
@@ -255,7 +266,7 @@ class MHMoEModel(MHMoEPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
+    ) -> "MHMoEModelOutputWithPast":
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if use_cache and past_key_values is None:
@@ -287,14 +298,24 @@ class MHMoEModel(MHMoEPreTrainedModel):
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return MHMoEModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+@dataclass
+class MHMoEModelOutputWithPast(MoeModelOutputWithPast):
+    """Mixtral's output plus the MoH head-router logits, one (B, T, R) tensor per MoH layer (`output_router_logits`)."""
+
+    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
 class MHMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
-    """Mixtral's output plus the router z-loss (unweighted), kept apart so training can log it."""
+    """Mixtral's output plus the router z-loss and the MoH head load-balancing loss (both unweighted, kept apart so
+    training can log them) and the MoH head-router logits."""
 
     z_loss: torch.FloatTensor | None = None
+    moh_aux_loss: torch.FloatTensor | None = None
+    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
 class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
@@ -321,13 +342,15 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MHMoECausalLMOutputWithPast:
-        """Causal LM forward. With `output_router_logits` (argument or config), returns the load-balancing `aux_loss`
-        and `z_loss` and, when `labels` are given, adds them to the LM loss weighted by `router_aux_loss_coef` and
-        `router_z_loss_coef`."""
+        """Causal LM forward. With `output_router_logits` (argument or config), returns the load-balancing `aux_loss`,
+        `z_loss` and, for MoH, `moh_aux_loss`, and, when `labels` are given, adds them to the LM loss weighted by
+        `router_aux_loss_coef`, `router_z_loss_coef` and `moh_aux_loss_coef`."""
         config = self.config
         if output_router_logits is None:
             output_router_logits = config.output_router_logits
-        outputs: MoeModelOutputWithPast = self.model(
+        if config.moh_active_heads is not None:
+            kwargs.setdefault("output_moh_router_logits", output_router_logits)
+        outputs: MHMoEModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -358,11 +381,18 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
             if loss is not None:
                 loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
                 loss = loss + config.router_z_loss_coef * z_loss.to(loss.device)
+        moh_aux_loss = None
+        if output_router_logits and outputs.moh_router_logits:
+            moh_aux_loss = moh_load_balancing_loss(outputs.moh_router_logits, config.moh_active_heads, attention_mask)
+            if loss is not None:
+                loss = loss + config.moh_aux_loss_coef * moh_aux_loss.to(loss.device)
 
         return MHMoECausalLMOutputWithPast(
             loss=loss,
             aux_loss=aux_loss,
             z_loss=z_loss,
+            moh_aux_loss=moh_aux_loss,
+            moh_router_logits=outputs.moh_router_logits,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,

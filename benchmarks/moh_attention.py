@@ -1,0 +1,154 @@
+"""Decode-step attention time of MoH with head skipping vs full multi-head attention, side by side, on CPU.
+
+One decode step of one attention layer for one sequence (batch 1, one query token) over a KV cache of L tokens:
+
+- `mha`      : full multi-head attention, Transformers' Llama path: sdpa over all heads, then o_proj.
+- `masked`   : what the released MoH code does: every head computed, per-head gates (0 on inactive heads), o_proj.
+- `skip`     : mhmoe's head skipping (`skipped_heads_attention`): attention and the o_proj contribution only for the
+               active heads, on views of the cache and of o_proj's weight.
+
+`core` times cover attention + o_proj (what head skipping can save). `layer` times add what every decode step also
+pays and MoH cannot skip: the q/k/v projections and RoPE of the new token, and (MoH) the l2 router (the K/V write into
+the cache is left out: its cost depends on the cache class and is the same for all variants). Active heads per step:
+`shared` always + `active` routed ones drawn at random per round (a different draw each round, the same draw for
+`masked` and `skip`). Variants run interleaved, round after round; medians are reported.
+
+    python benchmarks/moh_attention.py                # LLaMA-7B-like layer: d=4096, 32 heads of 128, MHA
+    python benchmarks/moh_attention.py --kv-heads 8   # GQA (LLaMA3-8B-like)
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mhmoe.models.mhmoe.moh import l2_router_logits, routed_gates, skipped_heads_attention
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (multi-head attention)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the dev machine has 2 shared cores)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    return parser.parse_args()
+
+
+def settings(heads: int) -> dict[str, tuple[int, int]]:
+    """name -> (shared, active routed): 75% = the paper's MoH-LLaMA3-8B split (16 shared + 8 of 16), 50% = 8 + 8."""
+    return {"75%": (heads // 2, heads // 4), "50%": (heads // 4, heads // 4)}
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    d, heads = args.hidden, args.heads
+    kv_heads = args.kv_heads or heads
+    head_dim = d // heads
+    groups = heads // kv_heads
+    scaling = head_dim**-0.5
+    q_proj = torch.nn.Linear(d, heads * head_dim, bias=False, dtype=dtype)
+    k_proj = torch.nn.Linear(d, kv_heads * head_dim, bias=False, dtype=dtype)
+    v_proj = torch.nn.Linear(d, kv_heads * head_dim, bias=False, dtype=dtype)
+    o_proj = torch.nn.Linear(heads * head_dim, d, bias=False, dtype=dtype)
+    hidden = torch.randn(1, 1, d, dtype=dtype)
+    cos, sin = torch.randn(1, 1, head_dim, dtype=dtype), torch.randn(1, 1, head_dim, dtype=dtype)
+
+    def project():
+        """The new token's q/k/v projections and RoPE (every variant pays them)."""
+        q = q_proj(hidden).view(1, 1, heads, head_dim)
+        k = k_proj(hidden).view(1, 1, kv_heads, head_dim)
+        v_proj(hidden)
+        half = head_dim // 2
+        rotate = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        q_rot = q * cos[:, :, None] + rotate * sin[:, :, None]
+        rotate = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
+        k * cos[:, :, None] + rotate * sin[:, :, None]
+        return q, q_rot
+
+    def route(q_pre, shared, active):
+        """The l2 router of MoH-LLaMA (parameter-free) on the pre-RoPE queries."""
+        return routed_gates(l2_router_logits(q_pre[..., shared:, :]), active)
+
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}; d={d}, heads={heads} of {head_dim}, "
+        f"kv_heads={kv_heads}; batch 1, one query token; median of {args.rounds} interleaved rounds"
+    )
+    header = (
+        "| context | MHA core ms | masked 75% ms | skip 75% ms | skip 50% ms | core ratio 75% | core ratio 50% "
+        "| layer ratio 75% | layer ratio 50% |"
+    )  # times: medians
+    print(header)
+    print("| --- " * (header.count("|") - 1) + "|")
+    for length in args.contexts:
+        key = torch.randn(1, kv_heads, length, head_dim, dtype=dtype)
+        value = torch.randn(1, kv_heads, length, head_dim, dtype=dtype)
+        query = torch.randn(1, heads, 1, head_dim, dtype=dtype)
+
+        def mha():
+            out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=groups > 1)
+            return o_proj(out.transpose(1, 2).reshape(1, 1, -1))
+
+        def masked(gates):
+            out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=groups > 1)
+            return o_proj((out.transpose(1, 2) * gates[..., None]).reshape(1, 1, -1))
+
+        def skip(gates):
+            return skipped_heads_attention(query, key, value, None, gates, o_proj, scaling)
+
+        times: dict[str, list[float]] = {}
+
+        def timed(name, fn, *fn_args):
+            start = time.perf_counter()
+            result = fn(*fn_args)
+            times.setdefault(name, []).append(time.perf_counter() - start)
+            return result
+
+        with torch.no_grad():
+            for round_index in range(args.rounds + 2):  # two warm-up rounds
+                timed("project", project)
+                q_pre, _ = project()
+                timed("mha", mha)
+                for name, (shared, active) in settings(heads).items():
+                    timed(f"route {name}", route, q_pre, shared, active)
+                    draw = torch.randperm(heads - shared)[:active] + shared
+                    gates = torch.zeros(1, 1, heads, dtype=dtype)
+                    gates[..., :shared] = 1
+                    gates[..., draw] = 1
+                    expected = timed(f"masked {name}", masked, gates)
+                    got = timed(f"skip {name}", skip, gates)
+                    if round_index == 0:
+                        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)  # skipping = masking
+                if round_index < 2:
+                    times.clear()
+        median = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+        best = {name: min(values) * 1e3 for name, values in times.items()}
+
+        def ratios(stat, name):
+            core = stat[f"skip {name}"] / stat["mha"]
+            layer = (stat["project"] + stat[f"route {name}"] + stat[f"skip {name}"]) / (stat["project"] + stat["mha"])
+            return core, layer
+
+        cells = []
+        for name in settings(heads):
+            (core_med, layer_med), (core_min, layer_min) = ratios(median, name), ratios(best, name)
+            cells.append((f"{core_med:.2f} / {core_min:.2f}", f"{layer_med:.2f} / {layer_min:.2f}"))
+        print(
+            f"| {length} | {median['mha']:.2f} | {median['masked 75%']:.2f} | {median['skip 75%']:.2f} | "
+            f"{median['skip 50%']:.2f} | {cells[0][0]} | {cells[1][0]} | {cells[0][1]} | {cells[1][1]} |"
+        )
+    print(
+        "ratios: MoH time / MHA time, from medians / from minima (lower is better; the minima are the less disturbed "
+        "by other processes); target for the core at 75% active heads: <= 0.80"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""MoH-LLaMA configuration: a LlamaConfig with the Mixture-of-Head attention fields."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.models.llama.configuration_llama import LlamaConfig
+
+# One source of truth for the moh_* validation (a later export step copies it next to this file).
+from ..mhmoe.configuration_mhmoe import moh_config_problems
+
+
+@strict
+class MoHLlamaConfig(LlamaConfig):
+    r"""`LlamaConfig` plus Mixture-of-Head attention.
+
+    The first `moh_shared_heads` heads of every layer are always on; per token the router activates
+    `moh_active_heads` of the other heads. Defaults follow the paper's continue-tuning recipe for LLaMA3 (§4.4):
+    the parameter-free `"l2"` router (pre-RoPE query norms) with straight-through 0/1 gates, which adds no parameters,
+    so a dense Llama checkpoint loads as is:
+    `MoHLlamaForCausalLM.from_pretrained(llama_dir, moh_shared_heads=16, moh_active_heads=8)`.
+    `moh_router="learned"` adds the two-stage router of eq. 5-6 (zero-initialised: every gate starts at 1).
+    `moh_aux_loss_coef` weights the head load-balancing loss (eq. 7) when `output_router_logits` is on.
+    """
+
+    model_type = "moh_llama"
+
+    moh_shared_heads: int | None = None
+    moh_active_heads: int | None = None
+    moh_router: str = "l2"
+    moh_straight_through: bool = True
+    moh_aux_loss_coef: float | int = 0.01
+    output_router_logits: bool = False
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        problems = moh_config_problems(self)
+        if problems:
+            raise ValueError("Invalid MoHLlamaConfig: " + "; ".join(problems) + ".")
+
+
+__all__ = ["MoHLlamaConfig"]

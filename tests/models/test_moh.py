@@ -1,0 +1,558 @@
+"""Mixture-of-Head attention: routers against naive per-token loops and the paper's formulas, equivalence with dense
+Llama / plain MHA, head skipping against masking, generation, load-balancing loss, configs, training, save/load."""
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import mhmoe  # noqa: E402
+from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM  # noqa: E402
+from mhmoe.models.mhmoe import moh  # noqa: E402
+from mhmoe.models.mhmoe.moh import (  # noqa: E402
+    MoHRouter,
+    masked_heads_attention,
+    moh_load_balancing_loss,
+    skipped_heads_attention,
+)
+
+torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on a shared 2-core machine
+
+VOCAB, HIDDEN, HEADS = 100, 32, 8
+
+
+def tiny_mhmoe(**kwargs) -> MHMoEConfig:
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=4, decoder_sparse_step=0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    fields.update(kwargs)
+    return MHMoEConfig(**fields)
+
+
+def tiny_llama_fields(**kwargs) -> dict:
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=4, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    fields.update(kwargs)
+    return fields
+
+
+def randomise_routers(model, std=1.0, seed=0):
+    """Token-dependent routing (a fresh learned router is uniform: every token picks the same heads)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MoHRouter):
+                for param in (module.routed_weight, module.shared_weight, module.stage_weight):
+                    if param is not None:
+                        param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# routers against naive per-token loops
+
+
+def naive_softmax(values):
+    top = max(values)
+    exps = [math.exp(v - top) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def naive_topk_gates(probs, k):
+    """Top-k of probs, renormalised over the k, ×k; 0 elsewhere (the reference code's routed gates)."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])[:k]
+    total = sum(probs[i] for i in order)
+    return [probs[i] / total * k if i in order else 0.0 for i in range(len(probs))], set(order)
+
+
+@pytest.mark.parametrize("shared,active", [(3, 2), (0, 4), (1, 1), (5, 3)])
+def test_l2_router_matches_naive_per_token_loop(shared, active):
+    torch.manual_seed(shared * 10 + active)
+    batch, seq, head_dim = 2, 5, 4
+    query = torch.randn(batch, seq, HEADS, head_dim) * torch.linspace(0.5, 2.0, HEADS)[:, None]
+    hidden = torch.randn(batch, seq, HIDDEN)
+    soft = MoHRouter(HIDDEN, HEADS, shared, active, "l2", straight_through=False)
+    hard = MoHRouter(HIDDEN, HEADS, shared, active, "l2", straight_through=True)
+    gates, logits, index = soft(hidden, query)
+    hard_gates, _, _ = hard(hidden, query)
+    assert list(soft.parameters()) == []  # parameter-free
+    routed = HEADS - shared
+    for b in range(batch):
+        for t in range(seq):
+            norms = [math.sqrt(sum(float(v) ** 2 for v in query[b, t, h])) for h in range(shared, HEADS)]
+            mean = sum(norms) / routed
+            std = math.sqrt(sum((n - mean) ** 2 for n in norms) / (routed - 1))
+            scores = [n / max(std, 1e-6) for n in norms]
+            expected, chosen = naive_topk_gates(naive_softmax(scores), active)
+            torch.testing.assert_close(logits[b, t], torch.tensor(scores), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gates[b, t], torch.tensor([1.0] * shared + expected), rtol=1e-5, atol=1e-6)
+            assert set(index[b, t].tolist()) == chosen
+            assert hard_gates[b, t].tolist() == [1.0] * shared + [1.0 if i in chosen else 0.0 for i in range(routed)]
+
+
+@pytest.mark.parametrize("shared,active", [(3, 2), (1, 4), (0, 3)])
+def test_learned_router_matches_paper_equations(shared, active):
+    """Eq. 5-6 with the reference code's renormalised ×K routed gates and ×S shared gates, per token."""
+    torch.manual_seed(shared + active)
+    router = MoHRouter(HIDDEN, HEADS, shared, active, "learned")
+    randomise_routers(router, std=0.5)
+    hidden = torch.randn(2, 4, HIDDEN)
+    gates, logits, _ = router(hidden, None)
+    for b in range(2):
+        for t in range(4):
+            x = hidden[b, t].tolist()
+
+            def project(weight):
+                return [sum(w * xi for w, xi in zip(row, x)) for row in weight.tolist()]
+
+            routed_logits = project(router.routed_weight)
+            routed, _ = naive_topk_gates(naive_softmax(routed_logits), active)
+            if shared == 0:
+                expected = routed
+            else:
+                shared_gates = [g * shared for g in naive_softmax(project(router.shared_weight))] if shared > 1 else [1.0]
+                alpha1, alpha2 = (2 * a for a in naive_softmax(project(router.stage_weight)))
+                expected = [alpha1 * g for g in shared_gates] + [alpha2 * g for g in routed]
+            torch.testing.assert_close(logits[b, t], torch.tensor(routed_logits), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gates[b, t], torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_learned_router_at_init_is_plain_multi_head_attention():
+    torch.manual_seed(0)
+    plain = MHMoEForCausalLM(tiny_mhmoe()).eval()
+    model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=3, moh_active_heads=5, moh_router="learned")).eval()
+    result = model.load_state_dict(plain.state_dict(), strict=False)
+    assert result.unexpected_keys == []
+    assert result.missing_keys and all(".head_router." in key for key in result.missing_keys)
+    x = torch.randint(1, VOCAB, (2, 9))
+    torch.testing.assert_close(model(x).logits, plain(x).logits, rtol=0, atol=1e-6)
+    router = model.model.layers[0].self_attn.head_router
+    gates, _, _ = router(torch.randn(2, 3, HIDDEN), None)
+    torch.testing.assert_close(gates, torch.ones_like(gates))  # uniform gates equal 1
+    # with fewer active heads the fresh router keeps gate 1 on the selected heads
+    partial = MoHRouter(HIDDEN, HEADS, 3, 2, "learned")
+    gates, _, _ = partial(torch.randn(2, 3, HIDDEN), None)
+    assert sorted(set(gates.flatten().tolist())) == pytest.approx([0.0, 1.0])
+    assert (gates != 0).sum(-1).eq(5).all()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# equivalence with dense models
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kv_heads", [8, 4, 2])
+def test_all_heads_active_l2_straight_through_equals_llama_exactly(attn, kv_heads):
+    torch.manual_seed(kv_heads)
+    llama = LlamaForCausalLM(LlamaConfig(**tiny_llama_fields(num_key_value_heads=kv_heads))).eval()
+    config = MoHLlamaConfig(
+        **tiny_llama_fields(num_key_value_heads=kv_heads), moh_shared_heads=3, moh_active_heads=5, moh_router="l2",
+        moh_straight_through=True,
+    )  # fmt: skip
+    model = MoHLlamaForCausalLM(config).eval()
+    model.load_state_dict(llama.state_dict(), strict=True)
+    assert set(model.state_dict()) == set(llama.state_dict())
+    llama.set_attn_implementation(attn)
+    model.set_attn_implementation(attn)
+    x = torch.randint(1, VOCAB, (2, 11))
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    expected, got = llama(x, attention_mask=mask, labels=x), model(x, attention_mask=mask, labels=x)
+    assert torch.equal(got.logits, expected.logits)
+    assert torch.equal(got.loss, expected.loss)
+
+
+def test_mhmoe_all_heads_active_l2_straight_through_equals_plain_mhmoe_exactly():
+    torch.manual_seed(0)
+    plain = MHMoEForCausalLM(tiny_mhmoe(decoder_sparse_step=1)).eval()
+    model = MHMoEForCausalLM(
+        tiny_mhmoe(decoder_sparse_step=1, moh_shared_heads=2, moh_active_heads=6, moh_router="l2",
+                   moh_straight_through=True)
+    ).eval()  # fmt: skip
+    model.load_state_dict(plain.state_dict(), strict=True)
+    x = torch.randint(1, VOCAB, (2, 7))
+    assert torch.equal(model(x).logits, plain(x).logits)
+
+
+def test_moh_llama_from_pretrained_loads_a_dense_llama_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(**tiny_llama_fields())).eval()
+    llama.save_pretrained(tmp_path)
+    model, info = MoHLlamaForCausalLM.from_pretrained(
+        tmp_path, moh_shared_heads=4, moh_active_heads=2, moh_router="l2", output_loading_info=True
+    )
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["unexpected_keys"]
+    assert isinstance(model.config, MoHLlamaConfig) and model.config.moh_active_heads == 2
+    for key, value in llama.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    x = torch.randint(1, VOCAB, (1, 6))
+    assert not torch.equal(model.eval()(x).logits, llama(x).logits)  # 2 of 8 heads are off per token
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# head skipping
+
+
+SKIP_CASES = [(kv, mask, seq) for kv in (8, 4, 2, 1) for mask in ("none", "bool", "float") for seq in (1, 3)]
+
+
+@pytest.mark.parametrize("kv_heads,mask_kind,seq", [case for case in SKIP_CASES if case[1] != "none" or case[2] == 1])
+def test_head_skipping_equals_masked_computation(kv_heads, mask_kind, seq):
+    """(Without a mask only single-token queries are skipped: `_use_head_skipping`.)"""
+    torch.manual_seed(kv_heads * 7 + seq)
+    batch, head_dim, length = 2, 4, 11
+    query = torch.randn(batch, HEADS, seq, head_dim)
+    key, value = torch.randn(batch, kv_heads, length, head_dim), torch.randn(batch, kv_heads, length, head_dim)
+    router = MoHRouter(HIDDEN, HEADS, 2, 3, "learned")
+    randomise_routers(router)
+    gates, _, _ = router(torch.randn(batch, seq, HIDDEN), None)  # soft gates: weighted heads, zeros elsewhere
+    assert (gates != 0).sum(-1).eq(5).all()
+    o_proj = torch.nn.Linear(HEADS * head_dim, HIDDEN, bias=True)
+    mask = None
+    if mask_kind != "none":
+        visible = torch.ones(batch, 1, seq, length, dtype=torch.bool)
+        visible[1, ..., :4] = False  # left padding of row 1
+        visible[..., -seq:] &= torch.tril(torch.ones(seq, seq, dtype=torch.bool))  # causal among the new tokens
+        mask = visible
+        if mask_kind == "float":
+            mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = masked_heads_attention(query, key, value, mask, gates, o_proj, head_dim**-0.5)
+        got = skipped_heads_attention(query, key, value, mask, gates, o_proj, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # and the masked reference is what the model computes: gates on the per-head outputs of a standard attention
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(HEADS // kv_heads, 1), value.repeat_interleave(HEADS // kv_heads, 1),
+        attn_mask=mask if mask is not None else None,
+    ).transpose(1, 2)  # fmt: skip
+    torch.testing.assert_close(o_proj((dense * gates[..., None]).flatten(2)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_decoding_skips_heads_and_matches_the_masked_path(monkeypatch):
+    calls = []
+    original = moh.skipped_heads_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moh, "skipped_heads_attention", spy)
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3)).eval()
+    randomise_routers(model)
+    x = torch.randint(1, VOCAB, (2, 6))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        prefill = model(x, attention_mask=mask[:, :6], use_cache=True)
+        step = torch.randint(1, VOCAB, (2, 1))
+        cache = prefill.past_key_values
+        skipped = model(step, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        assert len(calls) == 2 and calls[0][2] == 1  # both layers skipped heads in the decode step
+        for layer in model.model.layers:
+            layer.self_attn.moh_head_skipping = False
+        cache.crop(-1)  # drop the decode step's K/V
+        masked = model(step, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    assert len(calls) == 2
+    torch.testing.assert_close(skipped, masked, rtol=1e-5, atol=1e-5)
+
+
+def test_head_major_o_proj_copy_follows_weight_updates():
+    torch.manual_seed(0)
+    batch, head_dim, length = 1, 4, 6
+    query = torch.randn(batch, HEADS, 1, head_dim)
+    key, value = torch.randn(batch, 4, length, head_dim), torch.randn(batch, 4, length, head_dim)
+    gates = torch.zeros(batch, 1, HEADS)
+    gates[..., [0, 1, 4, 6]] = 1
+    o_proj = torch.nn.Linear(HEADS * head_dim, HIDDEN, bias=False)
+    with torch.no_grad():
+        first = skipped_heads_attention(query, key, value, None, gates, o_proj, 0.5)
+        o_proj.weight.mul_(2)  # in place: the cached head-major copy is stale now
+        second = skipped_heads_attention(query, key, value, None, gates, o_proj, 0.5)
+        expected = masked_heads_attention(query, key, value, None, gates, o_proj, 0.5)
+    torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(second, 2 * first, rtol=1e-5, atol=1e-6)
+    assert "_moh_head_major" not in str(list(o_proj.state_dict()))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_short_unpadded_prompt_stays_causal(attn):
+    """sdpa passes no mask for an unpadded prompt (is_causal): a few query rows must not be head-skipped then."""
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3)).eval()
+    randomise_routers(model)
+    model.set_attn_implementation(attn)
+    x = torch.randint(1, VOCAB, (1, 5))
+    with torch.no_grad():
+        fast = model(x).logits
+    reference = model(x).logits.detach()  # with gradients: never skipped
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(x[:, :3]).logits.detach(), reference[:, :3], rtol=1e-5, atol=1e-5)  # causal
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# generation
+
+
+def left_padded_prompt():
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (3, 7), generator=generator)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    ids[2, :1], mask[2, :1] = 0, 0
+    return ids, mask
+
+
+def build_generation_models():
+    torch.manual_seed(0)
+    mhmoe_model = MHMoEForCausalLM(tiny_mhmoe(decoder_sparse_step=2, moh_shared_heads=2, moh_active_heads=3))
+    randomise_routers(mhmoe_model)
+    llama = MoHLlamaForCausalLM(MoHLlamaConfig(**tiny_llama_fields(), moh_shared_heads=4, moh_active_heads=2))
+    return {"mhmoe-learned": mhmoe_model, "moh-llama-l2-ste": llama}
+
+
+@pytest.mark.parametrize("name", ["mhmoe-learned", "moh-llama-l2-ste"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_greedy_generation_with_cache_equals_without(name, attn):
+    model = build_generation_models()[name].eval()
+    model.set_attn_implementation(attn)
+    ids, mask = left_padded_prompt()
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(ids, use_cache=True, **kwargs)
+    without = model.generate(ids, use_cache=False, **kwargs)
+    assert with_cache.shape == (3, 15)
+    assert torch.equal(with_cache, without)
+    # the left-padded row generates what it generates alone
+    alone = model.generate(ids[1:2, 3:], attention_mask=mask[1:2, 3:], use_cache=True, max_new_tokens=8,
+                           do_sample=False, pad_token_id=0)  # fmt: skip
+    assert torch.equal(alone[0, 4:], with_cache[1, 7:])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])  # flex compiles on first use (~8 s on CPU)
+def test_backends_agree_with_eager(attn):
+    model = build_generation_models()["mhmoe-learned"].eval()
+    ids, mask = left_padded_prompt()
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = model(ids, attention_mask=mask).logits[mask.bool()]
+        model.set_attn_implementation(attn)
+        got = model(ids, attention_mask=mask).logits[mask.bool()]
+    assert not torch.equal(expected, torch.zeros_like(expected))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# straight-through estimator and the load-balancing loss
+
+
+def test_straight_through_gates_are_binary_and_pass_gradients():
+    torch.manual_seed(0)
+    router = MoHRouter(HIDDEN, HEADS, 3, 2, "learned", straight_through=True)
+    randomise_routers(router, std=0.3)
+    hidden = torch.randn(2, 5, HIDDEN)
+    gates, _, _ = router(hidden, None)
+    assert set(gates.unique().tolist()) == {0.0, 1.0}
+    (gates * torch.randn(gates.shape)).sum().backward()
+    for param in (router.routed_weight, router.shared_weight, router.stage_weight):
+        assert param.grad is not None and param.grad.abs().sum() > 0
+
+    # l2 router: the gradient reaches the queries through the norms
+    l2 = MoHRouter(HIDDEN, HEADS, 3, 2, "l2", straight_through=True)
+    query = torch.randn(2, 5, HEADS, 4, requires_grad=True)
+    gates, _, _ = l2(hidden, query)
+    assert set(gates.unique().tolist()) == {0.0, 1.0}
+    (gates * torch.randn(gates.shape)).sum().backward()
+    assert query.grad[:, :, 3:].abs().sum() > 0  # routed heads' queries
+    assert query.grad[:, :, :3].abs().sum() == 0  # shared heads have constant gates
+
+
+def test_straight_through_routes_lm_gradients_into_the_query_projection(monkeypatch):
+    """In a model the routing path adds to the q_proj gradient: compare with gates that carry no gradient."""
+    torch.manual_seed(0)
+    model = MoHLlamaForCausalLM(MoHLlamaConfig(**tiny_llama_fields(), moh_shared_heads=4, moh_active_heads=2))
+    x = torch.randint(1, VOCAB, (2, 8))
+
+    def q_grad():
+        model.zero_grad()
+        model(x, labels=x).loss.backward()
+        return model.model.layers[-1].self_attn.q_proj.weight.grad.clone()  # last layer: no routing downstream
+
+    with_ste = q_grad()
+    monkeypatch.setattr(moh, "straight_through", lambda soft, hard: hard)
+    without = q_grad()
+    routed_rows = slice(4 * 4, 8 * 4)
+    assert (with_ste[routed_rows] - without[routed_rows]).abs().max() > 1e-6
+    torch.testing.assert_close(with_ste[: 4 * 4], without[: 4 * 4])  # shared heads: no routing gradient
+
+
+def naive_balance_loss(router_logits, active, mask):
+    losses = []
+    for logits in router_logits:
+        batch, seq, routed = logits.shape
+        tokens = [(b, t) for b in range(batch) for t in range(seq) if mask[b, t]]
+        f, p = [0.0] * routed, [0.0] * routed
+        for b, t in tokens:
+            probs = naive_softmax(logits[b, t].tolist())
+            _, chosen = naive_topk_gates(probs, active)
+            for i in range(routed):
+                f[i] += (i in chosen) / len(tokens)
+                p[i] += probs[i] / len(tokens)
+        losses.append(routed * sum(fi * pi for fi, pi in zip(f, p)))
+    return sum(losses) / len(losses)
+
+
+def test_load_balancing_loss_matches_equation_7():
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(3, 6, 5) * 2 for _ in range(3))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    got = moh_load_balancing_loss(logits, 2, mask)
+    assert got.item() == pytest.approx(naive_balance_loss(logits, 2, mask), rel=1e-5)
+    # perfect balance (uniform probabilities) gives K; a collapsed router gives more
+    uniform = (torch.zeros(1, 4, 5),)
+    assert moh_load_balancing_loss(uniform, 2).item() == pytest.approx(2.0)
+    collapsed = (torch.tensor([10.0, 10.0, 0.0, 0.0, 0.0]).expand(1, 4, 5),)
+    assert moh_load_balancing_loss(collapsed, 2).item() > 3.9
+
+
+@pytest.mark.parametrize("name", ["mhmoe-learned", "moh-llama-l2-ste"])
+def test_model_adds_weighted_moh_aux_loss(name):
+    model = build_generation_models()[name]
+    ids, mask = left_padded_prompt()
+    labels = ids.masked_fill(mask == 0, -100)
+    plain = model(ids, attention_mask=mask, labels=labels, output_router_logits=False)
+    assert getattr(plain, "moh_aux_loss", None) is None
+    out = model(ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    assert len(out.moh_router_logits) == model.config.num_hidden_layers
+    assert out.moh_router_logits[0].shape == (3, 7, HEADS - model.config.moh_shared_heads)
+    expected_aux = naive_balance_loss(out.moh_router_logits, model.config.moh_active_heads, mask)
+    assert out.moh_aux_loss.item() == pytest.approx(expected_aux, rel=1e-5)
+    extra = out.loss - plain.loss
+    if getattr(out, "aux_loss", None) is not None:  # MH-MoE layers add their own balance loss
+        extra = extra - model.config.router_aux_loss_coef * out.aux_loss - model.config.router_z_loss_coef * out.z_loss
+    assert extra.item() == pytest.approx(model.config.moh_aux_loss_coef * expected_aux, rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# configs
+
+
+BAD_MOH = [
+    (dict(moh_shared_heads=3), "must be set together"),
+    (dict(moh_active_heads=3), "must be set together"),
+    (dict(moh_shared_heads=6, moh_active_heads=3), "must be <= num_attention_heads"),
+    (dict(moh_shared_heads=8, moh_active_heads=1), "at least one head is routed"),
+    (dict(moh_shared_heads=-1, moh_active_heads=1), "moh_shared_heads must be >= 0"),
+    (dict(moh_shared_heads=2, moh_active_heads=0), "moh_active_heads (routed heads active per token) must be >= 1"),
+    (dict(moh_shared_heads=2, moh_active_heads=2, moh_router="topk"), "moh_router must be one of"),
+    (dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef=-0.1), "moh_aux_loss_coef must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD_MOH)
+def test_invalid_moh_configs_are_refused_in_words(fields, message):
+    with pytest.raises(Exception, match="Invalid MHMoEConfig") as error:
+        tiny_mhmoe(**fields)
+    assert message in str(error.value)
+    with pytest.raises(Exception, match="Invalid MoHLlamaConfig") as error:
+        MoHLlamaConfig(**tiny_llama_fields(), **fields)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("shared,active", [(0, 1), (0, 8), (1, 7), (7, 1), (2, 3), (5, 2)])
+def test_any_shared_routed_ratio_works(shared, active):
+    torch.manual_seed(shared * 8 + active)
+    model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=shared, moh_active_heads=active)).eval()
+    randomise_routers(model)
+    x = torch.randint(1, VOCAB, (2, 5))
+    out = model(x, output_router_logits=True)
+    gates, _, _ = model.model.layers[0].self_attn.head_router(torch.randn(2, 5, HIDDEN), None)
+    assert ((gates != 0).sum(-1) == shared + active).all()
+    assert out.moh_router_logits[0].shape[-1] == HEADS - shared
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.moh_aux_loss)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# training and save/load
+
+
+def repetitive_corpus():
+    generator = torch.Generator().manual_seed(0)
+    patterns = torch.randint(1, VOCAB, (4, 8), generator=generator)
+    return torch.stack([patterns[torch.randint(0, 4, (4,), generator=generator)].reshape(-1) for _ in range(8)])
+
+
+def train(model, steps=30, lr=1e-2):
+    data = repetitive_corpus()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    history = []
+    model.train()
+    for _ in range(steps):
+        out = model(data, labels=data, output_router_logits=True)
+        lm_loss = out.loss - model.config.moh_aux_loss_coef * out.moh_aux_loss
+        if getattr(out, "aux_loss", None) is not None:
+            lm_loss = lm_loss - model.config.router_aux_loss_coef * out.aux_loss
+        history.append((lm_loss.item(), out.moh_aux_loss.item()))
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    return history
+
+
+def test_mhmoe_with_learned_router_trains_from_scratch():
+    """From a collapsed router (every token prefers the same 2 routed heads) LM loss and head balance loss fall."""
+    torch.manual_seed(0)
+    config = tiny_mhmoe(
+        decoder_sparse_step=1, moe_heads=2, moh_shared_heads=4, moh_active_heads=2, moh_aux_loss_coef=0.1
+    )  # MH-MoE feed-forward layers and MoH attention; a larger balance weight than the paper's 0.01 for 30 steps
+    model = MHMoEForCausalLM(config)
+    with torch.no_grad():
+        shared_direction = torch.nn.functional.normalize(torch.randn(HIDDEN), dim=0)
+        model.model.embed_tokens.weight += 0.2 * shared_direction
+        for layer in model.model.layers:
+            layer.self_attn.head_router.routed_weight[:2] = 5 * shared_direction
+    history = train(model)
+    (lm_start, aux_start), (lm_end, aux_end) = history[0], history[-1]
+    assert aux_start > 3.9  # R·Σf·P of a collapsed router (K = 2 is perfect balance)
+    assert lm_end < 0.5 * lm_start
+    assert aux_end < aux_start - 0.3
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.model.layers[0].self_attn.head_router.parameters())
+
+
+def test_fresh_learned_router_learns_token_dependent_routing():
+    """Zero-initialised routers tie: every token starts on the same routed heads; training spreads the load."""
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=4, moh_active_heads=2))  # paper's coefficient 0.01
+    data = repetitive_corpus()
+    before = mhmoe.head_load(model, [data])[:, 4:]
+    assert set(before.unique().tolist()) == {0.0, 1.0}
+    train(model, steps=60)
+    after = mhmoe.head_load(model, [data])[:, 4:]
+    assert ((after > 0.2) & (after < 0.8)).all(), after
+
+
+def test_save_and_reload_through_auto_classes(tmp_path):
+    torch.manual_seed(0)
+    models = build_generation_models()
+    x = torch.randint(1, VOCAB, (2, 6))
+    for name, model in models.items():
+        model.eval()
+        path = tmp_path / name
+        model.save_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+        assert type(config) is type(model.config) and config.moh_active_heads == model.config.moh_active_heads
+        reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
+        assert type(reloaded) is type(model)
+        assert torch.equal(reloaded(x).logits, model(x).logits)
+        base = AutoModel.from_pretrained(path).eval()
+        assert torch.equal(base(x).last_hidden_state, model.model(x).last_hidden_state)
+    assert mhmoe.MoHLlamaConfig.model_type == "moh_llama"
