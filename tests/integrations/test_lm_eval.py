@@ -304,6 +304,26 @@ def test_routing_counts_match_router_logits():
     assert stats.moe[stats.router_names[0]].rows == sum(lengths) * cfg.moe_heads  # removed: nothing counted
 
 
+def test_routing_counts_in_cached_generation():
+    """generate_until path: left-padded prompts, then one token per step with a mask covering the past."""
+    cfg = MHMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, moe_heads=4,
+                      max_position_embeddings=64)  # fmt: skip
+    model = MHMoEForCausalLM(cfg).eval()
+    stats = mev.RoutingStatistics(model)
+    ids = torch.randint(3, 64, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding, as HFLM's generate_until batches are
+    mask[2, :5] = 0
+    new = 4
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=0, eos_token_id=None)  # fmt: skip
+    # prefill: the real prompt tokens; then new - 1 decode steps of one token per sequence
+    expected_rows = (int(mask.sum()) + (new - 1) * ids.shape[0]) * cfg.moe_heads
+    assert [stats.moe[n].rows for n in stats.router_names] == [expected_rows] * 2
+
+
 def test_routing_summary_formulas():
     model = torch.nn.Linear(2, 2)
     stats = mev.RoutingStatistics(model)
