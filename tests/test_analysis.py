@@ -13,7 +13,6 @@ from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCaus
 from mhmoe.analysis import expert_load, head_load, plot_load  # noqa: E402
 from mhmoe.models.mhmoe.modeling_mhmoe import MHMoETopKRouter  # noqa: E402
 
-torch.set_num_threads(1)
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM = 100, 32, 8, 4
 

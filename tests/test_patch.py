@@ -24,7 +24,6 @@ from transformers import (  # noqa: E402
 import mhmoe  # noqa: E402
 from mhmoe import MoHLlamaConfig, MoHLlamaForCausalLM, apply_moh  # noqa: E402
 
-torch.set_num_threads(1)
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM = 100, 32, 8, 4
 FAMILIES = {

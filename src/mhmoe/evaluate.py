@@ -4,7 +4,7 @@
   type mhmoe registers load through the Auto classes. It takes HFLM's model_args (`pretrained`, `dtype`, `peft`,
   `batch_size`, `max_length`, ...) plus `routing_stats` (default true), and adds to `results["config"]`
   `routing_statistics`: per MoE layer the expert load entropy and max-load ratio over the evaluated tokens (padding
-  excluded), averaged over layers, and MoH activated heads % where modules expose head gates (`HEAD_GATES_ATTR`).
+  excluded), averaged over layers, and MoH activated heads % from every MoH head router (`MoHRouter`, whose first output is the (B, T, H) gates).
 - `PAPER_TABLES` / `add_paper_tables`: the papers' table rows (one metric per column, e.g. TruthfulQA = mean of mc1
   and mc2) and their averages, added to lm-eval results for the suites in `eval_tasks/`.
 - `main` (`mhmoe-eval`, `python -m mhmoe.evaluate`): lm-eval's CLI with this module imported, `eval_tasks/` on the
@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 import mhmoe  # noqa: F401  (registers the model types with the Auto classes)
 from mhmoe.models.mhmoe.modeling_mhmoe import MHMoETopKRouter
+from mhmoe.models.mhmoe.moh import MoHRouter
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ ROUTING_KEY = "routing_statistics"
 # MoH protocol: a module with this attribute (initialised to None in __init__) that sets it in each forward to the
 # detached gates of that forward, shaped (..., num_heads) with leading dims (batch, seq) or (batch * seq,), is
 # counted: head h is activated for a token where its gate is nonzero (shared heads count as activated).
-HEAD_GATES_ATTR = "moh_head_gates"
 EVAL_TASKS_ENV = "MHMOE_EVAL_TASKS"
 
 _ACTIVE: dict = {}  # the most recently built MHMoELM's tokenizer, for the perplexity tasks' token counts
@@ -105,7 +105,7 @@ class RoutingStatistics:
             if _is_moe_router(module):
                 self.router_names.append(name)
                 self._handles.append(module.register_forward_hook(partial(self._on_router, name)))
-            elif hasattr(module, HEAD_GATES_ATTR):
+            elif isinstance(module, MoHRouter):
                 self.head_gate_names.append(name)
                 self._handles.append(module.register_forward_hook(partial(self._on_head_gates, name)))
 
@@ -152,7 +152,7 @@ class RoutingStatistics:
         layer.rows += experts.shape[0]
 
     def _on_head_gates(self, name, module, args, output):
-        gates = getattr(module, HEAD_GATES_ATTR, None)
+        gates = output[0]  # (B, T, H): 0 for a head the token does not use
         if not self.enabled or not torch.is_tensor(gates) or gates.dim() < 2:
             return
         num_heads = gates.shape[-1]

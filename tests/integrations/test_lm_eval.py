@@ -342,19 +342,13 @@ def test_routing_summary_formulas():
 
 
 def test_moh_activated_heads(work, monkeypatch):
-    """Modules exposing `moh_head_gates` (the MoH protocol) are counted: 3 of 4 heads on per token -> 75%."""
+    """MoH head routers are counted: 2 shared + 1 of 2 routed heads on per token -> 75% of 4 heads."""
     monkeypatch.chdir(work["mirror"])
-    model = MHMoEForCausalLM.from_pretrained(work["ckpt"]).eval()
-
-    def fake_moh_gates(module, args, output):  # stands in for MoH attention: head (t mod 4) off at position t
-        batch, seq = output[0].shape[:2]
-        gates = torch.ones(batch, seq, 4)
-        gates[:, torch.arange(seq), torch.arange(seq) % 4] = 0.0
-        module.moh_head_gates = gates
-
-    for layer in model.model.layers:
-        layer.self_attn.moh_head_gates = None
-        layer.self_attn.register_forward_hook(fake_moh_gates)
+    base = MHMoEForCausalLM.from_pretrained(work["ckpt"])
+    config = base.config.to_dict()
+    config.update(moh_shared_heads=2, moh_active_heads=1, moh_router="learned")
+    model = MHMoEForCausalLM(type(base.config).from_dict(config)).eval()
+    assert model.config.num_attention_heads == 4
     from transformers import AutoTokenizer
 
     lm = mev.MHMoELM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(work["ckpt"]), batch_size=4)

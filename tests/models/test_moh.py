@@ -21,7 +21,6 @@ from mhmoe.models.mhmoe.moh import (  # noqa: E402
     skipped_heads_attention,
 )
 
-torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on a shared 2-core machine
 
 VOCAB, HIDDEN, HEADS = 100, 32, 8
 
