@@ -19,6 +19,11 @@ AutoConfig.register(MHMoEConfig.model_type, MHMoEConfig, exist_ok=True)
 AutoModel.register(MHMoEConfig, MHMoEModel, exist_ok=True)
 AutoModelForCausalLM.register(MHMoEConfig, MHMoEForCausalLM, exist_ok=True)
 
+try:  # default LoRA targets for model_type "mhmoe" / "moh_llama" (mhmoe.peft), when PEFT is installed
+    from . import peft as _peft  # noqa: F401
+except ImportError:
+    pass
+
 __version__ = "0.1.0"
 __all__ = [
     "MHMoEConfig", "MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel",
