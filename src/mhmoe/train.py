@@ -145,8 +145,8 @@ def supported_model_types() -> list[str]:
     return [model_type for model_type in ("mhmoe", "moh_llama") if model_type in CONFIG_MAPPING]
 
 
-def _check_args(args: TrainArguments) -> None:
-    for name in ("model_name_or_path", "output_dir", "train_file"):
+def _check_args(args: TrainArguments, model_given: bool = False) -> None:
+    for name in ("output_dir", "train_file") if model_given else ("model_name_or_path", "output_dir", "train_file"):
         if not getattr(args, name):
             raise TrainingError(f"--{name} is required")
     if isinstance(args.train_file, str):
@@ -177,7 +177,7 @@ def _check_args(args: TrainArguments) -> None:
     for path in [*args.train_file, *(args.validation_file or [])]:
         if not os.path.isfile(path):
             raise TrainingError(f"data file not found: {path}")
-    if not os.path.exists(args.model_name_or_path):
+    if not model_given and not os.path.exists(args.model_name_or_path):
         raise TrainingError(
             f"--model_name_or_path {args.model_name_or_path!r} does not exist (give a local checkpoint directory or a "
             "config JSON; nothing is downloaded)"
@@ -424,19 +424,21 @@ def _coerce_args(args) -> TrainArguments:
 def train(args, model=None, tokenizer=None) -> TrainResult:
     """Train as `mhmoe-train` does. `args`: `TrainArguments`, a dict or an argparse Namespace of its fields.
 
-    `model` / `tokenizer` may be given as objects (then `model_name_or_path` only names the run); otherwise they are
-    loaded or built from `model_name_or_path`. Every input problem raises `TrainingError` before training starts.
+    `model` / `tokenizer` may be given as objects (then `model_name_or_path` is not needed; without a tokenizer, one is
+    trained on the data); otherwise they are loaded or built from `model_name_or_path`. Every input problem raises `TrainingError` before training starts.
     """
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
     args = _coerce_args(args)
-    _check_args(args)
+    _check_args(args, model_given=model is not None)
     if model is None:
         config, from_scratch = load_config(args)
     else:
         config, from_scratch = model.config, False
+        if args.config_overrides:
+            raise TrainingError("--config_overrides applies to models loaded here, not to a model object")
         if config.model_type not in supported_model_types():
             raise TrainingError(f"model_type {config.model_type!r} is not supported by mhmoe-train")
 

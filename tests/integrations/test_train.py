@@ -90,23 +90,52 @@ def test_from_scratch_run(tmp_path, corpus, config_json):
 
 
 def test_text_file_and_finetune_from_checkpoint(tmp_path, corpus, checkpoint_dir):
-    """A plain .txt file trains a checkpoint directory; the weights change and reload."""
+    """A plain .txt file trains a checkpoint directory (validation held out from it); the weights change."""
     from safetensors.torch import load_file
 
     out = tmp_path / "ft"
-    train(_args(out, model_name_or_path=checkpoint_dir, train_file=[corpus["txt"]], max_steps=2))
+    result = train(_args(out, model_name_or_path=checkpoint_dir, train_file=[corpus["txt"]], max_steps=2,
+                         validation_split_percentage=10))  # fmt: skip
     before = load_file(os.path.join(checkpoint_dir, "model.safetensors"))
     after = load_file(out / "model.safetensors")
     assert before.keys() == after.keys()
     assert not torch.equal(before["model.layers.1.mlp.experts.gate_up_proj"], after["model.layers.1.mlp.experts.gate_up_proj"])
     assert len(_records(out)) == 2
+    assert result.final_eval["step"] == 2 and math.isfinite(result.final_eval["eval_ppl"])
+
+
+def test_train_api_with_model_and_tokenizer_objects(tmp_path, corpus, tokenizer_dir):
+    """The function API the demo uses: model and tokenizer objects in, the same (trained) model object out."""
+    from transformers import AutoTokenizer
+
+    from mhmoe import MHMoEConfig, MHMoEForCausalLM
+
+    model = MHMoEForCausalLM(MHMoEConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}))
+    before = model.lm_head.weight.detach().clone()
+    result = train({"output_dir": str(tmp_path / "api"), "train_file": corpus["train"], "block_size": 16,
+                    "max_steps": 1, "disable_tqdm": True, "plot": False},
+                   model=model, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))  # fmt: skip
+    assert result.model is model and not torch.equal(model.lm_head.weight, before)
+    with pytest.raises(TrainingError, match="unknown training arguments: lr"):
+        train({"output_dir": str(tmp_path / "x"), "train_file": corpus["train"], "lr": 1.0}, model=model)
+
+
+def test_example_accelerate_configs_load():
+    """The shipped Accelerate configs parse (FSDP itself needs GPUs: Accelerate never enables it on CPU)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "accelerate")
+    ddp = load_config_from_file(os.path.join(root, "ddp_multi_gpu.yaml"))
+    fsdp = load_config_from_file(os.path.join(root, "fsdp.yaml"))
+    assert ddp.distributed_type == "MULTI_GPU" and ddp.mixed_precision == "bf16"
+    assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, corpus, config_json, tokenizer_dir, monkeypatch):
     """Kill a run after its step-3 checkpoint, resume it with 'latest': steps 4-7 (crossing an epoch boundary, with
     router jitter noise drawing from the RNG) equal the uninterrupted run's, and metrics.jsonl holds each step once."""
     common = dict(model_name_or_path=config_json, tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]],
-                  validation_file=[corpus["val"]], max_steps=7, save_steps=3, eval_steps=4,
+                  validation_file=[corpus["tiny"]], max_steps=7, save_steps=3, eval_steps=4,
                   config_overrides="router_jitter_noise=0.2", gradient_accumulation_steps=2)  # fmt: skip
     reference = train(_args(tmp_path / "reference", **common))
     steps_per_epoch = json.loads((tmp_path / "reference" / "checkpoint-3" / "train_state.json").read_text())
