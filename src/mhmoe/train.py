@@ -5,7 +5,7 @@ DeepSpeed) on many; see docs/training.md. From Python: `train(TrainArguments(...
 
 Data order. Every epoch is a seeded permutation of the packed blocks (seed + epoch). Optimizer step g of an epoch takes
 the G = per_device_batch × accumulation × processes blocks [g·G, (g+1)·G) of it, cut into micro-batches m = 0 …
-accumulation·processes − 1; process r runs micro-batches a·processes + r (a = accumulation step). So one process with
+accumulation·processes − 1; process r runs micro-batches a·processes + r (a = accumulation step). So one process
 accumulation 2 sees exactly the micro-batches of two processes without accumulation, and a resumed run continues at
 block g·G of the same permutation: both reproduce the other run's losses.
 """
@@ -425,7 +425,8 @@ def train(args, model=None, tokenizer=None) -> TrainResult:
     """Train as `mhmoe-train` does. `args`: `TrainArguments`, a dict or an argparse Namespace of its fields.
 
     `model` / `tokenizer` may be given as objects (then `model_name_or_path` is not needed; without a tokenizer, one is
-    trained on the data); otherwise they are loaded or built from `model_name_or_path`. Every input problem raises `TrainingError` before training starts.
+    trained on the data); otherwise they are loaded or built from `model_name_or_path`. Every input problem raises
+    `TrainingError` before training starts.
     """
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import set_seed
@@ -450,7 +451,8 @@ def train(args, model=None, tokenizer=None) -> TrainResult:
     )
     is_main = accelerator.is_main_process
     world = accelerator.num_processes
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
+    fsdp_requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp_requested and accelerator.distributed_type.value != "FSDP":
         accelerator.print(  # Accelerate enables FSDP only for accelerator devices (MULTI_GPU, ...), never MULTI_CPU
             f"warning: FSDP was requested but Accelerate runs {accelerator.distributed_type.value} here (FSDP needs "
             "GPUs or other accelerators; on CPU it falls back to plain data parallelism)"
@@ -483,8 +485,8 @@ def train(args, model=None, tokenizer=None) -> TrainResult:
             vocab_size = args.tokenizer_vocab_size or config.vocab_size
             if not 259 <= vocab_size <= config.vocab_size:
                 raise TrainingError(
-                    f"a tokenizer trained here needs 259 <= vocab size <= the model's vocab_size ({config.vocab_size}), "
-                    f"got {vocab_size}"
+                    f"a tokenizer trained here needs 259 <= vocab size <= the model's vocab_size "
+                    f"({config.vocab_size}), got {vocab_size}"
                 )
             if is_main:
                 train_tokenizer(train_docs, vocab_size, config.max_position_embeddings).save_pretrained(args.output_dir)
@@ -639,7 +641,7 @@ def train(args, model=None, tokenizer=None) -> TrainResult:
     accelerator.print(
         f"mhmoe-train: {config.model_type}, {trainable:,} trainable / {total_params:,} parameters; "
         f"{len(train_blocks)} blocks × {block_size} tokens, {steps_per_epoch} steps/epoch, steps {start_step} → "
-        f"{total_steps}, global batch {global_blocks} blocks ({world} process(es) × {micro} × {accumulation} accum.), "
+        f"{total_steps}, global batch {global_blocks} blocks ({world} process(es) × {micro} × {accumulation} accum), "
         f"{accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision}"
     )
     from tqdm.auto import tqdm

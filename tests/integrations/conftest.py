@@ -91,3 +91,34 @@ def checkpoint_dir(tmp_path_factory, tokenizer_dir):
     MHMoEForCausalLM(MHMoEConfig(**fields)).save_pretrained(directory)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
     return str(directory)
+
+
+MOH_CONFIG = dict(model_type="moh_llama", vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=32)  # fmt: skip
+
+
+@pytest.fixture
+def moh_llama_type():
+    """model_type "moh_llama": the real one when mhmoe registers it, else a Llama stand-in registered for this test
+    only (a LlamaConfig subclass, Llama's modules and state dict, no router outputs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if "moh_llama" in CONFIG_MAPPING:
+        yield "real"
+        return
+
+    class StandInMoHLlamaConfig(LlamaConfig):
+        model_type = "moh_llama"
+
+    class StandInMoHLlamaForCausalLM(LlamaForCausalLM):
+        config_class = StandInMoHLlamaConfig
+
+    AutoConfig.register("moh_llama", StandInMoHLlamaConfig)
+    AutoModelForCausalLM.register(StandInMoHLlamaConfig, StandInMoHLlamaForCausalLM)
+    try:
+        yield "stand-in"
+    finally:
+        CONFIG_MAPPING._extra_content.pop("moh_llama", None)
+        MODEL_FOR_CAUSAL_LM_MAPPING._extra_content.pop(StandInMoHLlamaConfig, None)
