@@ -421,12 +421,12 @@ def _coerce_args(args) -> TrainArguments:
     return TrainArguments(**args)
 
 
-def train(args, model=None, tokenizer=None) -> TrainResult:
+def train(args, model=None, tokenizer=None, on_log=None) -> TrainResult:
     """Train as `mhmoe-train` does. `args`: `TrainArguments`, a dict or an argparse Namespace of its fields.
 
     `model` / `tokenizer` may be given as objects (then `model_name_or_path` is not needed; without a tokenizer, one is
     trained on the data); otherwise they are loaded or built from `model_name_or_path`. Every input problem raises
-    `TrainingError` before training starts.
+    `TrainingError` before training starts. `on_log(record)` is called (main process) with every metrics record.
     """
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import set_seed
@@ -617,6 +617,8 @@ def train(args, model=None, tokenizer=None) -> TrainResult:
         if is_main:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if on_log is not None:
+                on_log(record)
 
     def evaluate(step: int) -> dict:
         return _evaluate(accelerator, model, val_blocks, args.per_device_eval_batch_size, config, forward_kwargs, step)

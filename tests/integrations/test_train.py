@@ -107,18 +107,23 @@ def test_text_file_and_finetune_from_checkpoint(tmp_path, corpus, checkpoint_dir
     assert result.final_eval["step"] == 2 and math.isfinite(result.final_eval["eval_ppl"])
 
 
-def test_train_api_with_model_and_tokenizer_objects(tmp_path, corpus, tokenizer_dir):
-    """The function API the demo uses: model and tokenizer objects in, the same (trained) model object out."""
+def test_train_api_with_model_and_tokenizer_objects(tmp_path, corpus, tokenizer_dir, capsys):
+    """The function API the demo uses: model and tokenizer objects in, the same (trained) model object out, a
+    callback per metrics record, and the progress bar."""
     from transformers import AutoTokenizer
 
     from mhmoe import MHMoEConfig, MHMoEForCausalLM
 
     model = MHMoEForCausalLM(MHMoEConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}))
     before = model.lm_head.weight.detach().clone()
+    seen = []
     result = train({"output_dir": str(tmp_path / "api"), "train_file": corpus["train"], "block_size": 16,
-                    "max_steps": 1, "disable_tqdm": True, "plot": False},
-                   model=model, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))  # fmt: skip
+                    "max_steps": 2, "plot": False},
+                   model=model, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), on_log=seen.append)  # fmt: skip
     assert result.model is model and not torch.equal(model.lm_head.weight, before)
+    assert [r["step"] for r in seen] == [1, 2] and seen == result.history
+    progress = capsys.readouterr().err
+    assert "training:" in progress and "2/2" in progress
     with pytest.raises(TrainingError, match="unknown training arguments: lr"):
         train({"output_dir": str(tmp_path / "x"), "train_file": corpus["train"], "lr": 1.0}, model=model)
 
