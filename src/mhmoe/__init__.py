@@ -26,6 +26,11 @@ AutoConfig.register(MoHLlamaConfig.model_type, MoHLlamaConfig, exist_ok=True)
 AutoModel.register(MoHLlamaConfig, MoHLlamaModel, exist_ok=True)
 AutoModelForCausalLM.register(MoHLlamaConfig, MoHLlamaForCausalLM, exist_ok=True)
 
+try:  # default LoRA targets for model_type "mhmoe" / "moh_llama" (mhmoe.peft), when PEFT is installed
+    from . import peft as _peft  # noqa: F401
+except ImportError:
+    pass
+
 __version__ = "0.1.0"
 __all__ = [
     "MHMoEConfig", "MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel",

@@ -1,0 +1,119 @@
+"""Local text data for training: read text/JSONL files, train a small byte-level BPE tokenizer, pack into blocks.
+
+Everything here runs offline. A `.jsonl` (or `.json` lines / array) file gives one document per record (the
+`text_field` of each object); any other file is plain text and is one document. Documents are tokenised, each is
+followed by the tokenizer's EOS token, all are concatenated and cut into `block_size` blocks; the remainder that does
+not fill a block is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_LINES_PER_CHUNK = 512  # plain text is tokenised in chunks of lines (the Rust tokenizer batches them)
+
+
+def read_documents(path: str, text_field: str = "text") -> list[str]:
+    """The documents of one file. Raises `FileNotFoundError` / `ValueError` with the path and what is wrong."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        content = f.read()
+    if not path.lower().endswith(JSON_SUFFIXES):
+        return [content] if content.strip() else []
+    stripped = content.lstrip()
+    if stripped.startswith("["):  # a JSON array of records
+        try:
+            records = json.loads(content)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        numbered = enumerate(records, start=1)
+    else:
+        numbered = []
+        for number, line in enumerate(content.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({e})") from None
+    documents = []
+    for number, record in numbered:
+        if isinstance(record, str):
+            text = record
+        elif isinstance(record, dict) and text_field in record:
+            text = record[text_field]
+        else:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{path}, record {number}: no text field {text_field!r} (has {keys}); set --text_field")
+        if not isinstance(text, str):
+            raise ValueError(f"{path}, record {number}: field {text_field!r} is {type(text).__name__}, not a string")
+        if text.strip():
+            documents.append(text)
+    return documents
+
+
+def read_files(paths: Sequence[str], text_field: str = "text") -> list[str]:
+    documents = []
+    for path in paths:
+        documents.extend(read_documents(path, text_field))
+    return documents
+
+
+def train_tokenizer(documents: Iterable[str], vocab_size: int, model_max_length: int):
+    """A byte-level BPE tokenizer trained on `documents` (`<unk>`=0, `<s>`=1, `</s>`=2, like Llama's ids).
+
+    Returns a Transformers fast tokenizer that `save_pretrained` / `AutoTokenizer.from_pretrained` round-trip.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>"]
+    if vocab_size < 256 + len(special):
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level BPE tokenizer (needs >= 259)")
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_chunks(documents), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=model_max_length,
+    )
+
+
+def _chunks(documents: Iterable[str]) -> Iterable[str]:
+    for document in documents:
+        lines = document.splitlines(keepends=True)
+        for start in range(0, len(lines), _LINES_PER_CHUNK):
+            yield "".join(lines[start : start + _LINES_PER_CHUNK])
+
+
+def tokenize_and_pack(documents: Sequence[str], tokenizer, block_size: int) -> torch.Tensor:
+    """(num_blocks, block_size) int64 token ids: documents + EOS each, concatenated, cut into full blocks."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for document in documents:
+        pieces = list(_chunks([document]))
+        for encoded in tokenizer(pieces, add_special_tokens=False, verbose=False)["input_ids"]:
+            ids.extend(encoded)
+        if eos is not None:
+            ids.append(eos)
+    num_blocks = len(ids) // block_size
+    return torch.tensor(ids[: num_blocks * block_size], dtype=torch.long).view(num_blocks, block_size)
+
+
+__all__ = ["read_documents", "read_files", "tokenize_and_pack", "train_tokenizer"]
