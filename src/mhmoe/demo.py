@@ -155,7 +155,7 @@ def expert_load(model, blocks: torch.Tensor, layer: int = 0) -> torch.Tensor:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mhmoe.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default 300, 30 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 600, 30 with --quick)")
     parser.add_argument("--output_dir", default="outputs/demo", help="where the model and tokenizer are saved")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch_size", type=int, default=16)
@@ -168,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    steps = args.steps if args.steps is not None else (30 if args.quick else 300)
+    steps = args.steps if args.steps is not None else (30 if args.quick else 600)
     vocab_size = args.vocab_size if args.vocab_size is not None else (512 if args.quick else 4096)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
@@ -193,6 +193,8 @@ def main(argv=None) -> dict:
 
     reloaded, reloaded_tokenizer = save_and_reload(model, tokenizer, args.output_dir)
     diff = max_logit_difference(model, reloaded, valid_blocks[:2])
+    if diff > 1e-5:
+        raise RuntimeError(f"the reloaded model's logits differ from the trained model's by {diff:.2e}")
     files = sorted(p.name for p in Path(args.output_dir).iterdir())
     print(f"saved to {args.output_dir}: {', '.join(files)}")
     print(f"reloaded with AutoModelForCausalLM as {type(reloaded).__name__}: max |logit difference| = {diff:.2e}")
