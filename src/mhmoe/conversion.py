@@ -889,13 +889,13 @@ def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = Tru
     OUTPUT_DIR (every process). Returns {"conversion": ConversionReport | None, "train": TrainResult,
     "recovery": summary | None}."""
     from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
+    from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
     from .train import TrainArguments, train
 
     if isinstance(tune, dict):
         tune = continue_tune_arguments(**tune)
-    state = PartialState()
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as the Accelerator in mhmoe.train will
     out = args.output_dir
     converted = os.path.join(out, CONVERTED_SUBDIR)
     report, failure = None, None

@@ -29,19 +29,41 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-def write_corpus(directory: str, held_out_every: int = 10) -> tuple[str, str]:
-    """train.jsonl / val.jsonl from `pydoc_data.topics` (one topic per record; every n-th topic held out)."""
+def stdlib_sources() -> list[str]:
+    """The Python standard library's own modules (.py, without tests and IDLE): ~11 MB of code and docstrings."""
+    import glob
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    skip = (os.sep + "test", os.sep + "idlelib" + os.sep, "site-packages", os.sep + "tests" + os.sep)
+    texts = []
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        if any(part in path[len(root):] for part in skip):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if text.strip():
+            texts.append(text)
+    return texts
+
+
+def write_corpus(directory: str, held_out_every: int = 10, stdlib: bool = False) -> tuple[str, str]:
+    """train.jsonl / val.jsonl from `pydoc_data.topics` (one topic per record), with `stdlib` also the standard
+    library's modules (one per record); every `held_out_every`-th document of each source is held out."""
     import pydoc_data.topics
 
-    topics = [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]
+    sources = [[pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]]
+    if stdlib:
+        sources.append(stdlib_sources())
     os.makedirs(directory, exist_ok=True)
     paths = []
-    for name, keep in (("train", lambda i: i % held_out_every != 0), ("val", lambda i: i % held_out_every == 0)):
+    for name, held_out in (("train", False), ("val", True)):
         path = os.path.join(directory, f"{name}.jsonl")
         with open(path, "w") as f:
-            for i, text in enumerate(topics):
-                if keep(i):
-                    f.write(json.dumps({"text": text}) + "\n")
+            for documents in sources:
+                for i, text in enumerate(documents):
+                    if (i % held_out_every == 0) == held_out:
+                        f.write(json.dumps({"text": text}) + "\n")
         paths.append(path)
     return paths[0], paths[1]
 
@@ -49,24 +71,24 @@ def write_corpus(directory: str, held_out_every: int = 10) -> tuple[str, str]:
 def run_recovery_demo(
     workdir: str,
     *,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    intermediate_size: int = 176,
+    vocab_size: int = 384,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
     num_layers: int = 2,
     num_heads: int = 8,
     num_key_value_heads: int = 4,
-    block_size: int = 64,
+    block_size: int = 32,
     batch_size: int = 16,
-    dense_steps: int = 600,
+    dense_steps: int = 300,
     dense_lr: float = 3e-3,
-    tune_steps: int = 150,
+    tune_steps: int = 60,
     tune_lr: float = 1e-3,
     tune_min_lr: float = 1e-4,
     tune_warmup: int = 10,
-    eval_steps: int = 25,
+    eval_steps: int = 20,
     shared_heads_ratio: float = 0.5,
     active_heads_ratio: float = 0.75,
-    max_train_topics: int | None = None,
+    stdlib: bool = False,
     control: bool = True,
     seed: int = 0,
     progress: bool = False,
@@ -81,12 +103,7 @@ def run_recovery_demo(
     from .train import train
 
     started = time.time()
-    train_file, val_file = write_corpus(os.path.join(workdir, "data"))
-    if max_train_topics is not None:  # a smaller training set for quick runs (tests)
-        with open(train_file) as f:
-            lines = f.readlines()[:max_train_topics]
-        with open(train_file, "w") as f:
-            f.writelines(lines)
+    train_file, val_file = write_corpus(os.path.join(workdir, "data"), stdlib=stdlib)
     tokenizer = train_tokenizer(read_files([train_file]), vocab_size, 4 * block_size)
 
     # 1. the dense parent
@@ -175,15 +192,17 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default=None, help="Default: a new temporary directory.")
-    parser.add_argument("--dense_steps", type=int, default=600)
-    parser.add_argument("--tune_steps", type=int, default=150)
-    parser.add_argument("--eval_steps", type=int, default=25)
-    parser.add_argument("--hidden_size", type=int, default=64)
-    parser.add_argument("--intermediate_size", type=int, default=176)
+    parser.add_argument("--dense_steps", type=int, default=300)
+    parser.add_argument("--tune_steps", type=int, default=60)
+    parser.add_argument("--eval_steps", type=int, default=20)
+    parser.add_argument("--hidden_size", type=int, default=128)
+    parser.add_argument("--intermediate_size", type=int, default=256)
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--num_heads", type=int, default=8)
     parser.add_argument("--num_key_value_heads", type=int, default=4)
-    parser.add_argument("--block_size", type=int, default=64)
+    parser.add_argument("--vocab_size", type=int, default=384)
+    parser.add_argument("--stdlib", action="store_true", help="Also train on the stdlib's modules (~11 MB).")
+    parser.add_argument("--block_size", type=int, default=32)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--dense_lr", type=float, default=3e-3)
     parser.add_argument("--tune_lr", type=float, default=1e-3)
@@ -198,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         hidden_size=args.hidden_size, intermediate_size=args.intermediate_size, num_layers=args.num_layers,
         num_heads=args.num_heads, num_key_value_heads=args.num_key_value_heads, block_size=args.block_size,
         batch_size=args.batch_size, dense_lr=args.dense_lr, tune_lr=args.tune_lr, tune_min_lr=args.tune_min_lr,
-        seed=args.seed, control=not args.no_control, progress=args.progress,
+        seed=args.seed, vocab_size=args.vocab_size, stdlib=args.stdlib, control=not args.no_control,
+        progress=args.progress,
     )  # fmt: skip
     print(format_result(result))
     if not math.isfinite(result["moh_over_dense"]) or result["moh_over_dense"] > 1.05:
