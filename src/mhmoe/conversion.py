@@ -12,10 +12,11 @@ The first `shared_heads_ratio × H` heads of every layer are shared (always on);
 routed = 75%.
 
 Everything is checked before anything is written, and refused in words (`ConversionError`): a model type outside the
-LLaMA family, sliding-window attention (moh_llama has none), missing or truncated shards, an index naming tensors a shard
-lacks, unknown / non-float / wrongly shaped tensors, missing tensors, pickle-only checkpoints (never unpickled), an
-existing non-empty output directory without `overwrite`, ratios without an integer head split. The output is written to
-a temporary directory next to `output_dir` and renamed at the end, so a failed or interrupted conversion leaves nothing.
+LLaMA family, sliding-window attention (moh_llama has none), missing or truncated shards, an index naming tensors a
+shard lacks, unknown / non-float / wrongly shaped tensors, missing tensors, pickle-only checkpoints (never
+unpickled), an existing non-empty output directory without `overwrite`, ratios without an integer head split. The output
+is written to a temporary directory next to `output_dir` and renamed at the end, so a failed or interrupted conversion
+leaves nothing.
 
 Verification: the output's safetensors headers are re-read and compared with the plan; unless `verify_logits=False`
 the source and the converted model are loaded one after the other (peak memory about one model) and on a probe batch
@@ -97,8 +98,8 @@ def head_split(num_heads: int, shared_heads_ratio: float, active_heads_ratio: fl
     if active <= shared:
         raise ConversionError(
             f"--active_heads_ratio {active_heads_ratio} ({active} heads) must exceed --shared_heads_ratio "
-            f"{shared_heads_ratio} ({shared} heads): it counts shared + routed heads, and at least one routed head must "
-            "be active"
+            f"{shared_heads_ratio} ({shared} heads): it counts shared + routed heads, and at least one routed head "
+            "must be active"
         )
     return shared, active - shared
 
@@ -157,7 +158,9 @@ def _read_header(path: str) -> tuple[dict, int]:
         with safe_open(path, framework="pt") as f:
             f.keys()
     except Exception as e:  # SafetensorError: truncated, extended or corrupt
-        raise ConversionError(f"{path} is not a complete safetensors file ({e}); truncated or corrupt download?") from None
+        raise ConversionError(
+            f"{path} is not a complete safetensors file ({e}); truncated or corrupt download?"
+        ) from None
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         if length > _MAX_HEADER:
@@ -257,8 +260,8 @@ def _check_attention(config, model_type: str) -> None:
         sliding = [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind != "full_attention"]
         if sliding or getattr(config, "use_sliding_window", False):
             raise ConversionError(
-                f"this Qwen2 checkpoint uses sliding-window attention in layers {sliding or 'some'}; moh_llama has full "
-                "attention everywhere"
+                f"this Qwen2 checkpoint uses sliding-window attention in layers {sliding or 'some'}; moh_llama has "
+                "full attention everywhere"
             )
 
 
@@ -373,7 +376,8 @@ def plan_conversion(
     present = {t.name for s in shards for t in s.tensors}
     missing = sorted(set(expected) - present - optional - added_names)
     if missing:
-        raise ConversionError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs: {', '.join(missing[:5])}")
+        shown = ", ".join(missing[:5])
+        raise ConversionError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs: {shown}")
     if dropped_tensors:
         notes.append(f"dropped {len(dropped_tensors)} rotary inv_freq buffer(s) (recomputed from the config)")
 
@@ -684,9 +688,14 @@ def convert(
     _check_paths(input_dir, output_dir)
     _output_state(output_dir, overwrite)
     plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
-    free = shutil.disk_usage(os.path.dirname(os.path.abspath(output_dir)) or ".").free
+    existing = os.path.dirname(os.path.abspath(output_dir))
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
     if plan.total_bytes > free:
-        raise ConversionError(f"not enough disk space: {plan.total_bytes / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free")
+        raise ConversionError(
+            f"not enough disk space: {plan.total_bytes / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free"
+        )
 
     temporary = _temporary_dir_next_to(output_dir)
     try:
@@ -841,7 +850,7 @@ CONTINUE_TUNING_DEFAULTS = {
     "weight_decay": 0.1, "max_grad_norm": 1.0, "eval_at_start": True,
 }  # fmt: skip
 _NOT_CONTINUE_TUNING = ("model_name_or_path", "output_dir", "overwrite_output_dir", "config_overrides",
-                        "tokenizer_name_or_path", "tokenizer_vocab_size")  # fmt: skip
+                        "tokenizer_vocab_size")  # fmt: skip
 
 
 def _continue_tune_arguments_class():
@@ -987,6 +996,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if tune.resume_from_checkpoint:
                 raise ConversionError("--resume_from_checkpoint continues a continue-tuning run: give --train_file")
+            if int(os.environ.get("RANK", "0")) > 0:  # launched with several processes: one converts
+                return
             report = convert(
                 args.input_dir, args.output_dir, args.shared_heads_ratio, args.active_heads_ratio,
                 overwrite=args.overwrite, verify_logits=not args.skip_logit_check,

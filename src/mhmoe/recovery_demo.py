@@ -1,4 +1,4 @@
-"""End-to-end continue-tuning proof on CPU: dense LLaMA -> MoH at 75% heads -> recovered perplexity (Fig. 2 in miniature).
+"""End-to-end continue-tuning proof on CPU: dense LLaMA -> MoH at 75% heads -> recovered perplexity (Fig. 2, small).
 
 No real LLaMA weights can be downloaded here, so the parent is trained here: a tiny dense `LlamaForCausalLM` learns the
 Python documentation topics that ship with the standard library (`pydoc_data.topics`; every 10th topic held out for
@@ -7,8 +7,9 @@ shared, 75% of all heads active per token, l2 router, straight-through gates) an
 (warmup + cosine to a final LR, weight decay 0.1, clipping 1.0, MoH balance loss β=0.01). The claim checked: held-out
 perplexity of the MoH model <= 1.05 × the dense parent's.
 
-Control (on by default): the dense parent continue-tuned with exactly the same data, budget and schedule. If that control
-improves as much, the "recovery" partly reflects extra training of an unconverged parent; the report prints both.
+Control (on by default): the dense parent continue-tuned with exactly the same data, budget and schedule. If that
+control improves as much, the "recovery" partly reflects extra training of an unconverged parent; the report prints
+both.
 
 `run_recovery_demo(workdir, ...)` returns the numbers; `python conversion/demo_recovery.py` prints them.
 """

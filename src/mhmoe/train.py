@@ -190,7 +190,8 @@ def _check_args(args: TrainArguments, model_given: bool = False) -> None:
         raise TrainingError(f"unknown --lr_scheduler_type {args.lr_scheduler_type!r}")
     if args.min_learning_rate < 0 or args.min_learning_rate >= args.learning_rate:
         raise TrainingError(
-            f"--min_learning_rate must be >= 0 and < --learning_rate ({args.learning_rate}), got {args.min_learning_rate}"
+            f"--min_learning_rate must be >= 0 and < --learning_rate ({args.learning_rate}), "
+            f"got {args.min_learning_rate}"
         )
     if args.min_learning_rate > 0 and args.lr_scheduler_type not in ("cosine", "cosine_with_min_lr"):
         raise TrainingError(f"--min_learning_rate applies to the cosine schedule, not {args.lr_scheduler_type!r}")
@@ -653,7 +654,8 @@ def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) ->
                 on_log(record)
 
     def evaluate(step: int) -> dict:
-        record = _evaluate(accelerator, model, val_blocks, args.per_device_eval_batch_size, config, forward_kwargs, step)
+        batch_size = args.per_device_eval_batch_size
+        record = _evaluate(accelerator, model, val_blocks, batch_size, config, forward_kwargs, step)
         record["tokens"] = step * global_blocks * block_size  # training tokens seen so far
         return record
 
@@ -688,7 +690,7 @@ def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) ->
         if reference_eval is not None:  # e.g. the dense parent: a MoH model with every head active
             with reference_eval(accelerator.unwrap_model(model)):
                 reference = evaluate(0)
-            log({"step": 0, "tokens": 0, **{f"reference_{k}": v for k, v in reference.items() if k.startswith("eval_")}})
+            log({"step": 0, "tokens": 0, **{f"reference_{k}": v for k, v in reference.items() if k[:5] == "eval_"}})
             accelerator.print(f"reference validation: perplexity {reference['eval_ppl']:.2f}")
         if args.eval_at_start:
             log(evaluate(0))

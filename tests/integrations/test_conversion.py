@@ -49,7 +49,7 @@ def _leftovers(parent, name):
     return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
 
 
-# ------------------------------------------------------------------------------------------------------------ head split
+# ----------------------------------------------------------------------------------------------------------- head split
 
 
 def test_head_split():
@@ -87,7 +87,8 @@ def test_sharded_llama3_checkpoint(tmp_path, tokenizer_dir):
     for shard in shards:  # every tensor byte-identical, shard by shard
         a, b = load_file(source / shard), load_file(out / shard)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert index_out["metadata"]["total_size"] == sum(v.numel() * 4 for s in shards for v in load_file(out / s).values())
+    sizes = [v.numel() * 4 for s in shards for v in load_file(out / s).values()]
+    assert index_out["metadata"]["total_size"] == sum(sizes)
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "moh_llama" and config["architectures"] == ["MoHLlamaForCausalLM"]
@@ -147,7 +148,7 @@ def test_qwen2_tied_bf16_and_mistral(tmp_path):
     assert not (tmp_path / "m_sw_moh").exists()
 
 
-# --------------------------------------------------------------------------------------------------------------- refusals
+# ------------------------------------------------------------------------------------------------------------- refusals
 
 
 def _refusal_cases(tmp_path):
@@ -282,9 +283,12 @@ def test_output_dir_rules_and_interrupted_write(tmp_path, monkeypatch, capsys):
     assert "logits: not checked (--skip_logit_check)" in printed and "6/8 (75.0%)" in printed
     assert not (out / "keep.txt").exists() and (out / "model.safetensors.index.json").is_file()
     assert _leftovers(tmp_path, "out") == []
+    nested = tmp_path / "new" / "deeper" / "moh"  # missing parents are made
+    convert(str(source), str(nested), verify_logits=False, progress=False)
+    assert (nested / "config.json").is_file()
 
 
-# -------------------------------------------------------------------------------------------------------- continue-tuning
+# ------------------------------------------------------------------------------------------------------ continue-tuning
 
 
 def _tune_flags(source, out, corpus, *extra):
@@ -424,3 +428,20 @@ def test_recovery_demo_dense_to_moh_on_cpu(tmp_path):
     assert result["moh_over_dense"] <= 1.05
     assert result["tokens_to_recover"] is not None and result["tokens_to_recover"] <= result["tune_tokens"]
     assert (tmp_path / "moh" / "recovery_curve.png").is_file() and (tmp_path / "recovery_demo.json").is_file()
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(min_learning_rate=3e-3), "must be >= 0 and < --learning_rate"),
+    (dict(min_learning_rate=1e-4, lr_scheduler_type="linear"), "applies to the cosine schedule, not 'linear'"),
+    (dict(lr_scheduler_type="cosine_with_min_lr"), "needs --min_learning_rate > 0"),
+    (dict(eval_at_start=True, validation_file=None), "--eval_at_start .* need --validation_file"),
+])  # fmt: skip
+def test_train_hooks_refuse_bad_input(tmp_path, corpus, tokenizer_dir, fields, message):
+    """The options continue-tuning added to mhmoe-train refuse nonsense before anything is trained."""
+    from mhmoe.train import TrainingError, train
+
+    source = _llama_dir(tmp_path / "llama", tokenizer_dir)  # a dense llama trains too (the converter's parents)
+    args = dict(model_name_or_path=str(source), output_dir=str(tmp_path / "out"), train_file=[corpus["train"]],
+                validation_file=[corpus["val"]], block_size=16, learning_rate=3e-3, max_steps=1, disable_tqdm=True)
+    with pytest.raises(TrainingError, match=message):
+        train({**args, **fields})
