@@ -8,7 +8,10 @@ intermediate 5632, vocab 32000; bf16, ~2.2 GB in `--shard_mb` shards + index) in
 alternates `--repeats` times:
   * copy: a plain copy of the same files (shutil.copyfile, i.e. sendfile; with and without fsync per file),
   * convert: `mhmoe.conversion.convert(..., verify_logits=False)` in a fresh Python process (the logit check loads the
-    whole model and is meant for models that fit in memory; the header/shape checks still run).
+    whole model and is meant for models that fit in memory; the header/shape checks still run). The converter flushes
+    every shard to disk (fsync, overlapped with copying the next shard) before it renames the output into place.
+The source stays in the page cache (it was just written); `os.sync()` runs before each timed run so that none pays for
+the write-back of the previous one. Times on a shared VM disk vary by ±30% from run to run: compare medians.
 Prints throughput (GB/s of checkpoint) and the converter's peak RSS (VmHWM of its own process) next to the
 largest shard and next to the RSS of a process that only imports the converter (torch + transformers). Targets
 (issue 6): convert >= 0.5x copy speed, peak RSS <= 1.5x the largest shard. Everything is deleted at the end.
@@ -148,9 +151,11 @@ def main() -> None:
         for r in range(args.repeats):
             for kind, timings in (("copy", copies), ("copy+fsync", synced)):
                 target = os.path.join(root, f"{kind}-{r}")
+                os.sync()  # no run pays for the write-back of the one before
                 timings.append(plain_copy(source, target, fsync=kind == "copy+fsync"))
                 shutil.rmtree(target)
             target = os.path.join(root, f"moh-{r}")
+            os.sync()
             timing, wall, peak = run_worker(source, target)
             converts.append(timing["convert_s"])
             walls.append(wall)
@@ -164,7 +169,7 @@ def main() -> None:
               f"{gb / copy_s:.2f} GB/s")  # fmt: skip
         print(f"plain copy + fsync per file:           {', '.join(f'{t:.2f}' for t in synced)} s -> median "
               f"{gb / synced_s:.2f} GB/s")  # fmt: skip
-        print(f"convert (checks, copy, fsync, verify): {', '.join(f'{t:.2f}' for t in converts)} s -> median "
+        print(f"convert (checks, copy, fsync, check):  {', '.join(f'{t:.2f}' for t in converts)} s -> median "
               f"{gb / convert_s:.2f} GB/s = {copy_s / convert_s:.2f}x plain copy, {synced_s / convert_s:.2f}x "
               "copy+fsync (target >= 0.5x)")  # fmt: skip
         print(f"  whole converter process incl. Python start and imports: {', '.join(f'{t:.2f}' for t in walls)} s")

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 import typing
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 SOURCE_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -467,10 +468,18 @@ def _write_shard(shard: ShardPlan, out_path: str, progress=None) -> None:
                     left -= os.write(dst_fd, zeros[: min(left, len(zeros))])
             else:
                 run_start, run_end = t.start, t.end
-        os.fsync(dst_fd)
     finally:
         os.close(src_fd)
         os.close(dst_fd)
+
+
+def _fsync(path: str) -> None:
+    """Flush a written file (or a directory's entries) to disk: the output is renamed into place only when durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _check_written(plan: ConversionPlan, directory: str) -> None:
@@ -701,8 +710,15 @@ def convert(
     try:
         bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress,
                    dynamic_ncols=True)  # fmt: skip
-        for shard in plan.shards:
-            _write_shard(shard, os.path.join(temporary, shard.filename), bar)
+        # each shard is flushed to disk by a background thread while the next one is copied (fsync drops the GIL)
+        with ThreadPoolExecutor(max_workers=1) as flusher:
+            flushed = []
+            for shard in plan.shards:
+                path = os.path.join(temporary, shard.filename)
+                _write_shard(shard, path, bar)
+                flushed.append(flusher.submit(_fsync, path))
+            for future in flushed:
+                future.result()
         bar.close()
         if plan.indexed:
             weight_map = {t.name: s.filename for s in plan.shards for t in s.tensors}
@@ -736,8 +752,13 @@ def convert(
                       input_dir=os.path.abspath(input_dir))  # fmt: skip
         with open(os.path.join(temporary, RECORD_NAME), "w") as f:
             json.dump(record, f, indent=2)
+        for name in os.listdir(temporary):
+            if not name.endswith(".safetensors"):  # small files; the shards are flushed already
+                _fsync(os.path.join(temporary, name))
+        _fsync(temporary)
         _output_state(output_dir, overwrite)  # still allowed (nothing appeared meanwhile)
         _replace_dir(temporary, output_dir)
+        _fsync(os.path.dirname(os.path.abspath(output_dir)))
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
