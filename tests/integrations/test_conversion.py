@@ -116,6 +116,24 @@ def test_sharded_llama3_checkpoint(tmp_path, tokenizer_dir):
     assert record["shared_heads"] == 4 and record["verification"]["all_heads_equal"] is True
 
 
+def test_llama2_style_fp16_single_file(tmp_path):
+    """A LLaMA-2-style config.json (rope_scaling null, torch_dtype float16, no GQA) with one model.safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(**{**TINY, "num_key_value_heads": 8})).half().save_pretrained(tmp_path / "l2")
+    fields = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": None, "rope_theta": 10000.0,
+              "torch_dtype": "float16", "pretraining_tp": 1, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, **TINY, "num_key_value_heads": 8}
+    (tmp_path / "l2" / "config.json").write_text(json.dumps(fields))
+    report = convert(str(tmp_path / "l2"), str(tmp_path / "out"), 0.5, 0.625, progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == "float16" and config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert (report.shared_heads, report.routed_active_heads, report.num_key_value_heads) == (4, 1, 8)
+    assert report.verification["all_heads_max_abs_diff"] == 0.0 and report.verification["dtype"] == "float16"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors", "moh_conversion.json"]
+
+
 def test_qwen2_tied_bf16_and_mistral(tmp_path):
     """Qwen2 (q/k/v biases, tied embeddings, bf16) gains zero o_proj biases and matches exactly; Mistral without a
     sliding window converts, with one it is refused."""
