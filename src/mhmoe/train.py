@@ -85,6 +85,11 @@ class TrainArguments:
         default="cosine",
         metadata={"help": "cosine, linear, constant, constant_with_warmup, ... (transformers.get_scheduler)."},
     )
+    min_learning_rate: float = field(
+        default=0.0,
+        metadata={"help": "Final learning rate of the cosine schedule (cosine decays to it instead of 0; e.g. the MoH "
+                          "paper's continue-tuning: 2e-5 -> 1e-6)."},
+    )
     warmup_steps: int = 0
     warmup_ratio: float = field(default=0.0, metadata={"help": "Warmup as a fraction of the steps (if no steps)."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (0: off)."})
@@ -100,6 +105,9 @@ class TrainArguments:
     seed: int = 42
     logging_steps: int = field(default=1, metadata={"help": "Write a metrics line every N optimizer steps."})
     eval_steps: int = field(default=0, metadata={"help": "Validate every N steps (0: only at the end)."})
+    eval_at_start: bool = field(
+        default=False, metadata={"help": "Also validate before the first step (logged as step 0, tokens 0)."}
+    )
     save_steps: int = field(default=0, metadata={"help": "Accelerator.save_state every N steps (0: never)."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(
@@ -138,11 +146,17 @@ class TrainResult:
 # checks that run before anything is trained
 
 
+# Dense models of the LLaMA family: the parents that mhmoe.conversion turns into MoH (the MoH paper's first stage
+# continue-tunes the dense model on the new data before converting it, §4.4).
+DENSE_PARENT_TYPES = ("llama", "mistral", "qwen2")
+
+
 def supported_model_types() -> list[str]:
-    """Model types this script trains: mhmoe, and moh_llama once it is registered with AutoConfig."""
+    """Model types this script trains: mhmoe, moh_llama once it is registered with AutoConfig, and the dense
+    LLaMA-family parents (llama, mistral, qwen2)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return [model_type for model_type in ("mhmoe", "moh_llama") if model_type in CONFIG_MAPPING]
+    return [t for t in ("mhmoe", "moh_llama", *DENSE_PARENT_TYPES) if t in CONFIG_MAPPING]
 
 
 def _check_args(args: TrainArguments, model_given: bool = False) -> None:
@@ -174,6 +188,15 @@ def _check_args(args: TrainArguments, model_given: bool = False) -> None:
 
     if args.lr_scheduler_type not in {s.value for s in SchedulerType}:
         raise TrainingError(f"unknown --lr_scheduler_type {args.lr_scheduler_type!r}")
+    if args.min_learning_rate < 0 or args.min_learning_rate >= args.learning_rate:
+        raise TrainingError(
+            f"--min_learning_rate must be >= 0 and < --learning_rate ({args.learning_rate}), "
+            f"got {args.min_learning_rate}"
+        )
+    if args.min_learning_rate > 0 and args.lr_scheduler_type not in ("cosine", "cosine_with_min_lr"):
+        raise TrainingError(f"--min_learning_rate applies to the cosine schedule, not {args.lr_scheduler_type!r}")
+    if args.lr_scheduler_type == "cosine_with_min_lr" and args.min_learning_rate == 0:
+        raise TrainingError("--lr_scheduler_type cosine_with_min_lr needs --min_learning_rate > 0")
     for path in [*args.train_file, *(args.validation_file or [])]:
         if not os.path.isfile(path):
             raise TrainingError(f"data file not found: {path}")
@@ -421,12 +444,15 @@ def _coerce_args(args) -> TrainArguments:
     return TrainArguments(**args)
 
 
-def train(args, model=None, tokenizer=None, on_log=None) -> TrainResult:
+def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) -> TrainResult:
     """Train as `mhmoe-train` does. `args`: `TrainArguments`, a dict or an argparse Namespace of its fields.
 
     `model` / `tokenizer` may be given as objects (then `model_name_or_path` is not needed; without a tokenizer, one is
     trained on the data); otherwise they are loaded or built from `model_name_or_path`. Every input problem raises
     `TrainingError` before training starts. `on_log(record)` is called (main process) with every metrics record.
+    `reference_eval(model) -> context manager`: before the first step (of a fresh run), validate once inside it and log
+    the result as `reference_eval_loss` / `reference_eval_ppl` at step 0 (`mhmoe.conversion` uses it to measure the
+    dense parent: the converted MoH model with every head active).
     """
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import set_seed
@@ -523,6 +549,10 @@ def train(args, model=None, tokenizer=None, on_log=None) -> TrainResult:
         order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(args.seed))
         val_blocks, train_blocks = train_blocks[order[:held_out]], train_blocks[order[held_out:]]
 
+    if val_blocks is None and (args.eval_at_start or reference_eval is not None):
+        raise TrainingError("--eval_at_start (and a reference evaluation) need --validation_file or "
+                            "--validation_split_percentage")
+
     micro = args.per_device_train_batch_size
     accumulation = args.gradient_accumulation_steps
     global_blocks = micro * accumulation * world
@@ -581,8 +611,11 @@ def train(args, model=None, tokenizer=None, on_log=None) -> TrainResult:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
     )
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=total_steps)  # fmt: skip
+    schedule, schedule_kwargs = args.lr_scheduler_type, None
+    if args.min_learning_rate > 0:  # cosine down to the final learning rate
+        schedule, schedule_kwargs = "cosine_with_min_lr", {"min_lr": args.min_learning_rate}
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                              scheduler_specific_kwargs=schedule_kwargs)  # fmt: skip
     if using_deepspeed:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:
@@ -621,7 +654,10 @@ def train(args, model=None, tokenizer=None, on_log=None) -> TrainResult:
                 on_log(record)
 
     def evaluate(step: int) -> dict:
-        return _evaluate(accelerator, model, val_blocks, args.per_device_eval_batch_size, config, forward_kwargs, step)
+        batch_size = args.per_device_eval_batch_size
+        record = _evaluate(accelerator, model, val_blocks, batch_size, config, forward_kwargs, step)
+        record["tokens"] = step * global_blocks * block_size  # training tokens seen so far
+        return record
 
     def save_checkpoint(step: int) -> None:
         path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{step}")
@@ -650,6 +686,15 @@ def train(args, model=None, tokenizer=None, on_log=None) -> TrainResult:
 
     progress = tqdm(total=total_steps, initial=start_step, disable=not is_main or args.disable_tqdm,
                     desc="training", dynamic_ncols=True)  # fmt: skip
+    if start_step == 0 and val_blocks is not None:
+        if reference_eval is not None:  # e.g. the dense parent: a MoH model with every head active
+            with reference_eval(accelerator.unwrap_model(model)):
+                reference = evaluate(0)
+            log({"step": 0, "tokens": 0, **{f"reference_{k}": v for k, v in reference.items() if k[:5] == "eval_"}})
+            accelerator.print(f"reference validation: perplexity {reference['eval_ppl']:.2f}")
+        if args.eval_at_start:
+            log(evaluate(0))
+            accelerator.print(f"validation before training: perplexity {history[-1]['eval_ppl']:.2f}")
     rank = accelerator.process_index
     device = accelerator.device
     model.train()
