@@ -1,212 +1,159 @@
-"""End-to-end MH-MoE demo, offline on CPU: corpus -> tokenizer -> model -> train -> save -> reload -> generate.
+"""End-to-end demo, offline on CPU: MH-MoE + MoH trained from scratch, reloaded, evaluated; LLaMA -> MoH recovery.
 
-Run `python -m mhmoe.demo` (or `mhmoe-demo`); `--quick` is a seconds-long smoke run. Every step is a function so that
-later demos (MoH, fine-tuning, lm-eval) can reuse them. The corpus is the Python stdlib's `pydoc_data.topics`
-(~465K characters of English reference text), so nothing is downloaded.
+Run `python -m mhmoe.demo` (or `mhmoe-demo`; `--quick` is a smoke run of about a minute). Every stage reuses the
+library's own pieces: `mhmoe.train` (the one training loop; it trains the tokenizer too), the Auto classes,
+`mhmoe.analysis` (expert/head load heat-maps), `mhmoe.evaluate` (lm-eval) and `mhmoe.recovery_demo` (dense LLaMA ->
+MoH continue-tuning). The corpus is the Python stdlib's `pydoc_data.topics` (~465K characters of English reference
+text; every 10th topic held out), so nothing is downloaded.
 """
 
 import argparse
-import math
+import json
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import mhmoe  # noqa: F401  (registers model_type "mhmoe" with the Auto classes)
-from mhmoe import MHMoEConfig, MHMoEForCausalLM
+from mhmoe import MHMoEConfig
+from mhmoe.analysis import expert_load, head_load, plot_load
+from mhmoe.data import read_files, tokenize_and_pack
+from mhmoe.recovery_demo import _reset_accelerate, format_result, run_recovery_demo, write_corpus
+from mhmoe.train import train
 
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"  # ids 0, 1, 2: MHMoEConfig's default bos/eos ids
-PROMPT = "The \"if\" statement is used"
+PROMPT = 'The "if" statement is used'
 
-# model size: "default" for the demo, "quick" for tests (seconds)
+# "default" for the demo, "quick" for tests. 4 attention heads, 2 shared + 1 of 2 routed active: MoH at 75% heads.
 MODEL_SIZES = {
     "default": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                     moe_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
-    "quick": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    "quick": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   moe_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
 }  # fmt: skip
 
 
-def load_corpus(every: int = 10) -> tuple[list[str], list[str]]:
-    """pydoc topics sorted by name; every `every`-th topic is held out for validation (whole documents)."""
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)
-    train = [topics[n] for i, n in enumerate(names) if i % every != every // 2]
-    valid = [topics[n] for i, n in enumerate(names) if i % every == every // 2]
-    return train, valid
-
-
-def train_tokenizer(texts: list[str], vocab_size: int = 4096, model_max_length: int = 512) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (lossless on any text) that prepends <s>, wrapped as a Transformers fast tokenizer."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[PAD, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, model_max_length=model_max_length, bos_token=BOS, eos_token=EOS, pad_token=PAD
-    )
-
-
-def pack(tokenizer, texts: list[str], block_size: int) -> torch.Tensor:
-    """Concatenate `<s> text </s>` documents and cut them into (num_blocks, block_size) ids (the tail is dropped)."""
-    ids = []
-    for doc in tokenizer(texts, verbose=False)["input_ids"]:
-        ids.extend(doc + [tokenizer.eos_token_id])
-    num_blocks = len(ids) // block_size
-    return torch.tensor(ids[: num_blocks * block_size]).view(num_blocks, block_size)
-
-
-def build_model(tokenizer, block_size: int, size: str = "default", **overrides) -> MHMoEForCausalLM:
-    """A small MH-MoE whose every layer is an MoE layer, trained with the load-balancing loss."""
-    fields = dict(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=block_size,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        decoder_sparse_step=1,
-        output_router_logits=True,
-        router_aux_loss_coef=0.01,
+def demo_config(size: str, vocab_size: int, block_size: int) -> MHMoEConfig:
+    """An MH-MoE model whose attention is MoH (learned two-stage router), with both balance losses on."""
+    return MHMoEConfig(
+        vocab_size=vocab_size, max_position_embeddings=block_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        moh_shared_heads=2, moh_active_heads=1, moh_router="learned", output_router_logits=True,
         **MODEL_SIZES[size],
-    )
-    fields.update(overrides)
-    return MHMoEForCausalLM(MHMoEConfig(**fields))
+    )  # fmt: skip
 
 
-@torch.no_grad()
-def perplexity(model, blocks: torch.Tensor, batch_size: int = 16) -> float:
-    """exp(mean next-token cross-entropy) over all blocks, without the router losses."""
-    model.eval()
-    total, count = 0.0, 0
-    for batch in blocks.split(batch_size):
-        logits = model(input_ids=batch, output_router_logits=False).logits
-        total += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-        count += batch[:, 1:].numel()
-    return math.exp(total / count)
+def train_model(args, data_dir: Path, out: Path):
+    """Write the config JSON and train from it with `mhmoe.train` (which trains the BPE tokenizer on the data)."""
+    train_file, val_file = write_corpus(str(data_dir))
+    config_path = out / "mhmoe_moh_config.json"
+    demo_config("quick" if args.quick else "default", args.vocab_size, args.block_size).to_json_file(config_path)
+    _reset_accelerate()
+    result = train(dict(
+        model_name_or_path=str(config_path), output_dir=str(out / "model"), train_file=[train_file],
+        validation_file=[val_file], block_size=args.block_size, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=32, max_steps=args.steps, learning_rate=args.lr, warmup_steps=max(1, args.steps // 20),
+        eval_at_start=True, eval_steps=max(1, args.steps // 4), seed=args.seed, overwrite_output_dir=True,
+    ))  # fmt: skip
+    return result, train_file, val_file
 
 
-def train(model, blocks: torch.Tensor, steps: int, batch_size: int = 16, lr: float = 3e-3, seed: int = 0) -> list[float]:
-    """AdamW with linear warmup + cosine decay on random batches of packed blocks; returns the LM loss per step."""
-    cfg = model.config
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10), steps)
-    generator = torch.Generator().manual_seed(seed)
-    losses = []
-    progress = tqdm(range(steps), desc="train", mininterval=1.0)
-    for _ in progress:
-        batch = blocks[torch.randint(len(blocks), (batch_size,), generator=generator)]
-        out = model(input_ids=batch, labels=batch)  # loss = LM loss + weighted router losses
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        lm_loss, postfix = out.loss.item(), {}
-        if out.aux_loss is not None:  # report the LM loss alone, and the load-balancing loss beside it
-            lm_loss -= cfg.router_aux_loss_coef * out.aux_loss.item() + cfg.router_z_loss_coef * out.z_loss.item()
-            postfix["aux"] = f"{out.aux_loss.item():.3f}"
-        losses.append(lm_loss)
-        progress.set_postfix(loss=f"{lm_loss:.3f}", **postfix)
-    model.eval()
-    return losses
+def reload_and_check(model_dir: Path, trained, val_blocks: torch.Tensor):
+    """Reload through the Auto classes; the reloaded model must give the trained model's logits."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        diff = (model(val_blocks[:2]).logits - trained.eval()(val_blocks[:2]).logits).abs().max().item()
+    if diff > 1e-5:
+        raise RuntimeError(f"the reloaded model's logits differ from the trained model's by {diff:.2e}")
+    return model, tokenizer, diff
 
 
-def save_and_reload(model, tokenizer, output_dir: str | Path):
-    """save_pretrained (safetensors) then reload through the Auto classes, as a user without this script would."""
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    return AutoModelForCausalLM.from_pretrained(output_dir).eval(), AutoTokenizer.from_pretrained(output_dir)
-
-
-@torch.no_grad()
-def max_logit_difference(model_a, model_b, input_ids: torch.Tensor) -> float:
-    return (model_a(input_ids=input_ids).logits - model_b(input_ids=input_ids).logits).abs().max().item()
-
-
-@torch.no_grad()
 def generate_sample(model, tokenizer, prompt: str = PROMPT, max_new_tokens: int = 40) -> str:
-    """Greedy decoding with the KV cache; returns the prompt and its continuation."""
     inputs = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-@torch.no_grad()
-def expert_load(model, blocks: torch.Tensor, layer: int = 0) -> torch.Tensor:
-    """Fraction of the top-k assignments each expert of the `layer`-th MoE layer receives on `blocks`."""
-    logits = model(input_ids=blocks, output_router_logits=True).router_logits[layer]  # (B·T·h, E)
-    chosen = logits.topk(model.config.num_experts_per_tok, dim=-1).indices
-    counts = torch.bincount(chosen.flatten(), minlength=model.config.num_experts).float()
-    return counts / counts.sum()
+def lm_eval_perplexity(model_dir: Path, val_file: str, block_size: int, limit: int | None) -> dict:
+    """lm-eval's rolling log-likelihood on the held-out topics (`mhmoe_ppl_wikipedia` on a local file)."""
+    from mhmoe import evaluate as mev
+
+    lm = mev.MHMoELM(pretrained=str(model_dir), batch_size=8, max_length=block_size, device="cpu")
+    tm = mev.task_manager(["mhmoe_ppl"], metadata={"wikipedia_path": val_file})
+    results = mev.simple_evaluate(model=lm, tasks=["mhmoe_ppl_wikipedia"], task_manager=tm, limit=limit,
+                                  bootstrap_iters=0)  # fmt: skip
+    metrics = {k.split(",")[0]: v for k, v in results["results"]["mhmoe_ppl_wikipedia"].items() if "stderr" not in k}
+    return {"metrics": metrics, "routing": results["config"][mev.ROUTING_KEY]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mhmoe.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default 600, 30 with --quick)")
-    parser.add_argument("--output_dir", default="outputs/demo", help="where the model and tokenizer are saved")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 400, 40 with --quick)")
+    parser.add_argument("--output_dir", default="outputs/demo", help="where data, models, plots and results go")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--block_size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--vocab_size", type=int, default=None, help="BPE vocabulary (default 4096, 512 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, small vocabulary, few steps (seconds)")
-    return parser.parse_args(argv)
+    parser.add_argument("--skip_recovery", action="store_true", help="skip the dense LLaMA -> MoH recovery stage")
+    parser.add_argument("--quick", action="store_true", help="tiny model and vocabulary, few steps")
+    args = parser.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (40 if args.quick else 400)
+    args.vocab_size = args.vocab_size if args.vocab_size is not None else (512 if args.quick else 4096)
+    return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    steps = args.steps if args.steps is not None else (30 if args.quick else 600)
-    vocab_size = args.vocab_size if args.vocab_size is not None else (512 if args.quick else 4096)
-    torch.manual_seed(args.seed)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    train_texts, valid_texts = load_corpus()
-    tokenizer = train_tokenizer(train_texts, vocab_size, model_max_length=args.block_size)
-    train_blocks = pack(tokenizer, train_texts, args.block_size)
-    valid_blocks = pack(tokenizer, valid_texts, args.block_size)
-    print(f"corpus: {len(train_texts)} train / {len(valid_texts)} held-out pydoc topics; tokenizer vocab {len(tokenizer)}; "
-          f"{train_blocks.numel():,} train / {valid_blocks.numel():,} held-out tokens in blocks of {args.block_size}")
+    print("== 1. MH-MoE with MoH attention, trained from scratch with mhmoe.train")
+    result, train_file, val_file = train_model(args, out / "data", out)
+    evals = [r for r in result.history if "eval_ppl" in r]
+    ppl_before, ppl_after = evals[0]["eval_ppl"], result.final_eval["eval_ppl"]
+    print(f"held-out perplexity: {ppl_before:.1f} before training -> {ppl_after:.1f} after {args.steps} steps")
 
-    model = build_model(tokenizer, args.block_size, "quick" if args.quick else "default")
-    cfg = model.config
-    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; {cfg.num_hidden_layers} layers, "
-          f"hidden {cfg.hidden_size}, moe_heads {cfg.moe_heads}, {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}")
+    print("== 2. save_pretrained -> AutoModelForCausalLM.from_pretrained, generate")
+    model_dir = out / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    val_blocks = tokenize_and_pack(read_files([val_file]), tokenizer, args.block_size)
+    model, tokenizer, diff = reload_and_check(model_dir, result.model, val_blocks)
+    print(f"reloaded {type(model).__name__} from {model_dir}: max |logit difference| = {diff:.1e}")
+    sample = generate_sample(model, tokenizer)
+    print(f"greedy sample (KV cache): {sample!r}")
 
-    ppl_before = perplexity(model, valid_blocks)
-    print(f"held-out perplexity before training: {ppl_before:.1f}")
-    losses = train(model, train_blocks, steps, args.batch_size, args.lr, args.seed)
-    ppl_after = perplexity(model, valid_blocks)
-    print(f"held-out perplexity after {steps} steps: {ppl_after:.1f} (train loss {losses[0]:.2f} -> {losses[-1]:.2f})")
+    print("== 3. expert and head load (heat-maps)")
+    batches = [val_blocks[i : i + 8] for i in range(0, min(len(val_blocks), 32), 8)]
+    experts, heads = expert_load(model, batches), head_load(model, batches)
+    plot_load(experts, str(out / "expert_load.png"), title="MH-MoE expert load per layer", unit="expert")
+    plot_load(heads, str(out / "head_load.png"), title="MoH head load per layer", unit="head")
+    print(f"expert load, layer 0: {' '.join(f'{x:.2f}' for x in experts[0].tolist())} -> {out / 'expert_load.png'}")
+    print(f"head load, layer 0: {' '.join(f'{x:.2f}' for x in heads[0].tolist())} -> {out / 'head_load.png'}")
 
-    reloaded, reloaded_tokenizer = save_and_reload(model, tokenizer, args.output_dir)
-    diff = max_logit_difference(model, reloaded, valid_blocks[:2])
-    if diff > 1e-5:
-        raise RuntimeError(f"the reloaded model's logits differ from the trained model's by {diff:.2e}")
-    files = sorted(p.name for p in Path(args.output_dir).iterdir())
-    print(f"saved to {args.output_dir}: {', '.join(files)}")
-    print(f"reloaded with AutoModelForCausalLM as {type(reloaded).__name__}: max |logit difference| = {diff:.2e}")
+    print("== 4. lm-eval on local held-out text (mhmoe_ppl_wikipedia)")
+    evaluation = lm_eval_perplexity(model_dir, val_file, args.block_size, limit=8 if args.quick else None)
+    m, routing = evaluation["metrics"], evaluation["routing"]
+    print(f"lm-eval: token perplexity {m['token_perplexity']:.1f}, word perplexity {m['word_perplexity']:.1f}, "
+          f"bits per byte {m['bits_per_byte']:.3f}; activated heads {routing['activated_heads_pct']:.0f}%, "
+          f"expert load entropy {routing['expert_load_entropy']:.2f}")  # fmt: skip
+    print(f"same from the shell: mhmoe-eval --model_args pretrained={model_dir},max_length={args.block_size} "
+          f"--tasks mhmoe_ppl_wikipedia --metadata '{json.dumps({'wikipedia_path': val_file})}'")
 
-    sample = generate_sample(reloaded, reloaded_tokenizer)
-    print(f"greedy sample: {sample!r}")
-    load = expert_load(reloaded, valid_blocks[:8])
-    print("expert load, MoE layer 0 (share of top-k sub-token assignments): " + " ".join(f"{x:.2f}" for x in load.tolist()))
+    recovery = None
+    if not args.skip_recovery:
+        print("== 5. dense LLaMA -> MoH (75% heads) continue-tuning recovery (MoH paper Fig. 2, small)")
+        steps = dict(dense_steps=60, tune_steps=20, eval_steps=10) if args.quick else {}
+        recovery = run_recovery_demo(str(out / "recovery"), seed=args.seed, control=not args.quick, **steps)
+        print(format_result(recovery))
+
     elapsed = time.perf_counter() - start
-    print(f"done in {elapsed:.0f} s")
-    return dict(ppl_before=ppl_before, ppl_after=ppl_after, losses=losses, max_logit_diff=diff, sample=sample,
-                expert_load=load, files=files, seconds=elapsed)  # fmt: skip
+    print(f"done in {elapsed:.0f} s; everything is in {out}")
+    summary = dict(ppl_before=ppl_before, ppl_after=ppl_after, max_logit_diff=diff, sample=sample,
+                   expert_load=experts.tolist(), head_load=heads.tolist(), lm_eval=evaluation, recovery=recovery,
+                   seconds=elapsed)  # fmt: skip
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
 
 
 if __name__ == "__main__":
