@@ -406,7 +406,8 @@ def test_continue_tuning_lora_without_validation(tmp_path, corpus, tokenizer_dir
 
 
 def test_two_processes(tmp_path, corpus, tokenizer_dir):
-    """Under `accelerate launch` with 2 CPU processes: the main process converts once, both train."""
+    """Under `accelerate launch` with 2 CPU processes: the main process converts once, both train; a refusal on the
+    main process ends both processes (none waits forever)."""
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     out = tmp_path / "ddp"
     script = os.path.join(os.path.dirname(__file__), "..", "..", "conversion", "convert_llama_to_moh.py")
@@ -426,6 +427,11 @@ def test_two_processes(tmp_path, corpus, tokenizer_dir):
     assert summary["num_processes"] == 2 and summary["distributed_type"] == "MULTI_CPU"
     assert (out / "converted" / "model.safetensors").is_file() and (out / "recovery_curve.csv").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+    launch[launch.index("--main_process_port") + 1] = str(_free_port())  # again into the same, now non-empty, dir
+    proc = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "exists and is not empty" in proc.stderr
+    assert "the main process failed: ConversionError" in proc.stderr  # rank 1 was told and stopped
 
 
 # ----------------------------------------------------------------------------------------------------- end-to-end proof
