@@ -198,3 +198,51 @@ def test_route_contract():
     assert dropped.any() and torch.count_nonzero(weights[dropped]) == 0
     kept_counts = torch.bincount(experts[~dropped], minlength=6)
     assert int(kept_counts.max()) <= 14  # ceil(0.5 * 40 * 2 / 6)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_retain_graph_backward_twice(act):
+    """The backward reuses forward buffers only when the graph is freed; with retain_graph a second pass still works."""
+    experts = _experts(8, 16, 13, 3, torch.float32, act)
+    index, weights, dropped = _routing(37, 13, 3, 0.3, torch.float32)
+    hidden = torch.randn(37, 8)
+    grad_out = torch.randn(37, 8)
+    expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+
+    inp = hidden.clone().requires_grad_()
+    experts.zero_grad(set_to_none=True)
+    out = grouped_experts_forward(experts, inp, index, weights.masked_fill(dropped, 0.0))
+    out.backward(grad_out, retain_graph=True)
+    first = (inp.grad.clone(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone())
+    out.backward(grad_out)  # frees the graph: this pass may reuse the saved buffers
+    second = (inp.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+    for want, one, two in zip((expected[1], expected[3], expected[4]), first, second):
+        torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(two, 2 * want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_block_under_gradient_checkpointing(use_reentrant):
+    """Recomputed forwards (HF gradient checkpointing) feed the buffer-reusing backward correctly."""
+    config = MHMoEConfig(
+        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16, moe_heads=3
+    )
+    torch.manual_seed(0)
+    block = MHMoESparseMoeBlock(config)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, 0.3)
+    x = torch.randn(2, 5, 24)
+    results = []
+    for implementation, checkpointed in (("eager", False), ("grouped_mm", True)):
+        block.experts.config._experts_implementation = implementation
+        block.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_()
+        if checkpointed:
+            out = torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=use_reentrant)
+        else:
+            out = block(inp)
+        out.square().sum().backward()
+        results.append([out.detach(), inp.grad] + [p.grad for p in block.parameters()])
+    for want, have in zip(*results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)

@@ -67,15 +67,36 @@ def _is_silu(act_fn) -> bool:
     return isinstance(act_fn, torch.nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
 
+def _activation(act_fn, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """act_fn(gate), into `out` when given (a buffer the caller no longer needs; may alias nothing but `out`)."""
+    if _is_silu(act_fn):
+        return torch.ops.aten.silu(gate) if out is None else torch.ops.aten.silu.out(gate, out=out)
+    act = act_fn(gate)
+    return act if out is None else out.copy_(act)
+
+
 def _activation_backward(act_fn, gate: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-    """out = grad · act_fn'(gate), written into `out` (a view of the gate/up gradient buffer)."""
+    """out = grad · act_fn'(gate); `out` may be `gate` itself (elementwise, same positions)."""
     if _is_silu(act_fn):
         torch.ops.aten.silu_backward.grad_input(grad, gate, grad_input=out)
         return
     with torch.enable_grad():
-        gate = gate.detach().requires_grad_()
-        (grad_gate,) = torch.autograd.grad(act_fn(gate), gate, grad)
+        leaf = gate.detach().requires_grad_()
+        (grad_gate,) = torch.autograd.grad(act_fn(leaf), leaf, grad)
     out.copy_(grad_gate)
+
+
+def _may_overwrite_saved_tensors() -> bool:
+    """True inside a backward that frees the graph afterwards (no retain_graph / create_graph).
+
+    Only then may a backward write into the tensors its forward saved: a second backward through the same graph would
+    read them. Without the (private) query, answer False: always safe, only slower.
+    """
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    try:
+        return keep_graph is not None and not keep_graph()
+    except RuntimeError:  # not inside a backward
+        return False
 
 
 def _gather_slots(sorted_rows: torch.Tensor, slot_pos: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
@@ -113,15 +134,16 @@ class _GroupedExperts(torch.autograd.Function):
         rows = hidden_states.index_select(0, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
         gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets)  # (S_kept, 2I)
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        act = act_fn(gate)
-        hidden = act * up  # (S_kept, I)
+        hidden = _activation(act_fn, gate)
+        hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I); act not kept
         expert_out = _grouped_mm(hidden, down_proj.transpose(1, 2), offsets)  # (S_kept, W)
 
         slots = _gather_slots(expert_out, slot_pos, dropped)  # (N·K, W)
-        slots = slots.to(torch.promote_types(slots.dtype, torch.float32))  # sum low precision in fp32, like eager
-        out = _sum_slots(slots.mul_(top_k_weights.reshape(-1, 1)), top_k)  # (N, W)
+        acc = torch.promote_types(torch.promote_types(slots.dtype, top_k_weights.dtype), torch.float32)
+        slots = slots.to(acc).view(top_k_weights.shape[0], top_k, -1)  # low precision summed in fp32, like eager
+        out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots).squeeze(1)  # (N, W): Σ_k weight·slot, one pass
 
-        ctx.save_for_backward(rows, gate_up, act, hidden, expert_out, top_k_weights, gate_up_proj, down_proj)
+        ctx.save_for_backward(rows, gate_up, hidden, expert_out, top_k_weights, gate_up_proj, down_proj)
         ctx.index = (order, offsets, source_rows, slot_pos, dropped)
         ctx.act_fn, ctx.hidden_dtype = act_fn, hidden_states.dtype
         return out.to(hidden_states.dtype)
@@ -129,7 +151,7 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        rows, gate_up, act, hidden, expert_out, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        rows, gate_up, hidden, expert_out, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
         order, offsets, source_rows, slot_pos, dropped = ctx.index
         need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         num_rows, top_k = top_k_weights.shape
@@ -149,10 +171,19 @@ class _GroupedExperts(torch.autograd.Function):
             if need_down:
                 grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
             grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets)  # (S_kept, I)
-            grad_gate_up = torch.empty_like(gate_up)  # (S_kept, 2I)
-            torch.mul(grad_hidden, act, out=grad_gate_up[:, inter:])
-            grad_act = grad_hidden.mul_(gate_up[:, inter:])
-            _activation_backward(ctx.act_fn, gate_up[:, :inter], grad_act, grad_gate_up[:, :inter])
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            # d gate_up = [act'(gate)·up·d hidden | act(gate)·d hidden], the activation recomputed. Fresh (S, 2I) and
+            # (S, I) buffers cost page faults on CPU at this size, so when the graph is freed afterwards the gradient
+            # goes into gate_up's own buffer and d act into hidden's (both dead once read).
+            if _may_overwrite_saved_tensors():
+                grad_gate_up = gate_up
+                grad_act = torch.mul(grad_hidden, up, out=hidden)  # before `up` is overwritten
+                _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
+            else:
+                grad_gate_up = torch.empty_like(gate_up)  # (S_kept, 2I)
+                _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
+                grad_act = grad_hidden.mul_(up)
+            _activation_backward(ctx.act_fn, gate, grad_act, grad_gate_up[:, :inter])
             if need_gate_up:
                 grad_gate_up_proj = _grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
             if need_x:
