@@ -109,6 +109,14 @@ def _gather_slots(sorted_rows: torch.Tensor, slot_pos: torch.Tensor, dropped: to
     return slots
 
 
+def _accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32 for low-precision inputs, else the widest input dtype."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def _sum_slots(slots: torch.Tensor, top_k: int) -> torch.Tensor:
     """(N·K, W) -> (N, W): each row's K slots summed in slot order (deterministic)."""
     return slots.view(-1, top_k, slots.shape[-1]).sum(dim=1) if top_k > 1 else slots
@@ -116,13 +124,14 @@ def _sum_slots(slots: torch.Tensor, top_k: int) -> torch.Tensor:
 
 class _GroupedExperts(torch.autograd.Function):
     """Expert rows gathered by expert -> gate/up grouped GEMM -> act(gate)·up -> down grouped GEMM -> weighted sum of
-    each row's K slots.
+    each row's K slots (one bmm, in slot order: deterministic).
 
-    The backward is written out because autograd's generic one spends a large share of the layer's time outside the
-    GEMMs (the S = N·K rows of width 2I are large for fine-grained experts): it writes the gate/up gradient into one
-    (S, 2I) buffer instead of concatenating two halves, gets the expert weight gradients from the grouped GEMM
-    directly in the parameters' (E, 2I, W) / (E, W, I) layout (no transposed copy in AccumulateGrad), and sums the
-    input gradient by gathering each row's K slots instead of a scatter-add (deterministic on every device).
+    Written out because autograd's generic backward spends a large share of the layer's time outside the GEMMs when
+    experts are fine-grained (the S = N·K rows of width 2I outweigh a coarse SMoE's): the backward writes the gate/up
+    gradient into one (S, 2I) buffer (no concatenation of two halves), gets the expert weight gradients from the
+    grouped GEMM directly in the parameters' (E, 2I, W) / (E, W, I) layout (no transposed copy in AccumulateGrad), sums
+    the input gradient by gathering each row's K slots (no scatter-add), recomputes act(gate) instead of keeping it,
+    and, when the graph is freed afterwards, reuses the dead forward buffers instead of allocating new ones.
     """
 
     @staticmethod
@@ -138,12 +147,11 @@ class _GroupedExperts(torch.autograd.Function):
         hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I); act not kept
         expert_out = _grouped_mm(hidden, down_proj.transpose(1, 2), offsets)  # (S_kept, W)
 
-        slots = _gather_slots(expert_out, slot_pos, dropped)  # (N·K, W)
-        acc = torch.promote_types(torch.promote_types(slots.dtype, top_k_weights.dtype), torch.float32)
-        slots = slots.to(acc).view(top_k_weights.shape[0], top_k, -1)  # low precision summed in fp32, like eager
-        out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots).squeeze(1)  # (N, W): Σ_k weight·slot, one pass
+        slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
+        acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
+        out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
 
-        ctx.save_for_backward(rows, gate_up, hidden, expert_out, top_k_weights, gate_up_proj, down_proj)
+        ctx.save_for_backward(rows, gate_up, hidden, slots, top_k_weights, gate_up_proj, down_proj)
         ctx.index = (order, offsets, source_rows, slot_pos, dropped)
         ctx.act_fn, ctx.hidden_dtype = act_fn, hidden_states.dtype
         return out.to(hidden_states.dtype)
@@ -151,23 +159,22 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        rows, gate_up, hidden, expert_out, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        rows, gate_up, hidden, slots, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
         order, offsets, source_rows, slot_pos, dropped = ctx.index
         need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         num_rows, top_k = top_k_weights.shape
         inter = down_proj.shape[-1]
 
-        grad_rows = grad_out.index_select(0, source_rows)  # (S_kept, W): gradient of each weighted expert output
         grad_weights = None
-        if need_weights:
-            acc = torch.promote_types(expert_out.dtype, torch.float32)
-            per_assignment = (grad_rows.to(acc) * expert_out.to(acc)).sum(dim=-1)  # (S_kept,)
-            grad_weights = per_assignment.new_zeros(num_rows * top_k).index_copy_(0, order, per_assignment)
-            grad_weights = grad_weights.view(num_rows, top_k).to(top_k_weights.dtype)
+        if need_weights:  # d weight[n, k] = <d out[n], expert output in slot (n, k)>; 0 for dropped slots
+            acc = _accumulation_dtype(slots, top_k_weights)
+            grad_weights = torch.bmm(slots.to(acc), grad_out.to(acc).unsqueeze(-1)).view(num_rows, top_k)
+            grad_weights = grad_weights.to(top_k_weights.dtype)
         grad_x = grad_gate_up_proj = grad_down = None
         if need_x or need_gate_up or need_down:
-            weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None]
-            grad_expert_out = grad_rows.to(expert_out.dtype).mul_(weights_sorted.to(expert_out.dtype))  # (S_kept, W)
+            dtype = hidden.dtype
+            weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)
+            grad_expert_out = grad_out.to(dtype).index_select(0, source_rows).mul_(weights_sorted)  # (S_kept, W)
             if need_down:
                 grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
             grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets)  # (S_kept, I)
