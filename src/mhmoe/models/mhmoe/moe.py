@@ -12,42 +12,213 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 from .routing import sort_by_expert
 
 
-def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """(S, in) rows grouped by `offsets` times per-group (E, in, out) weights -> (S, out).
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
-    Uses torch's grouped GEMM where it exists; otherwise one matmul per non-empty group (a correct fallback).
+
+def _kernel_accepts(*tensors: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM kernel takes these operands.
+
+    It wants 16-byte aligned data and strides (odd widths such as W=5 fail), fp32/bf16/fp16 on CPU, bf16 on CUDA
+    SM80+.
     """
-    x = x.to(weight_t.dtype)
-    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    # the kernels need 16-byte aligned rows and pointers (and SM80+ on CUDA)
-    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], *weight_t.shape[-2:]))
-    aligned = aligned and x.data_ptr() % 16 == 0 and weight_t.data_ptr() % 16 == 0
-    if grouped is not None and aligned and not (x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 0)):
-        return grouped(x, weight_t, offs=offsets)
-    out = x.new_empty(x.shape[0], weight_t.shape[-1])
-    start = 0
-    for expert, end in enumerate(offsets.tolist()):
+    if _GROUPED_MM is None:
+        return False
+    for t in tensors:
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        if t.is_cuda and (t.dtype != torch.bfloat16 or torch.cuda.get_device_capability(t.device) < (8, 0)):
+            return False
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(stride != 1 and stride * size % 16 for stride in t.stride()):
+            return False
+    return True
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM over row groups ending at `offsets` (E,) int32.
+
+    a (S, in) @ b (E, in, out) -> (S, out): rows of group e times b[e]. Rows from offsets[-1] on are not computed
+        (torch's kernel leaves them uninitialised; callers pass only kept rows).
+    a (in, S) @ b (S, out) -> (E, in, out): per group e, a[:, group] @ b[group] (a weight gradient); 0 for an
+        empty group.
+    torch's kernel where it takes the operands (any strides that are 16-byte multiples, so transposed views of the
+    3-D expert weights go in without a copy); otherwise one matmul per non-empty group (odd shapes, old GPUs).
+    """
+    if a.dtype != b.dtype:
+        a = a.to(b.dtype)
+    if _kernel_accepts(a, b):
+        return _GROUPED_MM(a, b, offs=offsets)
+    ends = offsets.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        for expert, (start, end) in enumerate(zip(starts, ends)):
+            if end > start:
+                torch.mm(a[start:end], b[expert], out=out[start:end])
+        return out
+    out = a.new_zeros(len(ends), a.shape[0], b.shape[-1])
+    for expert, (start, end) in enumerate(zip(starts, ends)):
         if end > start:
-            out[start:end] = x[start:end] @ weight_t[expert]
-        start = end
+            torch.mm(a[:, start:end], b[start:end], out=out[expert])
     return out
+
+
+def _is_silu(act_fn) -> bool:
+    return isinstance(act_fn, torch.nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
+def _activation(act_fn, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """act_fn(gate), into `out` when given (a buffer the caller no longer needs; may alias nothing but `out`)."""
+    if _is_silu(act_fn):
+        return torch.ops.aten.silu(gate) if out is None else torch.ops.aten.silu.out(gate, out=out)
+    act = act_fn(gate)
+    return act if out is None else out.copy_(act)
+
+
+def _activation_backward(act_fn, gate: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+    """out = grad · act_fn'(gate); `out` may be `gate` itself (elementwise, same positions)."""
+    if _is_silu(act_fn):
+        torch.ops.aten.silu_backward.grad_input(grad, gate, grad_input=out)
+        return
+    with torch.enable_grad():
+        leaf = gate.detach().requires_grad_()
+        (grad_gate,) = torch.autograd.grad(act_fn(leaf), leaf, grad)
+    out.copy_(grad_gate)
+
+
+def _may_overwrite_saved_tensors() -> bool:
+    """True inside a backward that frees the graph afterwards (no retain_graph / create_graph).
+
+    Only then may a backward write into the tensors its forward saved: a second backward through the same graph would
+    read them. Without the (private) query, answer False: always safe, only slower.
+    """
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    try:
+        return keep_graph is not None and not keep_graph()
+    except RuntimeError:  # not inside a backward
+        return False
+
+
+def _gather_slots(sorted_rows: torch.Tensor, slot_pos: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
+    """(S_kept, W) rows in expert order -> (N·K, W) rows in (row, slot) order; dropped slots are 0."""
+    if sorted_rows.shape[0] == 0:  # every assignment dropped
+        return sorted_rows.new_zeros(slot_pos.shape[0], sorted_rows.shape[1])
+    slots = sorted_rows.index_select(0, slot_pos)
+    if dropped is not None:
+        slots.masked_fill_(dropped[:, None], 0.0)
+    return slots
+
+
+def _accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32 for low-precision inputs, else the widest input dtype."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _sum_slots(slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(N·K, W) -> (N, W): each row's K slots summed in slot order (deterministic)."""
+    return slots.view(-1, top_k, slots.shape[-1]).sum(dim=1) if top_k > 1 else slots
+
+
+class _GroupedExperts(torch.autograd.Function):
+    """Expert rows gathered by expert -> gate/up grouped GEMM -> act(gate)·up -> down grouped GEMM -> weighted sum of
+    each row's K slots (one bmm, in slot order: deterministic).
+
+    Written out because autograd's generic backward spends a large share of the layer's time outside the GEMMs when
+    experts are fine-grained (the S = N·K rows of width 2I outweigh a coarse SMoE's): the backward writes the gate/up
+    gradient into one (S, 2I) buffer (no concatenation of two halves), gets the expert weight gradients from the
+    grouped GEMM directly in the parameters' (E, 2I, W) / (E, W, I) layout (no transposed copy in AccumulateGrad), sums
+    the input gradient by gathering each row's K slots (no scatter-add), recomputes act(gate) instead of keeping it,
+    and, when the graph is freed afterwards, reuses the dead forward buffers instead of allocating new ones.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped):
+        top_k = top_k_weights.shape[-1]
+        inter = down_proj.shape[-1]
+        source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
+
+        rows = hidden_states.index_select(0, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
+        gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets)  # (S_kept, 2I)
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        hidden = _activation(act_fn, gate)
+        hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I); act not kept
+        expert_out = _grouped_mm(hidden, down_proj.transpose(1, 2), offsets)  # (S_kept, W)
+
+        slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
+        acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
+        out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
+
+        ctx.save_for_backward(rows, gate_up, hidden, slots, top_k_weights, gate_up_proj, down_proj)
+        ctx.index = (order, offsets, source_rows, slot_pos, dropped)
+        ctx.act_fn, ctx.hidden_dtype = act_fn, hidden_states.dtype
+        return out.to(hidden_states.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        rows, gate_up, hidden, slots, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        order, offsets, source_rows, slot_pos, dropped = ctx.index
+        need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
+        num_rows, top_k = top_k_weights.shape
+        inter = down_proj.shape[-1]
+
+        grad_weights = None
+        if need_weights:  # d weight[n, k] = <d out[n], expert output in slot (n, k)>; 0 for dropped slots
+            acc = _accumulation_dtype(slots, top_k_weights)
+            grad_weights = torch.bmm(slots.to(acc), grad_out.to(acc).unsqueeze(-1)).view(num_rows, top_k)
+            grad_weights = grad_weights.to(top_k_weights.dtype)
+        grad_x = grad_gate_up_proj = grad_down = None
+        if need_x or need_gate_up or need_down:
+            dtype = hidden.dtype
+            weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)
+            grad_expert_out = grad_out.to(dtype).index_select(0, source_rows).mul_(weights_sorted)  # (S_kept, W)
+            if need_down:
+                grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
+            grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets)  # (S_kept, I)
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            # d gate_up = [act'(gate)·up·d hidden | act(gate)·d hidden], the activation recomputed. Fresh (S, 2I) and
+            # (S, I) buffers cost page faults on CPU at this size, so when the graph is freed afterwards the gradient
+            # goes into gate_up's own buffer and d act into hidden's (both dead once read).
+            if _may_overwrite_saved_tensors():
+                grad_gate_up = gate_up
+                grad_act = torch.mul(grad_hidden, up, out=hidden)  # before `up` is overwritten
+                _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
+            else:
+                grad_gate_up = torch.empty_like(gate_up)  # (S_kept, 2I)
+                _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
+                grad_act = grad_hidden.mul_(up)
+            _activation_backward(ctx.act_fn, gate, grad_act, grad_gate_up[:, :inter])
+            if need_gate_up:
+                grad_gate_up_proj = _grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
+            if need_x:
+                grad_sorted = _grouped_mm(grad_gate_up, gate_up_proj, offsets)  # (S_kept, W)
+                grad_x = _sum_slots(_gather_slots(grad_sorted, slot_pos, dropped), top_k).to(ctx.hidden_dtype)
+        return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
 def grouped_experts_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Sort assignments by expert, two grouped GEMMs, weight, and sum each row's K outputs (deterministic)."""
+    """Sort assignments by expert, two grouped GEMMs, weight, and sum each row's K outputs (deterministic).
+
+    Dropped assignments (expert id E) are not computed and contribute 0.
+    """
     num_rows, top_k = top_k_index.shape
     order, offsets = sort_by_expert(top_k_index, self.num_experts)  # (S,), (E,)
-    if top_k_index.max() >= self.num_experts:  # capacity dropped some assignments: compute only the kept ones
-        order = order[: int(offsets[-1])]
-    rows = hidden_states[order // top_k]  # (S_kept, W)
-    gate, up = _grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)  # (S_kept, I) each
-    expert_out = _grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offsets)  # (S_kept, W)
-    expert_out = expert_out * top_k_weights.reshape(-1)[order, None].to(expert_out.dtype)
-    out = expert_out.new_zeros(num_rows * top_k, expert_out.shape[-1])
-    out = out.index_copy(0, order, expert_out)  # back to (row, slot) order; dropped slots stay 0
-    return out.view(num_rows, top_k, -1).sum(dim=1).to(hidden_states.dtype)  # (N, W)
+    num_kept = int(offsets[-1])  # the one host sync; < S only when capacity dropped assignments
+    dropped = None
+    if num_kept < order.shape[0]:
+        order = order[:num_kept]
+        dropped = top_k_index.reshape(-1) >= self.num_experts  # (S,)
+    # slot_pos[j]: where flat assignment j sits in `order` (dropped ones point at 0 and are masked)
+    slot_pos = order.new_zeros(num_rows * top_k) if dropped is not None else order.new_empty(num_rows * top_k)
+    slot_pos.index_copy_(0, order, torch.arange(num_kept, device=order.device))
+    return _GroupedExperts.apply(
+        hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn, order, offsets, slot_pos, dropped
+    )
 
 
 def _drop_sentinels(experts_forward):
@@ -78,14 +249,14 @@ def eager_experts_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Reference: a loop over the experts that received rows (the `eager` implementation)."""
-    out = torch.zeros_like(hidden_states, dtype=torch.float32)
+    out = torch.zeros_like(hidden_states, dtype=torch.promote_types(hidden_states.dtype, torch.float32))
     for expert in top_k_index.unique().tolist():
         if expert >= self.num_experts:
             continue
         row, slot = torch.where(top_k_index == expert)
         gate, up = F.linear(hidden_states[row], self.gate_up_proj[expert]).chunk(2, dim=-1)
         expert_out = F.linear(self.act_fn(gate) * up, self.down_proj[expert])
-        out.index_add_(0, row, expert_out.float() * top_k_weights[row, slot, None].float())
+        out.index_add_(0, row, expert_out.to(out.dtype) * top_k_weights[row, slot, None].to(out.dtype))
     return out.to(hidden_states.dtype)
 
 

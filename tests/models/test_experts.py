@@ -1,0 +1,248 @@
+"""`grouped_mm` experts (sorted rows, grouped GEMMs, hand-written backward) against the `eager` per-expert loop.
+
+Shapes are odd on purpose (W=5, I=7, E=13, K=3, N=37; some experts get no row) so that torch's grouped GEMM kernel
+refuses them and the per-group fallback runs; an aligned variant (W=8, I=16) runs the kernel itself.
+"""
+
+import pytest
+import torch
+
+from mhmoe.models.mhmoe import moe
+from mhmoe.models.mhmoe.configuration_mhmoe import MHMoEConfig
+from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEExperts, MHMoESparseMoeBlock
+from mhmoe.models.mhmoe.moe import eager_experts_forward, grouped_experts_forward
+from mhmoe.models.mhmoe.routing import route, sort_by_expert
+
+EMPTY_EXPERTS = (4, 11, 12)  # never routed to
+
+
+def _experts(width, inter, num_experts, top_k, dtype, act="silu", seed=0):
+    config = MHMoEConfig(
+        hidden_size=2 * width,
+        moe_heads=2,
+        num_attention_heads=1,
+        head_dim=2,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        hidden_act=act,
+    )
+    config._experts_implementation = "grouped_mm"
+    experts = MHMoEExperts(config).to(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=dtype) * 0.5)
+    return experts
+
+
+def _routing(num_rows, num_experts, top_k, drop_fraction, dtype, seed=1):
+    """Distinct experts per row avoiding EMPTY_EXPERTS; a `drop_fraction` of slots get sentinel E and weight 0."""
+    generator = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(num_experts) if e not in EMPTY_EXPERTS])
+    index = torch.stack([allowed[torch.randperm(len(allowed), generator=generator)[:top_k]] for _ in range(num_rows)])
+    weights = torch.rand(num_rows, top_k, generator=generator, dtype=dtype)
+    dropped = torch.rand(num_rows, top_k, generator=generator) < drop_fraction
+    if drop_fraction > 0:
+        dropped[0] = True  # one row loses every slot
+    return index.masked_fill(dropped, num_experts), weights, dropped
+
+
+def _run(forward, experts, hidden, index, weights, dropped, grad_out):
+    """Output and gradients w.r.t. (input, routing weights, gate_up_proj, down_proj)."""
+    hidden = hidden.detach().requires_grad_()
+    weights = weights.detach().requires_grad_()
+    experts.zero_grad(set_to_none=True)
+    out = forward(experts, hidden, index, weights.masked_fill(dropped, 0.0))
+    out.backward(grad_out)
+    return out.detach(), hidden.grad, weights.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+
+CASES = {
+    # name: (W, I, E, K, N, dtype, rtol/atol)
+    "odd-fp64": (5, 7, 13, 3, 37, torch.float64, 1e-10),
+    "odd-fp32": (5, 7, 13, 3, 37, torch.float32, 1e-5),
+    "aligned-fp32": (8, 16, 13, 3, 37, torch.float32, 1e-5),
+    "aligned-top1-fp32": (8, 16, 13, 1, 37, torch.float32, 1e-5),
+}
+
+
+@pytest.mark.parametrize("drop_fraction", [0.0, 0.3], ids=["dropless", "capacity-dropped"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_grouped_matches_eager(case, drop_fraction, act):
+    width, inter, num_experts, top_k, num_rows, dtype, tol = CASES[case]
+    experts = _experts(width, inter, num_experts, top_k, dtype, act)
+    index, weights, dropped = _routing(num_rows, num_experts, top_k, drop_fraction, dtype)
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(num_rows, width, generator=generator, dtype=dtype)
+    grad_out = torch.randn(num_rows, width, generator=generator, dtype=dtype)
+
+    expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+    got = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+    for name, want, have in zip(("output", "d_input", "d_weights", "d_gate_up_proj", "d_down_proj"), expected, got):
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        torch.testing.assert_close(have, want, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+    # nothing reaches empty experts or dropped slots
+    for grad in got[3:]:
+        assert torch.count_nonzero(grad[list(EMPTY_EXPERTS)]) == 0
+    assert torch.count_nonzero(got[2][dropped]) == 0
+    if drop_fraction:
+        assert torch.count_nonzero(got[0][0]) == 0 and torch.count_nonzero(got[1][0]) == 0
+
+
+@pytest.mark.parametrize("case", ["odd-fp32", "aligned-fp32"])
+def test_kernel_and_fallback_paths_are_both_covered(case):
+    width, inter, num_experts, _, _, dtype, _ = CASES[case]
+    experts = _experts(width, inter, num_experts, 3, dtype)
+    rows = torch.randn(10, width, dtype=dtype)
+    takes_kernel = moe._kernel_accepts(rows, experts.gate_up_proj.transpose(1, 2))
+    assert takes_kernel == (case.startswith("aligned") and moe._GROUPED_MM is not None)
+
+
+def test_every_assignment_dropped():
+    experts = _experts(8, 16, 5, 2, torch.float32)
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weights = torch.zeros(6, 2, requires_grad=True)
+    out = grouped_experts_forward(experts, hidden, torch.full((6, 2), 5), weights)
+    out.sum().backward()
+    assert torch.count_nonzero(out) == 0 and torch.count_nonzero(hidden.grad) == 0
+    assert torch.count_nonzero(experts.gate_up_proj.grad) == 0 and torch.count_nonzero(weights.grad) == 0
+
+
+def test_grouped_is_deterministic_and_leaves_inputs_alone():
+    experts = _experts(8, 16, 13, 3, torch.float32)
+    index, weights, dropped = _routing(37, 13, 3, 0.3, torch.float32)
+    hidden = torch.randn(37, 8)
+    grad_out = torch.randn(37, 8)
+    copies = (hidden.clone(), index.clone(), weights.clone(), grad_out.clone())
+    first = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+    second = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    for original, copy in zip((hidden, index, weights, grad_out), copies):
+        assert torch.equal(original, copy)
+
+
+def test_bf16_close_to_eager():
+    experts = _experts(8, 16, 13, 3, torch.bfloat16)
+    index, weights, dropped = _routing(37, 13, 3, 0.0, torch.float32)
+    hidden = torch.randn(37, 8, dtype=torch.bfloat16)
+    grad_out = torch.randn(37, 8, dtype=torch.bfloat16)
+    expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+    got = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+    for want, have in zip(expected, got):
+        assert have.dtype == want.dtype
+        torch.testing.assert_close(have.float(), want.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_frozen_experts_only_input_grads():
+    """With expert weights frozen (e.g. LoRA elsewhere) only the input and routing weights get gradients."""
+    experts = _experts(8, 16, 13, 3, torch.float32).requires_grad_(False)
+    index, weights, dropped = _routing(37, 13, 3, 0.0, torch.float32)
+    hidden = torch.randn(37, 8, requires_grad=True)
+    weights.requires_grad_()
+    grouped_experts_forward(experts, hidden, index, weights).sum().backward()
+    reference_hidden = hidden.detach().requires_grad_()
+    reference_weights = weights.detach().requires_grad_()
+    eager_experts_forward(experts, reference_hidden, index, reference_weights).sum().backward()
+    torch.testing.assert_close(hidden.grad, reference_hidden.grad)
+    torch.testing.assert_close(weights.grad, reference_weights.grad)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_block_dispatch_grouped_vs_eager(capacity_factor):
+    """The MH-MoE block (h=2, routing.route with and without capacity drops) gives the same output both ways."""
+    config = MHMoEConfig(
+        hidden_size=16,
+        num_attention_heads=2,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        moe_heads=2,
+        capacity_factor=capacity_factor,
+    )
+    torch.manual_seed(0)
+    block = MHMoESparseMoeBlock(config)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, 0.3)
+    x = torch.randn(2, 9, 16)
+    results = []
+    for implementation in ("eager", "grouped_mm"):
+        block.experts.config._experts_implementation = implementation
+        block.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_()
+        out = block(inp)
+        out.square().sum().backward()
+        results.append([out.detach(), inp.grad] + [p.grad for p in block.parameters()])
+    for want, have in zip(*results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sort_by_expert_contract():
+    experts = torch.tensor([[2, 0], [5, 2], [1, 5], [2, 3]])  # 5 = dropped (E=5)
+    order, offsets = sort_by_expert(experts, 5)
+    flat = experts.reshape(-1)
+    assert order.dtype == torch.int64 and offsets.dtype == torch.int32
+    assert flat[order].tolist() == [0, 1, 2, 2, 2, 3, 5, 5]
+    assert order.tolist()[:6] == [1, 4, 0, 3, 6, 7]  # stable: ties keep (row, slot) order
+    assert offsets.tolist() == [1, 2, 5, 6, 6]
+
+
+def test_route_contract():
+    logits = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
+    weights, experts = route(logits, 2, capacity_factor=0.5)
+    assert weights.dtype == torch.float32 and experts.dtype == torch.int64
+    dropped = experts == 6
+    assert dropped.any() and torch.count_nonzero(weights[dropped]) == 0
+    kept_counts = torch.bincount(experts[~dropped], minlength=6)
+    assert int(kept_counts.max()) <= 14  # ceil(0.5 * 40 * 2 / 6)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_retain_graph_backward_twice(act):
+    """The backward reuses forward buffers only when the graph is freed; with retain_graph a second pass still works."""
+    experts = _experts(8, 16, 13, 3, torch.float32, act)
+    index, weights, dropped = _routing(37, 13, 3, 0.3, torch.float32)
+    hidden = torch.randn(37, 8)
+    grad_out = torch.randn(37, 8)
+    expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+
+    inp = hidden.clone().requires_grad_()
+    experts.zero_grad(set_to_none=True)
+    out = grouped_experts_forward(experts, inp, index, weights.masked_fill(dropped, 0.0))
+    out.backward(grad_out, retain_graph=True)
+    first = (inp.grad.clone(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone())
+    out.backward(grad_out)  # frees the graph: this pass may reuse the saved buffers
+    second = (inp.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+    for want, one, two in zip((expected[1], expected[3], expected[4]), first, second):
+        torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(two, 2 * want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_block_under_gradient_checkpointing(use_reentrant):
+    """Recomputed forwards (HF gradient checkpointing) feed the buffer-reusing backward correctly."""
+    config = MHMoEConfig(
+        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16, moe_heads=3
+    )
+    torch.manual_seed(0)
+    block = MHMoESparseMoeBlock(config)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, 0.3)
+    x = torch.randn(2, 5, 24)
+    results = []
+    for implementation, checkpointed in (("eager", False), ("grouped_mm", True)):
+        block.experts.config._experts_implementation = implementation
+        block.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_()
+        if checkpointed:
+            out = torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=use_reentrant)
+        else:
+            out = block(inp)
+        out.square().sum().backward()
+        results.append([out.detach(), inp.grad] + [p.grad for p in block.parameters()])
+    for want, have in zip(*results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
