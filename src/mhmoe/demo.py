@@ -1,4 +1,4 @@
-"""End-to-end demo, offline on CPU: MH-MoE + MoH trained from scratch, reloaded, evaluated; LLaMA -> MoH recovery.
+"""End-to-end demo, offline on CPU: MH-MoE + MoH trained, reloaded; LLaMA -> MoH recovery; lm-eval.
 
 Run `python -m mhmoe.demo` (or `mhmoe-demo`; `--quick` is a smoke run of about a minute). Every stage reuses the
 library's own pieces: `mhmoe.train` (the one training loop; it trains the tokenizer too), the Auto classes,
@@ -87,7 +87,7 @@ def lm_eval_perplexity(model_dir: Path, val_file: str, block_size: int, limit: i
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mhmoe.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default 400, 40 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 600, 40 with --quick)")
     parser.add_argument("--output_dir", default="outputs/demo", help="where data, models, plots and results go")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch_size", type=int, default=16)
@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip_recovery", action="store_true", help="skip the dense LLaMA -> MoH recovery stage")
     parser.add_argument("--quick", action="store_true", help="tiny model and vocabulary, few steps")
     args = parser.parse_args(argv)
-    args.steps = args.steps if args.steps is not None else (40 if args.quick else 400)
+    args.steps = args.steps if args.steps is not None else (40 if args.quick else 600)
     args.vocab_size = args.vocab_size if args.vocab_size is not None else (512 if args.quick else 4096)
     return args
 
@@ -131,7 +131,14 @@ def main(argv=None) -> dict:
     print(f"expert load, layer 0: {' '.join(f'{x:.2f}' for x in experts[0].tolist())} -> {out / 'expert_load.png'}")
     print(f"head load, layer 0: {' '.join(f'{x:.2f}' for x in heads[0].tolist())} -> {out / 'head_load.png'}")
 
-    print("== 4. lm-eval on local held-out text (mhmoe_ppl_wikipedia)")
+    recovery = None
+    if not args.skip_recovery:
+        print("== 4. dense LLaMA -> MoH (75% heads) continue-tuning recovery (MoH paper Fig. 2, small)")
+        steps = dict(dense_steps=60, tune_steps=20, eval_steps=10) if args.quick else {}
+        recovery = run_recovery_demo(str(out / "recovery"), seed=args.seed, control=not args.quick, **steps)
+        print(format_result(recovery))
+
+    print("== 5. lm-eval on local held-out text (mhmoe_ppl_wikipedia)")
     evaluation = lm_eval_perplexity(model_dir, val_file, args.block_size, limit=8 if args.quick else None)
     m, routing = evaluation["metrics"], evaluation["routing"]
     print(f"lm-eval: token perplexity {m['token_perplexity']:.1f}, word perplexity {m['word_perplexity']:.1f}, "
@@ -139,13 +146,6 @@ def main(argv=None) -> dict:
           f"expert load entropy {routing['expert_load_entropy']:.2f}")  # fmt: skip
     print(f"same from the shell: mhmoe-eval --model_args pretrained={model_dir},max_length={args.block_size} "
           f"--tasks mhmoe_ppl_wikipedia --metadata '{json.dumps({'wikipedia_path': val_file})}'")
-
-    recovery = None
-    if not args.skip_recovery:
-        print("== 5. dense LLaMA -> MoH (75% heads) continue-tuning recovery (MoH paper Fig. 2, small)")
-        steps = dict(dense_steps=60, tune_steps=20, eval_steps=10) if args.quick else {}
-        recovery = run_recovery_demo(str(out / "recovery"), seed=args.seed, control=not args.quick, **steps)
-        print(format_result(recovery))
 
     elapsed = time.perf_counter() - start
     print(f"done in {elapsed:.0f} s; everything is in {out}")
