@@ -19,6 +19,7 @@ Usage: python benchmarks/moe_layer.py [--tokens 256 2048] [--repeats 7] [--quick
 """
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -144,6 +145,10 @@ def run(tokens: int, repeats: int, candidates: dict[str, nn.Module], warmup: int
     return results
 
 
+def _load() -> str:
+    return "/".join(f"{value:.2f}" for value in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="tokens per call (batch 1)")
@@ -153,6 +158,7 @@ def main() -> None:
     if args.quick:
         args.tokens, args.repeats = [256], 3
 
+    load_start = _load()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     candidates = build_candidates()
@@ -172,6 +178,7 @@ def main() -> None:
             cells = [f"{1e3 * t:8.1f}ms {r:4.2f}x" for t, r in row.values()]
             print(f"| {tokens:>6} | {mode:<7} | " + " | ".join(f"{cell:>15}" for cell in cells) + " |", flush=True)
     print(f"cells: median time, median per-round ratio to {REFERENCE}; total {time.perf_counter() - start:.0f} s")
+    print(f"load average (1/5/15 min) at start {load_start}, at end {_load()}: the machine has {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

@@ -95,14 +95,14 @@ def test_grouped_matches_eager(case, drop_fraction, act):
 def test_kernel_and_fallback_paths_are_both_covered(case):
     width, inter, num_experts, _, _, dtype, _ = CASES[case]
     experts = _experts(width, inter, num_experts, 3, dtype)
-    rows = torch.randn(10, width, dtype=dtype)
+    rows = torch.randn(10, width, dtype=dtype, generator=torch.Generator().manual_seed(0))
     takes_kernel = moe._kernel_accepts(rows, experts.gate_up_proj.transpose(1, 2))
     assert takes_kernel == (case.startswith("aligned") and moe._GROUPED_MM is not None)
 
 
 def test_every_assignment_dropped():
     experts = _experts(8, 16, 5, 2, torch.float32)
-    hidden = torch.randn(6, 8, requires_grad=True)
+    hidden = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
     weights = torch.zeros(6, 2, requires_grad=True)
     out = grouped_experts_forward(experts, hidden, torch.full((6, 2), 5), weights)
     out.sum().backward()
@@ -113,8 +113,9 @@ def test_every_assignment_dropped():
 def test_grouped_is_deterministic_and_leaves_inputs_alone():
     experts = _experts(8, 16, 13, 3, torch.float32)
     index, weights, dropped = _routing(37, 13, 3, 0.3, torch.float32)
-    hidden = torch.randn(37, 8)
-    grad_out = torch.randn(37, 8)
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(37, 8, generator=generator)
+    grad_out = torch.randn(37, 8, generator=generator)
     copies = (hidden.clone(), index.clone(), weights.clone(), grad_out.clone())
     first = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
     second = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
@@ -127,20 +128,22 @@ def test_grouped_is_deterministic_and_leaves_inputs_alone():
 def test_bf16_close_to_eager():
     experts = _experts(8, 16, 13, 3, torch.bfloat16)
     index, weights, dropped = _routing(37, 13, 3, 0.0, torch.float32)
-    hidden = torch.randn(37, 8, dtype=torch.bfloat16)
-    grad_out = torch.randn(37, 8, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 8, dtype=torch.bfloat16, generator=generator)
+    grad_out = torch.randn(37, 8, dtype=torch.bfloat16, generator=generator)
     expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
     got = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
     for want, have in zip(expected, got):
         assert have.dtype == want.dtype
-        torch.testing.assert_close(have.float(), want.float(), rtol=5e-2, atol=5e-2)
+        # bf16 roundings happen in different places (grouped GEMM vs per-expert linear): compare to the tensor's scale
+        assert (have.float() - want.float()).abs().max() <= 3e-2 * want.float().abs().max()
 
 
 def test_frozen_experts_only_input_grads():
     """With expert weights frozen (e.g. LoRA elsewhere) only the input and routing weights get gradients."""
     experts = _experts(8, 16, 13, 3, torch.float32).requires_grad_(False)
     index, weights, dropped = _routing(37, 13, 3, 0.0, torch.float32)
-    hidden = torch.randn(37, 8, requires_grad=True)
+    hidden = torch.randn(37, 8, generator=torch.Generator().manual_seed(5)).requires_grad_()
     weights.requires_grad_()
     grouped_experts_forward(experts, hidden, index, weights).sum().backward()
     reference_hidden = hidden.detach().requires_grad_()
@@ -205,8 +208,9 @@ def test_retain_graph_backward_twice(act):
     """The backward reuses forward buffers only when the graph is freed; with retain_graph a second pass still works."""
     experts = _experts(8, 16, 13, 3, torch.float32, act)
     index, weights, dropped = _routing(37, 13, 3, 0.3, torch.float32)
-    hidden = torch.randn(37, 8)
-    grad_out = torch.randn(37, 8)
+    generator = torch.Generator().manual_seed(6)
+    hidden = torch.randn(37, 8, generator=generator)
+    grad_out = torch.randn(37, 8, generator=generator)
     expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
 
     inp = hidden.clone().requires_grad_()
@@ -246,3 +250,21 @@ def test_block_under_gradient_checkpointing(use_reentrant):
         results.append([out.detach(), inp.grad] + [p.grad for p in block.parameters()])
     for want, have in zip(*results):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_inference_path_matches_eager(case, act):
+    """Without autograd the forward works in place (no act buffer); same output as eager and as the training path."""
+    width, inter, num_experts, top_k, num_rows, dtype, tol = CASES[case]
+    experts = _experts(width, inter, num_experts, top_k, dtype, act)
+    index, weights, dropped = _routing(num_rows, num_experts, top_k, 0.3, dtype)
+    weights = weights.masked_fill(dropped, 0.0)
+    hidden = torch.randn(num_rows, width, dtype=dtype, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = eager_experts_forward(experts, hidden, index, weights)
+        got = grouped_experts_forward(experts, hidden, index, weights)
+    training_path = grouped_experts_forward(experts, hidden, index, weights)
+    assert training_path.requires_grad
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, training_path.detach(), rtol=tol, atol=tol)

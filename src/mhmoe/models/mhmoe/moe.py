@@ -122,6 +122,33 @@ def _sum_slots(slots: torch.Tensor, top_k: int) -> torch.Tensor:
     return slots.view(-1, top_k, slots.shape[-1]).sum(dim=1) if top_k > 1 else slots
 
 
+def _experts_forward(
+    hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped, for_backward
+):
+    """The forward computation; returns (N, W) output and, `for_backward`, the tensors the backward needs.
+
+    Without a backward to come, act(gate)·up is computed in place in gate_up's gate half (no (S, I) allocation).
+    """
+    top_k = top_k_weights.shape[-1]
+    inter = down_proj.shape[-1]
+    source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
+
+    rows = hidden_states.index_select(0, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
+    gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets)  # (S_kept, 2I)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if for_backward:  # gate and up are kept: act(gate)·up goes to a new buffer; act itself is recomputed later
+        hidden = _activation(act_fn, gate)
+        hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
+    else:
+        hidden = _activation(act_fn, gate, out=gate).mul_(up)  # (S_kept, I) view, row stride 2I
+    expert_out = _grouped_mm(hidden, down_proj.transpose(1, 2), offsets)  # (S_kept, W)
+
+    slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
+    acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
+    out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
+    return out.to(hidden_states.dtype), ((rows, gate_up, hidden, slots, source_rows) if for_backward else ())
+
+
 class _GroupedExperts(torch.autograd.Function):
     """Expert rows gathered by expert -> gate/up grouped GEMM -> act(gate)·up -> down grouped GEMM -> weighted sum of
     each row's K slots (one bmm, in slot order: deterministic).
@@ -136,25 +163,14 @@ class _GroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped):
-        top_k = top_k_weights.shape[-1]
-        inter = down_proj.shape[-1]
-        source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
-
-        rows = hidden_states.index_select(0, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
-        gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets)  # (S_kept, 2I)
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        hidden = _activation(act_fn, gate)
-        hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I); act not kept
-        expert_out = _grouped_mm(hidden, down_proj.transpose(1, 2), offsets)  # (S_kept, W)
-
-        slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
-        acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
-        out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
-
-        ctx.save_for_backward(rows, gate_up, hidden, slots, top_k_weights, gate_up_proj, down_proj)
+        out, saved = _experts_forward(
+            hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped, True
+        )
+        *saved, source_rows = saved
+        ctx.save_for_backward(*saved, top_k_weights, gate_up_proj, down_proj)
         ctx.index = (order, offsets, source_rows, slot_pos, dropped)
         ctx.act_fn, ctx.hidden_dtype = act_fn, hidden_states.dtype
-        return out.to(hidden_states.dtype)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -216,9 +232,10 @@ def grouped_experts_forward(
     # slot_pos[j]: where flat assignment j sits in `order` (dropped ones point at 0 and are masked)
     slot_pos = order.new_zeros(num_rows * top_k) if dropped is not None else order.new_empty(num_rows * top_k)
     slot_pos.index_copy_(0, order, torch.arange(num_kept, device=order.device))
-    return _GroupedExperts.apply(
-        hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn, order, offsets, slot_pos, dropped
-    )
+    args = (hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn, order, offsets, slot_pos, dropped)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
+        return _GroupedExperts.apply(*args)
+    return _experts_forward(*args, for_backward=False)[0]
 
 
 def _drop_sentinels(experts_forward):
