@@ -69,7 +69,9 @@ def main():
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, fp32, T=2048")
     for name in ("hf_smoe_grouped", "ours_h3"):
         mib, user, system = faults_per_step(candidates[name], x, grad)
-        print(f"{name:16s} fwd+bwd: minor page faults {mib:5.0f} MiB/step, CPU user {user:5.0f} ms, system {system:4.0f} ms")
+        print(
+            f"{name:16s} fwd+bwd: minor page faults {mib:5.0f} MiB/step, CPU user {user:5.0f} ms, system {system:4.0f} ms"
+        )
     for label, shape in (("h=3 gate/up", (18432, 256, 96, 1024)), ("Mixtral gate/up", (2048, 768, 8, 4096))):
         for name, (seconds, gflops) in gemm_case(*shape).items():
             print(f"{label:16s} {name:34s} {seconds * 1e3:6.1f} ms {gflops:6.1f} GFLOP/s")
