@@ -70,7 +70,8 @@ def main():
     for name in ("hf_smoe_grouped", "ours_h3"):
         mib, user, system = faults_per_step(candidates[name], x, grad)
         print(
-            f"{name:16s} fwd+bwd: minor page faults {mib:5.0f} MiB/step, CPU user {user:5.0f} ms, system {system:4.0f} ms"
+            f"{name:16s} fwd+bwd: minor page faults {mib:5.0f} MiB/step, "
+            f"CPU user {user:5.0f} ms, system {system:4.0f} ms"
         )
     for label, shape in (("h=3 gate/up", (18432, 256, 96, 1024)), ("Mixtral gate/up", (2048, 768, 8, 4096))):
         for name, (seconds, gflops) in gemm_case(*shape).items():
