@@ -229,7 +229,12 @@ def test_retain_graph_backward_twice(act):
 def test_block_under_gradient_checkpointing(use_reentrant):
     """Recomputed forwards (HF gradient checkpointing) feed the buffer-reusing backward correctly."""
     config = MHMoEConfig(
-        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16, moe_heads=3
+        hidden_size=24,
+        num_attention_heads=2,
+        num_experts=7,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        moe_heads=3,
     )
     torch.manual_seed(0)
     block = MHMoESparseMoeBlock(config)

@@ -232,7 +232,8 @@ def grouped_experts_forward(
     # slot_pos[j]: where flat assignment j sits in `order` (dropped ones point at 0 and are masked)
     slot_pos = order.new_zeros(num_rows * top_k) if dropped is not None else order.new_empty(num_rows * top_k)
     slot_pos.index_copy_(0, order, torch.arange(num_kept, device=order.device))
-    args = (hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn, order, offsets, slot_pos, dropped)
+    weights = (self.gate_up_proj, self.down_proj)
+    args = (hidden_states, top_k_weights, *weights, self.act_fn, order, offsets, slot_pos, dropped)
     if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
         return _GroupedExperts.apply(*args)
     return _experts_forward(*args, for_backward=False)[0]
