@@ -25,9 +25,10 @@ from mhmoe.hub import ExportError, check_exported_code, export_pretrained, main
 from tests.fixtures import lm_eval_data as fx
 
 REPO = Path(__file__).resolve().parents[1]
-MOH_LLAMA = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                 max_position_embeddings=256, moh_shared_heads=1, moh_active_heads=2, moh_router="l2",
-                 moh_straight_through=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+MOH_LLAMA = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, max_position_embeddings=256, moh_shared_heads=1, moh_active_heads=2,
+                 moh_router="l2", moh_straight_through=True, bos_token_id=0, eos_token_id=0,
+                 pad_token_id=0)  # fmt: skip
 MOH_LLAMA_ACTIVE_PCT = 100.0 * (1 + 2) / 6
 
 # Loads every exported folder with the Auto classes and writes its logits and greedy cached generation.
@@ -112,7 +113,8 @@ def test_loads_without_mhmoe(exported):
     save_file(inputs, root / "inputs.safetensors")
     (root / "load.py").write_text(LOAD_SCRIPT)
     folders = {name: str(path) for name, path in exported["dirs"].items()}
-    cmd = [sys.executable, str(root / "load.py"), json.dumps(folders), str(root / "inputs.safetensors"), str(root / "got")]
+    cmd = [sys.executable, str(root / "load.py"), json.dumps(folders), str(root / "inputs.safetensors"),
+           str(root / "got")]
     proc = subprocess.run(cmd, cwd=root, env=_blocked_env(root), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, info = load_file(root / "got.safetensors"), json.loads((root / "got.json").read_text())
@@ -155,7 +157,8 @@ def test_exported_folder(exported):
     for name in ("configuration_moh_llama.py", "modeling_moh_llama.py"):
         text = (moh_dir / name).read_text()
         assert "from .." not in text and text.replace("from .", "from ..mhmoe.") != text
-    assert "from .configuration_mhmoe import moh_config_problems" in (moh_dir / "configuration_moh_llama.py").read_text()
+    config_code = (moh_dir / "configuration_moh_llama.py").read_text()
+    assert "from .configuration_mhmoe import moh_config_problems" in config_code
     for folder in (mhmoe_dir, moh_dir):
         names = {p.name for p in folder.iterdir()}
         assert {"model.safetensors", "generation_config.json", "README.md", "tokenizer.json"} <= names

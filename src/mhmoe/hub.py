@@ -1,4 +1,4 @@
-"""Export a checkpoint with its modeling code, so that it loads with `trust_remote_code=True` where mhmoe is not installed.
+"""Export a checkpoint with its modeling code, so that it loads with `trust_remote_code=True` without mhmoe installed.
 
 `export_pretrained(model_or_dir, save_directory, tokenizer=None)` writes a self-contained folder:
 
@@ -96,7 +96,7 @@ def _flatten_imports(path: Path, package_root: Path) -> tuple[str, list[Path]]:
         target = base.joinpath(*node.module.split(".")).with_suffix(".py")
         if not target.is_file() or package_root not in target.resolve().parents:
             raise ExportError(f"{path}:{node.lineno}: the relative import of {node.module!r} is not a module file of "
-                              f"the mhmoe package; exported code may import relatively only from module files")  # fmt: skip
+                              "the mhmoe package; exported code may import relatively only from module files")
         needed.append(target.resolve())
         if node.level != 1 or "." in node.module:
             line = lines[node.lineno - 1]
