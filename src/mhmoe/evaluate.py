@@ -11,7 +11,9 @@
   include path, `--model mhmoe` by default, and the table rows and routing statistics added to the results.
 
 lm-eval finds models only in modules that are imported (no entry points), so plain `lm-eval --model mhmoe` does not
-work; use `mhmoe-eval`, or `import mhmoe.evaluate` before calling `lm_eval.simple_evaluate`.
+work; use `mhmoe-eval`, or `import mhmoe.evaluate` before calling `lm_eval.simple_evaluate`. A checkpoint exported
+with its modeling code (`mhmoe.hub.export_pretrained`, `mhmoe-export`) also runs with plain lm-eval and no mhmoe
+installed: `lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` (without routing statistics).
 """
 
 from __future__ import annotations
@@ -38,9 +40,6 @@ from mhmoe.models.mhmoe.moh import MoHRouter
 log = logging.getLogger(__name__)
 
 ROUTING_KEY = "routing_statistics"
-# MoH protocol: a module with this attribute (initialised to None in __init__) that sets it in each forward to the
-# detached gates of that forward, shaped (..., num_heads) with leading dims (batch, seq) or (batch * seq,), is
-# counted: head h is activated for a token where its gate is nonzero (shared heads count as activated).
 EVAL_TASKS_ENV = "MHMOE_EVAL_TASKS"
 
 _ACTIVE: dict = {}  # the most recently built MHMoELM's tokenizer, for the perplexity tasks' token counts
