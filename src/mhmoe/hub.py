@@ -360,9 +360,15 @@ def export_pretrained(
     if push_to_hub:
         from huggingface_hub import HfApi
 
-        api = HfApi(token=token)
-        api.create_repo(push_to_hub, private=private, exist_ok=True)
-        api.upload_folder(repo_id=push_to_hub, folder_path=save_directory, commit_message=commit_message)
+        try:
+            api = HfApi(token=token)
+            api.create_repo(push_to_hub, private=private, exist_ok=True)
+            api.upload_folder(repo_id=push_to_hub, folder_path=save_directory, commit_message=commit_message)
+        except Exception as e:  # network, authentication, offline mode: the export itself is complete
+            raise ExportError(
+                f"{save_directory} was exported, but uploading it to {push_to_hub} failed ({type(e).__name__}: {e}); "
+                f"log in (`hf auth login`) or pass token=..., then retry with `hf upload {push_to_hub} {save_directory}`"
+            ) from e
     return Path(save_directory)
 
 
