@@ -367,7 +367,7 @@ def export_pretrained(
         except Exception as e:  # network, authentication, offline mode: the export itself is complete
             raise ExportError(
                 f"{save_directory} was exported, but uploading it to {push_to_hub} failed ({type(e).__name__}: {e}); "
-                f"log in (`hf auth login`) or pass token=..., then retry with `hf upload {push_to_hub} {save_directory}`"
+                f"log in (`hf auth login`) or pass token=..., then retry: `hf upload {push_to_hub} {save_directory}`"
             ) from e
     return Path(save_directory)
 
