@@ -301,7 +301,8 @@ def export_pretrained(
     `overwrite`: replace a non-empty `save_directory` (refused otherwise). `model_card`: write README.md.
     `push_to_hub`: a Hub repo id ("user/name"); the finished folder is uploaded with `HfApi.upload_folder` (repo
     created if missing, `private` and `token` passed on). Not covered by the offline tests: it needs the network.
-    Raises `ExportError` for anything refused; nothing is left at `save_directory` then.
+    Raises `ExportError` for anything refused (nothing is written then), and for a failed upload (the exported folder
+    stays; the message gives the command that retries the upload).
     """
     from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
