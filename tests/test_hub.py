@@ -7,6 +7,7 @@ ImportError (it shadows the editable install; src/ is not on the path). Two tiny
 routing matters), from memory; (b) a MoH-LLaMA with the l2 router and straight-through gates, from a directory.
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -42,7 +43,7 @@ except ImportError as e:
     blocked = str(e)
 else:
     sys.exit(f"mhmoe is importable from {mhmoe.__file__}")
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 torch.set_num_threads(1)
 folders, inputs, out = json.loads(sys.argv[1]), load_file(sys.argv[2]), sys.argv[3]
@@ -78,6 +79,20 @@ def _leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))  # temporary / moved-aside dirs
 
 
+@contextlib.contextmanager
+def _datasets_cache(path: Path):
+    try:
+        import datasets
+    except ImportError:  # without lm-eval (and datasets) the lm-eval tests skip
+        yield
+        return
+    saved, datasets.config.HF_DATASETS_CACHE = datasets.config.HF_DATASETS_CACHE, path
+    try:
+        yield
+    finally:
+        datasets.config.HF_DATASETS_CACHE = saved
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub")
@@ -97,8 +112,9 @@ def exported(tmp_path_factory):
     moh_model.save_pretrained(root / "moh_src")
     tokenizer.save_pretrained(root / "moh_src")
     export_pretrained(root / "moh_src", root / "out" / "moh_llama")  # the directory route; tokenizer found there
-    return {"root": root, "tokenizer": tokenizer, "models": {"mhmoe": mhmoe_model, "moh_llama": moh_model},
-            "dirs": {"mhmoe": root / "out" / "mhmoe", "moh_llama": root / "out" / "moh_llama"}}  # fmt: skip
+    with _datasets_cache(root / "hf_datasets"):  # the in-process evaluations' cache, as the subprocesses'
+        yield {"root": root, "tokenizer": tokenizer, "models": {"mhmoe": mhmoe_model, "moh_llama": moh_model},
+               "dirs": {"mhmoe": root / "out" / "mhmoe", "moh_llama": root / "out" / "moh_llama"}}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- loading without mhmoe
@@ -189,6 +205,7 @@ def _ppl_metadata(root: Path) -> dict:
 def test_lm_eval_hf_trust_remote_code(exported):
     """Plain `lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` with mhmoe blocked gives the
     perplexities the `mhmoe` model computes in-process on the same folder."""
+    pytest.importorskip("lm_eval")
     from mhmoe import evaluate as mev
 
     root, folder = exported["root"], exported["dirs"]["mhmoe"]
@@ -217,6 +234,7 @@ def test_lm_eval_hf_trust_remote_code(exported):
 def test_lm_eval_moh_llama_routing_statistics(exported):
     """The exported moh_llama checkpoint through the `mhmoe` lm-eval model: MoH activated heads % is reported, and
     with the l2 router's 0/1 gates it is exactly (shared + active) / heads."""
+    pytest.importorskip("lm_eval")
     import lm_eval
 
     from mhmoe import evaluate as mev
