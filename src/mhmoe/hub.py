@@ -35,12 +35,13 @@ import shutil
 import sys
 from pathlib import Path
 
-from .conversion import ConversionError, _fsync, _read_header, _replace_dir, _temporary_dir_next_to, _weight_files
+from .conversion import (
+    SAFE_INDEX_NAME, ConversionError, _fsync, _read_header, _replace_dir, _temporary_dir_next_to, _weight_files,
+)
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
-AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 ALLOWED_IMPORTS = frozenset({"torch", "transformers", "huggingface_hub"}) | frozenset(sys.stdlib_module_names)
 _RELATIVE_FROM = re.compile(r"from\s+\.+[\w.]*\s+import")
 
@@ -170,7 +171,7 @@ def _source_dir(path: str):
         shards, weight_map = _weight_files(path)
     except ConversionError as e:
         raise ExportError(str(e)) from None
-    return config, shards + ([] if weight_map is None else ["model.safetensors.index.json"])
+    return config, shards + ([] if weight_map is None else [SAFE_INDEX_NAME])
 
 
 def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) -> None:
