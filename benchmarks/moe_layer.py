@@ -9,7 +9,7 @@ All candidates have the same activated FLOPs per token (d=768; the FLOPs-parity 
   ours_h2          MHMoESparseMoeBlock h=2 E=40 k=2 f=768, head + merge layers
   ours_h3          MHMoESparseMoeBlock h=3 E=96 k=3 f=512, head + merge layers
 
-fp32, `torch.set_num_threads(2)`. Each round times every candidate once, in a rotated order, on the same input
+fp32, `torch.set_num_threads(2)` (`--threads`). Each round times every candidate once, in a rotated order, on the same input
 (fresh random weights, normal std 0.02; routing is near-uniform, as at initialisation). A candidate's time is its
 median over rounds; its ratio is the median over rounds of (its time / hf_smoe_grouped's time in the same round),
 so slow drifts of a shared machine cancel. "fwd" runs under `torch.no_grad()`; "fwd+bwd" runs forward with an input
@@ -154,12 +154,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="tokens per call (batch 1)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per (tokens, mode)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 256 tokens, 3 rounds")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (the dev machine has 2 cores)")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.repeats = [256], 3
 
     load_start = _load()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     candidates = build_candidates()
     print(

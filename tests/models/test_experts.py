@@ -273,3 +273,79 @@ def test_inference_path_matches_eager(case, act):
     assert training_path.requires_grad
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
     torch.testing.assert_close(got, training_path.detach(), rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    """A fresh buffer pool that takes buffers of any size (the real one skips those under 16 MiB: tiny tests)."""
+    fresh = moe.BufferPool(max_bytes=2**30, min_bytes=0)
+    monkeypatch.setattr(moe, "BUFFER_POOL", fresh)
+    return fresh
+
+
+@pytest.mark.parametrize("drop_fraction", [0.0, 0.3], ids=["dropless", "capacity-dropped"])
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_pooled_buffers_are_reused_and_results_unchanged(pool, act, drop_fraction):
+    """Steps that reuse the previous step's (stale) buffers give eager's outputs and gradients every time."""
+    width, inter, num_experts, top_k, num_rows, dtype, tol = CASES["aligned-fp32"]
+    experts = _experts(width, inter, num_experts, top_k, dtype, act)
+    index, weights, dropped = _routing(num_rows, num_experts, top_k, drop_fraction, dtype)
+    generator = torch.Generator().manual_seed(8)
+    expected = None
+    for step in range(3):
+        hidden = torch.randn(num_rows, width, generator=generator, dtype=dtype)
+        grad_out = torch.randn(num_rows, width, generator=generator, dtype=dtype)
+        expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+        handed_out = {buf.data_ptr() for buf in pool._free}
+        got = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+        for want, have in zip(expected, got):
+            torch.testing.assert_close(have, want, rtol=tol, atol=tol)
+        # gate_up, act(gate)·up and d hidden come back after the backward; from step 2 on they are the same memory
+        assert len(pool._free) == 3
+        if step:
+            assert {buf.data_ptr() for buf in pool._free} == handed_out
+
+
+def test_pool_keeps_buffers_while_a_graph_needs_them(pool):
+    """retain_graph keeps the saved buffers out of the pool; two graphs alive at once never share a buffer."""
+    experts = _experts(8, 16, 13, 3, torch.float32)
+    index, weights, dropped = _routing(37, 13, 3, 0.0, torch.float32)
+    generator = torch.Generator().manual_seed(9)
+    inputs = [torch.randn(37, 8, generator=generator) for _ in range(2)]
+    grad_out = torch.randn(37, 8, generator=generator)
+    expected = [_run(eager_experts_forward, experts, x, index, weights, dropped, grad_out)[1] for x in inputs]
+
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    outs = [grouped_experts_forward(experts, leaf, index, weights) for leaf in leaves]  # two graphs alive
+    assert len(pool._free) == 0
+    outs[0].backward(grad_out, retain_graph=True)
+    assert len(pool._free) == 1  # only the backward's own d hidden: the graph still holds gate_up and act·up
+    outs[1].backward(grad_out)  # reuses d hidden; graph 0's saved buffers are untouched
+    outs[0].backward(grad_out)  # second pass through the retained graph
+    torch.testing.assert_close(leaves[1].grad, expected[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(leaves[0].grad, 2 * expected[0], rtol=1e-5, atol=1e-5)
+    assert len(pool._free) == 5  # graph 1: 2 + its d hidden; graph 0: 2 (its d hidden buffers were reused)
+
+
+def test_pool_in_inference_and_its_limits(pool):
+    experts = _experts(8, 16, 13, 3, torch.float32)
+    index, weights, _ = _routing(37, 13, 3, 0.0, torch.float32)
+    hidden = torch.randn(37, 8, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        first = grouped_experts_forward(experts, hidden, index, weights)
+        assert len(pool._free) == 1  # the no-grad forward gives its gate/up buffer back
+        second = grouped_experts_forward(experts, hidden, index, weights)
+        expected = eager_experts_forward(experts, hidden, index, weights)
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(first, second) and len(pool._free) == 1
+
+    buffer = pool._free[0]
+    pool.give(buffer)  # already pooled: not kept twice
+    assert len(pool._free) == 1
+    pool.max_bytes = buffer.numel() * buffer.element_size() - 1
+    pool.give(torch.empty(4))  # over the limit: the oldest buffers go
+    assert len(pool._free) == 1 and pool._free[0].numel() == 4
+    pool.clear()
+    assert pool.nbytes == 0
+    pool.max_bytes = 0  # off
+    assert pool.take(3, 4, hidden) is None

@@ -5,6 +5,9 @@ K = num_experts_per_tok, S = N·K assignments, I = moe_intermediate_size. Expert
 v5 MoE models: `gate_up_proj` (E, 2I, W) and `down_proj` (E, W, I). Expert id E marks a dropped assignment.
 """
 
+import os
+import threading
+
 import torch
 import torch.nn.functional as F
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
@@ -34,7 +37,9 @@ def _kernel_accepts(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Grouped GEMM over row groups ending at `offsets` (E,) int32.
 
     a (S, in) @ b (E, in, out) -> (S, out): rows of group e times b[e]. Rows from offsets[-1] on are not computed
@@ -42,16 +47,17 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
     a (in, S) @ b (S, out) -> (E, in, out): per group e, a[:, group] @ b[group] (a weight gradient); 0 for an
         empty group.
     torch's kernel where it takes the operands (any strides that are 16-byte multiples, so transposed views of the
-    3-D expert weights go in without a copy); otherwise one matmul per non-empty group (odd shapes, old GPUs).
+    3-D expert weights go in without a copy); otherwise, or when `out` (S, out) is given (torch's kernel cannot write
+    into a given buffer), one matmul per non-empty group.
     """
     if a.dtype != b.dtype:
         a = a.to(b.dtype)
-    if _kernel_accepts(a, b):
+    if out is None and _kernel_accepts(a, b):
         return _GROUPED_MM(a, b, offs=offsets)
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
     if b.dim() == 3:
-        out = a.new_zeros(a.shape[0], b.shape[-1])
+        out = a.new_zeros(a.shape[0], b.shape[-1]) if out is None else out
         for expert, (start, end) in enumerate(zip(starts, ends)):
             if end > start:
                 torch.mm(a[start:end], b[expert], out=out[start:end])
@@ -61,6 +67,64 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
         if end > start:
             torch.mm(a[:, start:end], b[start:end], out=out[expert])
     return out
+
+
+class BufferPool:
+    """Large CPU buffers of the expert computation, kept from one step to the next.
+
+    glibc serves every allocation above 32 MiB with a fresh `mmap`, and each first touch of a 4 KiB page faults: for
+    fine-grained experts the (S, 2I) gate/up and (S, I) buffers are that large (75 and 38 MB for the paper's h=3
+    block at 2048 tokens) and faulting them in costs as much as a third of their GEMM (benchmarks/README.md). Buffers
+    come back after the backward that frees the graph (or at the end of a no-grad forward) and are handed out again,
+    best fit first. At most `max_bytes` are kept (env `MHMOE_CPU_BUFFER_POOL_MB`, default 2048; 0 turns the pool
+    off); `clear()` releases them. Only buffers of at least `min_bytes` on CPU are pooled: smaller ones are recycled by
+    the allocator anyway, and on GPUs torch's caching allocator already does this.
+    """
+
+    def __init__(self, max_bytes: int, min_bytes: int = 16 * 2**20):
+        self.max_bytes, self.min_bytes = max_bytes, min_bytes
+        self._free: list[torch.Tensor] = []  # flat buffers, oldest first
+        self._lock = threading.Lock()
+
+    def take(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
+        """An uninitialised (rows, cols) buffer of `like`'s dtype, or None when this size is not pooled."""
+        numel = rows * cols
+        if not self.max_bytes or like.device.type != "cpu" or numel * like.element_size() < self.min_bytes:
+            return None
+        with self._lock:
+            fits = [i for i, buf in enumerate(self._free) if buf.dtype == like.dtype and buf.numel() >= numel]
+            if fits:
+                best = min(fits, key=lambda i: self._free[i].numel())
+                return self._free.pop(best)[:numel].view(rows, cols)
+        return like.new_empty(rows, cols)
+
+    def give(self, *tensors: torch.Tensor | None) -> None:
+        """Return buffers nobody reads any more (views of a pooled buffer return the whole buffer)."""
+        with self._lock:
+            for tensor in tensors:
+                if tensor is None:
+                    continue
+                base = tensor if tensor._base is None else tensor._base
+                if base.device.type == "cpu" and base.is_contiguous() and self._nbytes(base) >= self.min_bytes:
+                    if all(buf.data_ptr() != base.data_ptr() for buf in self._free):
+                        self._free.append(base.view(-1))
+            while self._free and sum(map(self._nbytes, self._free)) > self.max_bytes:
+                self._free.pop(0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(self._nbytes, self._free))
+
+    @staticmethod
+    def _nbytes(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+
+BUFFER_POOL = BufferPool(int(os.environ.get("MHMOE_CPU_BUFFER_POOL_MB", "2048")) * 2**20)
 
 
 def _is_silu(act_fn) -> bool:
@@ -134,14 +198,18 @@ def _experts_forward(
     source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
 
     rows = hidden_states.index_select(0, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
-    gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets)  # (S_kept, 2I)
+    num_kept = rows.shape[0]
+    buffer = BUFFER_POOL.take(num_kept, 2 * inter, rows)
+    gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets, out=buffer)  # (S_kept, 2I)
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     if for_backward:  # gate and up are kept: act(gate)·up goes to a new buffer; act itself is recomputed later
-        hidden = _activation(act_fn, gate)
+        hidden = _activation(act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, rows))
         hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
     else:
         hidden = _activation(act_fn, gate, out=gate).mul_(up)  # (S_kept, I) view, row stride 2I
     expert_out = _grouped_mm(hidden, down_proj.transpose(1, 2), offsets)  # (S_kept, W)
+    if not for_backward:
+        BUFFER_POOL.give(buffer)  # dead: its act(gate)·up half has been read
 
     slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
     acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
@@ -193,12 +261,14 @@ class _GroupedExperts(torch.autograd.Function):
             grad_expert_out = grad_out.to(dtype).index_select(0, source_rows).mul_(weights_sorted)  # (S_kept, W)
             if need_down:
                 grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
-            grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets)  # (S_kept, I)
+            buffer = BUFFER_POOL.take(grad_expert_out.shape[0], inter, grad_expert_out)
+            grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets, out=buffer)  # (S_kept, I)
             gate, up = gate_up[:, :inter], gate_up[:, inter:]
             # d gate_up = [act'(gate)·up·d hidden | act(gate)·d hidden], the activation recomputed. Fresh (S, 2I) and
             # (S, I) buffers cost page faults on CPU at this size, so when the graph is freed afterwards the gradient
             # goes into gate_up's own buffer and d act into hidden's (both dead once read).
-            if _may_overwrite_saved_tensors():
+            overwrite = _may_overwrite_saved_tensors()
+            if overwrite:
                 grad_gate_up = gate_up
                 grad_act = torch.mul(grad_hidden, up, out=hidden)  # before `up` is overwritten
                 _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
@@ -212,6 +282,7 @@ class _GroupedExperts(torch.autograd.Function):
             if need_x:
                 grad_sorted = _grouped_mm(grad_gate_up, gate_up_proj, offsets)  # (S_kept, W)
                 grad_x = _sum_slots(_gather_slots(grad_sorted, slot_pos, dropped), top_k).to(ctx.hidden_dtype)
+            BUFFER_POOL.give(grad_hidden, *((gate_up, hidden) if overwrite else ()))  # the graph no longer needs them
         return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
