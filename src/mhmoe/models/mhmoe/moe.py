@@ -163,11 +163,17 @@ def _may_overwrite_saved_tensors() -> bool:
         return False
 
 
+def _select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, index), into a pooled buffer when the result is large."""
+    buffer = BUFFER_POOL.take(index.shape[0], x.shape[1], x)
+    return x.index_select(0, index) if buffer is None else torch.index_select(x, 0, index, out=buffer)
+
+
 def _gather_slots(sorted_rows: torch.Tensor, slot_pos: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
     """(S_kept, W) rows in expert order -> (N·K, W) rows in (row, slot) order; dropped slots are 0."""
     if sorted_rows.shape[0] == 0:  # every assignment dropped
         return sorted_rows.new_zeros(slot_pos.shape[0], sorted_rows.shape[1])
-    slots = sorted_rows.index_select(0, slot_pos)
+    slots = _select_rows(sorted_rows, slot_pos)
     if dropped is not None:
         slots.masked_fill_(dropped[:, None], 0.0)
     return slots
@@ -197,7 +203,7 @@ def _experts_forward(
     inter = down_proj.shape[-1]
     source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
 
-    rows = hidden_states.index_select(0, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
+    rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
     num_kept = rows.shape[0]
     buffer = BUFFER_POOL.take(num_kept, 2 * inter, rows)
     gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets, out=buffer)  # (S_kept, 2I)
@@ -207,14 +213,20 @@ def _experts_forward(
         hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
     else:
         hidden = _activation(act_fn, gate, out=gate).mul_(up)  # (S_kept, I) view, row stride 2I
-    expert_out = _grouped_mm(hidden, down_proj.transpose(1, 2), offsets)  # (S_kept, W)
+    expert_out = _grouped_mm(
+        hidden, down_proj.transpose(1, 2), offsets, out=BUFFER_POOL.take(num_kept, rows.shape[1], rows)
+    )  # (S_kept, W)
     if not for_backward:
-        BUFFER_POOL.give(buffer)  # dead: its act(gate)·up half has been read
+        BUFFER_POOL.give(buffer, rows)  # dead: act(gate)·up and the rows have been read
 
     slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
+    BUFFER_POOL.give(expert_out)
     acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
     out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
-    return out.to(hidden_states.dtype), ((rows, gate_up, hidden, slots, source_rows) if for_backward else ())
+    if not for_backward:
+        BUFFER_POOL.give(slots)
+        return out.to(hidden_states.dtype), ()
+    return out.to(hidden_states.dtype), (rows, gate_up, hidden, slots, source_rows)
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -258,7 +270,7 @@ class _GroupedExperts(torch.autograd.Function):
         if need_x or need_gate_up or need_down:
             dtype = hidden.dtype
             weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)
-            grad_expert_out = grad_out.to(dtype).index_select(0, source_rows).mul_(weights_sorted)  # (S_kept, W)
+            grad_expert_out = _select_rows(grad_out.to(dtype), source_rows).mul_(weights_sorted)  # (S_kept, W)
             if need_down:
                 grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
             buffer = BUFFER_POOL.take(grad_expert_out.shape[0], inter, grad_expert_out)
@@ -280,9 +292,14 @@ class _GroupedExperts(torch.autograd.Function):
             if need_gate_up:
                 grad_gate_up_proj = _grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
             if need_x:
-                grad_sorted = _grouped_mm(grad_gate_up, gate_up_proj, offsets)  # (S_kept, W)
-                grad_x = _sum_slots(_gather_slots(grad_sorted, slot_pos, dropped), top_k).to(ctx.hidden_dtype)
-            BUFFER_POOL.give(grad_hidden, *((gate_up, hidden) if overwrite else ()))  # the graph no longer needs them
+                pooled = BUFFER_POOL.take(*grad_expert_out.shape, grad_expert_out)
+                grad_sorted = _grouped_mm(grad_gate_up, gate_up_proj, offsets, out=pooled)  # (S_kept, W)
+                grad_slots = _gather_slots(grad_sorted, slot_pos, dropped)  # (N·K, W)
+                grad_x = _sum_slots(grad_slots, top_k).to(ctx.hidden_dtype)
+                BUFFER_POOL.give(grad_sorted, grad_slots if grad_x.data_ptr() != grad_slots.data_ptr() else None)
+            BUFFER_POOL.give(grad_hidden, grad_expert_out)
+            if overwrite:  # the graph no longer needs its saved buffers
+                BUFFER_POOL.give(rows, gate_up, hidden, slots)
         return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
