@@ -187,6 +187,7 @@ def test_exported_folder(exported):
     assert f"1 shared + 2 of 5 routed heads per token = {MOH_LLAMA_ACTIVE_PCT:.1f}%" in card and "`l2` router" in card
     assert 'from_pretrained("moh_llama", trust_remote_code=True)' in card and mhmoe.__version__ in card
     card = (mhmoe_dir / "README.md").read_text()
+    assert card.split("---")[1].count("- mhmoe\n") == 1  # the model type is also the library's name: one tag
     assert f"| parameters | {exported['models']['mhmoe'].num_parameters():,} " in card
     assert "2 of 2 layers: 4 experts, top-2, 2 MoE heads" in card and "shared expert inner size 32" in card
     assert "2 shared + 1 of 2 routed heads per token = 75.0%" in card and "`learned` router" in card

@@ -192,8 +192,7 @@ def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) 
 MODEL_CARD = """---
 library_name: transformers
 tags:
-- mhmoe
-- {model_type}
+{tags}
 - custom_code
 pipeline_tag: text-generation
 ---
@@ -273,6 +272,7 @@ def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: b
     rows = _architecture_rows(config, classes, _parameter_count(folder))
     return MODEL_CARD.format(
         name=repo.rsplit("/", 1)[-1], model_type=config.model_type, version=__version__, repo=repo,
+        tags="\n".join(f"- {tag}" for tag in dict.fromkeys(("mhmoe", config.model_type))),
         causal_class=classes["AutoModelForCausalLM"].__name__, transformers_version=transformers.__version__,
         rows="\n".join(f"| {k} | {v} |" for k, v in rows),
         tokenizer_import=", AutoTokenizer" if has_tokenizer else "",
