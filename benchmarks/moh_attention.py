@@ -13,8 +13,13 @@ the cache is left out: its cost depends on the cache class and is the same for a
 `shared` always + `active` routed ones drawn at random per round (a different draw each round, the same draw for
 `masked` and `skip`). Variants run interleaved, round after round; medians are reported.
 
+Each timed call starts from a cold cache (a buffer of 4x the L3 size is read first), as in a real decode step, where
+the other layers' weights and caches have evicted this layer's since its last step. `--warm` times without that
+(then how much of a 64 MB o_proj weight or a KV cache happens to survive in the 32 MB L3 differs between variants).
+
     python benchmarks/moh_attention.py                # LLaMA-7B-like layer: d=4096, 32 heads of 128, MHA
     python benchmarks/moh_attention.py --kv-heads 8   # GQA (LLaMA3-8B-like)
+    python benchmarks/moh_attention.py --warm         # caches left warm between calls
 """
 
 import argparse
@@ -36,6 +41,8 @@ def parse_args():
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the dev machine has 2 shared cores)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--warm", action="store_true", help="do not evict the caches before each timed call")
+    parser.add_argument("--flush-mb", type=int, default=128, help="size of the buffer read to evict the caches")
     return parser.parse_args()
 
 
@@ -59,6 +66,7 @@ def main():
     v_proj = torch.nn.Linear(d, kv_heads * head_dim, bias=False, dtype=dtype)
     o_proj = torch.nn.Linear(heads * head_dim, d, bias=False, dtype=dtype)
     hidden = torch.randn(1, 1, d, dtype=dtype)
+    flush = None if args.warm else torch.ones(args.flush_mb * 2**20 // 4)
     cos, sin = torch.randn(1, 1, head_dim, dtype=dtype), torch.randn(1, 1, head_dim, dtype=dtype)
 
     def project():
@@ -79,7 +87,8 @@ def main():
 
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}; d={d}, heads={heads} of {head_dim}, "
-        f"kv_heads={kv_heads}; batch 1, one query token; median of {args.rounds} interleaved rounds"
+        f"kv_heads={kv_heads}; batch 1, one query token; median of {args.rounds} interleaved rounds; "
+        + ("warm caches" if args.warm else f"caches evicted before each call ({args.flush_mb} MB read)")
     )
     header = (
         "| context | MHA core ms | masked 75% ms | skip 75% ms | skip 50% ms | core ratio 75% | core ratio 50% "
@@ -106,6 +115,8 @@ def main():
         times: dict[str, list[float]] = {}
 
         def timed(name, fn, *fn_args):
+            if flush is not None:
+                flush.sum()  # evict this layer's weights and cache from L1-L3
             start = time.perf_counter()
             result = fn(*fn_args)
             times.setdefault(name, []).append(time.perf_counter() - start)

@@ -346,17 +346,19 @@ def skipped_heads_attention(
     groups = heads // key.shape[1]
     length = key.shape[2]
     weight_t = _head_major_weight(o_proj)  # (H·hd, d)
-    out = query.new_empty(batch, seq, weight_t.shape[1])
-    active = (gates != 0).cpu()
-    weighted = not bool(((gates == 0) | (gates == 1)).all())  # straight-through gates are 0/1: nothing to multiply
     gates = gates.to(query.dtype)
+    gate_values = gates.tolist()  # one host read; the per-row head lists below are plain Python
+    rows = []
     for b in range(batch):
         key_b, value_b = key[b : b + 1], value[b : b + 1]  # (1, Hkv, L, hd)
         for t in range(seq):
             mask = _mask_row(attention_mask, b, t, length)
-            query_row, gates_row = query[b, :, t], gates[b, t]  # (H, hd), (H,)
+            query_row = query[b, :, t]  # (H, hd)
+            row_gates = gate_values[b][t]
+            active = [head for head, gate in enumerate(row_gates) if gate != 0.0]
+            weighted = any(row_gates[head] != 1.0 for head in active)  # straight-through gates are 1: no multiply
             acc = o_proj.bias
-            for start, end in _runs(active[b, t].nonzero().flatten().tolist()):
+            for start, end in _runs(active):
                 parts = []
                 for q0, q1, kv0, kv1 in _pieces(start, end, groups):
                     q = query_row[q0:q1].view(1, kv1 - kv0, -1, head_dim)  # (1, m, n/m, hd)
@@ -366,12 +368,12 @@ def skipped_heads_attention(
                     parts.append(attended.view(-1, head_dim))
                 heads_out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (end - start, hd)
                 if weighted:
-                    heads_out = heads_out * gates_row[start:end, None]
+                    heads_out = heads_out * gates[b, t, start:end, None]
                 heads_out = heads_out.view(1, -1)
-                rows = weight_t[start * head_dim : end * head_dim]  # contiguous view: ((end - start)·hd, d)
-                acc = torch.mm(heads_out, rows) if acc is None else torch.addmm(acc, heads_out, rows)
-            out[b, t] = acc.view(-1)
-    return out
+                block = weight_t[start * head_dim : end * head_dim]  # contiguous view: ((end - start)·hd, d)
+                acc = torch.mm(heads_out, block) if acc is None else torch.addmm(acc, heads_out, block)
+            rows.append(acc.view(-1))
+    return (rows[0] if len(rows) == 1 else torch.stack(rows)).view(batch, seq, -1)
 
 
 def masked_heads_attention(
