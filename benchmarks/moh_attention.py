@@ -13,13 +13,14 @@ the cache is left out: its cost depends on the cache class and is the same for a
 `shared` always + `active` routed ones drawn at random per round (a different draw each round, the same draw for
 `masked` and `skip`). Variants run interleaved, round after round; medians are reported.
 
-Each timed call starts from a cold cache (a buffer of 4x the L3 size is read first), as in a real decode step, where
-the other layers' weights and caches have evicted this layer's since its last step. `--warm` times without that
-(then how much of a 64 MB o_proj weight or a KV cache happens to survive in the 32 MB L3 differs between variants).
+Each timed call runs one decode step through a stack of `--layers` such layers (default 4), each with its own weights
+and KV cache, as a model does: every layer's data comes from memory (the other layers have evicted it from the 32 MB
+L3), while the code paths stay warm. Times are per layer. With `--layers 1` the same layer runs again and again, and
+how much of a 64 MB o_proj weight or a KV cache survives in the L3 between calls differs between the variants.
 
     python benchmarks/moh_attention.py                # LLaMA-7B-like layer: d=4096, 32 heads of 128, MHA
     python benchmarks/moh_attention.py --kv-heads 8   # GQA (LLaMA3-8B-like)
-    python benchmarks/moh_attention.py --warm         # caches left warm between calls
+    python benchmarks/moh_attention.py --layers 1     # one layer, timed again and again (warm caches)
 """
 
 import argparse
@@ -41,8 +42,7 @@ def parse_args():
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the dev machine has 2 shared cores)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--warm", action="store_true", help="do not evict the caches before each timed call")
-    parser.add_argument("--flush-mb", type=int, default=128, help="size of the buffer read to evict the caches")
+    parser.add_argument("--layers", type=int, default=4, help="layers per timed decode step, each with its own data")
     return parser.parse_args()
 
 
@@ -61,16 +61,21 @@ def main():
     head_dim = d // heads
     groups = heads // kv_heads
     scaling = head_dim**-0.5
-    q_proj = torch.nn.Linear(d, heads * head_dim, bias=False, dtype=dtype)
-    k_proj = torch.nn.Linear(d, kv_heads * head_dim, bias=False, dtype=dtype)
-    v_proj = torch.nn.Linear(d, kv_heads * head_dim, bias=False, dtype=dtype)
-    o_proj = torch.nn.Linear(heads * head_dim, d, bias=False, dtype=dtype)
+    layers = [
+        {
+            "q_proj": torch.nn.Linear(d, heads * head_dim, bias=False, dtype=dtype),
+            "k_proj": torch.nn.Linear(d, kv_heads * head_dim, bias=False, dtype=dtype),
+            "v_proj": torch.nn.Linear(d, kv_heads * head_dim, bias=False, dtype=dtype),
+            "o_proj": torch.nn.Linear(heads * head_dim, d, bias=False, dtype=dtype),
+        }
+        for _ in range(args.layers)
+    ]
     hidden = torch.randn(1, 1, d, dtype=dtype)
-    flush = None if args.warm else torch.ones(args.flush_mb * 2**20 // 4)
     cos, sin = torch.randn(1, 1, head_dim, dtype=dtype), torch.randn(1, 1, head_dim, dtype=dtype)
 
-    def project():
+    def project(layer):
         """The new token's q/k/v projections and RoPE (every variant pays them)."""
+        q_proj, k_proj, v_proj = layer["q_proj"], layer["k_proj"], layer["v_proj"]
         q = q_proj(hidden).view(1, 1, heads, head_dim)
         k = k_proj(hidden).view(1, 1, kv_heads, head_dim)
         v_proj(hidden)
@@ -87,8 +92,8 @@ def main():
 
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}; d={d}, heads={heads} of {head_dim}, "
-        f"kv_heads={kv_heads}; batch 1, one query token; median of {args.rounds} interleaved rounds; "
-        + ("warm caches" if args.warm else f"caches evicted before each call ({args.flush_mb} MB read)")
+        f"kv_heads={kv_heads}; batch 1, one query token; median of {args.rounds} interleaved rounds; each step "
+        f"through {args.layers} layer(s) with their own weights and KV cache, times per layer"
     )
     header = (
         "| context | MHA core ms | masked 75% ms | skip 75% ms | skip 50% ms | core ratio 75% | core ratio 50% "
@@ -97,46 +102,57 @@ def main():
     print(header)
     print("| --- " * (header.count("|") - 1) + "|")
     for length in args.contexts:
-        key = torch.randn(1, kv_heads, length, head_dim, dtype=dtype)
-        value = torch.randn(1, kv_heads, length, head_dim, dtype=dtype)
-        query = torch.randn(1, heads, 1, head_dim, dtype=dtype)
+        for layer in layers:
+            layer["key"] = torch.randn(1, kv_heads, length, head_dim, dtype=dtype)
+            layer["value"] = torch.randn(1, kv_heads, length, head_dim, dtype=dtype)
+            layer["query"] = torch.randn(1, heads, 1, head_dim, dtype=dtype)
 
-        def mha():
-            out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=groups > 1)
-            return o_proj(out.transpose(1, 2).reshape(1, 1, -1))
+        def attend(layer):
+            return F.scaled_dot_product_attention(
+                layer["query"], layer["key"], layer["value"], scale=scaling, enable_gqa=groups > 1
+            )
 
-        def masked(gates):
-            out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=groups > 1)
-            return o_proj((out.transpose(1, 2) * gates[..., None]).reshape(1, 1, -1))
+        def mha(layer, gates=None):
+            return layer["o_proj"](attend(layer).transpose(1, 2).reshape(1, 1, -1))
 
-        def skip(gates):
-            return skipped_heads_attention(query, key, value, None, gates, o_proj, scaling)
+        def masked(layer, gates):
+            return layer["o_proj"]((attend(layer).transpose(1, 2) * gates[..., None]).reshape(1, 1, -1))
+
+        def skip(layer, gates):
+            return skipped_heads_attention(
+                layer["query"], layer["key"], layer["value"], None, gates, layer["o_proj"], scaling
+            )
+
+        def route_layer(layer, route_args):
+            return route(*route_args)
 
         times: dict[str, list[float]] = {}
 
-        def timed(name, fn, *fn_args):
-            if flush is not None:
-                flush.sum()  # evict this layer's weights and cache from L1-L3
+        def timed(name, fn, per_layer_args):
+            """One decode step through all layers; the time per layer."""
             start = time.perf_counter()
-            result = fn(*fn_args)
-            times.setdefault(name, []).append(time.perf_counter() - start)
-            return result
+            results = [fn(layer, arg) for layer, arg in zip(layers, per_layer_args)]
+            times.setdefault(name, []).append((time.perf_counter() - start) / len(layers))
+            return results
 
         with torch.no_grad():
             for round_index in range(args.rounds + 2):  # two warm-up rounds
-                timed("project", project)
-                q_pre, _ = project()
-                timed("mha", mha)
+                none = [None] * len(layers)
+                q_pre = [q for q, _ in timed("project", lambda layer, _: project(layer), none)]
+                timed("mha", mha, none)
                 for name, (shared, active) in settings(heads).items():
-                    timed(f"route {name}", route, q_pre, shared, active)
-                    draw = torch.randperm(heads - shared)[:active] + shared
-                    gates = torch.zeros(1, 1, heads, dtype=dtype)
-                    gates[..., :shared] = 1
-                    gates[..., draw] = 1
+                    timed(f"route {name}", route_layer, [(q, shared, active) for q in q_pre])
+                    gates = []
+                    for _ in layers:
+                        draw = torch.randperm(heads - shared)[:active] + shared
+                        gates.append(torch.zeros(1, 1, heads, dtype=dtype))
+                        gates[-1][..., :shared] = 1
+                        gates[-1][..., draw] = 1
                     expected = timed(f"masked {name}", masked, gates)
                     got = timed(f"skip {name}", skip, gates)
                     if round_index == 0:
-                        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)  # skipping = masking
+                        for want, have in zip(expected, got):
+                            torch.testing.assert_close(have, want, rtol=1e-3, atol=1e-3)  # skipping = masking
                 if round_index < 2:
                     times.clear()
         median = {name: statistics.median(values) * 1e3 for name, values in times.items()}
