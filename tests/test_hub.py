@@ -203,21 +203,22 @@ def _ppl_metadata(root: Path) -> dict:
     return {"c4_path": str(corpora / "c4_validation.jsonl")}
 
 
-def test_lm_eval_hf_trust_remote_code(exported):
+@pytest.mark.parametrize("name", ["mhmoe", "moh_llama"])
+def test_lm_eval_hf_trust_remote_code(exported, name):
     """Plain `lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` with mhmoe blocked gives the
     perplexities the `mhmoe` model computes in-process on the same folder."""
     pytest.importorskip("lm_eval")
     from mhmoe import evaluate as mev
 
-    root, folder = exported["root"], exported["dirs"]["mhmoe"]
+    root, folder = exported["root"], exported["dirs"][name]
     metadata = _ppl_metadata(root)
     cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf",
            "--model_args", f"pretrained={folder},trust_remote_code=True,max_length=512",
            "--include_path", str(REPO / "eval_tasks"), "--tasks", "mhmoe_ppl_c4", "--metadata", json.dumps(metadata),
-           "--device", "cpu", "--batch_size", "4", "--output_path", str(root / "lm_eval_out")]  # fmt: skip
+           "--device", "cpu", "--batch_size", "4", "--output_path", str(root / f"lm_eval_out_{name}")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=root, env=_blocked_env(root), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = glob.glob(str(root / "lm_eval_out" / "**" / "results_*.json"), recursive=True)
+    (path,) = glob.glob(str(root / f"lm_eval_out_{name}" / "**" / "results_*.json"), recursive=True)
     results = json.loads(Path(path).read_text())
     assert results["config"]["model"] == "hf" and results["config"]["model_args"]["trust_remote_code"] is True
     got = results["results"]["mhmoe_ppl_c4"]
