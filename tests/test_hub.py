@@ -334,3 +334,12 @@ def test_cli(exported, tmp_path, capsys):
     assert "mhmoe-export: error:" in capsys.readouterr().err
     main([str(src), str(tmp_path / "out"), "--overwrite", "--no_model_card"])
     assert not (tmp_path / "out" / "README.md").exists()
+
+
+def test_moh_llama_register_for_auto_class_points_to_the_export():
+    """Transformers' own route (register_for_auto_class + save_pretrained) cannot copy moh_llama's shared code: it is
+    refused up front with the way out, instead of failing on a missing `.mhmoe.moh.py` while saving."""
+    for cls in (MoHLlamaConfig, MoHLlamaForCausalLM):
+        with pytest.raises(ValueError, match="export_pretrained"):
+            cls.register_for_auto_class()
+    assert "_auto_class" not in MoHLlamaForCausalLM.__dict__ and "_auto_class" not in MoHLlamaConfig.__dict__

@@ -246,4 +246,17 @@ def _shared_fields(config) -> dict:
     return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
 
 
-__all__ = ["MHMoEConfig", "moh_config_problems"]
+def refuse_auto_class_registration(cls: type) -> None:
+    """moh_llama's files import the shared MoH code from this folder (`from ..mhmoe...`), which Transformers'
+    `save_pretrained` cannot copy after `register_for_auto_class`; the exported copies (flattened imports, loaded as
+    `transformers_modules...`) register normally."""
+    if cls.__module__.startswith("mhmoe."):
+        raise ValueError(
+            f"{cls.__name__}.register_for_auto_class: Transformers cannot copy moh_llama's modeling code, which shares "
+            "files with mhmoe's MHMoE folder. Export with `mhmoe.hub.export_pretrained(model, save_directory)` or "
+            "`mhmoe-export SRC_DIR OUT_DIR` instead: it writes the code and the auto_map for AutoConfig, AutoModel and "
+            "AutoModelForCausalLM (and `push_to_hub=` uploads the folder)"
+        )
+
+
+__all__ = ["MHMoEConfig", "moh_config_problems", "refuse_auto_class_registration"]

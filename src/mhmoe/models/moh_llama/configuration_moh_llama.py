@@ -4,7 +4,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 # One source of truth for the moh_* validation (a later export step copies it next to this file).
-from ..mhmoe.configuration_mhmoe import moh_config_problems
+from ..mhmoe.configuration_mhmoe import moh_config_problems, refuse_auto_class_registration
 
 
 @strict
@@ -34,6 +34,11 @@ class MoHLlamaConfig(LlamaConfig):
         problems = moh_config_problems(self)
         if problems:
             raise ValueError("Invalid MoHLlamaConfig: " + "; ".join(problems) + ".")
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        refuse_auto_class_registration(cls)
+        super().register_for_auto_class(auto_class)
 
 
 __all__ = ["MoHLlamaConfig"]

@@ -28,6 +28,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 # One source of truth for MoH (a later export step copies moh.py next to this file).
 from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router, moh_enabled, moh_load_balancing_loss
+from ..mhmoe.configuration_mhmoe import refuse_auto_class_registration
 from .configuration_moh_llama import MoHLlamaConfig
 
 
@@ -57,6 +58,11 @@ class MoHLlamaPreTrainedModel(LlamaPreTrainedModel):
         **LlamaPreTrainedModel._can_record_outputs,
         "moh_router_logits": OutputRecorder(MoHRouter, index=1),
     }
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        refuse_auto_class_registration(cls)
+        super().register_for_auto_class(auto_class)
 
     @torch.no_grad()
     def _init_weights(self, module):
