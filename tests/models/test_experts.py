@@ -179,8 +179,9 @@ def test_block_dispatch_grouped_vs_eager(capacity_factor):
         out = block(inp)
         out.square().sum().backward()
         results.append([out.detach(), inp.grad] + [p.grad for p in block.parameters()])
-    for want, have in zip(*results):
-        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    for got in results[1:]:  # the second checkpointed step runs on the first one's (pooled) buffers
+        for want, have in zip(results[0], got):
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
 
 
 def test_sort_by_expert_contract():
@@ -225,9 +226,14 @@ def test_retain_graph_backward_twice(act):
         torch.testing.assert_close(two, 2 * want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["no-pool", "pool"])
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_block_under_gradient_checkpointing(use_reentrant):
-    """Recomputed forwards (HF gradient checkpointing) feed the buffer-reusing backward correctly."""
+def test_block_under_gradient_checkpointing(use_reentrant, pooled, request):
+    """Recomputed forwards (HF gradient checkpointing) feed the buffer-reusing backward correctly, also when every
+    buffer comes from the pool (the checkpointed forward's buffers are dropped or given back, the recomputed ones
+    are used by the backward)."""
+    if pooled:
+        request.getfixturevalue("pool")
     config = MHMoEConfig(
         hidden_size=24,
         num_attention_heads=2,
@@ -243,7 +249,7 @@ def test_block_under_gradient_checkpointing(use_reentrant):
             param.normal_(0, 0.3)
     x = torch.randn(2, 5, 24)
     results = []
-    for implementation, checkpointed in (("eager", False), ("grouped_mm", True)):
+    for implementation, checkpointed in (("eager", False), ("grouped_mm", True), ("grouped_mm", True)):
         block.experts.config._experts_implementation = implementation
         block.zero_grad(set_to_none=True)
         inp = x.clone().requires_grad_()
@@ -253,8 +259,9 @@ def test_block_under_gradient_checkpointing(use_reentrant):
             out = block(inp)
         out.square().sum().backward()
         results.append([out.detach(), inp.grad] + [p.grad for p in block.parameters()])
-    for want, have in zip(*results):
-        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    for got in results[1:]:  # the second checkpointed step runs on the first one's (pooled) buffers
+        for want, have in zip(results[0], got):
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
