@@ -364,3 +364,25 @@ def test_pool_in_inference_and_its_limits(pool):
     assert pool.nbytes == 0
     pool.max_bytes = 0  # off
     assert pool.take(3, 4, hidden) is None
+
+
+def test_pool_and_inference_mode(pool):
+    """Buffers made under torch.inference_mode() are not pooled (they cannot be written outside it); pooled ordinary
+    buffers serve inference_mode forwards, with the right result."""
+    experts = _experts(8, 16, 13, 3, torch.float32)
+    index, weights, dropped = _routing(37, 13, 3, 0.0, torch.float32)
+    generator = torch.Generator().manual_seed(11)
+    hidden, grad_out = torch.randn(37, 8, generator=generator), torch.randn(37, 8, generator=generator)
+    expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+    pool.clear()
+    with torch.inference_mode():
+        grouped_experts_forward(experts, hidden, index, weights)
+    assert pool.nbytes == 0
+    got = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)  # training still works
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    buffers = _pooled(pool)
+    with torch.inference_mode():
+        out = grouped_experts_forward(experts, hidden, index, weights)
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+    assert _pooled(pool) == buffers and not any(buf.is_inference() for buf in pool._free)

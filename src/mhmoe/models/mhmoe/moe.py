@@ -105,6 +105,8 @@ class BufferPool:
                 if tensor is None:
                     continue
                 base = tensor if tensor._base is None else tensor._base
+                if base.is_inference():  # made under torch.inference_mode(): no use outside it
+                    continue
                 if base.device.type == "cpu" and base.is_contiguous() and self._nbytes(base) >= self.min_bytes:
                     if all(buf.data_ptr() != base.data_ptr() for buf in self._free):
                         self._free.append(base.view(-1))
