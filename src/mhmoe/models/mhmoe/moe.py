@@ -91,6 +91,8 @@ class BufferPool:
         numel = rows * cols
         if not self.max_bytes or like.device.type != "cpu" or numel * like.element_size() < self.min_bytes:
             return None
+        if torch.compiler.is_compiling():  # a traced graph allocates for itself
+            return None
         with self._lock:
             fits = [i for i, buf in enumerate(self._free) if buf.dtype == like.dtype and buf.numel() >= numel]
             if fits:
@@ -100,6 +102,8 @@ class BufferPool:
 
     def give(self, *tensors: torch.Tensor | None) -> None:
         """Return buffers nobody reads any more (views of a pooled buffer return the whole buffer)."""
+        if torch.compiler.is_compiling():
+            return
         with self._lock:
             for tensor in tensors:
                 if tensor is None:
