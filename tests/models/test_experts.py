@@ -153,6 +153,36 @@ def test_frozen_experts_only_input_grads():
     torch.testing.assert_close(weights.grad, reference_weights.grad)
 
 
+def _random_block(config: MHMoEConfig) -> MHMoESparseMoeBlock:
+    """An MH-MoE block with N(0, 0.3) weights (seed 0), large enough for the routing to depend on the input."""
+    torch.manual_seed(0)
+    block = MHMoESparseMoeBlock(config)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, 0.3)
+    return block
+
+
+def _block_run(block, x, implementation: str, use_reentrant: bool | None = None) -> list[torch.Tensor]:
+    """Output, input gradient and parameter gradients of sum(out²) with the given experts implementation; through
+    torch.utils.checkpoint when `use_reentrant` is given."""
+    block.experts.config._experts_implementation = implementation
+    block.zero_grad(set_to_none=True)
+    inp = x.clone().requires_grad_()
+    if use_reentrant is None:
+        out = block(inp)
+    else:
+        out = torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=use_reentrant)
+    out.square().sum().backward()
+    return [out.detach(), inp.grad] + [p.grad for p in block.parameters()]
+
+
+def _assert_all_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for have, expected in zip(got, want):
+        torch.testing.assert_close(have, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_block_dispatch_grouped_vs_eager(capacity_factor):
     """The MH-MoE block (h=2, routing.route with and without capacity drops) gives the same output both ways."""
@@ -165,23 +195,9 @@ def test_block_dispatch_grouped_vs_eager(capacity_factor):
         moe_heads=2,
         capacity_factor=capacity_factor,
     )
-    torch.manual_seed(0)
-    block = MHMoESparseMoeBlock(config)
-    with torch.no_grad():
-        for param in block.parameters():
-            param.normal_(0, 0.3)
+    block = _random_block(config)
     x = torch.randn(2, 9, 16)
-    results = []
-    for implementation in ("eager", "grouped_mm"):
-        block.experts.config._experts_implementation = implementation
-        block.zero_grad(set_to_none=True)
-        inp = x.clone().requires_grad_()
-        out = block(inp)
-        out.square().sum().backward()
-        results.append([out.detach(), inp.grad] + [p.grad for p in block.parameters()])
-    for got in results[1:]:  # the second checkpointed step runs on the first one's (pooled) buffers
-        for want, have in zip(results[0], got):
-            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    _assert_all_close(_block_run(block, x, "grouped_mm"), _block_run(block, x, "eager"))
 
 
 def test_sort_by_expert_contract():
@@ -242,26 +258,11 @@ def test_block_under_gradient_checkpointing(use_reentrant, pooled, request):
         moe_intermediate_size=16,
         moe_heads=3,
     )
-    torch.manual_seed(0)
-    block = MHMoESparseMoeBlock(config)
-    with torch.no_grad():
-        for param in block.parameters():
-            param.normal_(0, 0.3)
+    block = _random_block(config)
     x = torch.randn(2, 5, 24)
-    results = []
-    for implementation, checkpointed in (("eager", False), ("grouped_mm", True), ("grouped_mm", True)):
-        block.experts.config._experts_implementation = implementation
-        block.zero_grad(set_to_none=True)
-        inp = x.clone().requires_grad_()
-        if checkpointed:
-            out = torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=use_reentrant)
-        else:
-            out = block(inp)
-        out.square().sum().backward()
-        results.append([out.detach(), inp.grad] + [p.grad for p in block.parameters()])
-    for got in results[1:]:  # the second checkpointed step runs on the first one's (pooled) buffers
-        for want, have in zip(results[0], got):
-            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    expected = _block_run(block, x, "eager")
+    for _ in range(2):  # the second checkpointed step runs on the first one's (pooled) buffers
+        _assert_all_close(_block_run(block, x, "grouped_mm", use_reentrant), expected)
 
 
 @pytest.mark.parametrize("case", list(CASES))
