@@ -1,17 +1,12 @@
 """Head and expert load statistics against hook-based counts, and the PNG heat-maps."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import mhmoe  # noqa: E402
-from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM  # noqa: E402
-from mhmoe.analysis import expert_load, head_load, plot_load  # noqa: E402
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoETopKRouter  # noqa: E402
+import mhmoe
+from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
+from mhmoe.analysis import expert_load, head_load, plot_load
+from mhmoe.models.mhmoe.modeling_mhmoe import MHMoETopKRouter
 
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM = 100, 32, 8, 4

@@ -2,14 +2,10 @@
 reference (every head computed, per-token 0/1 head mask applied before o_proj, as in the released MoH-LLaMA3 code)."""
 
 import copy
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import (  # noqa: E402
+import pytest
+import torch
+from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
@@ -21,8 +17,8 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
-import mhmoe  # noqa: E402
-from mhmoe import MoHLlamaConfig, MoHLlamaForCausalLM, apply_moh  # noqa: E402
+import mhmoe
+from mhmoe import MoHLlamaConfig, MoHLlamaForCausalLM, apply_moh
 
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM = 100, 32, 8, 4

@@ -2,19 +2,15 @@
 Llama / plain MHA, head skipping against masking, generation, load-balancing loss, configs, training, save/load."""
 
 import math
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import mhmoe  # noqa: E402
-from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM  # noqa: E402
-from mhmoe.models.mhmoe import moh  # noqa: E402
-from mhmoe.models.mhmoe.moh import (  # noqa: E402
+import mhmoe
+from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
+from mhmoe.models.mhmoe import moh
+from mhmoe.models.mhmoe.moh import (
     MoHRouter,
     masked_heads_attention,
     moh_load_balancing_loss,
