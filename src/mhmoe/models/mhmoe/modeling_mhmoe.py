@@ -31,7 +31,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_mhmoe import MHMoEConfig
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward, load_balancing_loss, router_z_loss
-from .moh import MoHRouter, add_head_router, moh_attention_forward, moh_load_balancing_loss
+from .moh import MoHRouter, add_head_router, add_moh_aux_loss, moh_attention_forward, moh_enabled
 from .routing import route
 
 
@@ -348,7 +348,7 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
         config = self.config
         if output_router_logits is None:
             output_router_logits = config.output_router_logits
-        if config.moh_active_heads is not None:
+        if moh_enabled(config):
             kwargs.setdefault("output_moh_router_logits", output_router_logits)
         outputs: MHMoEModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -381,11 +381,8 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
             if loss is not None:
                 loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
                 loss = loss + config.router_z_loss_coef * z_loss.to(loss.device)
-        moh_aux_loss = None
-        if output_router_logits and outputs.moh_router_logits:
-            moh_aux_loss = moh_load_balancing_loss(outputs.moh_router_logits, config.moh_active_heads, attention_mask)
-            if loss is not None:
-                loss = loss + config.moh_aux_loss_coef * moh_aux_loss.to(loss.device)
+        moh_logits = outputs.moh_router_logits if output_router_logits else None
+        loss, moh_aux_loss = add_moh_aux_loss(loss, moh_logits, config, attention_mask)
 
         return MHMoECausalLMOutputWithPast(
             loss=loss,

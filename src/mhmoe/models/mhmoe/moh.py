@@ -170,6 +170,17 @@ def moh_load_balancing_loss(
     return torch.stack(losses).mean()
 
 
+def add_moh_aux_loss(loss, moh_router_logits, config, attention_mask=None):
+    """(`loss` + moh_aux_loss_coef × the head load-balancing loss, that loss unweighted), as a causal LM's forward adds
+    it; `loss` None (no labels) stays None. Without router logits (not requested, or no MoH layer): (`loss`, None)."""
+    if not moh_router_logits:
+        return loss, None
+    aux_loss = moh_load_balancing_loss(moh_router_logits, config.moh_active_heads, attention_mask)
+    if loss is not None:
+        loss = loss + config.moh_aux_loss_coef * aux_loss.to(loss.device)
+    return loss, aux_loss
+
+
 def add_head_router(attention: nn.Module, config) -> nn.Module:
     """Give an attention module (Llama-style q/k/v/o projections) a MoH head router built from `config`'s moh_* fields
     (None when MoH is off). Router parameters follow the query projection's device and dtype."""
@@ -402,7 +413,7 @@ def masked_heads_attention(
 
 
 __all__ = [
-    "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "head_selection", "l2_router_logits",
+    "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "add_moh_aux_loss", "head_selection", "l2_router_logits",
     "masked_heads_attention", "moh_attention_forward", "moh_enabled", "moh_load_balancing_loss", "routed_gates",
     "skipped_heads_attention", "straight_through",
 ]  # fmt: skip

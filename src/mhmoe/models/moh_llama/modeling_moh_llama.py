@@ -27,7 +27,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 # One source of truth for MoH (a later export step copies moh.py next to this file).
-from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router, moh_enabled, moh_load_balancing_loss
+from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router, add_moh_aux_loss, moh_enabled
 from ..mhmoe.configuration_mhmoe import refuse_auto_class_registration
 from .configuration_moh_llama import MoHLlamaConfig
 
@@ -133,11 +133,8 @@ def moh_causal_lm_forward(
     if labels is not None:
         loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **kwargs)
     moh_router_logits = outputs.get("moh_router_logits")  # set by capture_outputs (`_can_record_outputs`)
-    moh_aux_loss = None
-    if output_router_logits and moh_router_logits:
-        moh_aux_loss = moh_load_balancing_loss(moh_router_logits, config.moh_active_heads, attention_mask)
-        if loss is not None:
-            loss = loss + config.moh_aux_loss_coef * moh_aux_loss.to(loss.device)
+    loss, moh_aux_loss = add_moh_aux_loss(loss, moh_router_logits if output_router_logits else None, config,
+                                          attention_mask)  # fmt: skip
 
     return MoHCausalLMOutputWithPast(
         loss=loss,
