@@ -63,6 +63,18 @@ def head_load(model, batches: Iterable) -> torch.Tensor:
     return torch.cat([torch.ones(routed.shape[0], shared), routed], dim=-1)
 
 
+def expert_counts(router_logits, top_k: int, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(MoE layers, E) how many routed rows (those where `row_mask` (N,) is nonzero, default all) have each expert
+    among their top-k, picked as the router picks them (softmax in fp32, top-k). Stays on the logits' device."""
+    counts = []
+    for logits in router_logits:  # (N, E)
+        chosen = head_selection(logits, top_k)  # the same top-k selection as a MoH head router's
+        if row_mask is not None:
+            chosen = chosen * row_mask[:, None].to(chosen)
+        counts.append(chosen.sum(dim=0))
+    return torch.stack(counts)
+
+
 def expert_load(model, batches: Iterable) -> torch.Tensor:
     """(MoE layers, E) selection frequency of every expert over `batches` (MHMoE models; sub-tokens of padding
     tokens excluded)."""
@@ -71,12 +83,7 @@ def expert_load(model, batches: Iterable) -> torch.Tensor:
     counts, rows = None, 0.0
     for router_logits, mask in _router_outputs(model, batches, "router_logits"):
         row_mask = mask.reshape(-1).repeat_interleave(moe_heads)  # (B·T·h,), token-major like the MoE block
-        layer_counts = []
-        for logits in router_logits:  # (N, E)
-            index = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1).indices
-            chosen = torch.zeros_like(logits, dtype=torch.float32).scatter(-1, index, 1.0)
-            layer_counts.append((chosen * row_mask[:, None].to(chosen.device)).sum(dim=0).cpu())
-        layer_counts = torch.stack(layer_counts)
+        layer_counts = expert_counts(router_logits, top_k, row_mask).cpu()
         counts = layer_counts if counts is None else counts + layer_counts
         rows += float(row_mask.sum())
     if counts is None:
@@ -126,4 +133,4 @@ def plot_load(
     return path
 
 
-__all__ = ["expert_load", "head_load", "plot_load"]
+__all__ = ["expert_counts", "expert_load", "head_load", "plot_load"]

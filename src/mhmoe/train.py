@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import mhmoe  # noqa: F401  (registers the model types and PEFT defaults)
 
+from .analysis import expert_counts
 from .data import read_files, tokenize_and_pack, train_tokenizer
 
 METRICS_FILE = "metrics.jsonl"
@@ -355,15 +356,6 @@ def _optimizer_groups(model, weight_decay: float) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------------------------------
 # statistics
-
-
-def expert_load_counts(router_logits, top_k: int) -> list[torch.Tensor]:
-    """Per MoE layer, (E,) counts of top-k assignments of the routed rows (tokens or MH-MoE sub-tokens)."""
-    counts = []
-    for logits in router_logits:
-        selected = torch.topk(logits.float(), top_k, dim=-1).indices.reshape(-1)
-        counts.append(torch.bincount(selected, minlength=logits.shape[-1]).float())
-    return counts
 
 
 def _other_router_probs(output) -> dict[str, list[torch.Tensor]]:
@@ -797,7 +789,7 @@ def _evaluate(accelerator, model, blocks, batch_size, config, forward_kwargs, st
     tokens = torch.zeros((), device=device)
     aux_sums: dict[str, torch.Tensor] = {}
     batches = torch.zeros((), device=device)
-    expert_counts: list[torch.Tensor] | None = None
+    expert_totals: torch.Tensor | None = None  # (MoE layers, E)
     other: dict[str, list[torch.Tensor]] = {}
     top_k = getattr(config, "num_experts_per_tok", None)
     for start in range(0, per_rank, batch_size):
@@ -817,8 +809,8 @@ def _evaluate(accelerator, model, blocks, batch_size, config, forward_kwargs, st
             router_logits = output.get("router_logits")
             if router_logits and top_k:
                 rows = real.repeat_interleave(router_logits[0].shape[0] // batch.shape[0])
-                counts = expert_load_counts([r[rows] for r in router_logits], top_k)
-                expert_counts = counts if expert_counts is None else [c + n for c, n in zip(expert_counts, counts)]
+                counts = expert_counts(router_logits, top_k, rows)
+                expert_totals = counts if expert_totals is None else expert_totals + counts
             for key, probs in _other_router_probs(output).items():
                 other[key] = probs if key not in other else [o + p for o, p in zip(other[key], probs)]
     nll, tokens, batches = (accelerator.reduce(t, "sum") for t in (nll, tokens, batches))
@@ -826,9 +818,8 @@ def _evaluate(accelerator, model, blocks, batch_size, config, forward_kwargs, st
     record = {"step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}
     for key in sorted(aux_sums):
         record[f"eval_{key}"] = (accelerator.reduce(aux_sums[key], "sum") / batches).item()
-    if expert_counts is not None:
-        fractions = [accelerator.reduce(c, "sum") for c in expert_counts]
-        fractions = [(c / c.sum()).tolist() for c in fractions]
+    if expert_totals is not None:
+        fractions = [(c / c.sum()).tolist() for c in accelerator.reduce(expert_totals, "sum")]
         record["expert_load"] = [[round(x, 5) for x in layer] for layer in fractions]
         record.update({f"expert_load_{k}": v for k, v in load_summary(fractions).items()})
     for key, probs in sorted(other.items()):
