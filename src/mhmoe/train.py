@@ -329,10 +329,11 @@ def _loss_fields(output) -> dict[str, torch.Tensor]:
     }
 
 
-def _token_nll_sum(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Σ next-token NLL over (B, T) blocks, row by row so at most one row of fp32 logits exists at a time."""
+def _token_nll_sum(logits: torch.Tensor, input_ids: torch.Tensor, rows=None) -> torch.Tensor:
+    """Σ next-token NLL over (B, T) blocks (only `rows`, default all), row by row so at most one row of fp32 logits
+    exists at a time."""
     total = logits.new_zeros((), dtype=torch.float32)
-    for row in range(logits.shape[0]):
+    for row in range(logits.shape[0]) if rows is None else rows:
         total = total + F.cross_entropy(logits[row, :-1].float(), input_ids[row, 1:], reduction="sum")
     return total
 
@@ -798,9 +799,7 @@ def _evaluate(accelerator, model, blocks, batch_size, config, forward_kwargs, st
         batch = blocks[index].to(device)
         real = weight.bool()
         output = model(input_ids=batch, **forward_kwargs)
-        for row in range(batch.shape[0]):
-            if real[row]:
-                nll += F.cross_entropy(output.logits[row, :-1].float(), batch[row, 1:], reduction="sum")
+        nll += _token_nll_sum(output.logits, batch, real.nonzero().flatten().tolist())
         tokens += real.sum() * (batch.shape[1] - 1)
         if real.any():
             batches += 1
