@@ -424,17 +424,21 @@ BUILTIN_TASK_DIRS = {  # lm-eval task folders the suites use (for a fast TaskMan
 }
 
 
+def _builtin_task_paths(suites=None) -> list[str]:
+    """The lm-eval task folders that `suites` (default: all suites here) build on."""
+    import lm_eval
+
+    root = Path(lm_eval.__file__).parent / "tasks"
+    names = BUILTIN_TASK_DIRS if suites is None else {s: BUILTIN_TASK_DIRS.get(s, []) for s in suites}
+    return sorted({str(root / d) for dirs in names.values() for d in dirs})
+
+
 def task_manager(suites=None, include_defaults: bool = False, include_path=None, metadata: dict | None = None):
     """A TaskManager with `eval_tasks/` on the include path. Without the defaults (the fast path: no 7 s index of all
     lm-eval tasks) it indexes only the lm-eval task folders that `suites` (default: all suites here) build on."""
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
-    paths = []
-    if not include_defaults:
-        root = Path(lm_eval.__file__).parent / "tasks"
-        names = BUILTIN_TASK_DIRS if suites is None else {s: BUILTIN_TASK_DIRS.get(s, []) for s in suites}
-        paths += sorted({str(root / d) for dirs in names.values() for d in dirs})
+    paths = [] if include_defaults else _builtin_task_paths(suites)
     tasks_dir = eval_tasks_dir()
     if tasks_dir is not None:
         paths.append(str(tasks_dir))
@@ -500,10 +504,8 @@ def _cli_patches(captured: list, suites_only: bool):
 
     class SuiteTaskManager(original_manager):
         def __init__(self, *a, include_path=None, include_defaults=True, **k):
-            root = Path(lm_eval.__file__).parent / "tasks"
-            builtin = sorted({str(root / d) for dirs in BUILTIN_TASK_DIRS.values() for d in dirs})
             paths = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
-            super().__init__(*a, include_path=builtin + paths, include_defaults=False, **k)
+            super().__init__(*a, include_path=_builtin_task_paths() + paths, include_defaults=False, **k)
 
     lm_eval.simple_evaluate = evaluate_and_add_tables
     if suites_only:

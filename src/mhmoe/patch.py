@@ -7,6 +7,8 @@ Mistral or Qwen2 model keeps its model_type: its config gains the moh_* fields (
 reloading it `apply_moh(model)` with no fields restores MoH from them.
 """
 
+from types import SimpleNamespace
+
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralForCausalLM, MistralModel
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCausalLM, Qwen2Model
@@ -84,7 +86,7 @@ def apply_moh(model, **moh_fields):
     fields = {name: moh_fields.get(name, getattr(config, name, default)) for name, default in MOH_FIELDS.items()}
     if fields["moh_shared_heads"] is None and fields["moh_active_heads"] is None:
         raise ValueError("apply_moh needs moh_shared_heads and moh_active_heads")
-    problems = moh_config_problems(_Fields(num_attention_heads=config.num_attention_heads, **fields))
+    problems = moh_config_problems(SimpleNamespace(num_attention_heads=config.num_attention_heads, **fields))
     if problems:
         raise ValueError("Invalid MoH fields: " + "; ".join(problems) + ".")
 
@@ -110,11 +112,6 @@ def apply_moh(model, **moh_fields):
         model.__class__ = causal_lm_cls
         _CAN_RECORD_REGISTRY[model] = causal_lm_cls._can_record_outputs
     return model
-
-
-class _Fields:
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
 
 
 __all__ = ["apply_moh"]
