@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -874,8 +875,10 @@ _NOT_CONTINUE_TUNING = ("model_name_or_path", "output_dir", "overwrite_output_di
                         "tokenizer_vocab_size")  # fmt: skip
 
 
+@functools.cache
 def _continue_tune_arguments_class():
-    """mhmoe-train's TrainArguments without the model/output fields (set by the converter), paper defaults."""
+    """mhmoe-train's TrainArguments without the model/output fields (set by the converter), paper defaults; built on
+    first use (it imports mhmoe.train)."""
     from .train import TrainArguments
 
     hints = typing.get_type_hints(TrainArguments)
@@ -888,14 +891,8 @@ def _continue_tune_arguments_class():
     return dataclasses.make_dataclass("ContinueTuneArguments", fields)
 
 
-ContinueTuneArguments = None  # built on first use (imports mhmoe.train)
-
-
 def continue_tune_arguments(**values):
-    global ContinueTuneArguments
-    if ContinueTuneArguments is None:
-        ContinueTuneArguments = _continue_tune_arguments_class()
-    return ContinueTuneArguments(**values)
+    return _continue_tune_arguments_class()(**values)
 
 
 def _check_converted(converted: str, args: ConvertArguments) -> None:
@@ -991,11 +988,8 @@ def _read_probe(path: str | None) -> str | None:
 def build_parser():
     from transformers import HfArgumentParser
 
-    global ContinueTuneArguments
-    if ContinueTuneArguments is None:
-        ContinueTuneArguments = _continue_tune_arguments_class()
     return HfArgumentParser(
-        (ConvertArguments, ContinueTuneArguments),
+        (ConvertArguments, _continue_tune_arguments_class()),
         prog="convert_llama_to_moh",
         description="Convert a dense LLaMA / Mistral / Qwen2 checkpoint into MoH-LLaMA (Mixture-of-Head attention, "
         "l2 router, straight-through gates); with --train_file, continue-tune it with mhmoe-train (paper stage-2 "
