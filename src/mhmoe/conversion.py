@@ -47,10 +47,10 @@ import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME as SAFE_INDEX_NAME
+
 SOURCE_MODEL_TYPES = ("llama", "mistral", "qwen2")
-CONFIG_NAME = "config.json"
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_INDEX_NAME = "model.safetensors.index.json"
 RECORD_NAME = "moh_conversion.json"
 CONVERTED_SUBDIR = "converted"
 RECOVERY_CSV = "recovery_curve.csv"
@@ -272,12 +272,11 @@ def _moh_config(source_config, model_type: str, shared: int, routed_active: int,
 
     from .models.moh_llama import MoHLlamaConfig
 
-    llama_fields = set(LlamaConfig().to_dict()) - {"model_type", "architectures", "transformers_version",
-                                                    "_name_or_path"}  # fmt: skip
+    bookkeeping = {"model_type", "architectures", "transformers_version", "_name_or_path"}  # not architecture
+    llama_fields = set(LlamaConfig().to_dict()) - bookkeeping
     source = source_config.to_dict()
     fields = {k: v for k, v in source.items() if k in llama_fields}
-    dropped = {k: source[k] for k in sorted(source) if k not in llama_fields and k not in
-               ("model_type", "architectures", "transformers_version", "_name_or_path")}  # fmt: skip
+    dropped = {k: source[k] for k in sorted(source) if k not in llama_fields and k not in bookkeeping}
     if model_type == "qwen2":
         fields["attention_bias"] = True  # Qwen2: q/k/v biases; Llama's flag also adds an o_proj bias (zero here)
         fields["mlp_bias"] = False
@@ -502,9 +501,14 @@ def _output_state(output_dir: str, overwrite: bool) -> bool:
     return os.path.isdir(output_dir)
 
 
+def _nested(a: str, b: str) -> bool:
+    """Whether the directories `a` and `b` are the same, or one lies inside the other (symbolic links resolved)."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
+
+
 def _check_paths(input_dir: str, output_dir: str) -> None:
-    source, target = os.path.realpath(input_dir), os.path.realpath(output_dir)
-    if target == source or target.startswith(source + os.sep) or source.startswith(target + os.sep):
+    if _nested(input_dir, output_dir):
         raise ConversionError(f"--output_dir {output_dir} must not be --input_dir, inside it, or contain it")
 
 

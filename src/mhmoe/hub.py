@@ -35,12 +35,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
+
 from .conversion import (
-    SAFE_INDEX_NAME, ConversionError, _fsync, _read_header, _replace_dir, _temporary_dir_next_to, _weight_files,
+    SAFE_INDEX_NAME, ConversionError, _fsync, _nested, _read_header, _replace_dir, _temporary_dir_next_to,
+    _weight_files,
 )
 
-CONFIG_NAME = "config.json"
-GENERATION_CONFIG_NAME = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 ALLOWED_IMPORTS = frozenset({"torch", "transformers", "huggingface_hub"}) | frozenset(sys.stdlib_module_names)
 _RELATIVE_FROM = re.compile(r"from\s+\.+[\w.]*\s+import")
@@ -180,11 +181,9 @@ def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) 
     if os.path.isdir(save_directory) and os.listdir(save_directory) and not overwrite:
         raise ExportError(f"{save_directory} exists and is not empty; pass overwrite=True (mhmoe-export --overwrite) "
                           "to replace it, or choose an empty or new directory")  # fmt: skip
-    if source_dir is not None:
-        source, target = os.path.realpath(source_dir), os.path.realpath(save_directory)
-        if target == source or target.startswith(source + os.sep) or source.startswith(target + os.sep):
-            raise ExportError(f"save directory {save_directory} must not be the source {source_dir}, inside it, or "
-                              "contain it; choose another directory")  # fmt: skip
+    if source_dir is not None and _nested(source_dir, save_directory):
+        raise ExportError(f"save directory {save_directory} must not be the source {source_dir}, inside it, or "
+                          "contain it; choose another directory")  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------------- model card
