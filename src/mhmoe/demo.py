@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mhmoe import MHMoEConfig
 from mhmoe.analysis import expert_load, head_load, plot_load
 from mhmoe.data import read_files, tokenize_and_pack
-from mhmoe.recovery_demo import _reset_accelerate, format_result, run_recovery_demo, write_corpus
-from mhmoe.train import train
+from mhmoe.recovery_demo import format_result, run_recovery_demo, write_corpus
+from mhmoe.train import reset_accelerate_state, train
 
 PROMPT = 'The "if" statement is used'
 
@@ -46,7 +46,7 @@ def train_model(args, data_dir: Path, out: Path):
     train_file, val_file = write_corpus(str(data_dir))
     config_path = out / "mhmoe_moh_config.json"
     demo_config("quick" if args.quick else "default", args.vocab_size, args.block_size).to_json_file(config_path)
-    _reset_accelerate()
+    reset_accelerate_state()
     result = train(dict(
         model_name_or_path=str(config_path), output_dir=str(out / "model"), train_file=[train_file],
         validation_file=[val_file], block_size=args.block_size, per_device_train_batch_size=args.batch_size,
@@ -116,8 +116,7 @@ def main(argv=None) -> dict:
 
     print("== 2. save_pretrained -> AutoModelForCausalLM.from_pretrained, generate")
     model_dir = out / "model"
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    val_blocks = tokenize_and_pack(read_files([val_file]), tokenizer, args.block_size)
+    val_blocks = tokenize_and_pack(read_files([val_file]), result.tokenizer, args.block_size)
     model, tokenizer, diff = reload_and_check(model_dir, result.model, val_blocks)
     print(f"reloaded {type(model).__name__} from {model_dir}: max |logit difference| = {diff:.1e}")
     sample = generate_sample(model, tokenizer)

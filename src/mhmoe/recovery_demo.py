@@ -22,14 +22,6 @@ import os
 import time
 
 
-def _reset_accelerate() -> None:
-    """Each train() in this process builds an Accelerator; Accelerate keeps process-wide singletons."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def stdlib_sources() -> list[str]:
     """The Python standard library's own modules (.py, without tests and IDLE): ~11 MB of code and docstrings."""
     import glob
@@ -101,7 +93,7 @@ def run_recovery_demo(
 
     from .conversion import ConvertArguments, convert_and_continue_tune, continue_tune_arguments
     from .data import read_files, train_tokenizer
-    from .train import train
+    from .train import reset_accelerate_state, train
 
     started = time.time()
     train_file, val_file = write_corpus(os.path.join(workdir, "data"), stdlib=stdlib)
@@ -119,7 +111,7 @@ def run_recovery_demo(
     common = dict(train_file=[train_file], validation_file=[val_file], block_size=block_size,
                   per_device_train_batch_size=batch_size, per_device_eval_batch_size=32, seed=seed,
                   disable_tqdm=not progress, plot=False, weight_decay=0.1, max_grad_norm=1.0)  # fmt: skip
-    _reset_accelerate()
+    reset_accelerate_state()
     dense = train(dict(common, output_dir=dense_dir, max_steps=dense_steps, learning_rate=dense_lr,
                        warmup_steps=max(1, dense_steps // 20), min_learning_rate=dense_lr / 10,
                        overwrite_output_dir=True),
@@ -129,7 +121,7 @@ def run_recovery_demo(
     # 2. convert + continue-tune (the converter's own code path)
     tune = dict(common, max_steps=tune_steps, learning_rate=tune_lr, min_learning_rate=tune_min_lr,
                 warmup_steps=tune_warmup, eval_steps=eval_steps, eval_at_start=True)  # fmt: skip
-    _reset_accelerate()
+    reset_accelerate_state()
     moh_dir = os.path.join(workdir, "moh")
     outcome = convert_and_continue_tune(
         ConvertArguments(input_dir=dense_dir, output_dir=moh_dir, shared_heads_ratio=shared_heads_ratio,
@@ -141,11 +133,11 @@ def run_recovery_demo(
     # 3. control: the dense parent continue-tuned the same way
     control_ppl = None
     if control:
-        _reset_accelerate()
+        reset_accelerate_state()
         continued = train(dict(tune, model_name_or_path=dense_dir, output_dir=os.path.join(workdir, "dense_continued"),
                                eval_at_start=False, overwrite_output_dir=True))  # fmt: skip
         control_ppl = continued.final_eval["eval_ppl"]
-    _reset_accelerate()
+    reset_accelerate_state()
 
     report = outcome["conversion"]
     tokens_per_step = batch_size * block_size

@@ -425,6 +425,15 @@ def plot_metrics(metrics_path: str, png_path: str) -> None:
 # the loop
 
 
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide state (its singletons), so that several `train()` calls can run one after the
+    other in one process, each with its own Accelerator (the demos do). Not for use under `accelerate launch`."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def _coerce_args(args) -> TrainArguments:
     if isinstance(args, TrainArguments):
         return dataclasses.replace(args)
