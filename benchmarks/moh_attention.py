@@ -51,6 +51,14 @@ def settings(heads: int) -> dict[str, tuple[int, int]]:
     return {"75%": (heads // 2, heads // 4), "50%": (heads // 4, heads // 4)}
 
 
+def draw_gates(heads: int, shared: int, active: int, dtype=torch.float32) -> torch.Tensor:
+    """(1, 1, H) 0/1 gates: the `shared` first heads and `active` of the others, drawn at random."""
+    gates = torch.zeros(1, 1, heads, dtype=dtype)
+    gates[..., :shared] = 1
+    gates[..., torch.randperm(heads - shared)[:active] + shared] = 1
+    return gates
+
+
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -142,12 +150,7 @@ def main():
                 timed("mha", mha, none)
                 for name, (shared, active) in settings(heads).items():
                     timed(f"route {name}", route_layer, [(q, shared, active) for q in q_pre])
-                    gates = []
-                    for _ in layers:
-                        draw = torch.randperm(heads - shared)[:active] + shared
-                        gates.append(torch.zeros(1, 1, heads, dtype=dtype))
-                        gates[-1][..., :shared] = 1
-                        gates[-1][..., draw] = 1
+                    gates = [draw_gates(heads, shared, active, dtype) for _ in layers]
                     expected = timed(f"masked {name}", masked, gates)
                     got = timed(f"skip {name}", skip, gates)
                     if round_index == 0:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mhmoe.models.mhmoe.moh import _head_major_weight, _runs, skipped_heads_attention
+from moh_attention import draw_gates, settings  # the sibling script; `python benchmarks/moh_breakdown.py` finds it
 
 
 def main():
@@ -31,6 +32,8 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     d, heads, head_dim, length = 4096, 32, 128, args.context
+    shared, active = settings(heads)["75%"]
+    num_active = shared + active
     layers = []
     for _ in range(4):
         o_proj = torch.nn.Linear(d, d, bias=False)
@@ -61,10 +64,10 @@ def main():
     cases = {
         "sdpa, all 32 heads, 1 call": lambda layer, runs, gates: sdpa(layer, 0, heads),
         "sdpa, active heads, 1 call per run": lambda layer, runs, gates: [sdpa(layer, s, e) for s, e in runs],
-        "sdpa, as many heads, 1 call": lambda layer, runs, gates: sdpa(layer, 0, 24),
+        "sdpa, as many heads, 1 call": lambda layer, runs, gates: sdpa(layer, 0, num_active),
         "o_proj, all heads (F.linear)": lambda layer, runs, gates: layer["o_proj"](layer["x"]),
         "o_proj, active heads, 1 GEMV per run": lambda layer, runs, gates: o_proj_runs(layer, runs),
-        "o_proj, as many heads, 1 GEMV": lambda layer, runs, gates: o_proj_rows(layer, 0, 24),
+        "o_proj, as many heads, 1 GEMV": lambda layer, runs, gates: o_proj_rows(layer, 0, num_active),
         "MHA core (sdpa + o_proj)": lambda layer, runs, gates: layer["o_proj"](
             sdpa(layer, 0, heads).transpose(1, 2).reshape(1, -1)
         ),
@@ -74,9 +77,7 @@ def main():
     run_counts = []
     with torch.no_grad():
         for _ in range(args.rounds):
-            gates = torch.zeros(1, 1, heads)
-            gates[..., :16] = 1
-            gates[..., torch.randperm(16)[:8] + 16] = 1
+            gates = draw_gates(heads, shared, active)
             runs = _runs(gates[0, 0].nonzero().flatten().tolist())
             run_counts.append(len(runs))
             for index, (name, fn) in enumerate(cases.items()):
@@ -86,7 +87,7 @@ def main():
                 times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(
-        f"torch {torch.__version__}, 1 thread, fp32, context {length}, 24 of 32 heads active in "
+        f"torch {torch.__version__}, 1 thread, fp32, context {length}, {num_active} of {heads} heads active in "
         f"{statistics.mean(run_counts):.1f} runs on average; median ms of {args.rounds} calls, 4 layers in turn"
     )
     for name, ms in median.items():
