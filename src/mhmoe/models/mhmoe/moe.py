@@ -114,7 +114,7 @@ class BufferPool:
                 if base.device.type == "cpu" and base.is_contiguous() and self._nbytes(base) >= self.min_bytes:
                     if all(buf.data_ptr() != base.data_ptr() for buf in self._free):
                         self._free.append(base.view(-1))
-            while self._free and sum(map(self._nbytes, self._free)) > self.max_bytes:
+            while self._free and self.nbytes > self.max_bytes:  # oldest out first
                 self._free.pop(0)
 
     def clear(self) -> None:
