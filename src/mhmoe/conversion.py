@@ -41,24 +41,25 @@ import os
 import shutil
 import struct
 import sys
-import tempfile
 import time
 import typing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_NAME
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME as SAFE_INDEX_NAME
+
+from .checkpoint_files import (
+    PICKLE_SUFFIXES, SAFE_INDEX_NAME, CheckpointError, fsync, overlapping, read_header, replace_dir, temporary_dir_next_to,
+    weight_files,
+)
 
 SOURCE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 RECORD_NAME = "moh_conversion.json"
 CONVERTED_SUBDIR = "converted"
 RECOVERY_CSV = "recovery_curve.csv"
 RECOVERY_PNG = "recovery_curve.png"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 DROPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed from the config
 FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_MAX_HEADER = 100 * 1024 * 1024
 _COPY_CHUNK = 64 * 1024 * 1024
 _PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. A language model predicts the next token from the ones before it; "
@@ -68,7 +69,7 @@ _PROBE_TEXT = (
 )
 
 
-class ConversionError(ValueError):
+class ConversionError(CheckpointError):
     """A checkpoint or an argument the converter refuses, with the reason in words."""
 
 
@@ -152,27 +153,8 @@ class ConversionPlan:
         return sum(s.nbytes for s in self.shards)
 
 
-def _read_header(path: str) -> tuple[dict, int]:
-    """(header dict, data start offset) of a safetensors file, checked with safetensors' own reader first."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            f.keys()
-    except Exception as e:  # SafetensorError: truncated, extended or corrupt
-        raise ConversionError(
-            f"{path} is not a complete safetensors file ({e}); truncated or corrupt download?"
-        ) from None
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length > _MAX_HEADER:
-            raise ConversionError(f"{path}: safetensors header of {length} bytes is implausible")
-        header = json.loads(f.read(length))
-    return header, 8 + length
-
-
 def _read_shard(path: str, filename: str) -> ShardPlan:
-    header, data_start = _read_header(path)
+    header, data_start = read_header(path, ConversionError)
     metadata = header.pop("__metadata__", None) or {}
     tensors = []
     for name, info in header.items():
@@ -180,46 +162,6 @@ def _read_shard(path: str, filename: str) -> ShardPlan:
         tensors.append(TensorEntry(name, info["dtype"], tuple(info["shape"]), data_start + begin, data_start + end))
     tensors.sort(key=lambda t: t.start)
     return ShardPlan(filename, path, metadata, tensors)
-
-
-def _weight_files(input_dir: str) -> tuple[list[str], dict | None]:
-    """(shard file names, index weight_map or None). Refuses pickle-only and missing checkpoints."""
-    index_path = os.path.join(input_dir, SAFE_INDEX_NAME)
-    names = sorted(os.listdir(input_dir))
-    if os.path.isfile(index_path):
-        try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ConversionError(f"{index_path} is not a valid safetensors index ({e})") from None
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not os.path.isfile(os.path.join(input_dir, s))]
-        if missing:
-            raise ConversionError(
-                f"{len(missing)} shard(s) named by {SAFE_INDEX_NAME} are missing from {input_dir}: "
-                f"{', '.join(missing[:5])}"
-            )
-        for shard in shards:
-            if os.path.basename(shard) != shard or not shard.endswith(".safetensors"):
-                raise ConversionError(f"{SAFE_INDEX_NAME} names {shard!r}, not a .safetensors file in {input_dir}")
-        return shards, weight_map
-    if os.path.isfile(os.path.join(input_dir, SAFE_WEIGHTS_NAME)):
-        return [SAFE_WEIGHTS_NAME], None
-    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
-    if pickles or os.path.isdir(os.path.join(input_dir, "original")):
-        shown = ", ".join(pickles[:3]) or "original/"
-        raise ConversionError(
-            f"{input_dir} holds only pickle checkpoints ({shown}); they are never unpickled here (loading a pickle can "
-            "run arbitrary code). Convert them to safetensors first, e.g. load them once in a trusted environment and "
-            "save_pretrained(..., safe_serialization=True)"
-        )
-    loose = [n for n in names if n.endswith(".safetensors")]
-    if loose:
-        raise ConversionError(
-            f"{input_dir} has safetensors shards ({', '.join(loose[:3])}) but neither {SAFE_WEIGHTS_NAME} nor "
-            f"{SAFE_INDEX_NAME}: the index file is missing"
-        )
-    raise ConversionError(f"no weights in {input_dir} (expected {SAFE_WEIGHTS_NAME} or {SAFE_INDEX_NAME})")
 
 
 def _source_config(input_dir: str):
@@ -322,7 +264,7 @@ def plan_conversion(
         notes.append("config fields without a Llama equivalent, dropped: " +
                      ", ".join(f"{k}={v!r}" for k, v in dropped_fields.items()))  # fmt: skip
 
-    shard_names, weight_map = _weight_files(input_dir)
+    shard_names, weight_map = weight_files(input_dir, ConversionError)
     shards = [_read_shard(os.path.join(input_dir, name), name) for name in shard_names]
 
     # the index and the shards must agree
@@ -391,11 +333,11 @@ def plan_conversion(
                     shard.tensors.append(TensorEntry(name, t.dtype, (t.shape[0],), added=True))
         notes.append(f"added {len(added_names)} zero o_proj biases (Qwen2 q/k/v biases -> Llama attention_bias=True)")
 
-    weight_files = {SAFE_INDEX_NAME, *shard_names}
+    weight_names = {SAFE_INDEX_NAME, *shard_names}
     copy_files, skipped = [], []
     for name in sorted(os.listdir(input_dir)):
         path = os.path.join(input_dir, name)
-        if name in weight_files or name in (CONFIG_NAME, RECORD_NAME) or name.startswith("."):
+        if name in weight_names or name in (CONFIG_NAME, RECORD_NAME) or name.startswith("."):
             continue
         if os.path.isfile(path) and not name.endswith(PICKLE_SUFFIXES) and not name.endswith(".safetensors"):
             copy_files.append(name)
@@ -473,15 +415,6 @@ def _write_shard(shard: ShardPlan, out_path: str, progress=None) -> None:
         os.close(dst_fd)
 
 
-def _fsync(path: str) -> None:
-    """Flush a written file (or a directory's entries) to disk: the output is renamed into place only when durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_written(plan: ConversionPlan, directory: str) -> None:
     """The written shards hold exactly the planned tensors (names, dtypes, shapes) and are complete."""
     for shard in plan.shards:
@@ -501,39 +434,9 @@ def _output_state(output_dir: str, overwrite: bool) -> bool:
     return os.path.isdir(output_dir)
 
 
-def _nested(a: str, b: str) -> bool:
-    """Whether the directories `a` and `b` are the same, or one lies inside the other (symbolic links resolved)."""
-    a, b = os.path.realpath(a), os.path.realpath(b)
-    return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
-
-
 def _check_paths(input_dir: str, output_dir: str) -> None:
-    if _nested(input_dir, output_dir):
+    if overlapping(input_dir, output_dir):
         raise ConversionError(f"--output_dir {output_dir} must not be --input_dir, inside it, or contain it")
-
-
-def _temporary_dir_next_to(output_dir: str) -> str:
-    parent = os.path.dirname(os.path.abspath(output_dir))
-    os.makedirs(parent, exist_ok=True)
-    temporary = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.tmp-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(temporary, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
-    return temporary
-
-
-def _replace_dir(temporary: str, output_dir: str) -> None:
-    """Move the finished `temporary` to `output_dir`, replacing what is there (only the rename is not atomic when an
-    old directory exists: it is moved aside first and removed after)."""
-    if os.path.isdir(output_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.old-",
-                               dir=os.path.dirname(os.path.abspath(output_dir)))  # fmt: skip
-        os.rmdir(old)
-        os.replace(output_dir, old)
-        os.replace(temporary, output_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(temporary, output_dir)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -711,7 +614,7 @@ def convert(
             f"not enough disk space: {plan.total_bytes / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free"
         )
 
-    temporary = _temporary_dir_next_to(output_dir)
+    temporary = temporary_dir_next_to(output_dir)
     try:
         bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress,
                    dynamic_ncols=True)  # fmt: skip
@@ -721,7 +624,7 @@ def convert(
             for shard in plan.shards:
                 path = os.path.join(temporary, shard.filename)
                 _write_shard(shard, path, bar)
-                flushed.append(flusher.submit(_fsync, path))
+                flushed.append(flusher.submit(fsync, path))
             for future in flushed:
                 future.result()
         bar.close()
@@ -759,11 +662,11 @@ def convert(
             json.dump(record, f, indent=2)
         for name in os.listdir(temporary):
             if not name.endswith(".safetensors"):  # small files; the shards are flushed already
-                _fsync(os.path.join(temporary, name))
-        _fsync(temporary)
+                fsync(os.path.join(temporary, name))
+        fsync(temporary)
         _output_state(output_dir, overwrite)  # still allowed (nothing appeared meanwhile)
-        _replace_dir(temporary, output_dir)
-        _fsync(os.path.dirname(os.path.abspath(output_dir)))
+        replace_dir(temporary, output_dir)
+        fsync(os.path.dirname(os.path.abspath(output_dir)))
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
@@ -937,7 +840,7 @@ def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = Tru
             else:
                 _check_paths(args.input_dir, out)
                 _output_state(out, args.overwrite)
-                temporary = _temporary_dir_next_to(out)
+                temporary = temporary_dir_next_to(out)
                 try:
                     report = convert(
                         args.input_dir, os.path.join(temporary, CONVERTED_SUBDIR), args.shared_heads_ratio,
@@ -948,7 +851,7 @@ def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = Tru
                     report.output_dir = converted
                     print(report.format(), flush=True)
                     _output_state(out, args.overwrite)
-                    _replace_dir(temporary, out)
+                    replace_dir(temporary, out)
                 except BaseException:
                     shutil.rmtree(temporary, ignore_errors=True)
                     raise

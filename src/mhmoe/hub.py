@@ -37,9 +37,8 @@ from pathlib import Path
 
 from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
 
-from .conversion import (
-    SAFE_INDEX_NAME, ConversionError, _fsync, _nested, _read_header, _replace_dir, _temporary_dir_next_to,
-    _weight_files,
+from .checkpoint_files import (
+    SAFE_INDEX_NAME, CheckpointError, fsync, overlapping, read_header, replace_dir, temporary_dir_next_to, weight_files,
 )
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
@@ -47,7 +46,7 @@ ALLOWED_IMPORTS = frozenset({"torch", "transformers", "huggingface_hub"}) | froz
 _RELATIVE_FROM = re.compile(r"from\s+\.+[\w.]*\s+import")
 
 
-class ExportError(ValueError):
+class ExportError(CheckpointError):
     """A source or target the export refuses, with the reason and the fix in words."""
 
 
@@ -168,10 +167,7 @@ def _source_dir(path: str):
     except (OSError, TypeError, ValueError, KeyError) as e:
         raise ExportError(f"cannot read the config of {path}: {e}") from None
     auto_classes(config)
-    try:
-        shards, weight_map = _weight_files(path)
-    except ConversionError as e:
-        raise ExportError(str(e)) from None
+    shards, weight_map = weight_files(path, ExportError)
     return config, shards + ([] if weight_map is None else [SAFE_INDEX_NAME])
 
 
@@ -181,7 +177,7 @@ def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) 
     if os.path.isdir(save_directory) and os.listdir(save_directory) and not overwrite:
         raise ExportError(f"{save_directory} exists and is not empty; pass overwrite=True (mhmoe-export --overwrite) "
                           "to replace it, or choose an empty or new directory")  # fmt: skip
-    if source_dir is not None and _nested(source_dir, save_directory):
+    if source_dir is not None and overlapping(source_dir, save_directory):
         raise ExportError(f"save directory {save_directory} must not be the source {source_dir}, inside it, or "
                           "contain it; choose another directory")  # fmt: skip
 
@@ -225,7 +221,7 @@ Exported with mhmoe {version} and transformers {transformers_version}.
 def _parameter_count(folder: Path) -> int:
     total = 0
     for path in sorted(folder.glob("*.safetensors")):
-        header, _ = _read_header(str(path))
+        header, _ = read_header(str(path), ExportError)
         total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
     return total
 
@@ -324,7 +320,7 @@ def export_pretrained(
     classes = auto_classes(config)
     sources = modeling_sources(classes.values())
 
-    temporary = Path(_temporary_dir_next_to(save_directory))
+    temporary = Path(temporary_dir_next_to(save_directory))
     try:
         if source_dir is None:
             model.save_pretrained(temporary)
@@ -351,10 +347,10 @@ def export_pretrained(
             card = render_model_card(config, classes, temporary, repo, tokenizer is not None)
             (temporary / "README.md").write_text(card, encoding="utf-8")
         for path in temporary.iterdir():
-            _fsync(str(path))
-        _fsync(str(temporary))
+            fsync(str(path))
+        fsync(str(temporary))
         _check_target(save_directory, overwrite, source_dir)  # nothing appeared meanwhile
-        _replace_dir(str(temporary), save_directory)
+        replace_dir(str(temporary), save_directory)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
