@@ -265,6 +265,40 @@ def test_block_under_gradient_checkpointing(use_reentrant, pooled, request):
         _assert_all_close(_block_run(block, x, "grouped_mm", use_reentrant), expected)
 
 
+def test_block_under_torch_compile(pool):
+    """torch.compile: the dispatch breaks the graph where shapes depend on the routing (expert counts, kept rows), the
+    experts run eagerly between compiled graphs (with the pool), and output and gradients are eager's on the first
+    (tracing) step and the next."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    config = MHMoEConfig(
+        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16, moe_heads=3
+    )
+    block = _random_block(config)
+    x = torch.randn(2, 5, 24)
+    expected = _block_run(block, x, "eager")
+    block.experts.config._experts_implementation = "grouped_mm"
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend)
+    try:
+        for _ in range(2):
+            block.zero_grad(set_to_none=True)
+            inp = x.clone().requires_grad_()
+            out = compiled(inp)
+            out.square().sum().backward()
+            _assert_all_close([out.detach(), inp.grad] + [p.grad for p in block.parameters()], expected)
+    finally:
+        torch._dynamo.reset()
+    assert any(node.target is torch._C._nn.linear for g in graphs for node in g.graph.nodes)  # head layer compiled
+    assert pool._free  # the eager expert part gave its buffers back
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_inference_path_matches_eager(case, act):
