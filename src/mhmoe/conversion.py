@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_NAME
 
 from .checkpoint_files import (
-    PICKLE_SUFFIXES, SAFE_INDEX_NAME, CheckpointError, fsync, overlapping, read_header, replace_dir, temporary_dir_next_to,
-    weight_files,
+    PICKLE_SUFFIXES, SAFE_INDEX_NAME, CheckpointError, fsync, overlapping, read_header, replace_dir,
+    temporary_dir_next_to, weight_files,
 )
 
 SOURCE_MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -272,7 +272,8 @@ def test_block_under_torch_compile(pool):
     from torch._dynamo.backends.registry import lookup_backend
 
     config = MHMoEConfig(
-        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16, moe_heads=3
+        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16,
+        moe_heads=3,
     )
     block = _random_block(config)
     x = torch.randn(2, 5, 24)
