@@ -449,7 +449,7 @@ BAD_MOH = [
     (dict(moh_shared_heads=-1, moh_active_heads=1), "moh_shared_heads must be >= 0"),
     (dict(moh_shared_heads=2, moh_active_heads=0), "moh_active_heads (routed heads active per token) must be >= 1"),
     (dict(moh_shared_heads=2, moh_active_heads=2, moh_router="topk"), "moh_router must be one of"),
-    (dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef=-0.1), "moh_aux_loss_coef must be >= 0"),
+    (dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef=-0.1), "moh_aux_loss_coef must be a finite number >= 0"),
 ]
 
 

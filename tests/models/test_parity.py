@@ -56,3 +56,46 @@ def test_cost_counts_real_module_parameters(fields):
                       num_hidden_layers=2, num_experts=7, num_experts_per_tok=2, moe_intermediate_size=12, **fields)  # fmt: skip
     block = MHMoEModel(cfg).layers[0].mlp
     assert sum(p.numel() for p in block.parameters()) == moe_layer_cost(cfg).params
+
+
+def _matched_gap(source: MHMoEConfig, matched: MHMoEConfig) -> tuple[float, int]:
+    """(relative parameter gap, activated multiply-add difference without the routers' d·E terms)."""
+    def without_router(cfg):
+        return moe_layer_cost(cfg).macs_per_token - cfg.hidden_size * cfg.num_experts
+
+    params = abs(moe_layer_cost(matched).params - moe_layer_cost(source).params) / moe_layer_cost(source).params
+    return params, without_router(matched) - without_router(source)
+
+
+def test_matched_to_smoe_from_mixtral_an_mh_moe_source_and_without_head_or_merge():
+    from transformers import MixtralConfig
+
+    mixtral = MixtralConfig(hidden_size=768, intermediate_size=2048, num_local_experts=8, num_experts_per_tok=1,
+                            num_attention_heads=12, num_key_value_heads=12)  # fmt: skip
+    source = MHMoEConfig.from_mixtral_config(mixtral)
+    mh = MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2)
+    assert mh.router_aux_loss_mode == "per_layer"  # Mixtral's pooled mode needs h=1
+    assert (mh.moe_intermediate_size, mh.num_experts) == (768, 40)
+    # an MH-MoE source: its experts are d/h wide (Section 3's h=3 config matched back to h=2)
+    h3 = MHMoEConfig(**{**PAPER_SMOE, "moe_heads": 3, "num_experts": 96, "num_experts_per_tok": 3,
+                        "moe_intermediate_size": 512})  # fmt: skip
+    matched = MHMoEConfig.matched_to_smoe(h3, moe_heads=2, num_experts_per_tok=2, round_experts_to=1)
+    params_gap, macs_gap = _matched_gap(h3, matched)
+    assert params_gap < 0.012 and macs_gap == 0  # E rounded to an integer: at most half an expert (1.1%) off
+    # the ablations without head and/or merge layer are solved for what they really have
+    for fields in (dict(moe_head_layer=False), dict(moe_head_layer=False, moe_merge_layer=False)):
+        smoe = MHMoEConfig(**PAPER_SMOE)
+        matched = MHMoEConfig.matched_to_smoe(smoe, moe_heads=2, num_experts_per_tok=2, round_experts_to=1, **fields)
+        assert not matched.moe_head_layer and matched.moe_merge_layer == fields.get("moe_merge_layer", True)
+        params_gap, macs_gap = _matched_gap(smoe, matched)
+        assert params_gap < 0.02 and abs(macs_gap) <= 3 * 768 * 2  # f and E rounded to integers
+
+
+def test_matched_to_smoe_refusals():
+    from transformers import MixtralConfig
+
+    with pytest.raises(ValueError, match="from_mixtral_config"):
+        MHMoEConfig.matched_to_smoe(MixtralConfig(), moe_heads=2, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="dense"):
+        MHMoEConfig.matched_to_smoe(MHMoEConfig(**PAPER_SMOE, decoder_sparse_step=0), moe_heads=2,
+                                    num_experts_per_tok=2)  # fmt: skip

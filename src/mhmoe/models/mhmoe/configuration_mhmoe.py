@@ -1,6 +1,10 @@
 """MHMoE model configuration: one config for dense, SMoE, fine-grained SMoE and MH-MoE decoders."""
 
+import dataclasses
+import math
+
 from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
@@ -8,6 +12,10 @@ from .parity import matched_moe_settings
 
 AUX_LOSS_MODES = ("per_layer", "mixtral")
 MOH_ROUTERS = ("learned", "l2")
+# names other MoE configs use for our fields: refused instead of silently dropped (`top_k` also breaks save_pretrained)
+MISNAMED_FIELDS = {
+    "top_k": "num_experts_per_tok", "router_top_k": "num_experts_per_tok", "num_local_experts": "num_experts",
+}  # fmt: skip
 
 
 @strict
@@ -22,8 +30,9 @@ class MHMoEConfig(PreTrainedConfig):
 
     `router_aux_loss_mode="per_layer"` averages the Switch load-balancing loss of each MoE layer over its sub-tokens;
     `"mixtral"` pools router statistics over all layers exactly like Transformers' Mixtral. `capacity_factor=None` is
-    dropless; a number caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments and the
-    overflow contributes nothing (the token keeps its residual).
+    dropless; a number caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments of one
+    forward call (padding rows included) and the overflow contributes nothing (the token keeps its residual); cached
+    decoding steps and padded batches therefore route with their own capacity (dropless routing has no such effect).
 
     Mixture-of-Head attention (MoH) is on when `moh_shared_heads` and `moh_active_heads` are set: the first
     `moh_shared_heads` heads are always on and the router picks `moh_active_heads` of the remaining heads per token
@@ -80,7 +89,10 @@ class MHMoEConfig(PreTrainedConfig):
     moh_aux_loss_coef: float | int = 0.01
 
     def __post_init__(self, **kwargs):
-        if self.head_dim is None:
+        misnamed = [f"{name} (use {MISNAMED_FIELDS[name]})" for name in kwargs if name in MISNAMED_FIELDS]
+        if misnamed:
+            raise ValueError(f"Invalid MHMoEConfig: unknown argument(s) {', '.join(misnamed)}.")
+        if self.head_dim is None and self.num_attention_heads > 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -93,7 +105,13 @@ class MHMoEConfig(PreTrainedConfig):
 
     def check_combinations(self):
         """Refuse every invalid combination with a `ValueError` that says what is wrong (run at construction)."""
-        problems = []
+        sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "max_position_embeddings")  # fmt: skip
+        # head_dim stays None when num_attention_heads < 1 (reported as such)
+        values = {name: getattr(self, name) for name in sizes if getattr(self, name) is not None}
+        problems = [f"{name} must be >= 1, got {value}" for name, value in values.items() if not value >= 1]
+        if problems:  # the checks below divide by these
+            raise ValueError("Invalid MHMoEConfig: " + "; ".join(problems) + ".")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
@@ -103,6 +121,23 @@ class MHMoEConfig(PreTrainedConfig):
             problems.append(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.decoder_sparse_step < 0:
             problems.append(f"decoder_sparse_step must be >= 0 (0 = dense model), got {self.decoder_sparse_step}")
+        elif self.decoder_sparse_step > self.num_hidden_layers:
+            problems.append(
+                f"decoder_sparse_step ({self.decoder_sparse_step}) is larger than num_hidden_layers "
+                f"({self.num_hidden_layers}), so no layer would be MoE; use 0 for a dense model"
+            )
+        if self.intermediate_size < 1 and not all(map(self.is_moe_layer, range(self.num_hidden_layers))):
+            problems.append(f"intermediate_size (the dense layers' MLP width) must be >= 1, got "
+                            f"{self.intermediate_size}")  # fmt: skip
+        if self.hidden_act not in ACT2FN:
+            problems.append(f"hidden_act {self.hidden_act!r} is not one of Transformers' activations (e.g. 'silu')")
+        if self.pad_token_id is not None and not -self.vocab_size <= self.pad_token_id < self.vocab_size:
+            problems.append(f"pad_token_id ({self.pad_token_id}) must lie in the vocabulary (vocab_size "
+                            f"{self.vocab_size})")  # fmt: skip
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            problems.append(f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps}")
+        if not (self.initializer_range >= 0 and math.isfinite(self.initializer_range)):
+            problems.append(f"initializer_range must be a finite number >= 0, got {self.initializer_range}")
         if self.sliding_window is not None and self.sliding_window < 1:
             problems.append(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}")
         if self.decoder_sparse_step > 0:
@@ -130,13 +165,32 @@ class MHMoEConfig(PreTrainedConfig):
         if self.router_aux_loss_mode == "mixtral" and self.moe_heads != 1:
             problems.append("router_aux_loss_mode='mixtral' pools token-level statistics and needs moe_heads=1")
         for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter_noise", "attention_dropout"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            problems.append(f"capacity_factor must be > 0 or None (dropless), got {self.capacity_factor}")
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                problems.append(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.router_jitter_noise >= 1:
+            problems.append(f"router_jitter_noise must be < 1 (inputs are scaled by U(1 - noise, 1 + noise)), got "
+                            f"{self.router_jitter_noise}")  # fmt: skip
+        if self.attention_dropout > 1:
+            problems.append(f"attention_dropout is a probability, got {self.attention_dropout}")
+        if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            problems.append(f"capacity_factor must be a finite number > 0 or None (dropless), got "
+                            f"{self.capacity_factor}")  # fmt: skip
         problems += moh_config_problems(self)
         if problems:
             raise ValueError("Invalid MHMoEConfig: " + "; ".join(problems) + ".")
+
+    def validate_architecture(self):
+        """Transformers' strict-dataclass hook (`config.validate()`, run again by `save_pretrained`)."""
+        super().validate_architecture()
+        self.check_combinations()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "MHMoEConfig":
+        """As Transformers', but overrides of config fields (`from_pretrained(d, moe_heads=...)`) are applied before
+        the combination checks run (Transformers sets them afterwards, unchecked)."""
+        fields = {field.name for field in dataclasses.fields(cls)}
+        config_dict = {**config_dict, **{name: kwargs.pop(name) for name in list(kwargs) if name in fields}}
+        return super().from_dict(config_dict, **kwargs)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.decoder_sparse_step > 0 and (layer_idx + 1) % self.decoder_sparse_step == 0
@@ -144,6 +198,7 @@ class MHMoEConfig(PreTrainedConfig):
     @classmethod
     def from_llama_config(cls, llama_config, **kwargs) -> "MHMoEConfig":
         """The dense MHMoE config whose model has exactly `LlamaForCausalLM`'s parameters."""
+        _expect_model_type(llama_config, "llama", "from_llama_config")
         fields = _shared_fields(llama_config)
         fields.update(mlp_bias=llama_config.mlp_bias, attention_bias=llama_config.attention_bias, decoder_sparse_step=0)
         fields.update(kwargs)
@@ -152,6 +207,7 @@ class MHMoEConfig(PreTrainedConfig):
     @classmethod
     def from_mixtral_config(cls, mixtral_config, **kwargs) -> "MHMoEConfig":
         """The SMoE MHMoE config whose model has exactly `MixtralForCausalLM`'s parameters, logits and aux loss."""
+        _expect_model_type(mixtral_config, "mixtral", "from_mixtral_config")
         fields = _shared_fields(mixtral_config)
         fields.update(
             sliding_window=mixtral_config.sliding_window,
@@ -177,28 +233,44 @@ class MHMoEConfig(PreTrainedConfig):
     ) -> "MHMoEConfig":
         """The MH-MoE config whose MoE layers match `smoe_config`'s activated FLOPs and total parameters.
 
-        Head and merge layers are counted; see `mhmoe.parity.matched_moe_settings` for the equations.
+        Head and merge layers are counted, on both sides (`moe_head_layer=False` / `moe_merge_layer=False` in `kwargs`
+        solve for the ablations without them); see `mhmoe.parity.matched_moe_settings` for the equations. A Mixtral
+        config: convert it with `from_mixtral_config` first.
         """
+        if not isinstance(smoe_config, MHMoEConfig):
+            raise ValueError(
+                f"matched_to_smoe takes an MHMoEConfig, got {type(smoe_config).__name__}; for a Mixtral config use "
+                "MHMoEConfig.matched_to_smoe(MHMoEConfig.from_mixtral_config(config), ...)"
+            )
+        if smoe_config.decoder_sparse_step == 0:
+            raise ValueError(
+                "matched_to_smoe: the given config is dense (decoder_sparse_step=0); give the MoE config to match"
+            )
+        head_layer, merge_layer = kwargs.pop("moe_head_layer", True), kwargs.pop("moe_merge_layer", True)
         intermediate, experts = matched_moe_settings(
             hidden_size=smoe_config.hidden_size,
             smoe_intermediate_size=smoe_config.moe_intermediate_size,
             smoe_num_experts=smoe_config.num_experts,
             smoe_top_k=smoe_config.num_experts_per_tok,
             smoe_head_and_merge=bool(smoe_config.moe_head_layer) + bool(smoe_config.moe_merge_layer),
+            smoe_moe_heads=smoe_config.moe_heads,
             moe_heads=moe_heads,
             top_k=num_experts_per_tok,
             round_experts_to=round_experts_to,
+            head_and_merge=bool(head_layer) + bool(merge_layer),
         )
         fields = smoe_config.to_dict()
         for key in ("model_type", "transformers_version", "architectures", "auto_map"):
             fields.pop(key, None)
+        if moe_heads != 1 and fields.get("router_aux_loss_mode") == "mixtral":  # token-level pooling needs h=1
+            fields["router_aux_loss_mode"] = "per_layer"
         fields.update(
             moe_heads=moe_heads,
             num_experts_per_tok=num_experts_per_tok,
             moe_intermediate_size=intermediate,
             num_experts=experts,
-            moe_head_layer=True,
-            moe_merge_layer=True,
+            moe_head_layer=head_layer,
+            moe_merge_layer=merge_layer,
         )
         fields.update(kwargs)
         return cls(**fields)
@@ -210,8 +282,8 @@ def moh_config_problems(config) -> list[str]:
     heads, shared, active = config.num_attention_heads, config.moh_shared_heads, config.moh_active_heads
     if config.moh_router not in MOH_ROUTERS:
         problems.append(f"moh_router must be one of {MOH_ROUTERS}, got {config.moh_router!r}")
-    if config.moh_aux_loss_coef < 0:
-        problems.append(f"moh_aux_loss_coef must be >= 0, got {config.moh_aux_loss_coef}")
+    if not (config.moh_aux_loss_coef >= 0 and math.isfinite(config.moh_aux_loss_coef)):
+        problems.append(f"moh_aux_loss_coef must be a finite number >= 0, got {config.moh_aux_loss_coef}")
     if (shared is None) != (active is None):
         problems.append(
             f"moh_shared_heads and moh_active_heads must be set together (both None = plain multi-head attention), "
@@ -233,6 +305,14 @@ def moh_config_problems(config) -> list[str]:
                 f"the router picks moh_active_heads of the {heads - shared} routed heads"
             )
     return problems
+
+
+def _expect_model_type(config, model_type: str, method: str) -> None:
+    if getattr(config, "model_type", None) != model_type:
+        raise ValueError(
+            f"MHMoEConfig.{method} takes a Transformers {model_type} config (model_type {model_type!r}), got "
+            f"{type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
+        )
 
 
 def _shared_fields(config) -> dict:

@@ -57,27 +57,30 @@ def matched_moe_settings(
     top_k: int,
     round_experts_to: int = 8,
     smoe_head_and_merge: int = 0,
+    smoe_moe_heads: int = 1,
+    head_and_merge: int = 2,
 ) -> tuple[int, int]:
     """Solve for the MH-MoE (moe_intermediate_size, num_experts) matching an SMoE layer (leading terms).
 
-    FLOPs:  n·d² + 3·d·f_s·k_s = 2·d² + 3·d·f·k           (n = head/merge layers of the SMoE, usually 0)
-    params: n·d² + 3·d·f_s·E_s = 2·d² + 3·(d/h)·f·E
+    FLOPs:  n_s·d² + 3·d·f_s·k_s       = n·d² + 3·d·f·k     (n_s, n: head/merge layers; an SMoE has n_s = 0)
+    params: n_s·d² + 3·(d/h_s)·f_s·E_s = n·d² + 3·(d/h)·f·E  (h_s: the source's moe_heads, 1 for an SMoE)
     f is rounded to the nearest integer, E to the nearest multiple of `round_experts_to` (at least `top_k`).
     """
     d, h = hidden_size, moe_heads
-    if h < 1 or d % h:
-        raise ValueError(f"hidden_size ({d}) must be divisible by moe_heads ({h})")
+    for heads in (h, smoe_moe_heads):
+        if heads < 1 or d % heads:
+            raise ValueError(f"hidden_size ({d}) must be divisible by moe_heads ({heads})")
     if top_k < 1 or round_experts_to < 1:
         raise ValueError(f"top_k ({top_k}) and round_experts_to ({round_experts_to}) must be >= 1")
     smoe_macs = smoe_head_and_merge * d * d + 3 * d * smoe_intermediate_size * smoe_top_k
-    intermediate = round((smoe_macs - 2 * d * d) / (3 * d * top_k))
+    intermediate = round((smoe_macs - head_and_merge * d * d) / (3 * d * top_k))
     if intermediate < 1:
         raise ValueError(
-            f"the head and merge layers alone (2·d² = {2 * d * d} multiply-adds) exceed the SMoE layer's activated "
-            f"cost ({smoe_macs}); use a larger SMoE intermediate size or top-k"
+            f"the head and merge layers alone ({head_and_merge}·d² = {head_and_merge * d * d} multiply-adds) exceed "
+            f"the SMoE layer's activated cost ({smoe_macs}); use a larger SMoE intermediate size or top-k"
         )
-    smoe_params = smoe_head_and_merge * d * d + 3 * d * smoe_intermediate_size * smoe_num_experts
-    exact_experts = (smoe_params - 2 * d * d) / (3 * (d // h) * intermediate)
+    smoe_params = smoe_head_and_merge * d * d + 3 * (d // smoe_moe_heads) * smoe_intermediate_size * smoe_num_experts
+    exact_experts = (smoe_params - head_and_merge * d * d) / (3 * (d // h) * intermediate)
     experts = max(round(exact_experts / round_experts_to) * round_experts_to, round_experts_to)
     while experts < top_k:
         experts += round_experts_to
