@@ -133,6 +133,26 @@ def test_router_runs_in_fp32_under_bf16():
     assert all(lg.dtype == torch.float32 for lg in out.router_logits)
 
 
+def test_router_runs_in_fp32_under_autocast():
+    """Accelerate's bf16 mixed precision is autocast: the router's linear must not be cast down by it."""
+    model = MHMoEForCausalLM(tiny(output_router_logits=True))
+    router = model.model.layers[0].mlp.gate
+    sub_tokens = torch.randn(30, 16, generator=torch.Generator().manual_seed(0))
+    expected = router(sub_tokens)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = router(sub_tokens)[0]
+        out = model(torch.randint(0, 101, (1, 6)))
+    assert logits.dtype == torch.float32 and torch.equal(logits, expected)
+    assert all(lg.dtype == torch.float32 for lg in out.router_logits)
+
+
+def test_losses_are_zero_not_nan_without_real_tokens():
+    model = MHMoEForCausalLM(tiny(output_router_logits=True, router_z_loss_coef=0.1))
+    ids = torch.randint(0, 101, (2, 6))
+    out = model(ids, attention_mask=torch.zeros_like(ids))
+    assert out.aux_loss.item() == 0.0 and out.z_loss.item() == 0.0
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_generate_with_cache_equals_without_left_padded(attn):
     cfg = tiny(sliding_window=6, pad_token_id=0)

@@ -5,6 +5,7 @@ layer, no shared expert) exactly `MixtralForCausalLM`'s. Shape legend: B batch, 
 h moe_heads, W = D / h sub-token width, N = B·T·h routed rows, E experts, K experts per row.
 """
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,7 +82,10 @@ class MHMoETopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size // config.moe_heads))
 
     def forward(self, hidden_states: torch.Tensor):
-        router_logits = nn.functional.linear(hidden_states.float(), self.weight.float())  # (N, E)
+        device = hidden_states.device.type
+        # fp32 also under autocast (Accelerate's mixed precision), which would cast the linear back down
+        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
+            router_logits = nn.functional.linear(hidden_states.float(), self.weight.float())  # (N, E)
         weights, experts = route(router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor)
         return router_logits, weights, experts
 
@@ -245,6 +249,7 @@ class MHMoEPreTrainedModel(PreTrainedModel):
 
 class MHMoEModel(MHMoEPreTrainedModel):
     def __init__(self, config: MHMoEConfig):
+        config.check_combinations()  # again: fields may have been set after the config was built
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size

@@ -405,7 +405,7 @@ def load_balancing_loss(
         mask = _rows_mask(attention_mask, probs.shape[0], moe_heads)
         mask = probs.new_ones(probs.shape[0]) if mask is None else mask.to(probs.device)  # (N,)
         counts = probs.new_zeros(num_experts).scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(top_k))
-        prob_sum, rows = (probs * mask[:, None]).sum(0), mask.sum()  # (E,), ()
+        prob_sum, rows = (probs * mask[:, None]).sum(0), mask.sum().clamp(min=1)  # (E,), (): 0 with no real rows
         losses.append(num_experts * torch.sum((counts / rows) * (prob_sum / rows)))
         counts_sum, probs_sum, rows_sum = counts_sum + counts, probs_sum + prob_sum, rows_sum + rows
     if mode == "mixtral":
@@ -421,5 +421,5 @@ def router_z_loss(
     for logits in router_logits:
         z = torch.logsumexp(logits.float(), dim=-1).pow(2)  # (N,)
         mask = _rows_mask(attention_mask, z.shape[0], moe_heads)
-        losses.append(z.mean() if mask is None else (z * mask.to(z.device)).sum() / mask.sum())
+        losses.append(z.mean() if mask is None else (z * mask.to(z.device)).sum() / mask.sum().clamp(min=1))
     return torch.stack(losses).mean()
