@@ -174,7 +174,7 @@ def test_exported_folder(exported):
         text = (moh_dir / name).read_text()
         assert "from .." not in text and text.replace("from .", "from ..mhmoe.") != text
     config_code = (moh_dir / "configuration_moh_llama.py").read_text()
-    assert "from .configuration_mhmoe import moh_config_problems" in config_code
+    assert "from .configuration_mhmoe import OverridesBeforeChecks, moh_config_problems" in config_code
     for folder in (mhmoe_dir, moh_dir):
         names = {p.name for p in folder.iterdir()}
         assert {"model.safetensors", "generation_config.json", "README.md", "tokenizer.json"} <= names

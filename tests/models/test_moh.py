@@ -449,7 +449,8 @@ BAD_MOH = [
     (dict(moh_shared_heads=-1, moh_active_heads=1), "moh_shared_heads must be >= 0"),
     (dict(moh_shared_heads=2, moh_active_heads=0), "moh_active_heads (routed heads active per token) must be >= 1"),
     (dict(moh_shared_heads=2, moh_active_heads=2, moh_router="topk"), "moh_router must be one of"),
-    (dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef=-0.1), "moh_aux_loss_coef must be a finite number >= 0"),
+    (dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef=-0.1),
+     "moh_aux_loss_coef must be a finite number >= 0"),
 ]
 
 
@@ -461,6 +462,19 @@ def test_invalid_moh_configs_are_refused_in_words(fields, message):
     with pytest.raises(Exception, match="Invalid MoHLlamaConfig") as error:
         MoHLlamaConfig(**tiny_llama_fields(), **fields)
     assert message in str(error.value)
+
+
+def test_moh_llama_overrides_and_late_fields_are_checked(tmp_path):
+    """from_pretrained overrides join the file's fields before the checks; fields set later are checked by the model."""
+    config = MoHLlamaConfig(**tiny_llama_fields(), moh_shared_heads=2, moh_active_heads=2)
+    MoHLlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(Exception, match="must be <= num_attention_heads"):
+        MoHLlamaForCausalLM.from_pretrained(tmp_path, moh_active_heads=99)
+    model = MoHLlamaForCausalLM.from_pretrained(tmp_path, moh_active_heads=3)
+    assert model.config.moh_active_heads == 3 and model.model.layers[0].self_attn.head_router.active_heads == 3
+    config.moh_active_heads = 99
+    with pytest.raises(ValueError, match="must be <= num_attention_heads"):
+        MoHLlamaForCausalLM(config)
 
 
 @pytest.mark.parametrize("shared,active", [(0, 1), (0, 8), (1, 7), (7, 1), (2, 3), (5, 2)])

@@ -18,8 +18,22 @@ MISNAMED_FIELDS = {
 }  # fmt: skip
 
 
+class OverridesBeforeChecks:
+    """`from_pretrained(d, field=value)`: Transformers builds the config from the file and then sets the overrides
+    unchecked. Here overrides of config fields join the file's fields first, so the checks see the final config."""
+
+    _SET_BY_TRANSFORMERS = {"dtype", "torch_dtype", "attn_implementation", "experts_implementation", "name_or_path",
+                            "output_attentions", "num_labels"}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        fields = {field.name for field in dataclasses.fields(cls)} - cls._SET_BY_TRANSFORMERS
+        config_dict = {**config_dict, **{name: kwargs.pop(name) for name in list(kwargs) if name in fields}}
+        return super().from_dict(config_dict, **kwargs)
+
+
 @strict
-class MHMoEConfig(PreTrainedConfig):
+class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     r"""LLaMA-style decoder whose feed-forward is, per layer, a dense SwiGLU MLP or an MH-MoE block.
 
     The MoE block projects each token with a head layer (`moe_head_layer`), splits it into `moe_heads` sub-tokens of
@@ -183,14 +197,6 @@ class MHMoEConfig(PreTrainedConfig):
         """Transformers' strict-dataclass hook (`config.validate()`, run again by `save_pretrained`)."""
         super().validate_architecture()
         self.check_combinations()
-
-    @classmethod
-    def from_dict(cls, config_dict: dict, **kwargs) -> "MHMoEConfig":
-        """As Transformers', but overrides of config fields (`from_pretrained(d, moe_heads=...)`) are applied before
-        the combination checks run (Transformers sets them afterwards, unchecked)."""
-        fields = {field.name for field in dataclasses.fields(cls)}
-        config_dict = {**config_dict, **{name: kwargs.pop(name) for name in list(kwargs) if name in fields}}
-        return super().from_dict(config_dict, **kwargs)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.decoder_sparse_step > 0 and (layer_idx + 1) % self.decoder_sparse_step == 0

@@ -4,11 +4,11 @@ from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 # One source of truth for the moh_* validation (a later export step copies it next to this file).
-from ..mhmoe.configuration_mhmoe import moh_config_problems, refuse_auto_class_registration
+from ..mhmoe.configuration_mhmoe import OverridesBeforeChecks, moh_config_problems, refuse_auto_class_registration
 
 
 @strict
-class MoHLlamaConfig(LlamaConfig):
+class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
     r"""`LlamaConfig` plus Mixture-of-Head attention.
 
     The first `moh_shared_heads` heads of every layer are always on; per token the router activates

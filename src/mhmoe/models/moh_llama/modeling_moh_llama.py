@@ -81,6 +81,7 @@ class MoHCausalLMOutputWithPast(CausalLMOutputWithPast):
 
 class MoHLlamaModel(MoHLlamaPreTrainedModel, LlamaModel):
     def __init__(self, config: MoHLlamaConfig):
+        config.validate_architecture()  # again: fields may have been set after the config was built
         MoHLlamaPreTrainedModel.__init__(self, config)  # LlamaModel's body with MoH decoder layers
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
