@@ -825,7 +825,7 @@ def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = Tru
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
-    from .train import TrainArguments, train
+    from .train import TrainArguments, TrainingError, check_arguments, train
 
     if isinstance(tune, dict):
         tune = continue_tune_arguments(**tune)
@@ -840,6 +840,9 @@ def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = Tru
             else:
                 _check_paths(args.input_dir, out)
                 _output_state(out, args.overwrite)
+                # the training arguments are checked before the conversion, which may take long
+                check_arguments(TrainArguments(model_name_or_path=converted, output_dir=out, **dataclasses.asdict(tune),
+                                               overwrite_output_dir=args.overwrite), model_given=True)  # fmt: skip
                 temporary = temporary_dir_next_to(out)
                 try:
                     report = convert(
@@ -870,7 +873,12 @@ def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = Tru
     if not validated:
         train_args.eval_at_start = False
         state.print("note: no --validation_file / --validation_split_percentage: no perplexity, no recovery curve")
-    result = train(train_args, reference_eval=all_heads_active if validated else None)
+    try:
+        result = train(train_args, reference_eval=all_heads_active if validated else None)
+    except TrainingError:  # an input problem found before training (e.g. in the data): no half-done output
+        if not tune.resume_from_checkpoint and state.is_main_process:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     summary = None
     if state.is_main_process and validated:
         summary = recovery_curve(out)

@@ -553,13 +553,64 @@ def main(argv: list[str] | None = None) -> None:
     ours = _suite_names(tasks_dir)
     suites_only = bool(requested) and all(name in ours for name in requested)
 
+    problem = _model_args_problem(args.model, args.model_args)
+    if problem:
+        _exit_with_error(problem)
     captured: list = []
-    with _cli_patches(captured, suites_only):
-        parser.execute(args)
+    try:
+        with _cli_patches(captured, suites_only):
+            parser.execute(args)
+    except ValueError as e:  # user mistakes lm-eval and the mhmoe_ppl tasks report as ValueError: one line, no trace
+        if not str(e).startswith(_USER_ERRORS):
+            raise
+        _exit_with_error(str(e))
     if captured and captured[-1]:
         summary = _format_summary(captured[-1])
         if summary:
             print(summary)
+
+
+_USER_ERRORS = ("Tasks not found", "mhmoe_ppl_")  # lm-eval's unknown tasks; the ppl tasks' missing data
+
+
+def _exit_with_error(message: str) -> None:
+    print(f"mhmoe-eval: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _model_args_problem(model: str, model_args) -> str | None:
+    """What is wrong with the checkpoint paths in --model_args (local folders; the Hub only from its cache when
+    offline), in words; None when nothing is (or when another model type's arguments are given)."""
+    model_args = {} if model_args in (None, "") else model_args
+    if model not in ("mhmoe", "hf") or not isinstance(model_args, dict):
+        return None
+    pretrained = model_args.get("pretrained")
+    if pretrained is None:
+        return "give the checkpoint with --model_args pretrained=DIR" if model == "mhmoe" else None
+    for key in ("pretrained", "peft"):
+        path = model_args.get(key)
+        if isinstance(path, str) and not os.path.isdir(path) and _offline() and not _cached_on_hub(path):
+            return f"{key}={path}: no such directory, and the Hub is offline (HF_HUB_OFFLINE=1) with no cached copy"
+    if isinstance(pretrained, str) and os.path.isdir(pretrained):
+        has = {name: os.path.isfile(os.path.join(pretrained, name)) for name in ("config.json", "adapter_config.json")}
+        if has["adapter_config.json"] and not has["config.json"]:
+            return f"pretrained={pretrained} is a LoRA adapter folder: use pretrained=BASE_MODEL_DIR,peft={pretrained}"
+    return None
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cached_on_hub(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id either
+        return False
 
 
 if __name__ == "__main__":

@@ -25,16 +25,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 import mhmoe  # noqa: F401  (registers the model types and PEFT defaults)
 
 from .analysis import expert_counts
+from .checkpoint_files import overlapping
 from .data import read_files, tokenize_and_pack, train_tokenizer
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
 STATE_FILE = "train_state.json"
 SUMMARY_FILE = "train_summary.json"
+# what a finished run leaves in --output_dir (besides the tokenizer): refused without --overwrite_output_dir
+RUN_OUTPUTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "adapter_model.safetensors", "adapter_config.json",
+               SUMMARY_FILE)  # fmt: skip
 CHECKPOINT_PREFIX = "checkpoint-"
 
 
@@ -115,7 +120,9 @@ class TrainArguments:
         default=None, metadata={"help": "A checkpoint-N directory, or 'latest' (the newest in --output_dir)."}
     )
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Start afresh in an output_dir that holds checkpoints (deletes them)."}
+        default=False,
+        metadata={"help": "Start afresh in an output_dir that holds checkpoints or a finished run (deletes them once "
+                          "every input is checked)."},  # fmt: skip
     )
     lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (PEFT) instead of all weights."})
     lora_r: int = 8
@@ -160,7 +167,7 @@ def supported_model_types() -> list[str]:
     return [t for t in ("mhmoe", "moh_llama", *DENSE_PARENT_TYPES) if t in CONFIG_MAPPING]
 
 
-def _check_args(args: TrainArguments, model_given: bool = False) -> None:
+def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
     for name in ("output_dir", "train_file") if model_given else ("model_name_or_path", "output_dir", "train_file"):
         if not getattr(args, name):
             raise TrainingError(f"--{name} is required")
@@ -209,24 +216,49 @@ def _check_args(args: TrainArguments, model_given: bool = False) -> None:
     if args.tokenizer_name_or_path is not None and not os.path.isdir(args.tokenizer_name_or_path):
         raise TrainingError(f"--tokenizer_name_or_path {args.tokenizer_name_or_path!r} is not a directory")
     _check_writable(args.output_dir)
+    if not model_given and os.path.isdir(args.model_name_or_path) and (
+        os.path.realpath(args.model_name_or_path) == os.path.realpath(args.output_dir)
+        or (args.overwrite_output_dir and overlapping(args.model_name_or_path, args.output_dir))
+    ):
+        raise TrainingError(
+            f"--output_dir {args.output_dir!r} would replace or delete the model being trained "
+            f"({args.model_name_or_path}); choose another --output_dir"
+        )
     if args.resume_from_checkpoint:
         args.resume_from_checkpoint = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    elif _list_checkpoints(args.output_dir) and not args.overwrite_output_dir:
-        raise TrainingError(
-            f"{args.output_dir} already holds checkpoints: pass --resume_from_checkpoint latest to continue, or "
-            "--overwrite_output_dir to start afresh"
-        )
+    elif not args.overwrite_output_dir:
+        if _list_checkpoints(args.output_dir):
+            raise TrainingError(
+                f"{args.output_dir} already holds checkpoints: pass --resume_from_checkpoint latest to continue, or "
+                "--overwrite_output_dir to start afresh"
+            )
+        finished = [name for name in RUN_OUTPUTS if os.path.isfile(os.path.join(args.output_dir, name))]
+        if finished:
+            raise TrainingError(
+                f"{args.output_dir} already holds a finished run ({', '.join(finished)}): pass --overwrite_output_dir "
+                "to replace it, or choose another --output_dir"
+            )
 
 
 def _check_writable(directory: str) -> None:
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write_test_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise TrainingError(f"--output_dir {directory!r} is not writable: {e.strerror or e}") from None
+    """Without creating anything: a directory, or a path whose nearest existing parent takes new entries."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise TrainingError(f"--output_dir {directory!r} is a file, not a directory")
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise TrainingError(f"--output_dir {directory!r} is not writable ({existing} does not take new files)")
+
+
+def _remove_run_outputs(output_dir: str) -> None:
+    """--overwrite_output_dir: what an earlier run left (checkpoints, metrics, final weights and summary)."""
+    for name in os.listdir(output_dir):  # complete checkpoints and any a crash left half-written
+        if re.fullmatch(CHECKPOINT_PREFIX + r"\d+", name) and os.path.isdir(os.path.join(output_dir, name)):
+            shutil.rmtree(os.path.join(output_dir, name))
+    for name in (METRICS_FILE, *RUN_OUTPUTS):
+        if os.path.isfile(os.path.join(output_dir, name)):
+            os.remove(os.path.join(output_dir, name))
 
 
 def _list_checkpoints(directory: str) -> list[tuple[int, str]]:
@@ -456,12 +488,22 @@ def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) ->
     the result as `reference_eval_loss` / `reference_eval_ppl` at step 0 (`mhmoe.conversion` uses it to measure the
     dense parent: the converted MoH model with every head active).
     """
+    args = _coerce_args(args)
+    created = not os.path.exists(args.output_dir)
+    try:
+        return _train(args, model, tokenizer, on_log, reference_eval)
+    except TrainingError:
+        if created:  # an input problem stopped it before training: leave nothing behind
+            shutil.rmtree(args.output_dir, ignore_errors=True)
+        raise
+
+
+def _train(args, model, tokenizer, on_log, reference_eval) -> TrainResult:
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-    args = _coerce_args(args)
-    _check_args(args, model_given=model is not None)
+    check_arguments(args, model_given=model is not None)
     if model is None:
         config, from_scratch = load_config(args)
     else:
@@ -485,12 +527,6 @@ def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) ->
             f"warning: FSDP was requested but Accelerate runs {accelerator.distributed_type.value} here (FSDP needs "
             "GPUs or other accelerators; on CPU it falls back to plain data parallelism)"
         )
-    if args.overwrite_output_dir and not args.resume_from_checkpoint and is_main:
-        for _, path in _list_checkpoints(args.output_dir):
-            shutil.rmtree(path)
-        if os.path.exists(os.path.join(args.output_dir, METRICS_FILE)):
-            os.remove(os.path.join(args.output_dir, METRICS_FILE))
-    accelerator.wait_for_everyone()
 
     # tokenizer: given, from the checkpoint being resumed, from the model directory, or trained here on main
     train_docs = _read(args.train_file, args.text_field)
@@ -622,6 +658,13 @@ def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) ->
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+
+    # every input is checked: only now is an earlier run's output removed, and output_dir created
+    if is_main:
+        os.makedirs(args.output_dir, exist_ok=True)
+        if args.overwrite_output_dir and not args.resume_from_checkpoint:
+            _remove_run_outputs(args.output_dir)
+    accelerator.wait_for_everyone()
 
     # resume
     start_step = 0

@@ -391,6 +391,27 @@ def test_continue_tuning_curve_and_exact_resume(tmp_path, corpus, tokenizer_dir,
     assert "no converted model" in capsys.readouterr().err
 
 
+def test_training_input_errors_leave_no_conversion_behind(tmp_path, corpus, tokenizer_dir, capsys, monkeypatch):
+    """A bad training argument is found before converting; a data problem only found by the training run removes the
+    conversion it stopped, so the same command works once fixed."""
+    import mhmoe.conversion as conversion
+
+    source = _llama_dir(tmp_path / "llama", tokenizer_dir)
+    out = tmp_path / "t"
+    converted = []
+    monkeypatch.setattr(conversion, "convert", lambda *a, **k: converted.append(1) or pytest.fail("converted"))
+    with pytest.raises(SystemExit):
+        main(_tune_flags(source, out, corpus, "--max_steps", "1", "--validation_file", str(tmp_path / "nope.jsonl")))
+    assert "data file not found" in capsys.readouterr().err and not converted and not out.exists()
+    monkeypatch.undo()
+    with pytest.raises(SystemExit):
+        main(_tune_flags(source, out, corpus, "--max_steps", "1", "--text_field", "body"))
+    assert "no text field 'body'" in capsys.readouterr().err and not out.exists()
+    assert _leftovers(tmp_path, "t") == []
+    main(_tune_flags(source, out, corpus, "--max_steps", "1"))
+    assert (out / "converted" / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
 def test_continue_tuning_lora_without_validation(tmp_path, corpus, tokenizer_dir, capsys):
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     out = tmp_path / "lora"

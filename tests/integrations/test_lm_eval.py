@@ -268,6 +268,31 @@ def test_peft_adapter(work, tmp_path):
     assert ppl["lora"] != pytest.approx(ppl["base"], rel=1e-3)
 
 
+def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
+    """Missing checkpoints, an adapter given as the model, unknown tasks and a ppl task without data: exit 2 with the
+    reason in one line, no traceback."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    ckpt = str(work["ckpt"])
+    cases = [
+        (["--tasks", "mhmoe_ppl_c4"], "give the checkpoint with --model_args pretrained=DIR"),
+        (["--model_args", f"pretrained={tmp_path / 'missing'}", "--tasks", "mhmoe_ppl_c4"], "no such directory"),
+        (["--model_args", f"pretrained={ckpt},peft={tmp_path / 'nope'}", "--tasks", "mhmoe_ppl_c4"],
+         "peft=.*nope: no such directory"),
+        (["--model_args", f"pretrained={adapter}", "--tasks", "mhmoe_ppl_c4"],
+         "is a LoRA adapter folder: use pretrained"),
+        (["--model_args", f"pretrained={ckpt}", "--tasks", "no_such_task"], "Tasks not found: no_such_task"),
+        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4"], "mhmoe_ppl_c4: no data"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            mev.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and re.search("mhmoe-eval: error: .*" + message, err), (argv, err[-500:])
+        assert "Traceback" not in err
+
+
 # ----------------------------------------------------------------------------------------------- routing statistics
 
 

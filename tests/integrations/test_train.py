@@ -249,7 +249,30 @@ def test_bad_input_fails_before_training(tmp_path, corpus, config_json, checkpoi
     monkeypatch.setattr(torch.optim, "AdamW", no_training)
     with pytest.raises(TrainingError, match=message):
         train(_args(out, **fields))
-    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
+    assert not os.path.exists(out)  # nothing created or left behind
+
+
+def test_an_earlier_run_is_kept_until_training_starts(tmp_path, corpus, checkpoint_dir):
+    """A finished run is refused without --overwrite_output_dir; with it, a bad input is still refused before anything
+    is deleted; the model's own directory is never an output_dir; a good run then replaces the old outputs."""
+    out = tmp_path / "run"
+    common = dict(model_name_or_path=checkpoint_dir, train_file=[corpus["train"]])
+    train(_args(out, save_steps=1, **common))
+    weights, metrics = (out / "model.safetensors").read_bytes(), (out / "metrics.jsonl").read_text()
+    with pytest.raises(TrainingError, match="already holds checkpoints"):
+        train(_args(out, **common))
+    for name in ("checkpoint-1", "checkpoint-2"):
+        (out / name / "train_state.json").unlink()  # incomplete checkpoints: the finished model is what is left
+    with pytest.raises(TrainingError, match=r"already holds a finished run \(model.safetensors"):
+        train(_args(out, **common))
+    with pytest.raises(TrainingError, match="no text field 'body'"):
+        train(_args(out, text_field="body", overwrite_output_dir=True, **common))
+    assert (out / "model.safetensors").read_bytes() == weights and (out / "metrics.jsonl").read_text() == metrics
+    with pytest.raises(TrainingError, match="would replace or delete the model being trained"):
+        train(_args(checkpoint_dir, overwrite_output_dir=True, **common))
+    train(_args(out, overwrite_output_dir=True, max_steps=1, **common))
+    assert (out / "model.safetensors").read_bytes() != weights and not list(out.glob("checkpoint-*"))
+    assert len((out / "metrics.jsonl").read_text().splitlines()) < len(metrics.splitlines())  # a fresh log
 
 
 def test_cli_reports_errors_and_help(tmp_path, corpus, checkpoint_dir, capsys):
