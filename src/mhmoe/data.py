@@ -61,7 +61,13 @@ def read_documents(path: str, text_field: str = "text") -> list[str]:
 def read_files(paths: Sequence[str], text_field: str = "text") -> list[str]:
     documents = []
     for path in paths:
-        documents.extend(read_documents(path, text_field))
+        try:
+            documents.extend(read_documents(path, text_field))
+        except UnicodeDecodeError as e:  # the codec's message names neither the file nor the fix
+            raise ValueError(
+                f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); compressed files are not read: decompress "
+                "it, or save the text as UTF-8"
+            ) from None
     return documents
 
 

@@ -60,6 +60,13 @@ def lora_config(
 ) -> LoraConfig:
     """A `LoraConfig` for an mhmoe / moh_llama model: attention projections (or `target_modules`) and, with
     `experts=True`, every expert's `gate_up_proj` and `down_proj` through PEFT's `target_parameters`."""
+    if isinstance(target_modules, (list, tuple)):  # names given by hand: each must name a module of this model
+        modules = dict(model.named_modules())
+        names = {name.rsplit(".", 1)[-1] for name in modules}
+        missing = [name for name in target_modules if name not in names]
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if type(m).__name__ == "Linear"})
+            raise ValueError(f"target_modules {missing} match no module of this model; its linear layers: {linear}")
     if target_modules is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         target_modules = _constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)

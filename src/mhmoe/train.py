@@ -195,7 +195,13 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
     from transformers import SchedulerType
 
     if args.lr_scheduler_type not in {s.value for s in SchedulerType}:
-        raise TrainingError(f"unknown --lr_scheduler_type {args.lr_scheduler_type!r}")
+        choices = ", ".join(s.value for s in SchedulerType)
+        raise TrainingError(f"unknown --lr_scheduler_type {args.lr_scheduler_type!r} (one of: {choices})")
+    if args.save_steps < 0 or args.eval_steps < 0 or args.logging_steps < 1:
+        raise TrainingError(
+            f"--save_steps and --eval_steps must be >= 0 (0: never / only at the end) and --logging_steps >= 1, got "
+            f"{args.save_steps}, {args.eval_steps} and {args.logging_steps}"
+        )
     if args.min_learning_rate < 0 or args.min_learning_rate >= args.learning_rate:
         raise TrainingError(
             f"--min_learning_rate must be >= 0 and < --learning_rate ({args.learning_rate}), "
@@ -335,6 +341,10 @@ def load_config(args: TrainArguments):
             f"model_type {model_type!r} in {path} is not supported by mhmoe-train (supported: {', '.join(supported)})"
         )
     overrides = _parse_overrides(args.config_overrides)
+    template = AutoConfig.for_model(model_type)
+    unknown = sorted(key for key in overrides if not hasattr(template, key))
+    if unknown:  # a config takes any key silently: a typo would train with the default and save the typo
+        raise TrainingError(f"--config_overrides: {', '.join(unknown)} is not a {model_type} config field")
     try:
         if from_scratch:
             config = AutoConfig.for_model(model_type, **{**fields, **overrides})

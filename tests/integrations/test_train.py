@@ -218,6 +218,8 @@ def _bad_cases(tmp_path, corpus, config_json, checkpoint_dir):
     unknown.write_text(json.dumps({**CONFIG, "model_type": "bert"}))
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
+    gzipped = tmp_path / "train.txt.gz"
+    gzipped.write_bytes(b"\x1f\x8b\x08\x00 not text")
     ok = dict(model_name_or_path=checkpoint_dir, train_file=[corpus["train"]])
     return {
         "missing train file": (dict(ok, train_file=[str(tmp_path / "nope.jsonl")]), "data file not found"),
@@ -232,13 +234,20 @@ def _bad_cases(tmp_path, corpus, config_json, checkpoint_dir):
         "unwritable output dir": (dict(ok, output_dir=str(not_a_dir / "out")), "is not writable"),
         "resume without checkpoint": (dict(ok, resume_from_checkpoint="latest"), "no complete checkpoint"),
         "LoRA dropout on experts": (dict(ok, lora=True, lora_dropout=0.1), "has no dropout"),
+        "LoRA target typo": (dict(ok, lora=True, lora_target_modules=["qproj"]), r"\['qproj'\] match no module"),
+        "config override typo": (dict(ok, config_overrides="router_aux_los_coef=0.5"),
+                                 "router_aux_los_coef is not a mhmoe config field"),
+        "negative save steps": (dict(ok, save_steps=-1), "--save_steps and --eval_steps must be >= 0"),
+        "compressed data": (dict(ok, train_file=[str(gzipped)]), "train.txt.gz is not UTF-8 text"),
+        "output dir is a file": (dict(ok, output_dir=str(not_a_dir)), "is a file, not a directory"),
     }
 
 
 @pytest.mark.parametrize("case", ["missing train file", "missing validation file", "missing model", "empty data",
                                   "no text field", "too little data", "block larger than context",
                                   "unknown model type", "unwritable output dir", "resume without checkpoint",
-                                  "LoRA dropout on experts"])  # fmt: skip
+                                  "LoRA dropout on experts", "LoRA target typo", "config override typo",
+                                  "negative save steps", "compressed data", "output dir is a file"])  # fmt: skip
 def test_bad_input_fails_before_training(tmp_path, corpus, config_json, checkpoint_dir, case, monkeypatch):
     fields, message = _bad_cases(tmp_path, corpus, config_json, checkpoint_dir)[case]
     out = fields.pop("output_dir", str(tmp_path / "out"))
@@ -247,9 +256,10 @@ def test_bad_input_fails_before_training(tmp_path, corpus, config_json, checkpoi
         raise AssertionError("an optimizer was built before the error")
 
     monkeypatch.setattr(torch.optim, "AdamW", no_training)
+    existed = os.path.exists(out)
     with pytest.raises(TrainingError, match=message):
         train(_args(out, **fields))
-    assert not os.path.exists(out)  # nothing created or left behind
+    assert os.path.exists(out) == existed  # nothing created or left behind
 
 
 def test_an_earlier_run_is_kept_until_training_starts(tmp_path, corpus, checkpoint_dir):
