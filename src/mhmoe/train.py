@@ -30,7 +30,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 import mhmoe  # noqa: F401  (registers the model types and PEFT defaults)
 
 from .analysis import expert_counts
-from .checkpoint_files import overlapping
+from .checkpoint_files import overlapping, weight_files
 from .data import read_files, tokenize_and_pack, train_tokenizer
 
 METRICS_FILE = "metrics.jsonl"
@@ -333,8 +333,15 @@ def load_config(args: TrainArguments):
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise TrainingError(f"{path} is not a checkpoint directory (no config.json)")
-        with open(config_file) as f:
-            model_type = json.load(f).get("model_type")
+        try:
+            with open(config_file) as f:
+                model_type = json.load(f).get("model_type")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise TrainingError(f"{config_file}: not a valid config JSON ({e})") from None
+        try:
+            weight_files(path, TrainingError)  # safetensors only; pickles are refused, never unpickled
+        except TrainingError as e:
+            raise TrainingError(f"--model_name_or_path: {e}") from None
     supported = supported_model_types()
     if model_type not in supported:
         raise TrainingError(
@@ -622,7 +629,14 @@ def _train(args, model, tokenizer, on_log, reference_eval) -> TrainResult:
         if from_scratch:
             model = AutoModelForCausalLM.from_config(config)
         else:
-            model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config, dtype=torch.float32)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    args.model_name_or_path, config=config, dtype=torch.float32
+                )
+            except RuntimeError as e:  # weights whose shapes the (overridden) config does not have
+                first = str(e).strip().splitlines()[0]
+                raise TrainingError(f"the weights in {args.model_name_or_path} do not fit its config (a "
+                                    f"--config_overrides that changes shapes?): {first}") from None  # fmt: skip
     if args.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # the v5 name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

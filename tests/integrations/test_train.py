@@ -218,6 +218,10 @@ def _bad_cases(tmp_path, corpus, config_json, checkpoint_dir):
     unknown.write_text(json.dumps({**CONFIG, "model_type": "bert"}))
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
+    broken, weightless = tmp_path / "broken", tmp_path / "weightless"
+    for folder, text in ((broken, "{not json"), (weightless, json.dumps(CONFIG))):
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
     gzipped = tmp_path / "train.txt.gz"
     gzipped.write_bytes(b"\x1f\x8b\x08\x00 not text")
     ok = dict(model_name_or_path=checkpoint_dir, train_file=[corpus["train"]])
@@ -240,6 +244,9 @@ def _bad_cases(tmp_path, corpus, config_json, checkpoint_dir):
         "negative save steps": (dict(ok, save_steps=-1), "--save_steps and --eval_steps must be >= 0"),
         "compressed data": (dict(ok, train_file=[str(gzipped)]), "train.txt.gz is not UTF-8 text"),
         "output dir is a file": (dict(ok, output_dir=str(not_a_dir)), "is a file, not a directory"),
+        "broken config": (dict(ok, model_name_or_path=str(broken)), "config.json: not a valid config JSON"),
+        "no weights": (dict(ok, model_name_or_path=str(weightless)), "--model_name_or_path: no weights in"),
+        "override changes shapes": (dict(ok, config_overrides="intermediate_size=64"), "do not fit its config"),
     }
 
 
@@ -247,7 +254,8 @@ def _bad_cases(tmp_path, corpus, config_json, checkpoint_dir):
                                   "no text field", "too little data", "block larger than context",
                                   "unknown model type", "unwritable output dir", "resume without checkpoint",
                                   "LoRA dropout on experts", "LoRA target typo", "config override typo",
-                                  "negative save steps", "compressed data", "output dir is a file"])  # fmt: skip
+                                  "negative save steps", "compressed data", "output dir is a file", "broken config",
+                                  "no weights", "override changes shapes"])  # fmt: skip
 def test_bad_input_fails_before_training(tmp_path, corpus, config_json, checkpoint_dir, case, monkeypatch):
     fields, message = _bad_cases(tmp_path, corpus, config_json, checkpoint_dir)[case]
     out = fields.pop("output_dir", str(tmp_path / "out"))
