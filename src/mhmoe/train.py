@@ -37,6 +37,8 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
 STATE_FILE = "train_state.json"
 SUMMARY_FILE = "train_summary.json"
+# settings that decide which parameters train: a checkpoint resumes only with the same ones
+PARAMETER_SETTINGS = ("lora", "lora_r", "lora_target_modules", "lora_experts")
 # what a finished run leaves in --output_dir (besides the tokenizer): refused without --overwrite_output_dir
 RUN_OUTPUTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "adapter_model.safetensors", "adapter_config.json",
                SUMMARY_FILE)  # fmt: skip
@@ -232,6 +234,15 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
         )
     if args.resume_from_checkpoint:
         args.resume_from_checkpoint = _resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+        with open(os.path.join(args.resume_from_checkpoint, STATE_FILE)) as f:
+            saved = json.load(f).get("args", {})
+        changed = [f"--{key} {saved[key]!r} -> {getattr(args, key)!r}" for key in PARAMETER_SETTINGS
+                   if key in saved and saved[key] != getattr(args, key)]  # fmt: skip
+        if changed:  # the saved optimizer state belongs to another set of trained parameters
+            raise TrainingError(
+                f"{args.resume_from_checkpoint} was saved with other trained parameters ({'; '.join(changed)}): "
+                "resume with the same settings, or start a new run"
+            )
     elif not args.overwrite_output_dir:
         if _list_checkpoints(args.output_dir):
             raise TrainingError(

@@ -163,6 +163,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, corpus, config_json, toke
 
     with pytest.raises(TrainingError, match="already holds checkpoints"):
         train(_args(run, **common))  # a fresh start would silently mix runs
+    with pytest.raises(TrainingError, match=r"saved with other trained parameters \(--lora False -> True\)"):
+        train(_args(run, resume_from_checkpoint="latest", lora=True, **common))
     resumed = train(_args(run, resume_from_checkpoint="latest", **common))
 
     expected = [r for r in reference.history if "loss" in r]
