@@ -905,7 +905,6 @@ def build_parser():
 
     return HfArgumentParser(
         (ConvertArguments, _continue_tune_arguments_class()),
-        prog="convert_llama_to_moh",
         description="Convert a dense LLaMA / Mistral / Qwen2 checkpoint into MoH-LLaMA (Mixture-of-Head attention, "
         "l2 router, straight-through gates); with --train_file, continue-tune it with mhmoe-train (paper stage-2 "
         "defaults: lr 2e-5 -> 1e-6 cosine, warmup 50, weight decay 0.1, clip 1.0, β 0.01).",
@@ -936,7 +935,7 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             print(report.format(), flush=True)
     except (ConversionError, TrainingError) as e:
-        parser.exit(2, f"convert_llama_to_moh: error: {e}\n")
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -263,7 +263,7 @@ def test_refusals_leave_nothing(tmp_path, case, capsys):
     with pytest.raises(SystemExit) as exit_info:  # the CLI: exit status 2, the reason in words
         main(["--input_dir", str(tmp_path / "src"), "--output_dir", str(out), "--disable_tqdm"])
     assert exit_info.value.code == 2
-    assert "convert_llama_to_moh: error:" in capsys.readouterr().err
+    assert ": error:" in capsys.readouterr().err
     assert not out.exists() and _leftovers(tmp_path, "out") == []
     assert not (tmp_path / "UNPICKLED").exists()
 
