@@ -270,22 +270,22 @@ def _check_writable(directory: str) -> None:
 
 def _remove_run_outputs(output_dir: str) -> None:
     """--overwrite_output_dir: what an earlier run left (checkpoints, metrics, final weights and summary)."""
-    for name in os.listdir(output_dir):  # complete checkpoints and any a crash left half-written
-        if re.fullmatch(CHECKPOINT_PREFIX + r"\d+", name) and os.path.isdir(os.path.join(output_dir, name)):
-            shutil.rmtree(os.path.join(output_dir, name))
+    for _, path in _list_checkpoints(output_dir, complete=False):  # also those a crash left half-written
+        shutil.rmtree(path)
     for name in (METRICS_FILE, *RUN_OUTPUTS):
         if os.path.isfile(os.path.join(output_dir, name)):
             os.remove(os.path.join(output_dir, name))
 
 
-def _list_checkpoints(directory: str) -> list[tuple[int, str]]:
+def _list_checkpoints(directory: str, complete: bool = True) -> list[tuple[int, str]]:
+    """(step, path) of the checkpoint-N folders, oldest first; `complete`: only those whose state file was written."""
     if not os.path.isdir(directory):
         return []
     found = []
     for name in os.listdir(directory):
         match = re.fullmatch(CHECKPOINT_PREFIX + r"(\d+)", name)
         path = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(path, STATE_FILE)):
+        if match and os.path.isdir(path) and (not complete or os.path.isfile(os.path.join(path, STATE_FILE))):
             found.append((int(match.group(1)), path))
     return sorted(found)
 

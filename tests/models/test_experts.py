@@ -163,18 +163,27 @@ def _random_block(config: MHMoEConfig) -> MHMoESparseMoeBlock:
     return block
 
 
-def _block_run(block, x, implementation: str, use_reentrant: bool | None = None) -> list[torch.Tensor]:
+def _block_run(block, x, implementation: str, use_reentrant: bool | None = None, call=None) -> list[torch.Tensor]:
     """Output, input gradient and parameter gradients of sum(out²) with the given experts implementation; through
-    torch.utils.checkpoint when `use_reentrant` is given."""
+    torch.utils.checkpoint when `use_reentrant` is given, through `call` (e.g. the compiled block) when that is."""
     block.experts.config._experts_implementation = implementation
     block.zero_grad(set_to_none=True)
     inp = x.clone().requires_grad_()
     if use_reentrant is None:
-        out = block(inp)
+        out = (block if call is None else call)(inp)
     else:
         out = torch.utils.checkpoint.checkpoint(block, inp, use_reentrant=use_reentrant)
     out.square().sum().backward()
     return [out.detach(), inp.grad] + [p.grad for p in block.parameters()]
+
+
+def _h3_block() -> MHMoESparseMoeBlock:
+    """A small h=3 block (width 24, 7 experts, top-3) with random weights."""
+    config = MHMoEConfig(
+        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16,
+        moe_heads=3,
+    )
+    return _random_block(config)
 
 
 def _assert_all_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -250,15 +259,7 @@ def test_block_under_gradient_checkpointing(use_reentrant, pooled, request):
     are used by the backward)."""
     if pooled:
         request.getfixturevalue("pool")
-    config = MHMoEConfig(
-        hidden_size=24,
-        num_attention_heads=2,
-        num_experts=7,
-        num_experts_per_tok=3,
-        moe_intermediate_size=16,
-        moe_heads=3,
-    )
-    block = _random_block(config)
+    block = _h3_block()
     x = torch.randn(2, 5, 24)
     expected = _block_run(block, x, "eager")
     for _ in range(2):  # the second checkpointed step runs on the first one's (pooled) buffers
@@ -271,14 +272,9 @@ def test_block_under_torch_compile(pool):
     (tracing) step and the next."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    config = MHMoEConfig(
-        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16,
-        moe_heads=3,
-    )
-    block = _random_block(config)
+    block = _h3_block()
     x = torch.randn(2, 5, 24)
     expected = _block_run(block, x, "eager")
-    block.experts.config._experts_implementation = "grouped_mm"
     graphs = []
 
     def backend(graph_module, example_inputs):
@@ -289,11 +285,7 @@ def test_block_under_torch_compile(pool):
     compiled = torch.compile(block, backend=backend)
     try:
         for _ in range(2):
-            block.zero_grad(set_to_none=True)
-            inp = x.clone().requires_grad_()
-            out = compiled(inp)
-            out.square().sum().backward()
-            _assert_all_close([out.detach(), inp.grad] + [p.grad for p in block.parameters()], expected)
+            _assert_all_close(_block_run(block, x, "grouped_mm", call=compiled), expected)
     finally:
         torch._dynamo.reset()
     assert any(node.target is torch._C._nn.linear for g in graphs for node in g.graph.nodes)  # head layer compiled

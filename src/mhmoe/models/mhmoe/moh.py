@@ -413,7 +413,7 @@ def masked_heads_attention(
 
 
 __all__ = [
-    "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "add_moh_aux_loss", "head_selection", "l2_router_logits",
-    "masked_heads_attention", "moh_attention_forward", "moh_enabled", "moh_load_balancing_loss", "routed_gates",
-    "skipped_heads_attention", "straight_through",
+    "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "add_moh_aux_loss", "head_selection",
+    "l2_router_logits", "masked_heads_attention", "moh_attention_forward", "moh_enabled", "moh_load_balancing_loss",
+    "routed_gates", "skipped_heads_attention", "straight_through",
 ]  # fmt: skip
