@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 import mhmoe  # noqa: F401  (registers the model types with the Auto classes)
 from mhmoe.models.mhmoe.modeling_mhmoe import MHMoETopKRouter
 from mhmoe.models.mhmoe.moh import MoHRouter
+from mhmoe.resources import data_dir
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,12 @@ _ACTIVE: dict = {}  # the most recently built MHMoELM's tokenizer, for the perpl
 
 
 def eval_tasks_dir() -> Path | None:
-    """This repository's `eval_tasks/` (override with $MHMOE_EVAL_TASKS); None when not found (installed wheel)."""
+    """The lm-eval suites: $MHMOE_EVAL_TASKS when set, else the `eval_tasks/` shipped with mhmoe (`mhmoe.resources`:
+    the repository's folder, or the wheel's copy); None when neither is there."""
     env = os.environ.get(EVAL_TASKS_ENV)
     candidates = [Path(env)] if env else []
-    candidates.append(Path(__file__).resolve().parents[2] / "eval_tasks")
-    return next((path for path in candidates if path.is_dir()), None)
+    candidates.append(data_dir("eval_tasks"))
+    return next((path for path in candidates if path is not None and path.is_dir()), None)
 
 
 def active_tokenizer():

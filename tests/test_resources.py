@@ -1,0 +1,26 @@
+"""mhmoe.resources.data_dir from a checkout, and $MHMOE_EVAL_TASKS over it (the installed wheel's copy:
+tests/test_installed_package.py)."""
+
+from pathlib import Path
+
+import pytest
+
+from mhmoe.resources import data_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_data_dir_from_the_checkout():
+    assert data_dir("eval_tasks") == ROOT / "eval_tasks"
+    assert data_dir("no_such_folder") is None
+    with pytest.raises(ValueError, match="top-level folder name"):
+        data_dir("../eval_tasks")
+
+
+def test_eval_tasks_dir_override(tmp_path, monkeypatch):
+    from mhmoe.evaluate import EVAL_TASKS_ENV, eval_tasks_dir
+
+    monkeypatch.delenv(EVAL_TASKS_ENV, raising=False)
+    assert eval_tasks_dir() == ROOT / "eval_tasks"
+    monkeypatch.setenv(EVAL_TASKS_ENV, str(tmp_path))
+    assert eval_tasks_dir() == tmp_path
