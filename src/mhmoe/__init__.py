@@ -1,7 +1,9 @@
 """mhmoe: Multi-Head Mixture-of-Experts and Mixture-of-Head attention as Hugging Face Transformers models.
 
 Importing the package registers model_types "mhmoe" and "moh_llama" with AutoConfig, AutoModel and
-AutoModelForCausalLM.
+AutoModelForCausalLM. It imports torch and transformers (and what they import) and nothing else: training (accelerate,
+peft, matplotlib), lm-eval and Triton load with the features that use them (extras "train", "eval", "triton"; see
+`mhmoe.extras`).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -18,6 +20,7 @@ from .models.mhmoe import (
 from .models.moh_llama import MoHLlamaConfig, MoHLlamaForCausalLM, MoHLlamaModel
 from .analysis import expert_load, head_load, plot_load
 from .patch import apply_moh
+from .peft_defaults import install as _install_peft_defaults
 
 AutoConfig.register(MHMoEConfig.model_type, MHMoEConfig, exist_ok=True)
 AutoModel.register(MHMoEConfig, MHMoEModel, exist_ok=True)
@@ -26,10 +29,8 @@ AutoConfig.register(MoHLlamaConfig.model_type, MoHLlamaConfig, exist_ok=True)
 AutoModel.register(MoHLlamaConfig, MoHLlamaModel, exist_ok=True)
 AutoModelForCausalLM.register(MoHLlamaConfig, MoHLlamaForCausalLM, exist_ok=True)
 
-try:  # default LoRA targets for model_type "mhmoe" / "moh_llama" (mhmoe.peft), when PEFT is installed
-    from . import peft as _peft  # noqa: F401
-except ImportError:
-    pass
+# default PEFT targets for "mhmoe" / "moh_llama", filled in when PEFT is imported (mhmoe.peft_defaults); no peft here
+_install_peft_defaults()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -102,6 +102,9 @@ def plot_load(
 
     A (layers, units) tensor is drawn as layers × units; a dict {name: (layers, units) tensor} as names × units of
     `layer` (default: the last, as in the paper's Fig. 3). `unit` labels the x axis ("head" or "expert")."""
+    from .extras import require
+
+    require("train", "matplotlib", feature="plot_load")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -28,6 +28,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from mhmoe.extras import require
+
+require("eval", "lm_eval", feature="mhmoe.evaluate")
+
 from lm_eval.api.registry import register_model
 from lm_eval.models import huggingface as _hf_module
 from lm_eval.models.huggingface import HFLM

@@ -1,8 +1,9 @@
 """PEFT integration: default LoRA targets for mhmoe / moh_llama and LoRA on the 3-D expert weights.
 
-`import mhmoe` imports this module when PEFT is installed, which registers default target modules for model types
-"mhmoe" and "moh_llama" in PEFT's per-model-type tables, so `get_peft_model(model, LoraConfig(r=8))` works without
-naming targets. The LoRA default is every attention projection (q/k/v/o_proj; moh_llama has Llama's names).
+Default target modules for model types "mhmoe" and "moh_llama" are in PEFT's per-model-type tables as soon as both
+mhmoe and peft are imported, in either order (`mhmoe.peft_defaults`; `import mhmoe` itself does not import PEFT), so
+`get_peft_model(model, LoraConfig(r=8))` works without naming targets. The LoRA default is every attention projection
+(q/k/v/o_proj; moh_llama has Llama's names).
 
 Experts are stored as 3-D parameters (`mlp.experts.gate_up_proj` (E, 2I, W), `mlp.experts.down_proj` (E, W, I)),
 which `target_modules` cannot reach: PEFT adapts them through `target_parameters` (its `ParamWrapper`: one rank-r
@@ -12,31 +13,21 @@ LoRA per expert, no dropout, no DoRA, the delta rebuilt every forward). PEFT has
 
 from __future__ import annotations
 
+from .extras import require
+
+require("train", "peft", feature="mhmoe.peft")
+
 from peft import LoraConfig
 from peft.utils import constants as _constants
 
-ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+from .peft_defaults import ATTENTION_TARGETS, MODEL_TYPES, add_default_targets
+
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-MODEL_TYPES = ("mhmoe", "moh_llama")
 
 
 def register_peft_defaults() -> None:
-    """Add mhmoe and moh_llama to PEFT's default-target tables (idempotent; never overrides an existing entry).
-
-    LoRA gets the attention projections; every other PEFT method table that knows "llama" gets Llama's entry (both
-    models use Llama's module names for attention, dense MLPs and the shared expert).
-    """
-    for name in dir(_constants):
-        table = getattr(_constants, name)
-        if not (name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict) and "llama" in table):
-            continue
-        if not (name.endswith("_TARGET_MODULES_MAPPING") or name.endswith("_FEEDFORWARD_MODULES_MAPPING")):
-            continue
-        for model_type in MODEL_TYPES:
-            if name == "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING":
-                table.setdefault(model_type, list(ATTENTION_TARGETS))
-            else:
-                table.setdefault(model_type, table["llama"])
+    """Add mhmoe and moh_llama to PEFT's default-target tables (idempotent; never overrides an existing entry)."""
+    add_default_targets(_constants)
 
 
 def expert_target_parameters(model) -> list[str]:
@@ -91,4 +82,4 @@ def lora_config(
 
 register_peft_defaults()
 
-__all__ = ["ATTENTION_TARGETS", "expert_target_parameters", "lora_config", "register_peft_defaults"]
+__all__ = ["ATTENTION_TARGETS", "MODEL_TYPES", "expert_target_parameters", "lora_config", "register_peft_defaults"]
