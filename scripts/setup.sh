@@ -1,6 +1,6 @@
 # Shared setup for scripts/demo.sh and scripts/test.sh; source it, don't run it.
 # Creates .venv (if missing) at the repository root, installs requirements-dev.txt into it (skipped when a stamp file
-# matches the hash of requirements-dev.txt + pyproject.toml), activates it, and sets the offline environment.
+# matches the hash of requirements-dev.txt + pyproject.toml + setup.py), activates it, and sets the offline environment.
 # Override the interpreter with PYTHON=python3.12, the venv location with VENV=/path/to/venv.
 
 set -euo pipefail
@@ -16,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 STAMP="$VENV/.mhmoe-install-stamp"
-HASH="$(cat requirements-dev.txt pyproject.toml | "$VENV/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+HASH="$(cat requirements-dev.txt pyproject.toml setup.py | "$VENV/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$HASH" ]; then
     echo "setup: installing requirements-dev.txt into $VENV (first run: about a minute or two)" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
