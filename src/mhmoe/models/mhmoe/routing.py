@@ -70,3 +70,11 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     _, order = torch.sort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     return order, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def topk_mask(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(..., E) logits -> (..., E) fp32 0/1: the top-k each row selects, as the routers select (fp32 softmax, top-k).
+    Shared by the load statistics and the balancing losses of experts and MoH heads."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    index = torch.topk(probs, top_k, dim=-1).indices
+    return torch.zeros_like(probs).scatter(-1, index, 1.0)
