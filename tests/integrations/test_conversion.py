@@ -65,6 +65,30 @@ def test_head_split():
             head_split(heads, shared, active)
 
 
+def test_entry_points_and_old_import_path():
+    """mhmoe-convert runs mhmoe.convert.cli:main; the old module mhmoe.conversion re-exports the package for one
+    release with a DeprecationWarning, and a plain `import mhmoe` does not import it (so does not warn)."""
+    import importlib
+    import re
+
+    import mhmoe.convert as package
+
+    with open(os.path.join(os.path.dirname(mhmoe.__file__), "..", "..", "pyproject.toml")) as f:
+        (target,) = re.findall(r'^mhmoe-convert = "(.+)"$', f.read(), re.MULTILINE)
+    module, name = target.split(":")
+    assert module == "mhmoe.convert.cli" and getattr(importlib.import_module(module), name) is main is package.main
+
+    sys.modules.pop("mhmoe.conversion", None)
+    with pytest.warns(DeprecationWarning, match="mhmoe.conversion is deprecated.*import from mhmoe.convert"):
+        old = importlib.import_module("mhmoe.conversion")
+    for name in ("convert", "plan_conversion", "verify_conversion", "head_split", "ConversionError", "main",
+                 "ConvertArguments", "convert_and_continue_tune", "continue_tune_arguments", "recovery_curve"):
+        assert getattr(old, name) is getattr(package, name), name
+    probe = "import sys, mhmoe, mhmoe.recovery_demo; print('mhmoe.conversion' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+
 # ----------------------------------------------------------------------------------------------------- good checkpoints
 
 
