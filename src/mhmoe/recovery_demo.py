@@ -2,7 +2,7 @@
 
 No real LLaMA weights can be downloaded here, so the parent is trained here: a tiny dense `LlamaForCausalLM` learns the
 Python documentation topics that ship with the standard library (`pydoc_data.topics`; every 10th topic held out for
-validation) until it is far better than chance. It is then converted with `mhmoe.conversion` (first half of the heads
+validation) until it is far better than chance. It is then converted with `mhmoe.convert` (first half of the heads
 shared, 75% of all heads active per token, l2 router, straight-through gates) and continue-tuned with `mhmoe.train`
 (warmup + cosine to a final LR, weight decay 0.1, clipping 1.0, MoH balance loss β=0.01). The claim checked: held-out
 perplexity of the MoH model <= 1.05 × the dense parent's.
@@ -20,6 +20,8 @@ import json
 import math
 import os
 import time
+
+from .convert.recipe import ACTIVE_HEADS_RATIO, SHARED_HEADS_RATIO
 
 
 def stdlib_sources() -> list[str]:
@@ -79,8 +81,8 @@ def run_recovery_demo(
     tune_min_lr: float = 1e-4,
     tune_warmup: int = 10,
     eval_steps: int = 20,
-    shared_heads_ratio: float = 0.5,
-    active_heads_ratio: float = 0.75,
+    shared_heads_ratio: float = SHARED_HEADS_RATIO,
+    active_heads_ratio: float = ACTIVE_HEADS_RATIO,
     stdlib: bool = False,
     control: bool = True,
     seed: int = 0,
@@ -91,7 +93,7 @@ def run_recovery_demo(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .conversion import ConvertArguments, convert_and_continue_tune, continue_tune_arguments
+    from .convert import ConvertArguments, convert_and_continue_tune, continue_tune_arguments
     from .data import read_files, train_tokenizer
     from .train import reset_accelerate_state, train
 
