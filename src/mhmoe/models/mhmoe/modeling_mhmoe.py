@@ -25,7 +25,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_mhmoe import MHMoEConfig
-from .losses import add_router_losses
+from .losses import lm_logits_and_loss
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward
 from .moh import MoHRouter, add_head_router, attention_forward, moh_enabled
 from .routing import route
@@ -333,15 +333,9 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
             output_router_logits=output_router_logits,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, slice_indices, :])
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-        router_logits = (outputs.router_logits, outputs.moh_router_logits) if output_router_logits else (None, None)
-        loss, router_losses = add_router_losses(loss, config, attention_mask, *router_logits)
+        logits, loss, router_losses = lm_logits_and_loss(
+            self, outputs, labels, logits_to_keep, attention_mask, output_router_logits, **kwargs
+        )
 
         return MHMoECausalLMOutputWithPast(
             loss=loss,
