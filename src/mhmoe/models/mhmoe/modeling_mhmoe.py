@@ -16,18 +16,18 @@ from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_mhmoe import MHMoEConfig
-from .losses import lm_logits_and_loss
+from .causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward  # noqa: F401  (re-exported)
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward
-from .moh import MoHRouter, add_head_router, attention_forward, moh_enabled
+from .moh import MoHRouter, add_head_router, attention_forward
 from .routing import route
 
 
@@ -281,16 +281,6 @@ class MHMoEModelOutputWithPast(MoeModelOutputWithPast):
     moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
-@dataclass
-class MHMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
-    """Mixtral's output plus the router z-loss and the MoH head load-balancing loss (both unweighted, kept apart so
-    training can log them) and the MoH head-router logits."""
-
-    z_loss: torch.FloatTensor | None = None
-    moh_aux_loss: torch.FloatTensor | None = None
-    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
 class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -301,52 +291,8 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MHMoECausalLMOutputWithPast:
-        """Causal LM forward. With `output_router_logits` (argument or config), returns the load-balancing `aux_loss`,
-        `z_loss` and, for MoH, `moh_aux_loss`, and, when `labels` are given, adds them to the LM loss weighted by
-        `router_aux_loss_coef`, `router_z_loss_coef` and `moh_aux_loss_coef`."""
-        config = self.config
-        if output_router_logits is None:
-            output_router_logits = config.output_router_logits
-        if moh_enabled(config):
-            kwargs.setdefault("output_moh_router_logits", output_router_logits)
-        outputs: MHMoEModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
-        logits, loss, router_losses = lm_logits_and_loss(
-            self, outputs, labels, logits_to_keep, attention_mask, output_router_logits, **kwargs
-        )
-
-        return MHMoECausalLMOutputWithPast(
-            loss=loss,
-            **router_losses,
-            moh_router_logits=outputs.moh_router_logits,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
-        )
+    causal_lm_output_class = MHMoECausalLMOutputWithPast
+    forward = causal_lm_forward  # base model -> LM head -> LM + router losses (causal_lm.py)
 
 
 __all__ = ["MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel"]
