@@ -3,7 +3,9 @@
 `export_pretrained(model_or_dir, save_directory, tokenizer=None)` writes a self-contained folder:
 
 - the weights as safetensors (an in-memory model through `save_pretrained`; a checkpoint directory's shards and index
-  copied byte for byte; pickle-only checkpoints are refused, never unpickled),
+  copied byte for byte; pickle-only checkpoints are refused, never unpickled). A BitNet b1.58 model
+  (`linear_type="bitnet_b158"`) is written packed: int8 ternary weights and one fp32 scale per matrix
+  (`bitnet_packed=True`, inference only, the same logits),
 - `config.json` with an `auto_map` naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`,
 - `generation_config.json`, the tokenizer (the one given, else the source directory's), a model card `README.md`,
 - the modeling code: the `configuration_*.py` / `modeling_*.py` files of the config and model classes and every file
@@ -315,6 +317,9 @@ def export_pretrained(
             tokenizer = source_dir
     else:
         config, weight_files = model.config, None
+    if getattr(config, "linear_type", "linear") == "bitnet_b158" and not config.bitnet_packed:
+        model, weight_files = _bitnet_packed(model), None  # int8 ternary weights + scales, not the latent weights
+        config = model.config
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     classes = auto_classes(config)
@@ -322,7 +327,7 @@ def export_pretrained(
 
     temporary = Path(temporary_dir_next_to(save_directory))
     try:
-        if source_dir is None:
+        if weight_files is None:
             model.save_pretrained(temporary)
         else:
             for name in weight_files:
@@ -367,6 +372,16 @@ def export_pretrained(
                 f"log in (`hf auth login`) or pass token=..., then retry: `hf upload {push_to_hub} {save_directory}`"
             ) from e
     return Path(save_directory)
+
+
+def _bitnet_packed(model):
+    """A latent BitNet model (object or checkpoint directory) as its packed inference copy (`bitnet.packed_model`)."""
+    from .models.mhmoe.bitnet import packed_model
+    from .models.mhmoe.modeling_mhmoe import MHMoEForCausalLM
+
+    if isinstance(model, (str, os.PathLike)):
+        model = MHMoEForCausalLM.from_pretrained(model)
+    return packed_model(model)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -268,6 +268,8 @@ def _use_head_skipping(module, query_states, attention_mask, gates, kwargs) -> b
     router = module.head_router
     if not getattr(module, "moh_head_skipping", True) or torch.compiler.is_compiling():
         return False
+    if type(module.o_proj) is not nn.Linear:  # BitNet's o_proj quantises its input: no per-head split of its weight
+        return False
     if query_states.device.type != "cpu":  # measured on CPU only; on GPUs one fused kernel over all heads may win
         return False
     if router.shared_heads + router.active_heads >= router.num_heads:  # every head is active: nothing to skip
