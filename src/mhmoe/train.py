@@ -31,7 +31,7 @@ import mhmoe  # noqa: F401  (registers the model types and PEFT defaults)
 
 from .analysis import expert_counts
 from .checkpoint_files import overlapping, weight_files
-from .data import read_files, tokenize_and_pack, train_tokenizer
+from .data import order_by_similarity, read_files, tokenize_and_pack, train_tokenizer
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
@@ -140,6 +140,8 @@ class TrainArguments:
     ddp_find_unused_parameters: bool = False
     disable_tqdm: bool = False
     plot: bool = field(default=True, metadata={"help": "Write loss_curve.png (matplotlib)."})
+    similarity_batching: bool = field(default=False, metadata={"help": "Order training documents so neighbours are "
+                                      "similar before packing (Lory's batching; mhmoe.data.order_by_similarity)."})
 
 
 @dataclass
@@ -599,6 +601,7 @@ def _train(args, model, tokenizer, on_log, reference_eval) -> TrainResult:
         raise TrainingError(f"--block_size {block_size} is larger than the model's context ({context} positions)")
 
     # data: packed blocks; the validation split is taken from a seeded permutation of the training blocks
+    train_docs = order_by_similarity(train_docs) if args.similarity_batching else train_docs
     train_blocks = tokenize_and_pack(train_docs, tokenizer, block_size)
     if len(train_blocks) == 0:
         raise TrainingError(f"--train_file holds fewer than block_size={block_size} tokens: no training block")

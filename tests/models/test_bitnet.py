@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import get_peft_model
 from safetensors import safe_open
 from torch import nn

@@ -97,7 +97,7 @@ class _CachedQuantization:
 
 
 class BitLinear(nn.Linear, _CachedQuantization):
-    """`nn.Linear` with BitNet b1.58 quantisation (latent full-precision `weight`; PEFT's LoRA wraps it like a Linear)."""
+    """`nn.Linear` with BitNet b1.58 quantisation (latent full-precision `weight`; PEFT's LoRA wraps it as a Linear)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6):
         super().__init__(in_features, out_features, bias=bias)

@@ -334,7 +334,8 @@ def check_variant_problems(config) -> list[str]:
         problems.append(f"linear_type must be one of {LINEAR_TYPES}, got {config.linear_type!r}")
     if config.bitnet_quantized_layers not in BITNET_QUANTIZED_LAYERS:
         problems.append(f"bitnet_quantized_layers must be one of {BITNET_QUANTIZED_LAYERS} ('all': every decoder "
-                        f"projection, the paper's; 'experts': the experts only), got {config.bitnet_quantized_layers!r}")
+                        f"projection, the paper's; 'experts': the experts only), got "
+                        f"{config.bitnet_quantized_layers!r}")  # fmt: skip
     if bitnet and config.bitnet_quantized_layers == "experts" and config.decoder_sparse_step == 0:
         problems.append("bitnet_quantized_layers='experts' quantises nothing in a dense model (decoder_sparse_step=0); "
                         "use 'all'")  # fmt: skip

@@ -22,16 +22,16 @@ the segment pays one expert (3·W·I); `parity.moe_layer_cost` counts both.
 
 Decoding with the KV cache: the block keeps, per layer, the number of tokens seen, the running sum of the current
 segment's sub-tokens and the mean of the previous segment, next to the cache (`past_key_values._mhmoe_lory`), so a
-token decoded alone gets exactly the routing the full forward gives it. Beam search and cache cropping, which reorder
-or cut the KV cache, are refused (the state would no longer match). Padding tokens count in the segment means: train
-on packed blocks (as `mhmoe-train` does) and decode unpadded or right-padded batches.
+token decoded alone gets the routing the full forward gives it. Beam search's reordering of the cache reorders this
+state too; a cache cropped or reused for another sequence no longer matches it and is refused in words. Padding tokens
+count in the segment means (the block sees no attention mask): train on packed blocks (as `mhmoe-train` does) and
+decode unpadded or right-padded batches; a left-padded batch routes its first segments on the padding too.
 
 Shape legend: B batch, T tokens of this call, D hidden_size, h moe_heads, W = D/h, E experts per pool, P pools (1 for
 v1, h for v2), I moe_intermediate_size, L segment length. This file runs on torch + transformers alone.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -146,33 +146,30 @@ class MHLoryBlock(nn.Module):
         states = getattr(past_key_values, "_mhmoe_lory", None)
         if states is None:
             states = past_key_values._mhmoe_lory = {}
+            _follow_beam_reordering(past_key_values, states)
         seen, prev_mean, current_sum = states.get(self.layer_idx, (0, zeros, zeros))
         cached = past_key_values.get_seq_length(self.layer_idx)  # attention already added this call's tokens
         if cached != seen + seq_len or prev_mean.shape[0] != batch_size:
             raise ValueError(
                 f"router_type='lory' keeps per-segment routing state next to the KV cache: layer {self.layer_idx} has "
                 f"routed {seen} tokens, but the cache holds {cached} after this call's {seq_len} (batch "
-                f"{prev_mean.shape[0]} vs {batch_size}). Beam search, cache cropping and reusing a cache for another "
-                "sequence are not supported with Lory; use greedy or sampled generation with a fresh cache"
+                f"{prev_mean.shape[0]} vs {batch_size}). Cropping the cache (assisted decoding) or reusing it for "
+                "another sequence is not supported with Lory; generate with a fresh cache"
             )
         return seen, prev_mean, current_sum
 
 
-def lory_reference_segment(block: MHLoryBlock, segment: torch.Tensor, prev_mean: torch.Tensor) -> torch.Tensor:
-    """Reference for one segment and one batch row: sub_tokens (n, h, W), prev_mean (h, W) -> (n, h, W), building each
-    head's merged expert as an explicit Python sum Σ_e w_e θ_e (tests)."""
-    experts, router = block.experts, block.gate
-    heads = segment.shape[1]
-    out = torch.zeros_like(segment)
-    for p in range(heads):
-        pool = p if experts.num_pools > 1 else 0
-        rows = slice(pool * experts.num_experts, (pool + 1) * experts.num_experts)
-        weights = torch.softmax(router.weight[rows].float() @ prev_mean[p].float(), dim=-1)
-        gate_up = sum(weights[e] * experts.gate_up_proj[rows][e] for e in range(experts.num_experts))
-        down = sum(weights[e] * experts.down_proj[rows][e] for e in range(experts.num_experts))
-        gate, up = F.linear(segment[:, p], gate_up).chunk(2, dim=-1)
-        out[:, p] = F.linear(experts.act_fn(gate) * up, down)
-    return out
+def _follow_beam_reordering(cache, states: dict) -> None:
+    """Beam search reorders the cache's batch rows (`cache.reorder_cache(beam_idx)`): reorder the Lory state alike."""
+    reorder = cache.reorder_cache
+
+    def reorder_cache(beam_idx: torch.LongTensor) -> None:
+        reorder(beam_idx)
+        for layer, (seen, prev_mean, current_sum) in list(states.items()):
+            index = beam_idx.to(prev_mean.device)
+            states[layer] = (seen, prev_mean.index_select(0, index), current_sum.index_select(0, index))
+
+    cache.reorder_cache = reorder_cache
 
 
-__all__ = ["LORY_EXPERT_POOLS", "ROUTER_TYPES", "LoryExperts", "LoryRouter", "MHLoryBlock", "lory_reference_segment"]
+__all__ = ["LORY_EXPERT_POOLS", "ROUTER_TYPES", "LoryExperts", "LoryRouter", "MHLoryBlock"]
