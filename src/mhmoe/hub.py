@@ -251,6 +251,14 @@ def _architecture_rows(config, classes, parameters: int) -> list[tuple[str, str]
             rows.append(("MoE", moe))
         else:
             rows.append(("MoE", "none (dense)"))
+    if getattr(config, "router_type", "topk") == "lory":  # the MoE row's top-k does not apply
+        pools = "one pool per head (MH-Lory v2)" if config.lory_expert_pool == "per_head" else "one shared pool"
+        rows.append(("Lory routing", f"all experts merged into one per {config.lory_segment_length}-token segment, "
+                                     f"routed on the previous segment; {pools}"))  # fmt: skip
+    if getattr(config, "linear_type", "linear") == "bitnet_b158":
+        layers = "every decoder projection" if config.bitnet_quantized_layers == "all" else "the experts"
+        stored = "int8 ternary weights + one scale per matrix" if config.bitnet_packed else "latent fp weights"
+        rows.append(("BitNet b1.58", f"{layers} ternary, 8-bit activations; stored as {stored}"))
     if getattr(config, "moh_shared_heads", None) is not None:
         shared, active = config.moh_shared_heads, config.moh_active_heads
         gates = ", straight-through 0/1 gates" if config.moh_straight_through else ""

@@ -175,6 +175,27 @@ def test_save_load_and_packed_export_round_trip(tmp_path):
         assert torch.equal(remote[f"{name}.generated"], expected_generation)
 
 
+def test_packed_round_trip_with_moh_and_dense_layers(tmp_path):
+    """MoH attention (its router follows q_proj's dtype, int8 when packed) and a dense BitLinear MLP layer."""
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(tiny(moh_shared_heads=1, moh_active_heads=2, decoder_sparse_step=2)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".head_router." in name:
+                param.normal_()  # zero-initialised routers gate every head alike
+    ids = torch.randint(0, 97, (2, 9))
+    export_pretrained(model, tmp_path / "out")
+    assert "| BitNet b1.58 | every decoder projection ternary" in (tmp_path / "out" / "README.md").read_text()
+    loaded = MHMoEForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert isinstance(loaded.model.layers[0].mlp.up_proj, PackedBitLinear)
+    assert loaded.model.layers[0].self_attn.head_router.routed_weight.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
+        prompt = ids[:1, :4]
+        assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False),
+                           model.generate(prompt, max_new_tokens=6, do_sample=False))  # fmt: skip
+
+
 def test_peft_lora_on_bitnet_model(tmp_path):
     torch.manual_seed(0)
     model = MHMoEForCausalLM(tiny())

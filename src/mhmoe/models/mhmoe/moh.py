@@ -187,7 +187,8 @@ def add_head_router(attention: nn.Module, config) -> nn.Module:
     router = None
     if moh_enabled(config):
         weight = attention.q_proj.weight
-        router = MoHRouter.from_config(config).to(device=weight.device, dtype=weight.dtype)
+        dtype = weight.dtype if weight.is_floating_point() else None  # packed BitNet q_proj: int8 ternary weights
+        router = MoHRouter.from_config(config).to(device=weight.device, dtype=dtype)
     attention.head_router = router
     attention.moh_head_skipping = True
     return attention
