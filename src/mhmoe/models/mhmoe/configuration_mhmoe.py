@@ -62,6 +62,12 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     (`moh_router` "learned": the paper's two-stage router; "l2": parameter-free, from the pre-RoPE query norms).
     `moh_straight_through` makes the gates 0/1 in the forward pass (straight-through estimator);
     `moh_aux_loss_coef` weights the head load-balancing loss. See `moh.py`.
+
+    `linear_type="bitnet_b158"` is 1-bit MH-MoE: BitNet b1.58 projections (ternary weights, 8-bit activations) for
+    every decoder projection (`bitnet_quantized_layers="all"`) or the experts only (`"experts"`); `bitnet_packed` marks
+    exported int8 ternary weights. See `bitnet.py`. `router_type="lory"` replaces top-k routing by Lory's merged expert
+    per `lory_segment_length`-token segment, routed on the previous segment, per MoE head for `moe_heads > 1`
+    (MH-Lory; `lory_expert_pool` "shared" = v1, "per_head" = v2); `num_experts_per_tok` is then unused. See `lory.py`.
     """
 
     model_type = "mhmoe"
