@@ -28,7 +28,7 @@ CORPUS = REPO / "data" / "corpus"
 RESULTS = REPO / "benchmarks" / "results"
 
 
-VALIDATION_CHARS = {"quick": 20_000, "cpu": 400_000, "gpu": 4_000_000}  # validation text evaluated per point
+VALIDATION_CHARS = {"quick": 20_000, "cpu": 120_000, "gpu": 4_000_000}  # validation text evaluated per point
 TRAIN_CHARS = {"quick": None, "cpu": 6_000_000, "gpu": None}  # None: the whole training split
 
 

@@ -25,8 +25,8 @@ import tables  # noqa: E402
 FIG2_SCALES = {
     "quick": dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
                   num_key_value_heads=4, block_size=32, batch_size=4, dense_steps=6, tune_steps=4, eval_steps=2),
-    "cpu": dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=8,
-                num_key_value_heads=4, block_size=128, batch_size=8, dense_steps=600, tune_steps=200, eval_steps=25,
+    "cpu": dict(vocab_size=2048, hidden_size=96, intermediate_size=256, num_layers=4, num_heads=8,
+                num_key_value_heads=4, block_size=64, batch_size=8, dense_steps=400, tune_steps=150, eval_steps=25,
                 dense_lr=2e-3, tune_lr=5e-4, tune_min_lr=5e-5),
     "gpu": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8,
                 num_key_value_heads=8, block_size=512, batch_size=32, dense_steps=3000, tune_steps=600, eval_steps=50,

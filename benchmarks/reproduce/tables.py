@@ -14,8 +14,8 @@ SCALES = {
     # d divisible by 2 and 3 (h=2, h=3), even head_dim; f_smoe = 8/3·d as in the paper (d=768, f=2048)
     "quick": dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, smoe_intermediate=128, block=32,
                   batch=4, steps=6, vocab=320, lr=3e-3),
-    "cpu": dict(hidden_size=96, num_hidden_layers=4, num_attention_heads=4, smoe_intermediate=256, block=128,
-                batch=8, steps=400, vocab=2048, lr=2e-3),
+    "cpu": dict(hidden_size=96, num_hidden_layers=4, num_attention_heads=4, smoe_intermediate=256, block=64,
+                batch=8, steps=300, vocab=2048, lr=2e-3),
     "gpu": dict(hidden_size=576, num_hidden_layers=8, num_attention_heads=8, smoe_intermediate=1536, block=512,
                 batch=32, steps=3000, vocab=8192, lr=1e-3),
 }  # fmt: skip
