@@ -30,6 +30,7 @@ from .causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward  # noqa: F
 from .lory import LoryExperts, LoryRouter, MHLoryBlock
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward
 from .moh import MoHRouter, add_head_router, attention_forward
+from .publish import SelfContainedSaveMixin
 from .routing import route
 
 
@@ -198,7 +199,7 @@ class MHMoEDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), **mlp_kwargs)
 
 
-class MHMoEPreTrainedModel(PreTrainedModel):
+class MHMoEPreTrainedModel(SelfContainedSaveMixin, PreTrainedModel):
     config: MHMoEConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

@@ -23,6 +23,7 @@ from transformers.utils.output_capturing import OutputRecorder
 # One source of truth for MoH (a later export step copies moh.py next to this file).
 from ..mhmoe.causal_lm import MoHCausalLMOutputWithPast, causal_lm_forward
 from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router
+from ..mhmoe.publish import SelfContainedSaveMixin
 from ..mhmoe.configuration_mhmoe import refuse_auto_class_registration
 from .configuration_moh_llama import MoHLlamaConfig
 
@@ -45,7 +46,7 @@ class MoHLlamaDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class MoHLlamaPreTrainedModel(LlamaPreTrainedModel):
+class MoHLlamaPreTrainedModel(SelfContainedSaveMixin, LlamaPreTrainedModel):
     config: MoHLlamaConfig
     config_class = MoHLlamaConfig
     _no_split_modules = ["MoHLlamaDecoderLayer", "LlamaDecoderLayer"]
