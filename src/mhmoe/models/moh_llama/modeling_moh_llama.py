@@ -8,23 +8,19 @@ dict is exactly Llama's. With all heads active and straight-through gates the lo
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers.cache_utils import Cache
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaModel,
     LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.output_capturing import OutputRecorder
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
 # One source of truth for MoH (a later export step copies moh.py next to this file).
 from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router, add_moh_aux_loss, moh_enabled
@@ -41,13 +37,20 @@ class MoHLlamaAttention(MoHAttentionMixin, LlamaAttention):
 
 
 class MoHLlamaDecoderLayer(LlamaDecoderLayer):
+    """LlamaDecoderLayer whose attention routes its heads."""
+
     def __init__(self, config: MoHLlamaConfig, layer_idx: int):
-        GradientCheckpointingLayer.__init__(self)  # LlamaDecoderLayer's body with the MoH attention
-        self.hidden_size = config.hidden_size
-        self.self_attn = MoHLlamaAttention(config=config, layer_idx=layer_idx)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        super().__init__(config, layer_idx)
+        route_heads(self)
+
+
+def route_heads(layer: LlamaDecoderLayer) -> None:
+    """Make a Llama decoder layer MoH in place: its LlamaAttention (weights and hooks kept) becomes a
+    MoHLlamaAttention with a head router built from the layer's config (none when MoH is off)."""
+    attention = layer.self_attn
+    attention.__class__ = MoHLlamaAttention
+    add_head_router(attention, attention.config)
+    layer.__class__ = MoHLlamaDecoderLayer
 
 
 class MoHLlamaPreTrainedModel(LlamaPreTrainedModel):
@@ -80,19 +83,13 @@ class MoHCausalLMOutputWithPast(CausalLMOutputWithPast):
 
 
 class MoHLlamaModel(MoHLlamaPreTrainedModel, LlamaModel):
+    """LlamaModel whose decoder layers are MoHLlamaDecoderLayer (built by Llama, their attention routed in place)."""
+
     def __init__(self, config: MoHLlamaConfig):
         config.validate_architecture()  # again: fields may have been set after the config was built
-        MoHLlamaPreTrainedModel.__init__(self, config)  # LlamaModel's body with MoH decoder layers
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [MoHLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
-        self.post_init()
+        super().__init__(config)
+        for layer in self.layers:
+            route_heads(layer)
 
 
 @can_return_tuple
@@ -148,13 +145,16 @@ def moh_causal_lm_forward(
     )
 
 
-class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM):
+class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM, GenerationMixin):
+    """LlamaForCausalLM around a MoHLlamaModel, with the MoH losses in its forward."""
+
     def __init__(self, config: MoHLlamaConfig):
-        MoHLlamaPreTrainedModel.__init__(self, config)  # LlamaForCausalLM's body with the MoH model
-        self.model = MoHLlamaModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+        config.validate_architecture()
+        super().__init__(config)  # LlamaForCausalLM builds a LlamaModel: made a MoHLlamaModel in place
+        self.model.__class__ = MoHLlamaModel
+        _CAN_RECORD_REGISTRY[self.model] = MoHLlamaModel._can_record_outputs
+        for layer in self.model.layers:
+            route_heads(layer)
 
     forward = moh_causal_lm_forward
 
