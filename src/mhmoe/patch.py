@@ -82,6 +82,12 @@ def apply_moh(model, **moh_fields):
         expected = _FAMILIES[family][1].__name__
         raise ValueError(f"apply_moh supports {expected} around {family.__name__}, got {type(model).__name__}")
 
+    if any(type(layer.self_attn.q_proj.weight).__name__ == "DTensor" for layer in base.layers):
+        raise ValueError(
+            "apply_moh cannot patch a tensor-parallel (sharded) model: its head router would see only this rank's "
+            "heads. For tensor parallelism use a MoH-LLaMA (model_type moh_llama) or MHMoE checkpoint, whose plans "
+            "shard the head router; MoH Mistral / Qwen2 models run unsharded"
+        )
     config = base.config
     fields = {name: moh_fields.get(name, getattr(config, name, default)) for name, default in MOH_FIELDS.items()}
     if fields["moh_shared_heads"] is None and fields["moh_active_heads"] is None:

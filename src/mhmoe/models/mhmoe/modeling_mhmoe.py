@@ -33,6 +33,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_mhmoe import MHMoEConfig
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward, load_balancing_loss, router_z_loss
 from .moh import MoHRouter, add_head_router, add_moh_aux_loss, moh_attention_forward, moh_enabled
+from .moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
 from .routing import route
 
 
@@ -325,6 +326,8 @@ class MHMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
 
 class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: MHMoEConfig):
         super().__init__(config)

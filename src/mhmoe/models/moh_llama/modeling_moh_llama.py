@@ -25,6 +25,7 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputReco
 # One source of truth for MoH (a later export step copies moh.py next to this file).
 from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router, add_moh_aux_loss, moh_enabled
 from ..mhmoe.configuration_mhmoe import refuse_auto_class_registration
+from ..mhmoe.moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
 from .configuration_moh_llama import MoHLlamaConfig
 
 
