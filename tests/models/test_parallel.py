@@ -41,11 +41,15 @@ def batch():
 
 
 def run(model) -> dict[str, torch.Tensor]:
-    """Logits, loss (LM + router losses) and every parameter's gradient (gathered when sharded)."""
+    """Logits, loss (LM + router losses) and every parameter's gradient (gathered when sharded); logits without
+    gradients too, which take other paths (local-tensor linear layers under TP; all-reduce instead of all-to-all
+    dispatch under EP)."""
     ids, mask, labels = batch()
+    with torch.no_grad():
+        inference_logits = model(ids, attention_mask=mask).logits
     out = model(ids, attention_mask=mask, labels=labels, output_router_logits=True)
     out.loss.backward()
-    results = {"logits": out.logits.detach(), "loss": out.loss.detach()}
+    results = {"logits": out.logits.detach(), "inference_logits": inference_logits, "loss": out.loss.detach()}
     for name, param in model.named_parameters():
         grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad  # a collective
         results[f"grad.{name}"] = grad
@@ -125,6 +129,7 @@ def test_apply_moh_refuses_a_tensor_parallel_model(parallel_runs):
 
 def _assert_matches(expected, got, where):
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=1e-4, atol=1e-5, msg=f"{where} logits")
+    torch.testing.assert_close(got["inference_logits"], expected["logits"], rtol=1e-4, atol=1e-5, msg=where)
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6, msg=f"{where} loss")
     grads = [key for key in expected if key.startswith("grad.")]
     assert grads and set(grads) == {key for key in got if key.startswith("grad.")}
