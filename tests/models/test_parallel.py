@@ -29,7 +29,9 @@ CASES = {  # every rule of the plans is used by at least one case
     "moh_llama": lambda: MoHLlamaForCausalLM(MoHLlamaConfig(**TINY, **MOH)),  # l2 head router: gathered norms
 }  # fmt: skip
 EXPERT_CASES = ["mh-moe", "smoe", "moh-mh-moe"]
-MODES = {"tp": dict(tp_size=2), "ep": dict(tp_size=2, ep_size=2)}
+# "fsdp-ep": FSDP2 data parallel with experts sharded over the same 2 ranks (both ranks get the same batch here, so the
+# averaged gradients equal the single-process ones)
+MODES = {"tp": dict(tp_size=2), "ep": dict(tp_size=2, ep_size=2), "fsdp-ep": dict(fsdp_size=2, ep_size=2)}
 PIPELINE_CASES = ["mh-moe", "moh_llama"]
 
 
@@ -63,7 +65,7 @@ def _worker(rank: int, folder: str, port: int):
                       MASTER_PORT=str(port))  # fmt: skip
     torch.set_num_threads(1)
     for mode, sizes in MODES.items():
-        for name in EXPERT_CASES if mode == "ep" else CASES:
+        for name in CASES if mode == "tp" else EXPERT_CASES:
             model = AutoModelForCausalLM.from_pretrained(
                 os.path.join(folder, name), distributed_config=DistributedConfig(**sizes), attn_implementation="eager"
             )
@@ -109,7 +111,7 @@ def parallel_runs(tmp_path_factory):
         port = sock.getsockname()[1]
     mp.spawn(_worker, args=(str(folder), port), nprocs=2)
     parallel = {(mode, name): load_file(folder / f"{mode}-{name}.safetensors")
-                for mode in MODES for name in (EXPERT_CASES if mode == "ep" else CASES)}  # fmt: skip
+                for mode in MODES for name in (CASES if mode == "tp" else EXPERT_CASES)}  # fmt: skip
     parallel.update({("pp", name): load_file(folder / f"pp-{name}.safetensors") for name in PIPELINE_CASES})
     parallel["apply_moh_refusal"] = (folder / "apply_moh_refusal.txt").read_text()
     return reference, parallel
@@ -150,11 +152,12 @@ def test_tensor_parallel_matches_single_process(parallel_runs, name):
         assert got[f"shape.model.layers.{layer}.mlp.experts.down_proj"].tolist() == [4, width, 8]  # inner width / 2
 
 
+@pytest.mark.parametrize("mode", ["ep", "fsdp-ep"])
 @pytest.mark.parametrize("name", EXPERT_CASES)
-def test_expert_parallel_matches_single_process(parallel_runs, name):
+def test_expert_parallel_matches_single_process(parallel_runs, name, mode):
     reference, parallel = parallel_runs
-    got = parallel["ep", name]
-    _assert_matches(reference[name], got, f"ep {name}")
+    got = parallel[mode, name]
+    _assert_matches(reference[name], got, f"{mode} {name}")
     layer = 0 if name != "mh-moe" else 1
     assert got[f"shape.model.layers.{layer}.mlp.experts.gate_up_proj"][0].item() == MOE["num_experts"] // 2
 
