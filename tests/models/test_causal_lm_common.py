@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, GenerationMixin
 
 from mhmoe.models.mhmoe import modeling_mhmoe
@@ -380,3 +381,24 @@ def test_generation_mixin_is_a_direct_base(case):
     assert GenerationMixin in type(model).__mro__ and type(model).can_generate()
     assert model.generation_config is not None
     assert torch.equal(copy.deepcopy(model).lm_head.weight, model.lm_head.weight)  # assisted decoding copies models
+
+
+@every_case
+def test_missing_weights_are_initialised(case, tmp_path):
+    """A checkpoint holding only the embeddings: every other parameter is created by the model's `_init_weights`
+    (Transformers' 'can init all missing weights' check): finite, norms at 1, MoH routers at 0 (every gate 1), weight
+    matrices random at `initializer_range`."""
+    model = case.make()
+    model.save_pretrained(tmp_path)
+    save_file({"model.embed_tokens.weight": model.model.embed_tokens.weight.detach().contiguous()},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    loaded = case.reload(tmp_path)
+    std = model.config.initializer_range
+    for name, param in loaded.named_parameters():
+        assert torch.isfinite(param).all(), name
+        if "norm" in name:
+            assert torch.equal(param, torch.ones_like(param)), name
+        elif ".head_router." in name:
+            assert torch.equal(param, torch.zeros_like(param)), name
+        elif param.dim() >= 2 and name != "model.embed_tokens.weight":
+            assert 0.5 * std < param.float().std() < 2 * std, (name, param.std())
