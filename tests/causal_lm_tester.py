@@ -8,10 +8,8 @@ MoH attention, and with a dense + MoE mix; MoH-LLaMA; Llama, Mistral and Qwen2 a
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -95,15 +93,9 @@ def _patched(family: str, moh_router: str = "l2", **fields):
 
     def reload(path, **kwargs):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        if family == "llama":  # saved as model_type moh_llama
-            return model
-        # Mistral/Qwen2 reload as the dense model (their config keeps the moh_* fields); Transformers drops the
-        # learned head-router weights as unexpected keys, so they are put back after `apply_moh`.
-        apply_moh(model)
-        routers = {key: value for file in sorted(Path(path).glob("*.safetensors")) for key, value in
-                   load_file(file).items() if ".head_router." in key}  # fmt: skip
-        assert not model.load_state_dict(routers, strict=False).unexpected_keys
-        return model
+        # Llama is saved as model_type moh_llama; Mistral/Qwen2 reload as the dense model, whose config keeps the moh_*
+        # fields: `apply_moh` restores MoH from them (and learned router weights from the folder)
+        return model if family == "llama" else apply_moh(model)
 
     return dict(make=make, reload=reload)
 

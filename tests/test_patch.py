@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -178,3 +180,22 @@ def test_refusals():
     with pytest.raises(ValueError, match="supports Llama, Mistral and Qwen2"):
         apply_moh(gpt2, moh_shared_heads=2, moh_active_heads=2)
     assert mhmoe.apply_moh is apply_moh
+
+
+def test_learned_routers_come_back_after_reloading(tmp_path):
+    """Transformers drops the head-router weights of a saved MoH Mistral/Qwen2 as unexpected keys; `apply_moh(model)`
+    reads them back from the folder the model was loaded from (causal LM, and base model from the same folder)."""
+    model = apply_moh(dense("qwen2"), moh_shared_heads=2, moh_active_heads=3, moh_router="learned")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".head_router." in name:
+                param.normal_()
+    model.save_pretrained(tmp_path)
+    ids, mask = inputs()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert type(reloaded) is Qwen2ForCausalLM
+    apply_moh(reloaded)
+    assert torch.equal(reloaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+    base = apply_moh(AutoModel.from_pretrained(tmp_path, attn_implementation="eager"))
+    torch.testing.assert_close(base(ids, attention_mask=mask).last_hidden_state,
+                               model.model(ids, attention_mask=mask).last_hidden_state)  # fmt: skip
