@@ -82,6 +82,23 @@ def test_padding_free_packing_matches_separate_sequences(case):
     torch.testing.assert_close(packed, separate, **TOLERANCE[torch.float32])
 
 
+@every_case
+def test_hidden_states_and_inputs_embeds(case):
+    """`output_hidden_states` gives the embeddings and every layer's output; `inputs_embeds` gives what the ids give,
+    in a forward and in `generate` (which then returns only the new tokens)."""
+    model = case.make()
+    ids, mask = prompts()
+    embeds = model.get_input_embeddings()(ids).detach()
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_hidden_states=True)
+        from_embeds = model(inputs_embeds=embeds, attention_mask=mask).logits
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert all(h.shape == (3, 7, 32) for h in out.hidden_states) and torch.equal(out.hidden_states[0], embeds)
+    assert torch.equal(from_embeds, out.logits)
+    generated = greedy(model, None, mask, inputs_embeds=embeds)
+    assert torch.equal(generated, greedy(model, ids, mask)[:, 7:])
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # cache
 
