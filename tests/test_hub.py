@@ -165,8 +165,8 @@ def test_exported_folder(exported):
         "modeling_mhmoe.MHMoEForCausalLM"
     )
     assert check_exported_code(moh_dir) == ["causal_lm.py", "configuration_mhmoe.py", "configuration_moh_llama.py",
-                                            "losses.py", "modeling_moh_llama.py", "moh.py", "parity.py", "publish.py",
-                                            "routing.py"]  # fmt: skip
+                                            "losses.py", "modeling_moh_llama.py", "moh.py", "moh_parallel.py",
+                                            "parity.py", "publish.py", "routing.py"]  # fmt: skip
     assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").glob("*.py")
                                                     if p.name != "__init__.py")  # fmt: skip
     for name in ("moh.py", "configuration_mhmoe.py", "parity.py", "losses.py", "routing.py", "causal_lm.py"):

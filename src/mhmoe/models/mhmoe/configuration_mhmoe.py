@@ -72,6 +72,37 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
 
     model_type = "mhmoe"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Parallel plans (Transformers' `DistributedConfig(tp_size=..., ep_size=...)`), Mixtral's plus MH-MoE's own layers.
+    # The expert router (`mlp.gate`) is replicated, as in Mixtral; so are the norms. See docs/training.md.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn.head_router": "moh_head_router",  # MoH: gathers the (B, T, H) head scores (moh_parallel.py)
+        "layers.*.mlp.gate_proj": "colwise",  # dense layers
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.shared_expert.gate_proj": "colwise",
+        "layers.*.mlp.shared_expert.up_proj": "colwise",
+        "layers.*.mlp.shared_expert.down_proj": "rowwise",
+        "layers.*.mlp.head_proj": "colwise_gather_output",  # the router needs whole sub-tokens on every rank
+        "layers.*.mlp.merge_proj": "rowwise_split_input",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",  # each rank: a slice of every expert's inner width
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+    # Whole experts per rank; sub-tokens (B·T·h rows of width d/h) are what is dispatched to them.
+    base_model_ep_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
 
     vocab_size: int = 32000
     hidden_size: int = 768

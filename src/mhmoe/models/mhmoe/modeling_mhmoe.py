@@ -31,6 +31,7 @@ from .lory import LoryExperts, LoryRouter, MHLoryBlock
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward
 from .moh import MoHRouter, add_head_router, attention_forward
 from .publish import SelfContainedSaveMixin
+from .moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
 from .routing import route
 
 
@@ -299,6 +300,8 @@ class MHMoEModelOutputWithPast(MoeModelOutputWithPast):
 
 class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: MHMoEConfig):
         super().__init__(config)

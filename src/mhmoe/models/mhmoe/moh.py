@@ -57,7 +57,11 @@ def routed_gates(router_logits: torch.Tensor, active_heads: int) -> tuple[torch.
 def l2_router_logits(routed_queries: torch.Tensor) -> torch.Tensor:
     """(B, T, R, hd) pre-RoPE queries of the routed heads -> (B, T, R) fp32 scores: each head's L2 norm divided by the
     per-token std of the R norms (clamped at L2_STD_MIN)."""
-    norms = routed_queries.float().norm(dim=-1)
+    return l2_scores(routed_queries.float().norm(dim=-1))
+
+
+def l2_scores(norms: torch.Tensor) -> torch.Tensor:
+    """(B, T, R) fp32 query norms of the routed heads -> the "l2" router's (B, T, R) scores."""
     std = norms.std(dim=-1, keepdim=True, correction=1 if norms.shape[-1] > 1 else 0)
     return norms / std.clamp_min(L2_STD_MIN)
 
@@ -121,11 +125,15 @@ class MoHRouter(nn.Module):
             f"router={self.router!r}, straight_through={self.straight_through}"
         )
 
-    def forward(self, hidden_states: torch.Tensor, query_states: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, query_states: torch.Tensor, head_norms: torch.Tensor | None = None):
+        """`head_norms` (B, T, H): the "l2" router's query norms of every head, when `query_states` holds only some
+        heads (tensor parallelism gathers them: `moh_parallel.py`)."""
         shared = self.shared_heads
         if self.router == "learned":
             x = hidden_states.float()
             router_logits = F.linear(x, self.routed_weight.float())  # (B, T, R)
+        elif head_norms is not None:
+            router_logits = l2_scores(head_norms[..., shared:])
         else:
             router_logits = l2_router_logits(query_states[..., shared:, :])
         routed_soft, routed_index = routed_gates(router_logits, self.active_heads)  # (B, T, R), (B, T, K)
@@ -245,6 +253,8 @@ def _use_head_skipping(module, query_states, attention_mask, gates, kwargs) -> b
     if query_states.device.type != "cpu":  # measured on CPU only; on GPUs one fused kernel over all heads may win
         return False
     if router.shared_heads + router.active_heads >= router.num_heads:  # every head is active: nothing to skip
+        return False
+    if query_states.shape[1] != router.num_heads:  # tensor parallel: this rank holds some heads (sharded o_proj)
         return False
     if gates.requires_grad or (module.training and module.attention_dropout > 0) or kwargs.get("output_attentions"):
         return False
@@ -388,6 +398,6 @@ def masked_heads_attention(
 
 __all__ = [
     "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "add_moh_aux_loss", "attention_forward",
-    "head_selection", "l2_router_logits", "masked_heads_attention", "moh_attention_forward", "moh_enabled",
-    "moh_load_balancing_loss", "routed_gates", "skipped_heads_attention", "straight_through",
+    "head_selection", "l2_router_logits", "l2_scores", "masked_heads_attention", "moh_attention_forward",
+    "moh_enabled", "moh_load_balancing_loss", "routed_gates", "skipped_heads_attention", "straight_through",
 ]  # fmt: skip

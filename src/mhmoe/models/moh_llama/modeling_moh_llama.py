@@ -6,25 +6,22 @@ dict is exactly Llama's. With all heads active and straight-through gates the lo
 """
 
 import torch
-from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
-    LlamaMLP,
     LlamaModel,
     LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
 )
-from transformers.utils.output_capturing import OutputRecorder
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
 # One source of truth for MoH (a later export step copies moh.py next to this file).
 from ..mhmoe.causal_lm import MoHCausalLMOutputWithPast, causal_lm_forward
 from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router
 from ..mhmoe.publish import SelfContainedSaveMixin
 from ..mhmoe.configuration_mhmoe import refuse_auto_class_registration
+from ..mhmoe.moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
 from .configuration_moh_llama import MoHLlamaConfig
 
 
@@ -37,13 +34,20 @@ class MoHLlamaAttention(MoHAttentionMixin, LlamaAttention):
 
 
 class MoHLlamaDecoderLayer(LlamaDecoderLayer):
+    """LlamaDecoderLayer whose attention routes its heads."""
+
     def __init__(self, config: MoHLlamaConfig, layer_idx: int):
-        GradientCheckpointingLayer.__init__(self)  # LlamaDecoderLayer's body with the MoH attention
-        self.hidden_size = config.hidden_size
-        self.self_attn = MoHLlamaAttention(config=config, layer_idx=layer_idx)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        super().__init__(config, layer_idx)
+        route_heads(self)
+
+
+def route_heads(layer: LlamaDecoderLayer) -> None:
+    """Make a Llama decoder layer MoH in place: its LlamaAttention (weights and hooks kept) becomes a
+    MoHLlamaAttention with a head router built from the layer's config (none when MoH is off)."""
+    attention = layer.self_attn
+    attention.__class__ = MoHLlamaAttention
+    add_head_router(attention, attention.config)
+    layer.__class__ = MoHLlamaDecoderLayer
 
 
 class MoHLlamaPreTrainedModel(SelfContainedSaveMixin, LlamaPreTrainedModel):
@@ -68,31 +72,28 @@ class MoHLlamaPreTrainedModel(SelfContainedSaveMixin, LlamaPreTrainedModel):
 
 
 class MoHLlamaModel(MoHLlamaPreTrainedModel, LlamaModel):
+    """LlamaModel whose decoder layers are MoHLlamaDecoderLayer (built by Llama, their attention routed in place)."""
+
     def __init__(self, config: MoHLlamaConfig):
         config.validate_architecture()  # again: fields may have been set after the config was built
-        MoHLlamaPreTrainedModel.__init__(self, config)  # LlamaModel's body with MoH decoder layers
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [MoHLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
-        )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
-        self.post_init()
+        super().__init__(config)
+        for layer in self.layers:
+            route_heads(layer)
 
 
 moh_causal_lm_forward = causal_lm_forward  # the former name, kept for one release
 
 
-class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM):
+class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM, GenerationMixin):
+    """LlamaForCausalLM around a MoHLlamaModel, with the MoH losses in its forward."""
+
     def __init__(self, config: MoHLlamaConfig):
-        MoHLlamaPreTrainedModel.__init__(self, config)  # LlamaForCausalLM's body with the MoH model
-        self.model = MoHLlamaModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+        config.validate_architecture()
+        super().__init__(config)  # LlamaForCausalLM builds a LlamaModel: made a MoHLlamaModel in place
+        self.model.__class__ = MoHLlamaModel
+        _CAN_RECORD_REGISTRY[self.model] = MoHLlamaModel._can_record_outputs
+        for layer in self.model.layers:
+            route_heads(layer)
 
     forward = causal_lm_forward  # Llama's causal-LM forward plus the MoH balance loss (models/mhmoe/causal_lm.py)
 
