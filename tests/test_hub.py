@@ -164,11 +164,12 @@ def test_exported_folder(exported):
     assert json.loads((mhmoe_dir / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_mhmoe.MHMoEForCausalLM"
     )
-    assert check_exported_code(moh_dir) == ["configuration_mhmoe.py", "configuration_moh_llama.py",
-                                            "modeling_moh_llama.py", "moh.py", "parity.py"]  # fmt: skip
+    assert check_exported_code(moh_dir) == ["causal_lm.py", "configuration_mhmoe.py", "configuration_moh_llama.py",
+                                            "losses.py", "modeling_moh_llama.py", "moh.py", "moh_parallel.py",
+                                            "parity.py", "publish.py", "routing.py"]  # fmt: skip
     assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").glob("*.py")
                                                     if p.name != "__init__.py")  # fmt: skip
-    for name in ("moh.py", "configuration_mhmoe.py", "parity.py"):
+    for name in ("moh.py", "configuration_mhmoe.py", "parity.py", "losses.py", "routing.py", "causal_lm.py"):
         assert (moh_dir / name).read_bytes() == (models / "mhmoe" / name).read_bytes()
     for name in ("configuration_moh_llama.py", "modeling_moh_llama.py"):
         text = (moh_dir / name).read_text()

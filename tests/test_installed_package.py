@@ -208,6 +208,8 @@ def test_console_scripts_from_the_wheel(installed):
     assert "routing statistics: MoE layers" in proc.stdout and "activated heads 75.0%" in proc.stdout
 
     _check(["mhmoe-export", "demo/model", "exported"], env=env, cwd=work)
+    card = (work / "exported" / "README.md").read_text()  # filled from the wheel's model_cards/mhmoe.md
+    assert card.startswith("---\n") and "## Architecture" in card and "{{" not in card
     blocked = work / "no_mhmoe"
     (blocked / "mhmoe").mkdir(parents=True)
     (blocked / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe must not be imported here (test)')\n")

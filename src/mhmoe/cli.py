@@ -14,7 +14,7 @@ import sys
 from .extras import MissingExtraError, extra_of, missing_extra_message, require
 
 COMMANDS = {  # console script: (module whose main() it runs, extras the command always needs)
-    "mhmoe-convert": ("mhmoe.conversion", ()),
+    "mhmoe-convert": ("mhmoe.convert.cli", ()),
     "mhmoe-demo": ("mhmoe.demo", ("train", "eval")),
     "mhmoe-eval": ("mhmoe.evaluate", ("eval",)),
     "mhmoe-export": ("mhmoe.hub", ()),

@@ -3,7 +3,9 @@
 `export_pretrained(model_or_dir, save_directory, tokenizer=None)` writes a self-contained folder:
 
 - the weights as safetensors (an in-memory model through `save_pretrained`; a checkpoint directory's shards and index
-  copied byte for byte; pickle-only checkpoints are refused, never unpickled),
+  copied byte for byte; pickle-only checkpoints are refused, never unpickled). A BitNet b1.58 model
+  (`linear_type="bitnet_b158"`) is written packed: int8 ternary weights and one fp32 scale per matrix
+  (`bitnet_packed=True`, inference only, the same logits),
 - `config.json` with an `auto_map` naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`,
 - `generation_config.json`, the tokenizer (the one given, else the source directory's), a model card `README.md`,
 - the modeling code: the `configuration_*.py` / `modeling_*.py` files of the config and model classes and every file
@@ -184,40 +186,6 @@ def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) 
 
 # -------------------------------------------------------------------------------------------------------- model card
 
-MODEL_CARD = """---
-library_name: transformers
-tags:
-{tags}
-- custom_code
-pipeline_tag: text-generation
----
-
-# {name}
-
-A `{model_type}` model (`{causal_class}`) exported by mhmoe {version} with its modeling code:
-it loads with `trust_remote_code=True` on torch and transformers alone, without mhmoe installed.
-
-## Architecture
-
-| | |
-| --- | --- |
-{rows}
-
-## Usage
-
-```python
-from transformers import AutoModelForCausalLM{tokenizer_import}
-
-model = AutoModelForCausalLM.from_pretrained("{repo}", trust_remote_code=True){tokenizer_line}
-```
-
-Evaluate with lm-eval: `lm-eval run --model hf --model_args pretrained={repo},trust_remote_code=True --tasks ...`.
-With mhmoe installed, `import mhmoe` registers `{model_type}` and `trust_remote_code` is not needed.
-
-Exported with mhmoe {version} and transformers {transformers_version}.
-"""
-
-
 def _parameter_count(folder: Path) -> int:
     total = 0
     for path in sorted(folder.glob("*.safetensors")):
@@ -226,53 +194,14 @@ def _parameter_count(folder: Path) -> int:
     return total
 
 
-def _architecture_rows(config, classes, parameters: int) -> list[tuple[str, str]]:
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    rows = [
-        ("model type", f"`{config.model_type}` (`{classes['AutoModelForCausalLM'].__name__}`)"),
-        ("parameters", f"{parameters:,} ({parameters / 1e6:.2f}M)"),
-        ("layers", str(config.num_hidden_layers)),
-        ("hidden size", str(config.hidden_size)),
-        ("attention heads", f"{heads} ({kv} key/value)"),
-        ("vocabulary", str(config.vocab_size)),
-    ]
-    if hasattr(config, "is_moe_layer"):
-        moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        if moe_layers:
-            h = config.moe_heads
-            moe = (f"{moe_layers} of {config.num_hidden_layers} layers: {config.num_experts} experts, "
-                   f"top-{config.num_experts_per_tok}, {h} MoE head{'s' if h > 1 else ''} (sub-tokens of width "
-                   f"{config.hidden_size // h}), expert inner size {config.moe_intermediate_size}")  # fmt: skip
-            if config.shared_expert_intermediate_size:
-                moe += f", shared expert inner size {config.shared_expert_intermediate_size}"
-            rows.append(("MoE", moe))
-        else:
-            rows.append(("MoE", "none (dense)"))
-    if getattr(config, "moh_shared_heads", None) is not None:
-        shared, active = config.moh_shared_heads, config.moh_active_heads
-        gates = ", straight-through 0/1 gates" if config.moh_straight_through else ""
-        rows.append(("MoH attention", f"{shared} shared + {active} of {heads - shared} routed heads per token = "
-                                      f"{100 * (shared + active) / heads:.1f}% of {heads} heads active; "
-                                      f"`{config.moh_router}` router{gates}"))  # fmt: skip
-    return rows
-
-
 def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: bool) -> str:
-    """The model card (README.md) text: architecture from the config, parameters from the exported weights."""
-    import transformers
+    """The model card (README.md, template model_cards/*.md via `mhmoe.cards`): architecture from the config,
+    parameters from the exported weights, parity of one MoE layer."""
+    from .cards import model_card
 
-    from . import __version__
-
-    rows = _architecture_rows(config, classes, _parameter_count(folder))
-    return MODEL_CARD.format(
-        name=repo.rsplit("/", 1)[-1], model_type=config.model_type, version=__version__, repo=repo,
-        tags="\n".join(f"- {tag}" for tag in dict.fromkeys(("mhmoe", config.model_type))),
-        causal_class=classes["AutoModelForCausalLM"].__name__, transformers_version=transformers.__version__,
-        rows="\n".join(f"| {k} | {v} |" for k, v in rows),
-        tokenizer_import=", AutoTokenizer" if has_tokenizer else "",
-        tokenizer_line=f'\ntokenizer = AutoTokenizer.from_pretrained("{repo}")' if has_tokenizer else "",
-    )  # fmt: skip
+    card = model_card(config, model_name=repo.rsplit("/", 1)[-1], parameters=_parameter_count(folder), repo=repo,
+                      has_tokenizer=has_tokenizer)  # fmt: skip
+    return str(card)
 
 
 # ------------------------------------------------------------------------------------------------------------ export
@@ -300,7 +229,7 @@ def export_pretrained(
     Raises `ExportError` for anything refused (nothing is written then), and for a failed upload (the exported folder
     stays; the message gives the command that retries the upload).
     """
-    from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
+    from transformers import AutoTokenizer, PreTrainedModel
 
     save_directory = os.fspath(save_directory)
     source_dir = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
@@ -315,37 +244,21 @@ def export_pretrained(
             tokenizer = source_dir
     else:
         config, weight_files = model.config, None
+    if getattr(config, "linear_type", "linear") == "bitnet_b158" and not config.bitnet_packed:
+        model, weight_files = _bitnet_packed(model), None  # int8 ternary weights + scales, not the latent weights
+        config = model.config
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     classes = auto_classes(config)
-    sources = modeling_sources(classes.values())
+    modeling_sources(classes.values())  # refuses code that cannot be exported before anything is written
 
     temporary = Path(temporary_dir_next_to(save_directory))
     try:
-        if source_dir is None:
-            model.save_pretrained(temporary)
-        else:
-            for name in weight_files:
-                shutil.copy2(os.path.join(source_dir, name), temporary / name)
-            shutil.copy2(os.path.join(source_dir, CONFIG_NAME), temporary / CONFIG_NAME)
-            generation = os.path.join(source_dir, GENERATION_CONFIG_NAME)
-            if os.path.isfile(generation):
-                shutil.copy2(generation, temporary / GENERATION_CONFIG_NAME)
-            else:
-                GenerationConfig.from_model_config(config).save_pretrained(temporary)
-        config_path = temporary / CONFIG_NAME
-        config_dict = json.loads(config_path.read_text())
-        config_dict["auto_map"] = {auto: f"{_module_file(cls).stem}.{cls.__name__}" for auto, cls in classes.items()}
-        config_path.write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-        for name, text in sources.items():
-            (temporary / name).write_text(text, encoding="utf-8")
-        check_exported_code(temporary)
+        _write_weights(temporary, model if weight_files is None else source_dir, config, weight_files)
         if tokenizer is not None:
             tokenizer.save_pretrained(temporary)
-        if model_card:
-            repo = push_to_hub or os.path.basename(os.path.abspath(save_directory))
-            card = render_model_card(config, classes, temporary, repo, tokenizer is not None)
-            (temporary / "README.md").write_text(card, encoding="utf-8")
+        repo = push_to_hub or os.path.basename(os.path.abspath(save_directory))
+        write_remote_code(temporary, config, model_card=model_card, repo=repo, has_tokenizer=tokenizer is not None)
         for path in temporary.iterdir():
             fsync(str(path))
         fsync(str(temporary))
@@ -355,18 +268,75 @@ def export_pretrained(
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     if push_to_hub:
-        from huggingface_hub import HfApi
-
-        try:
-            api = HfApi(token=token)
-            api.create_repo(push_to_hub, private=private, exist_ok=True)
-            api.upload_folder(repo_id=push_to_hub, folder_path=save_directory, commit_message=commit_message)
-        except Exception as e:  # network, authentication, offline mode: the export itself is complete
-            raise ExportError(
-                f"{save_directory} was exported, but uploading it to {push_to_hub} failed ({type(e).__name__}: {e}); "
-                f"log in (`hf auth login`) or pass token=..., then retry: `hf upload {push_to_hub} {save_directory}`"
-            ) from e
+        upload_folder(save_directory, push_to_hub, private, token, commit_message)
     return Path(save_directory)
+
+
+def write_remote_code(folder: str | os.PathLike, config, model_card: bool = True, repo: str | None = None,
+                      has_tokenizer: bool | None = None) -> None:  # fmt: skip
+    """Make a saved checkpoint folder load with `trust_remote_code=True` without mhmoe: the flattened modeling code,
+    `auto_map` in config.json (AutoConfig, AutoModel, AutoModelForCausalLM) and, with `model_card`, a README.md card
+    (an existing README.md is kept). Called by `export_pretrained` and by `save_pretrained` / `push_to_hub` of mhmoe
+    models."""
+    folder = Path(folder)
+    classes = auto_classes(config)
+    config_path = folder / CONFIG_NAME
+    config_dict = json.loads(config_path.read_text())
+    config_dict["auto_map"] = {auto: f"{_module_file(cls).stem}.{cls.__name__}" for auto, cls in classes.items()}
+    config_path.write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    for name, text in modeling_sources(classes.values()).items():
+        (folder / name).write_text(text, encoding="utf-8")
+    check_exported_code(folder)
+    if model_card and not (folder / "README.md").exists():
+        if has_tokenizer is None:
+            has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
+        card = render_model_card(config, classes, folder, repo or folder.resolve().name, has_tokenizer)
+        (folder / "README.md").write_text(card, encoding="utf-8")
+
+
+def _bitnet_packed(model):
+    """A latent BitNet model (object or checkpoint directory) as its packed inference copy (`bitnet.packed_model`)."""
+    from .models.mhmoe.bitnet import packed_model
+    from .models.mhmoe.modeling_mhmoe import MHMoEForCausalLM
+
+    if isinstance(model, (str, os.PathLike)):
+        model = MHMoEForCausalLM.from_pretrained(model)
+    return packed_model(model)
+
+
+def _write_weights(folder: Path, source, config, weight_files: list[str] | None) -> None:
+    """Weights, config.json and generation_config.json into `folder`: a model object through `save_pretrained`, a
+    checkpoint directory's files copied byte for byte (a generation config made from the config if it has none)."""
+    from transformers import GenerationConfig
+
+    if not isinstance(source, str):
+        source.save_pretrained(folder, self_contained=False)  # the code is written by write_remote_code
+        return
+    for name in weight_files:
+        shutil.copy2(os.path.join(source, name), folder / name)
+    shutil.copy2(os.path.join(source, CONFIG_NAME), folder / CONFIG_NAME)
+    generation = os.path.join(source, GENERATION_CONFIG_NAME)
+    if os.path.isfile(generation):
+        shutil.copy2(generation, folder / GENERATION_CONFIG_NAME)
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
+def upload_folder(folder: str, repo_id: str, private: bool | None = None, token: str | None = None,
+                  commit_message: str = "Upload model exported with mhmoe") -> None:  # fmt: skip
+    """Upload a finished export with `HfApi.upload_folder` (the repo is created if missing). A failure (network,
+    authentication, offline mode) raises `ExportError` saying the folder is complete and how to retry."""
+    from huggingface_hub import HfApi
+
+    try:
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+    except Exception as e:  # the export itself is complete
+        raise ExportError(
+            f"{folder} was exported, but uploading it to {repo_id} failed ({type(e).__name__}: {e}); "
+            f"log in (`hf auth login`) or pass token=..., then retry: `hf upload {repo_id} {folder}`"
+        ) from e
 
 
 def main(argv: list[str] | None = None) -> None:

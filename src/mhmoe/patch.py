@@ -7,7 +7,10 @@ Mistral or Qwen2 model keeps its model_type: its config gains the moh_* fields (
 reloading it `apply_moh(model)` with no fields restores MoH from them.
 """
 
+import os
 from types import SimpleNamespace
+
+from safetensors import safe_open
 
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralForCausalLM, MistralModel
@@ -18,6 +21,7 @@ from transformers.utils.output_capturing import (
     install_output_capuring_hook,
 )
 
+from .checkpoint_files import CheckpointError, weight_files
 from .models.mhmoe.configuration_mhmoe import moh_config_problems
 from .models.mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router
 from .models.moh_llama.configuration_moh_llama import MoHLlamaConfig
@@ -82,6 +86,12 @@ def apply_moh(model, **moh_fields):
         expected = _FAMILIES[family][1].__name__
         raise ValueError(f"apply_moh supports {expected} around {family.__name__}, got {type(model).__name__}")
 
+    if any(type(layer.self_attn.q_proj.weight).__name__ == "DTensor" for layer in base.layers):
+        raise ValueError(
+            "apply_moh cannot patch a tensor-parallel (sharded) model: its head router would see only this rank's "
+            "heads. For tensor parallelism use a MoH-LLaMA (model_type moh_llama) or MHMoE checkpoint, whose plans "
+            "shard the head router; MoH Mistral / Qwen2 models run unsharded"
+        )
     config = base.config
     fields = {name: moh_fields.get(name, getattr(config, name, default)) for name, default in MOH_FIELDS.items()}
     if fields["moh_shared_heads"] is None and fields["moh_active_heads"] is None:
@@ -111,7 +121,32 @@ def apply_moh(model, **moh_fields):
     if model is not base:
         model.__class__ = causal_lm_cls
         _CAN_RECORD_REGISTRY[model] = causal_lm_cls._can_record_outputs
+    if not moh_fields and fields["moh_router"] == "learned":
+        _restore_saved_routers(model)
     return model
+
+
+def _restore_saved_routers(model) -> None:
+    """`apply_moh(model)` on a Mistral/Qwen2 model reloaded from a folder saved after `apply_moh` with the learned
+    router: Transformers dropped the router weights as unexpected keys when loading; read them back from the folder
+    (`config._name_or_path`). Nothing happens when the folder is not a local safetensors checkpoint."""
+    folder = getattr(model.config, "_name_or_path", "")
+    if not folder or not os.path.isdir(folder):
+        return
+    try:
+        files, _ = weight_files(folder)
+    except CheckpointError:
+        return
+    wanted = {key for key in model.state_dict() if ".head_router." in key}
+    routers = {}
+    for file in files:
+        with safe_open(os.path.join(folder, file), framework="pt") as weights:
+            for key in weights.keys():
+                name = key if key in wanted else key.removeprefix("model.")  # a base model loaded from a causal LM
+                if ".head_router." in key and name in wanted:
+                    routers[name] = weights.get_tensor(key)
+    if routers:
+        model.load_state_dict(routers, strict=False)
 
 
 __all__ = ["apply_moh"]

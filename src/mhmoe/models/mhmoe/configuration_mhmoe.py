@@ -10,7 +10,8 @@ from transformers.modeling_rope_utils import RopeParameters
 
 from .parity import matched_moe_settings
 
-AUX_LOSS_MODES = ("per_layer", "mixtral")
+AUX_LOSS_MODES = ("per_layer", "mixtral", "top1_sum")
+NORM_TOPK_PROB = (True, False, "always")
 MOH_ROUTERS = ("learned", "l2")
 # names other MoE configs use for our fields: refused instead of silently dropped (`top_k` also breaks save_pretrained)
 MISNAMED_FIELDS = {
@@ -42,9 +43,17 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     (`moe_merge_layer`). `moe_heads=1` without head/merge layers is a Mixtral-style sparse MoE; `decoder_sparse_step=0`
     is a dense LLaMA. Layer `i` is MoE when `decoder_sparse_step > 0` and `(i + 1) % decoder_sparse_step == 0`.
 
-    `router_aux_loss_mode="per_layer"` averages the Switch load-balancing loss of each MoE layer over its sub-tokens;
-    `"mixtral"` pools router statistics over all layers exactly like Transformers' Mixtral. `capacity_factor=None` is
-    dropless; a number caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments of one
+    `norm_topk_prob=True` renormalises the top-k router weights to sum to 1 when k > 1 and keeps the raw top-1
+    probability when k = 1 (Switch and the official MH-MoE code; renormalised, every top-1 gate would be exactly 1 and
+    the router would learn nothing from the LM loss); `"always"` renormalises at every k (Transformers' Mixtral);
+    `False` keeps the raw top-k probabilities.
+
+    `router_aux_loss_mode="per_layer"` averages over MoE layers the Switch load-balancing loss of each layer, counting
+    all top-k assignments of its sub-tokens; `"mixtral"` pools router statistics over all layers exactly like
+    Transformers' Mixtral; `"top1_sum"` is the official MH-MoE (fairseq/Tutel GShard) convention: counts top-1
+    assignments only and sums the layers' losses (the same coefficient pulls about L/k times harder than
+    `"per_layer"` with L MoE layers at top-k). `capacity_factor=None` is dropless (this library's default); a number
+    (the official MH-MoE training uses 1.0) caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments of one
     forward call (padding rows included) and the overflow contributes nothing (the token keeps its residual); cached
     decoding steps and padded batches therefore route with their own capacity (dropless routing has no such effect).
 
@@ -53,10 +62,47 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     (`moh_router` "learned": the paper's two-stage router; "l2": parameter-free, from the pre-RoPE query norms).
     `moh_straight_through` makes the gates 0/1 in the forward pass (straight-through estimator);
     `moh_aux_loss_coef` weights the head load-balancing loss. See `moh.py`.
+
+    `linear_type="bitnet_b158"` is 1-bit MH-MoE: BitNet b1.58 projections (ternary weights, 8-bit activations) for
+    every decoder projection (`bitnet_quantized_layers="all"`) or the experts only (`"experts"`); `bitnet_packed` marks
+    exported int8 ternary weights. See `bitnet.py`. `router_type="lory"` replaces top-k routing by Lory's merged expert
+    per `lory_segment_length`-token segment, routed on the previous segment, per MoE head for `moe_heads > 1`
+    (MH-Lory; `lory_expert_pool` "shared" = v1, "per_head" = v2); `num_experts_per_tok` is then unused. See `lory.py`.
     """
 
     model_type = "mhmoe"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Parallel plans (Transformers' `DistributedConfig(tp_size=..., ep_size=...)`), Mixtral's plus MH-MoE's own layers.
+    # The expert router (`mlp.gate`) is replicated, as in Mixtral; so are the norms. See docs/training.md.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn.head_router": "moh_head_router",  # MoH: gathers the (B, T, H) head scores (moh_parallel.py)
+        "layers.*.mlp.gate_proj": "colwise",  # dense layers
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.shared_expert.gate_proj": "colwise",
+        "layers.*.mlp.shared_expert.up_proj": "colwise",
+        "layers.*.mlp.shared_expert.down_proj": "rowwise",
+        "layers.*.mlp.head_proj": "colwise_gather_output",  # the router needs whole sub-tokens on every rank
+        "layers.*.mlp.merge_proj": "rowwise_split_input",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",  # each rank: a slice of every expert's inner width
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+    # Whole experts per rank; sub-tokens (B·T·h rows of width d/h) are what is dispatched to them.
+    base_model_ep_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
 
     vocab_size: int = 32000
     hidden_size: int = 768
@@ -88,7 +134,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     moe_merge_layer: bool | None = None  # None: on when moe_heads > 1
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool | str = True  # True: renormalise when k > 1; "always": also at k = 1 (Mixtral); False
     router_aux_loss_coef: float = 0.01
     router_aux_loss_mode: str = "per_layer"
     router_z_loss_coef: float = 0.0
@@ -101,6 +147,13 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     moh_router: str = "learned"
     moh_straight_through: bool = False
     moh_aux_loss_coef: float | int = 0.01
+    # 1-bit MH-MoE (BitNet b1.58, bitnet.py) and Lory / MH-Lory routing (lory.py); see check_variant_problems
+    linear_type: str = "linear"  # "linear" | "bitnet_b158"
+    bitnet_quantized_layers: str = "all"  # "all": every decoder projection (the paper) | "experts" (official code)
+    bitnet_packed: bool = False  # weights stored as int8 ternary + one scale per matrix (export; inference only)
+    router_type: str = "topk"  # "topk" | "lory"
+    lory_segment_length: int = 256
+    lory_expert_pool: str = "shared"  # "shared": MH-Lory v1 (E experts) | "per_head": v2 (E per head, E·h in all)
 
     def __post_init__(self, **kwargs):
         misnamed = [f"{name} (use {MISNAMED_FIELDS[name]})" for name in kwargs if name in MISNAMED_FIELDS]
@@ -174,6 +227,8 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
                 f"shared_expert_intermediate_size must be >= 0 (0 = no shared expert), got "
                 f"{self.shared_expert_intermediate_size}"
             )
+        if self.norm_topk_prob not in NORM_TOPK_PROB:
+            problems.append(f"norm_topk_prob must be True, False or 'always', got {self.norm_topk_prob!r}")
         if self.router_aux_loss_mode not in AUX_LOSS_MODES:
             problems.append(f"router_aux_loss_mode must be one of {AUX_LOSS_MODES}, got {self.router_aux_loss_mode!r}")
         if self.router_aux_loss_mode == "mixtral" and self.moe_heads != 1:
@@ -190,6 +245,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
             problems.append(f"capacity_factor must be a finite number > 0 or None (dropless), got "
                             f"{self.capacity_factor}")  # fmt: skip
         problems += moh_config_problems(self)
+        problems += check_variant_problems(self)
         if problems:
             raise ValueError("Invalid MHMoEConfig: " + "; ".join(problems) + ".")
 
@@ -224,7 +280,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
             moe_head_layer=False,
             moe_merge_layer=False,
             decoder_sparse_step=1,
-            norm_topk_prob=True,
+            norm_topk_prob="always" if mixtral_config.num_experts_per_tok == 1 else True,  # Mixtral renormalises at k=1
             router_aux_loss_coef=mixtral_config.router_aux_loss_coef,
             router_aux_loss_mode="mixtral",
             router_jitter_noise=mixtral_config.router_jitter_noise,
@@ -310,6 +366,44 @@ def moh_config_problems(config) -> list[str]:
                 f"moh_shared_heads + moh_active_heads ({shared} + {active}) must be <= num_attention_heads ({heads}): "
                 f"the router picks moh_active_heads of the {heads - shared} routed heads"
             )
+    return problems
+
+
+LINEAR_TYPES = ("linear", "bitnet_b158")  # bitnet.py
+BITNET_QUANTIZED_LAYERS = ("all", "experts")
+ROUTER_TYPES = ("topk", "lory")  # lory.py
+LORY_EXPERT_POOLS = ("shared", "per_head")
+
+
+def check_variant_problems(config) -> list[str]:
+    """What is wrong with the BitNet (linear_type, bitnet_*) and Lory (router_type, lory_*) fields, in words."""
+    problems, bitnet, lory = [], config.linear_type == "bitnet_b158", config.router_type == "lory"
+    if config.linear_type not in LINEAR_TYPES:
+        problems.append(f"linear_type must be one of {LINEAR_TYPES}, got {config.linear_type!r}")
+    if config.bitnet_quantized_layers not in BITNET_QUANTIZED_LAYERS:
+        problems.append(f"bitnet_quantized_layers must be one of {BITNET_QUANTIZED_LAYERS} ('all': every decoder "
+                        f"projection, the paper's; 'experts': the experts only), got "
+                        f"{config.bitnet_quantized_layers!r}")  # fmt: skip
+    if bitnet and config.bitnet_quantized_layers == "experts" and config.decoder_sparse_step == 0:
+        problems.append("bitnet_quantized_layers='experts' quantises nothing in a dense model (decoder_sparse_step=0); "
+                        "use 'all'")  # fmt: skip
+    if config.bitnet_packed and not bitnet:
+        problems.append("bitnet_packed=True needs linear_type='bitnet_b158' (it marks exported ternary weights)")
+    if config.router_type not in ROUTER_TYPES:
+        problems.append(f"router_type must be one of {ROUTER_TYPES} ('topk': sparse top-k routing; 'lory': one "
+                        f"merged expert per segment), got {config.router_type!r}")  # fmt: skip
+    if config.lory_expert_pool not in LORY_EXPERT_POOLS:
+        problems.append(f"lory_expert_pool must be one of {LORY_EXPERT_POOLS} ('shared': MH-Lory v1; 'per_head': "
+                        f"v2), got {config.lory_expert_pool!r}")  # fmt: skip
+    if not config.lory_segment_length >= 1:
+        problems.append(f"lory_segment_length must be >= 1 tokens, got {config.lory_segment_length}")
+    if lory and config.capacity_factor is not None:
+        problems.append("capacity_factor applies to top-k routing; router_type='lory' merges all experts (use None)")
+    if lory and config.router_jitter_noise:
+        problems.append("router_jitter_noise applies to top-k routing; use 0 with router_type='lory'")
+    if lory and bitnet:
+        problems.append("router_type='lory' with linear_type='bitnet_b158' is not supported (quantising merged "
+                        "experts is not defined by either paper); choose one")  # fmt: skip
     return problems
 
 

@@ -21,6 +21,8 @@ class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
     """
 
     model_type = "moh_llama"
+    # Llama's plan plus the MoH head router, which gathers the (B, T, H) head scores across ranks (moh_parallel.py)
+    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "layers.*.self_attn.head_router": "moh_head_router"}
 
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None
