@@ -172,13 +172,15 @@ def attention_forward(
     attention_mask: torch.Tensor | None,
     past_key_values=None,
     sliding_window: int | None = None,
+    attention_interface: Callable | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward of a Llama-style attention module (q_proj, k_proj, v_proj, o_proj, head_dim, scaling, config,
     layer_idx, head_router): plain multi-head attention when `module.head_router` is None (no gates), else MoH gates on
     each head's output before o_proj. With all heads active and gates of exactly 1 it performs Llama's operations in
     Llama's order. CPU decoding takes the head-skipping fast path (`skipped_heads_attention`), which equals the gated
-    computation."""
+    computation. `attention_interface`: the backend function (default: `config._attn_implementation`'s in
+    ALL_ATTENTION_FUNCTIONS)."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query_states = module.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd), pre-RoPE
@@ -200,9 +202,10 @@ def attention_forward(
         )
         return out, None
 
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        module.config._attn_implementation, eager_attention_forward
-    )
+    if attention_interface is None:
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            module.config._attn_implementation, eager_attention_forward
+        )
     if sliding_window is not None:
         kwargs["sliding_window"] = sliding_window
     attn_output, attn_weights = attention_interface(
