@@ -227,6 +227,7 @@ class MHMoEPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # static-shape routing and dispatch (tests/models/test_compile_export.py)
     _can_record_outputs = {
         "router_logits": OutputRecorder(MHMoETopKRouter, index=0),
         "moh_router_logits": OutputRecorder(MoHRouter, index=1),

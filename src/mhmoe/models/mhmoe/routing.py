@@ -40,8 +40,7 @@ def _within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> 
     num_rows, top_k = experts.shape
     flat = experts.t().reshape(-1)  # (K·N,) slot-major: priority order
     sorted_experts, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    starts = torch.cumsum(counts, 0) - counts  # (E,) first position of each expert in the sorted list
+    starts = torch.searchsorted(sorted_experts, torch.arange(num_experts, device=flat.device))  # (E,) first positions
     rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[sorted_experts]
     rank = torch.empty_like(rank_sorted)
     rank[order] = rank_sorted
@@ -56,6 +55,6 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     group (offsets[-1] = number of kept assignments), the layout `torch._grouped_mm` takes.
     """
     flat = experts.reshape(-1)
-    _, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    return order, torch.cumsum(counts, 0, dtype=torch.int32)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    ends = torch.searchsorted(sorted_experts, torch.arange(num_experts, device=flat.device), right=True)
+    return order, ends.to(torch.int32)  # static shapes (no bincount): traceable by torch.compile / torch.export
