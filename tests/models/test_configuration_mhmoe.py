@@ -26,6 +26,7 @@ def test_defaults_resolve_head_and_merge_layers():
         (dict(decoder_sparse_step=-1), "decoder_sparse_step"),
         (dict(capacity_factor=0), "capacity_factor"),
         (dict(router_aux_loss_mode="gshard"), "router_aux_loss_mode"),
+        (dict(norm_topk_prob="yes"), "norm_topk_prob must be True, False or 'always'"),
         (dict(router_aux_loss_mode="mixtral", moe_heads=2), "needs moe_heads=1"),
         (dict(shared_expert_intermediate_size=-2), "shared_expert_intermediate_size"),
         (dict(router_z_loss_coef=-1.0), "router_z_loss_coef"),

@@ -39,7 +39,8 @@ def naive_block(block: MHMoESparseMoeBlock, x: torch.Tensor, capacity: int | Non
             used[e] += 1
     out = torch.zeros_like(subs)
     for row, (vals, idx) in enumerate(choice):
-        weights = vals / vals.sum() if block.gate.norm_topk_prob else vals
+        norm = block.gate.norm_topk_prob  # renormalised when k > 1, at every k with "always" (Mixtral)
+        weights = vals / vals.sum() if norm == "always" or (norm is True and k > 1) else vals
         for slot in range(k):
             if not kept[row, slot]:
                 continue
@@ -62,6 +63,8 @@ def naive_block(block: MHMoESparseMoeBlock, x: torch.Tensor, capacity: int | Non
         dict(moe_heads=4, moe_head_layer=True, moe_merge_layer=False, norm_topk_prob=False),
         dict(moe_heads=2, moe_head_layer=False, moe_merge_layer=True, shared_expert_intermediate_size=24),
         dict(capacity_factor=0.5),
+        dict(num_experts_per_tok=1),
+        dict(num_experts_per_tok=1, norm_topk_prob="always"),
     ],
 )
 @pytest.mark.parametrize("impl", ["grouped_mm", "eager"])

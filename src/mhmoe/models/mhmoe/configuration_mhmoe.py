@@ -10,7 +10,8 @@ from transformers.modeling_rope_utils import RopeParameters
 
 from .parity import matched_moe_settings
 
-AUX_LOSS_MODES = ("per_layer", "mixtral")
+AUX_LOSS_MODES = ("per_layer", "mixtral", "top1_sum")
+NORM_TOPK_PROB = (True, False, "always")
 MOH_ROUTERS = ("learned", "l2")
 # names other MoE configs use for our fields: refused instead of silently dropped (`top_k` also breaks save_pretrained)
 MISNAMED_FIELDS = {
@@ -42,9 +43,17 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     (`moe_merge_layer`). `moe_heads=1` without head/merge layers is a Mixtral-style sparse MoE; `decoder_sparse_step=0`
     is a dense LLaMA. Layer `i` is MoE when `decoder_sparse_step > 0` and `(i + 1) % decoder_sparse_step == 0`.
 
-    `router_aux_loss_mode="per_layer"` averages the Switch load-balancing loss of each MoE layer over its sub-tokens;
-    `"mixtral"` pools router statistics over all layers exactly like Transformers' Mixtral. `capacity_factor=None` is
-    dropless; a number caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments of one
+    `norm_topk_prob=True` renormalises the top-k router weights to sum to 1 when k > 1 and keeps the raw top-1
+    probability when k = 1 (Switch and the official MH-MoE code; renormalised, every top-1 gate would be exactly 1 and
+    the router would learn nothing from the LM loss); `"always"` renormalises at every k (Transformers' Mixtral);
+    `False` keeps the raw top-k probabilities.
+
+    `router_aux_loss_mode="per_layer"` averages over MoE layers the Switch load-balancing loss of each layer, counting
+    all top-k assignments of its sub-tokens; `"mixtral"` pools router statistics over all layers exactly like
+    Transformers' Mixtral; `"top1_sum"` is the official MH-MoE (fairseq/Tutel GShard) convention: counts top-1
+    assignments only and sums the layers' losses (the same coefficient pulls about L/k times harder than
+    `"per_layer"` with L MoE layers at top-k). `capacity_factor=None` is dropless (this library's default); a number
+    (the official MH-MoE training uses 1.0) caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments of one
     forward call (padding rows included) and the overflow contributes nothing (the token keeps its residual); cached
     decoding steps and padded batches therefore route with their own capacity (dropless routing has no such effect).
 
@@ -88,7 +97,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     moe_merge_layer: bool | None = None  # None: on when moe_heads > 1
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool | str = True  # True: renormalise when k > 1; "always": also at k = 1 (Mixtral); False
     router_aux_loss_coef: float = 0.01
     router_aux_loss_mode: str = "per_layer"
     router_z_loss_coef: float = 0.0
@@ -174,6 +183,8 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
                 f"shared_expert_intermediate_size must be >= 0 (0 = no shared expert), got "
                 f"{self.shared_expert_intermediate_size}"
             )
+        if self.norm_topk_prob not in NORM_TOPK_PROB:
+            problems.append(f"norm_topk_prob must be True, False or 'always', got {self.norm_topk_prob!r}")
         if self.router_aux_loss_mode not in AUX_LOSS_MODES:
             problems.append(f"router_aux_loss_mode must be one of {AUX_LOSS_MODES}, got {self.router_aux_loss_mode!r}")
         if self.router_aux_loss_mode == "mixtral" and self.moe_heads != 1:
@@ -224,7 +235,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
             moe_head_layer=False,
             moe_merge_layer=False,
             decoder_sparse_step=1,
-            norm_topk_prob=True,
+            norm_topk_prob="always" if mixtral_config.num_experts_per_tok == 1 else True,  # Mixtral renormalises at k=1
             router_aux_loss_coef=mixtral_config.router_aux_loss_coef,
             router_aux_loss_mode="mixtral",
             router_jitter_noise=mixtral_config.router_jitter_noise,

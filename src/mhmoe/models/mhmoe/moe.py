@@ -493,21 +493,23 @@ def load_balancing_loss(
     """Switch/GShard load-balancing loss E·Σ_e f_e·P_e over routed rows, padding excluded.
 
     f_e: fraction of top-k assignments to expert e; P_e: mean router probability of e. `per_layer` averages the loss of
-    each layer; `mixtral` pools f and P over all layers first, exactly as Transformers' Mixtral does.
+    each layer; `mixtral` pools f and P over all layers first, exactly as Transformers' Mixtral does; `top1_sum` counts
+    only each row's top-1 expert in f and sums the layers' losses (the official MH-MoE code's GShard convention).
     """
+    counted = 1 if mode == "top1_sum" else top_k
     counts_sum, probs_sum, rows_sum, losses = 0.0, 0.0, 0.0, []
     for logits in router_logits:
         probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
-        selected = torch.topk(probs, top_k, dim=-1).indices  # (N, K)
+        selected = torch.topk(probs, counted, dim=-1).indices  # (N, K) or (N, 1)
         mask = _rows_mask(attention_mask, probs.shape[0], moe_heads)
         mask = probs.new_ones(probs.shape[0]) if mask is None else mask.to(probs.device)  # (N,)
-        counts = probs.new_zeros(num_experts).scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(top_k))
+        counts = probs.new_zeros(num_experts).scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(counted))
         prob_sum, rows = (probs * mask[:, None]).sum(0), mask.sum().clamp(min=1)  # (E,), (): 0 with no real rows
         losses.append(num_experts * torch.sum((counts / rows) * (prob_sum / rows)))
         counts_sum, probs_sum, rows_sum = counts_sum + counts, probs_sum + prob_sum, rows_sum + rows
     if mode == "mixtral":
         return num_experts * torch.sum((counts_sum / rows_sum) * (probs_sum / rows_sum))
-    return torch.stack(losses).mean()
+    return torch.stack(losses).sum() if mode == "top1_sum" else torch.stack(losses).mean()
 
 
 def router_z_loss(

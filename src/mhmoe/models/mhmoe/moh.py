@@ -163,7 +163,7 @@ def moh_load_balancing_loss(
             mask = attention_mask[:, -seq:].to(probs.device, probs.dtype)  # decoding: the mask covers past tokens too
         else:
             mask = probs.new_ones(batch, seq)
-        tokens = mask.sum()
+        tokens = mask.sum().clamp(min=1)  # 0 (not NaN) for a batch of padding only
         f = (selected * mask[..., None]).sum(dim=(0, 1)) / tokens
         p = (probs * mask[..., None]).sum(dim=(0, 1)) / tokens
         losses.append(routed * torch.sum(f * p))

@@ -13,16 +13,22 @@ import torch
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True, capacity_factor: float | None = None
+    router_logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool | str = True,
+    capacity_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax in fp32, top-k, optional renormalisation and Switch capacity.
 
+    `norm_topk_prob`: True renormalises the K weights to sum to 1 when K > 1 and keeps the raw probability at K = 1
+    (Switch, the official MH-MoE code: a renormalised top-1 gate is p/p = 1 and the router would get no gradient from
+    the LM loss); "always" renormalises at every K (Transformers' Mixtral); False never.
     Returns `weights` (N, K) fp32 and `experts` (N, K) int64; dropped assignments get expert E and weight 0.
     """
     num_rows, num_experts = router_logits.shape
     probs = torch.softmax(router_logits.float(), dim=-1)  # (N, E)
     weights, experts = torch.topk(probs, top_k, dim=-1)  # (N, K)
-    if norm_topk_prob:
+    if renormalises(norm_topk_prob, top_k):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * num_rows * top_k / num_experts)
@@ -30,6 +36,11 @@ def route(
         experts = torch.where(kept, experts, num_experts)
         weights = weights * kept
     return weights, experts
+
+
+def renormalises(norm_topk_prob: bool | str, top_k: int) -> bool:
+    """Whether `route` renormalises the top-k weights (see its docstring)."""
+    return norm_topk_prob == "always" or (norm_topk_prob is True and top_k > 1)
 
 
 def _within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
