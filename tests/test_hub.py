@@ -1,10 +1,11 @@
 """mhmoe.hub: exported folders load with `trust_remote_code=True` where mhmoe cannot be imported, evaluate with plain
 `lm-eval run --model hf`, and refusals leave nothing behind.
 
-"Without mhmoe" is checked in subprocesses whose PYTHONPATH is only a folder with a fake `mhmoe` package that raises
-ImportError (it shadows the editable install; src/ is not on the path). Two tiny models are exported once per module:
-(a) an MHMoE model with MoE layers (2 MoE heads, shared expert) and MoH attention (learned router, randomised so that
-routing matters), from memory; (b) a MoH-LLaMA with the l2 router and straight-through gates, from a directory.
+"Without mhmoe" is checked in subprocesses whose PYTHONPATH is only a folder with fake `mhmoe` and `triton` packages
+that raise ImportError (they shadow the installed ones; src/ is not on the path). Two tiny models are exported once
+per module: (a) an MHMoE model with MoE layers (2 MoE heads, shared expert) and MoH attention (learned router,
+randomised so that routing matters), from memory; (b) a MoH-LLaMA with the l2 router and straight-through gates, from
+a directory.
 """
 
 import contextlib
@@ -59,6 +60,7 @@ for name, folder in folders.items():
     info[name] = {"classes": [type(x).__module__ + "." + type(x).__name__ for x in (model.config, base, model)],
                   "tokens": tok("the water")["input_ids"]}
 info["mhmoe_modules"] = sorted(m for m in sys.modules if m == "mhmoe" or m.startswith("mhmoe."))
+info["routing_has_triton"] = [m.HAS_TRITON for n, m in list(sys.modules.items()) if n.endswith(".routing_triton")]
 save_file(tensors, out + ".safetensors")
 with open(out + ".json", "w") as f:
     json.dump(info, f)
@@ -70,6 +72,8 @@ def _blocked_env(root: Path) -> dict:
     fake = root / "no_mhmoe"
     (fake / "mhmoe").mkdir(parents=True, exist_ok=True)
     (fake / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe is not installed here (test)')\n")
+    (fake / "triton").mkdir(exist_ok=True)  # nor triton: the exported kernel file must import without it
+    (fake / "triton" / "__init__.py").write_text("raise ImportError('triton is not installed here (test)')\n")
     return {**os.environ, "PYTHONPATH": str(fake), "HF_MODULES_CACHE": str(root / "hf_modules"),
             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_datasets"),
             "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
@@ -135,6 +139,7 @@ def test_loads_without_mhmoe(exported):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, info = load_file(root / "got.safetensors"), json.loads((root / "got.json").read_text())
     assert "not installed here" in info["blocked"] and info["mhmoe_modules"] == []
+    assert info["routing_has_triton"] == [False]  # the exported routing_triton.py imported, without kernels
     for name, model in exported["models"].items():
         classes = info[name]["classes"]
         assert all(c.startswith("transformers_modules.") for c in classes), classes
@@ -166,7 +171,7 @@ def test_exported_folder(exported):
     )
     assert check_exported_code(moh_dir) == ["configuration_mhmoe.py", "configuration_moh_llama.py",
                                             "modeling_moh_llama.py", "moh.py", "parity.py"]  # fmt: skip
-    assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").glob("*.py")
+    assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").rglob("*.py")
                                                     if p.name != "__init__.py")  # fmt: skip
     for name in ("moh.py", "configuration_mhmoe.py", "parity.py"):
         assert (moh_dir / name).read_bytes() == (models / "mhmoe" / name).read_bytes()

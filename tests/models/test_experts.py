@@ -423,9 +423,9 @@ def test_pool_and_inference_mode(pool):
 def _registry_model(capacity_factor=None):
     from mhmoe import MHMoEForCausalLM
 
-    config = MHMoEConfig(vocab_size=31, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         moe_heads=2, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=8,
-                         capacity_factor=capacity_factor)  # fmt: skip
+    config = MHMoEConfig(vocab_size=31, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, moe_heads=2, num_experts=5, num_experts_per_tok=2,
+                         moe_intermediate_size=8, capacity_factor=capacity_factor)  # fmt: skip
     torch.manual_seed(0)
     model = MHMoEForCausalLM(config).eval()
     with torch.no_grad():

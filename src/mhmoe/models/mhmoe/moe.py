@@ -322,10 +322,12 @@ def grouped_experts_forward(
     """
     num_rows, top_k = top_k_index.shape
     num_slots = num_rows * top_k
-    order, offsets = sort_by_expert(top_k_index, self.num_experts)  # (S,), (E,)
+    config = getattr(self, "config", None)
+    backend = getattr(config, "routing_backend", None)
+    order, offsets = sort_by_expert(top_k_index, self.num_experts, backend)  # (S,), (E,)
     dropped = top_k_index.reshape(-1) >= self.num_experts  # (S,)
     num_kept = num_slots
-    if getattr(getattr(self, "config", None), "capacity_factor", None) is not None and not _tracing():
+    if getattr(config, "capacity_factor", None) is not None and not _tracing():
         num_kept = int(offsets[-1])  # the one host sync, of capacity routing only
         order = order[:num_kept]
     # slot_pos[j]: where flat assignment j sits in `order` (dropped ones past the kept rows, or at 0: masked)
