@@ -7,7 +7,7 @@ Writes a random LLaMA checkpoint shaped like TinyLlama-1.1B (hidden 2048, 22 lay
 intermediate 5632, vocab 32000; bf16, ~2.2 GB in `--shard_mb` shards + index) into a temporary directory, then
 alternates `--repeats` times:
   * copy: a plain copy of the same files (shutil.copyfile, i.e. sendfile; with and without fsync per file),
-  * convert: `mhmoe.conversion.convert(..., verify_logits=False)` in a fresh Python process (the logit check loads the
+  * convert: `mhmoe.convert.convert(..., verify_logits=False)` in a fresh Python process (the logit check loads the
     whole model and is meant for models that fit in memory; the header/shape checks still run). The converter flushes
     every shard to disk (fsync, overlapped with copying the next shard) before it renames the output into place.
 The source stays in the page cache (it was just written); `os.sync()` runs before each timed run so that none pays for
@@ -34,7 +34,7 @@ HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 2048, 5632, 32, 4, 32000
 _WORKER = r"""
 import json, sys, time
 t0 = time.time()
-from mhmoe.conversion import convert
+from mhmoe.convert import convert
 t1 = time.time()
 if sys.argv[1] != "--import-only":
     report = convert(sys.argv[1], sys.argv[2], verify_logits=False, progress=False)

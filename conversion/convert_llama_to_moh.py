@@ -5,13 +5,13 @@
         [--shared_heads_ratio 0.5] [--active_heads_ratio 0.75] [--overwrite] [--skip_logit_check] \
         [--train_file FILE ... --validation_file FILE --max_steps N --eval_steps M --save_steps K ...]
 
-Works under `accelerate launch` with several processes. The logic is `mhmoe.conversion` (see its docstring and
-conversion/README.md); this file only calls it.
+Works under `accelerate launch` with several processes. The logic is the package `mhmoe.convert` (see its docstring
+and conversion/README.md; the recipe's defaults are in src/mhmoe/convert/recipe.py); this file only calls it.
 """
 
 import sys
 
-from mhmoe.conversion import main
+from mhmoe.convert.cli import main
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Checkpoint folders on disk, shared by the converter (`mhmoe.conversion`) and the exporter (`mhmoe.hub`).
+"""Checkpoint folders on disk, shared by the converter (`mhmoe.convert`) and the exporter (`mhmoe.hub`).
 
 Reading: the safetensors weight files of a folder (one file, or shards named by an index) and their headers. Pickle
 checkpoints are refused, never unpickled. Writing: a folder is built in a temporary directory next to its target,

@@ -20,22 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import sys
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models import huggingface as _hf_module
 from lm_eval.models.huggingface import HFLM
-from transformers import PreTrainedModel
 
 import mhmoe  # noqa: F401  (registers the model types with the Auto classes)
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoETopKRouter
-from mhmoe.models.mhmoe.moh import MoHRouter
+from mhmoe.analysis import RoutingStatistics
 
 log = logging.getLogger(__name__)
 
@@ -56,187 +51,6 @@ def eval_tasks_dir() -> Path | None:
 def active_tokenizer():
     """The tokenizer of the most recently built `mhmoe` lm-eval model in this process (or None)."""
     return _ACTIVE.get("tokenizer")
-
-
-# ----------------------------------------------------------------------------------------------- routing statistics
-
-
-def _is_moe_router(module: torch.nn.Module) -> bool:
-    # MHMoE's router, and Transformers v5 MoE routers (Mixtral, Qwen-MoE, ...) returning (logits, scores, indices)
-    return isinstance(module, MHMoETopKRouter) or type(module).__name__.endswith("TopKRouter")
-
-
-def _root_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The outermost Transformers model (inside a PEFT wrapper, for instance): its forward sees the real inputs."""
-    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
-
-
-@dataclass
-class _LayerCounts:
-    counts: torch.Tensor  # (E + 1,) assignments per expert; the last entry counts dropped (over capacity) ones
-    rows: int = 0  # routed rows (sub-tokens) seen
-
-
-@dataclass
-class _HeadCounts:
-    active: int = 0
-    total: int = 0
-    num_heads: int = 0
-
-
-@dataclass
-class RoutingStatistics:
-    """Forward hooks that count, over real (non-padding) tokens, expert assignments of every MoE router and
-    activated heads of every module exposing MoH head gates. `summary()` turns the counts into statistics."""
-
-    model: torch.nn.Module
-    enabled: bool = True
-    moe: dict = field(default_factory=dict)
-    heads: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self._valid: torch.Tensor | None = None  # (B*T,) bool: real tokens of the current forward
-        self.pending_lengths: list[int] | None = None  # real lengths of the next right-padded batch
-        root = _root_model(self.model)
-        self._handles = [root.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
-        self.router_names, self.head_gate_names = [], []
-        for name, module in root.named_modules():
-            if _is_moe_router(module):
-                self.router_names.append(name)
-                self._handles.append(module.register_forward_hook(partial(self._on_router, name)))
-            elif isinstance(module, MoHRouter):
-                self.head_gate_names.append(name)
-                self._handles.append(module.register_forward_hook(partial(self._on_head_gates, name)))
-
-    # hooks ----------------------------------------------------------------------------------------------------------
-    def _on_model_call(self, module, args, kwargs):
-        lengths, self.pending_lengths = self.pending_lengths, None
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        ref = ids if ids is not None else embeds
-        if ref is None or ref.dim() < 2:
-            self._valid = None
-            return
-        batch, seq = ref.shape[:2]
-        mask = kwargs.get("attention_mask")
-        if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
-            valid = mask[:, -seq:].bool()  # cached decoding: the mask covers the past too
-        elif lengths is not None and len(lengths) == batch:
-            valid = torch.arange(seq, device=ref.device)[None, :] < torch.tensor(lengths, device=ref.device)[:, None]
-        else:
-            valid = None
-        self._valid = None if valid is None else valid.reshape(-1)
-
-    def _row_mask(self, rows: int) -> torch.Tensor | None:
-        """(rows,) bool mask of real rows, rows being tokens x (sub-tokens per token), token-major; None = all."""
-        if self._valid is None or rows % self._valid.numel():
-            return None
-        return self._valid.repeat_interleave(rows // self._valid.numel())
-
-    def _on_router(self, name, module, args, output):
-        if not self.enabled or not (isinstance(output, tuple) and len(output) >= 3):
-            return
-        logits, experts = output[0], output[-1]
-        if not (torch.is_tensor(experts) and experts.dim() == 2 and not experts.is_floating_point()):
-            return
-        num_experts = logits.shape[-1]
-        valid = self._row_mask(experts.shape[0])
-        if valid is not None:
-            experts = experts[valid.to(experts.device)]
-        counts = torch.bincount(experts.reshape(-1), minlength=num_experts + 1)[: num_experts + 1]
-        layer = self.moe.get(name)
-        if layer is None:
-            layer = self.moe[name] = _LayerCounts(torch.zeros_like(counts))
-        layer.counts += counts
-        layer.rows += experts.shape[0]
-
-    def _on_head_gates(self, name, module, args, output):
-        gates = output[0]  # (B, T, H): 0 for a head the token does not use
-        if not self.enabled or not torch.is_tensor(gates) or gates.dim() < 2:
-            return
-        num_heads = gates.shape[-1]
-        gates = gates.reshape(-1, num_heads)
-        valid = self._row_mask(gates.shape[0])
-        if valid is not None:
-            gates = gates[valid.to(gates.device)]
-        layer = self.heads.setdefault(name, _HeadCounts(num_heads=num_heads))
-        layer.active += int((gates != 0).sum())
-        layer.total += gates.numel()
-
-    # control --------------------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def paused(self):
-        enabled, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = enabled
-
-    def reset(self):
-        self.moe.clear()
-        self.heads.clear()
-
-    def remove(self):
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    # results --------------------------------------------------------------------------------------------------------
-    def summary(self) -> dict:
-        """Statistics of everything counted since the last `reset()`.
-
-        Per MoE layer, with f_e the fraction of (kept) assignments that went to expert e among E experts:
-        `load_entropy` = -sum f_e ln f_e (nats), `load_entropy_normalized` = that / ln E (1 = perfectly balanced),
-        `max_load_ratio` = E * max f_e (1 = balanced, E = everything on one expert), `dropped_fraction` (capacity).
-        The top-level `expert_*` values are the unweighted means over MoE layers. `activated_heads_pct` is the mean
-        over MoH layers of 100 * (nonzero head gates) / (tokens * heads).
-        """
-        out: dict = {"moe_layers": 0, "moh_layers": 0}
-        per_layer = {}
-        for name, layer in self.moe.items():
-            counts = layer.counts.double().cpu()
-            kept, dropped = counts[:-1], float(counts[-1])
-            total = float(kept.sum())
-            if total == 0:
-                continue
-            frac = kept / total
-            nonzero = frac[frac > 0]
-            entropy = float(-(nonzero * nonzero.log()).sum())
-            num_experts = frac.numel()
-            per_layer[name] = {
-                "num_experts": num_experts,
-                "routed_rows": layer.rows,
-                "assignments": int(total),
-                "load_entropy": entropy,
-                "load_entropy_normalized": entropy / math.log(num_experts) if num_experts > 1 else 1.0,
-                "max_load_ratio": float(frac.max()) * num_experts,
-                "dropped_fraction": dropped / (total + dropped),
-                "expert_load": [float(f) for f in frac],
-            }
-        if per_layer:
-            layers = list(per_layer.values())
-            mean = lambda key: sum(layer[key] for layer in layers) / len(layers)  # noqa: E731
-            out.update(
-                moe_layers=len(layers),
-                expert_load_entropy=mean("load_entropy"),
-                expert_load_entropy_normalized=mean("load_entropy_normalized"),
-                expert_max_load_ratio=mean("max_load_ratio"),
-                expert_dropped_fraction=mean("dropped_fraction"),
-                routed_rows=sum(layer["routed_rows"] for layer in layers),
-                moe_per_layer=per_layer,
-            )
-        head_layers = {
-            name: {"num_heads": c.num_heads, "activated_heads_pct": 100.0 * c.active / c.total}
-            for name, c in self.heads.items()
-            if c.total
-        }
-        if head_layers:
-            out.update(
-                moh_layers=len(head_layers),
-                activated_heads_pct=sum(v["activated_heads_pct"] for v in head_layers.values()) / len(head_layers),
-                moh_per_layer=head_layers,
-            )
-        return out
 
 
 @contextlib.contextmanager

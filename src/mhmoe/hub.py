@@ -300,7 +300,7 @@ def export_pretrained(
     Raises `ExportError` for anything refused (nothing is written then), and for a failed upload (the exported folder
     stays; the message gives the command that retries the upload).
     """
-    from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
+    from transformers import AutoTokenizer, PreTrainedModel
 
     save_directory = os.fspath(save_directory)
     source_dir = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
@@ -322,17 +322,7 @@ def export_pretrained(
 
     temporary = Path(temporary_dir_next_to(save_directory))
     try:
-        if source_dir is None:
-            model.save_pretrained(temporary)
-        else:
-            for name in weight_files:
-                shutil.copy2(os.path.join(source_dir, name), temporary / name)
-            shutil.copy2(os.path.join(source_dir, CONFIG_NAME), temporary / CONFIG_NAME)
-            generation = os.path.join(source_dir, GENERATION_CONFIG_NAME)
-            if os.path.isfile(generation):
-                shutil.copy2(generation, temporary / GENERATION_CONFIG_NAME)
-            else:
-                GenerationConfig.from_model_config(config).save_pretrained(temporary)
+        _write_weights(temporary, model if source_dir is None else source_dir, config, weight_files)
         config_path = temporary / CONFIG_NAME
         config_dict = json.loads(config_path.read_text())
         config_dict["auto_map"] = {auto: f"{_module_file(cls).stem}.{cls.__name__}" for auto, cls in classes.items()}
@@ -355,18 +345,43 @@ def export_pretrained(
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     if push_to_hub:
-        from huggingface_hub import HfApi
-
-        try:
-            api = HfApi(token=token)
-            api.create_repo(push_to_hub, private=private, exist_ok=True)
-            api.upload_folder(repo_id=push_to_hub, folder_path=save_directory, commit_message=commit_message)
-        except Exception as e:  # network, authentication, offline mode: the export itself is complete
-            raise ExportError(
-                f"{save_directory} was exported, but uploading it to {push_to_hub} failed ({type(e).__name__}: {e}); "
-                f"log in (`hf auth login`) or pass token=..., then retry: `hf upload {push_to_hub} {save_directory}`"
-            ) from e
+        upload_folder(save_directory, push_to_hub, private, token, commit_message)
     return Path(save_directory)
+
+
+def _write_weights(folder: Path, source, config, weight_files: list[str] | None) -> None:
+    """Weights, config.json and generation_config.json into `folder`: a model object through `save_pretrained`, a
+    checkpoint directory's files copied byte for byte (a generation config made from the config if it has none)."""
+    from transformers import GenerationConfig
+
+    if not isinstance(source, str):
+        source.save_pretrained(folder)
+        return
+    for name in weight_files:
+        shutil.copy2(os.path.join(source, name), folder / name)
+    shutil.copy2(os.path.join(source, CONFIG_NAME), folder / CONFIG_NAME)
+    generation = os.path.join(source, GENERATION_CONFIG_NAME)
+    if os.path.isfile(generation):
+        shutil.copy2(generation, folder / GENERATION_CONFIG_NAME)
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
+def upload_folder(folder: str, repo_id: str, private: bool | None = None, token: str | None = None,
+                  commit_message: str = "Upload model exported with mhmoe") -> None:  # fmt: skip
+    """Upload a finished export with `HfApi.upload_folder` (the repo is created if missing). A failure (network,
+    authentication, offline mode) raises `ExportError` saying the folder is complete and how to retry."""
+    from huggingface_hub import HfApi
+
+    try:
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+    except Exception as e:  # the export itself is complete
+        raise ExportError(
+            f"{folder} was exported, but uploading it to {repo_id} failed ({type(e).__name__}: {e}); "
+            f"log in (`hf auth login`) or pass token=..., then retry: `hf upload {repo_id} {folder}`"
+        ) from e
 
 
 def main(argv: list[str] | None = None) -> None:

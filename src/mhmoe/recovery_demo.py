@@ -2,7 +2,7 @@
 
 No real LLaMA weights can be downloaded here, so the parent is trained here: a tiny dense `LlamaForCausalLM` learns the
 Python documentation topics that ship with the standard library (`pydoc_data.topics`; every 10th topic held out for
-validation) until it is far better than chance. It is then converted with `mhmoe.conversion` (first half of the heads
+validation) until it is far better than chance. It is then converted with `mhmoe.convert` (first half of the heads
 shared, 75% of all heads active per token, l2 router, straight-through gates) and continue-tuned with `mhmoe.train`
 (warmup + cosine to a final LR, weight decay 0.1, clipping 1.0, MoH balance loss β=0.01). The claim checked: held-out
 perplexity of the MoH model <= 1.05 × the dense parent's.
@@ -20,6 +20,8 @@ import json
 import math
 import os
 import time
+
+from .convert.recipe import ACTIVE_HEADS_RATIO, SHARED_HEADS_RATIO
 
 
 def stdlib_sources() -> list[str]:
@@ -79,8 +81,8 @@ def run_recovery_demo(
     tune_min_lr: float = 1e-4,
     tune_warmup: int = 10,
     eval_steps: int = 20,
-    shared_heads_ratio: float = 0.5,
-    active_heads_ratio: float = 0.75,
+    shared_heads_ratio: float = SHARED_HEADS_RATIO,
+    active_heads_ratio: float = ACTIVE_HEADS_RATIO,
     stdlib: bool = False,
     control: bool = True,
     seed: int = 0,
@@ -91,9 +93,9 @@ def run_recovery_demo(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .conversion import ConvertArguments, convert_and_continue_tune, continue_tune_arguments
+    from .convert import ConvertArguments, convert_and_continue_tune, continue_tune_arguments
     from .data import read_files, train_tokenizer
-    from .train import reset_accelerate_state, train
+    from .train import reset_accelerate_state
 
     started = time.time()
     train_file, val_file = write_corpus(os.path.join(workdir, "data"), stdlib=stdlib)
@@ -111,12 +113,7 @@ def run_recovery_demo(
     common = dict(train_file=[train_file], validation_file=[val_file], block_size=block_size,
                   per_device_train_batch_size=batch_size, per_device_eval_batch_size=32, seed=seed,
                   disable_tqdm=not progress, plot=False, weight_decay=0.1, max_grad_norm=1.0)  # fmt: skip
-    reset_accelerate_state()
-    dense = train(dict(common, output_dir=dense_dir, max_steps=dense_steps, learning_rate=dense_lr,
-                       warmup_steps=max(1, dense_steps // 20), min_learning_rate=dense_lr / 10,
-                       overwrite_output_dir=True),
-                  model=LlamaForCausalLM(config), tokenizer=tokenizer)  # fmt: skip
-    dense_ppl = dense.final_eval["eval_ppl"]
+    dense_ppl = _train_dense_parent(LlamaForCausalLM(config), tokenizer, common, dense_dir, dense_steps, dense_lr)
 
     # 2. convert + continue-tune (the converter's own code path)
     tune = dict(common, max_steps=tune_steps, learning_rate=tune_lr, min_learning_rate=tune_min_lr,
@@ -131,12 +128,7 @@ def run_recovery_demo(
     recovery = outcome["recovery"]
 
     # 3. control: the dense parent continue-tuned the same way
-    control_ppl = None
-    if control:
-        reset_accelerate_state()
-        continued = train(dict(tune, model_name_or_path=dense_dir, output_dir=os.path.join(workdir, "dense_continued"),
-                               eval_at_start=False, overwrite_output_dir=True))  # fmt: skip
-        control_ppl = continued.final_eval["eval_ppl"]
+    control_ppl = _continue_dense(tune, dense_dir, os.path.join(workdir, "dense_continued")) if control else None
     reset_accelerate_state()
 
     report = outcome["conversion"]
@@ -159,6 +151,27 @@ def run_recovery_demo(
     with open(os.path.join(workdir, "recovery_demo.json"), "w") as f:
         json.dump(result, f, indent=2)
     return result
+
+
+def _continue_dense(tune: dict, dense_dir: str, output_dir: str) -> float:
+    """The control: the dense parent trained with the continue-tuning settings; its held-out perplexity."""
+    from .train import reset_accelerate_state, train
+
+    reset_accelerate_state()
+    continued = train(dict(tune, model_name_or_path=dense_dir, output_dir=output_dir, eval_at_start=False,
+                           overwrite_output_dir=True))  # fmt: skip
+    return continued.final_eval["eval_ppl"]
+
+
+def _train_dense_parent(model, tokenizer, common: dict, output_dir: str, steps: int, lr: float) -> float:
+    """Train the dense parent with `mhmoe.train` (warmup, cosine to lr/10); return its held-out perplexity."""
+    from .train import reset_accelerate_state, train
+
+    reset_accelerate_state()
+    dense = train(dict(common, output_dir=output_dir, max_steps=steps, learning_rate=lr,
+                       warmup_steps=max(1, steps // 20), min_learning_rate=lr / 10, overwrite_output_dir=True),
+                  model=model, tokenizer=tokenizer)  # fmt: skip
+    return dense.final_eval["eval_ppl"]
 
 
 def format_result(r: dict) -> str:

@@ -150,7 +150,7 @@ def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) ->
     trained on the data); otherwise they are loaded or built from `model_name_or_path`. Every input problem raises
     `TrainingError` before training starts. `on_log(record)` is called (main process) with every metrics record.
     `reference_eval(model) -> context manager`: before the first step (of a fresh run), validate once inside it and log
-    the result as `reference_eval_loss` / `reference_eval_ppl` at step 0 (`mhmoe.conversion` uses it to measure the
+    the result as `reference_eval_loss` / `reference_eval_ppl` at step 0 (`mhmoe.convert` uses it to measure the
     dense parent: the converted MoH model with every head active).
     """
     args = _coerce_args(args)

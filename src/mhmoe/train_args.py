@@ -128,7 +128,7 @@ class TrainArguments:
 # checks that run before anything is trained
 
 
-# Dense models of the LLaMA family: the parents that mhmoe.conversion turns into MoH (the MoH paper's first stage
+# Dense models of the LLaMA family: the parents that mhmoe.convert turns into MoH (the MoH paper's first stage
 # continue-tunes the dense model on the new data before converting it, §4.4).
 DENSE_PARENT_TYPES = ("llama", "mistral", "qwen2")
 

@@ -1,4 +1,4 @@
-"""Dense LLaMA / Mistral / Qwen2 -> MoH-LLaMA conversion (mhmoe.conversion): streamed shards, configs, refusals with
+"""Dense LLaMA / Mistral / Qwen2 -> MoH-LLaMA conversion (mhmoe.convert): streamed shards, configs, refusals with
 nothing left behind, verification, continue-tuning through mhmoe.train (resume, LoRA, 2 processes) and the recovery
 curve."""
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import mhmoe.conversion as conversion
-from mhmoe.conversion import ConversionError, convert, head_split, main
+import mhmoe
+import mhmoe.convert.write as conversion
+from mhmoe.convert import ConversionError, convert, head_split, main
 
 from .conftest import fresh_accelerate_state
 
@@ -62,6 +63,30 @@ def test_head_split():
                                            (8, 0.5, 1.5, "must be in \\(0, 1\\]")]:  # fmt: skip
         with pytest.raises(ConversionError, match=message):
             head_split(heads, shared, active)
+
+
+def test_entry_points_and_old_import_path():
+    """mhmoe-convert runs mhmoe.convert.cli:main; the old module mhmoe.conversion re-exports the package for one
+    release with a DeprecationWarning, and a plain `import mhmoe` does not import it (so does not warn)."""
+    import importlib
+    import re
+
+    import mhmoe.convert as package
+
+    with open(os.path.join(os.path.dirname(mhmoe.__file__), "..", "..", "pyproject.toml")) as f:
+        (target,) = re.findall(r'^mhmoe-convert = "(.+)"$', f.read(), re.MULTILINE)
+    module, name = target.split(":")
+    assert module == "mhmoe.convert.cli" and getattr(importlib.import_module(module), name) is main is package.main
+
+    sys.modules.pop("mhmoe.conversion", None)
+    with pytest.warns(DeprecationWarning, match="mhmoe.conversion is deprecated.*import from mhmoe.convert"):
+        old = importlib.import_module("mhmoe.conversion")
+    for name in ("convert", "plan_conversion", "verify_conversion", "head_split", "ConversionError", "main",
+                 "ConvertArguments", "convert_and_continue_tune", "continue_tune_arguments", "recovery_curve"):
+        assert getattr(old, name) is getattr(package, name), name
+    probe = "import sys, mhmoe, mhmoe.recovery_demo; print('mhmoe.conversion' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------------------------------- good checkpoints
@@ -394,7 +419,7 @@ def test_continue_tuning_curve_and_exact_resume(tmp_path, corpus, tokenizer_dir,
 def test_training_input_errors_leave_no_conversion_behind(tmp_path, corpus, tokenizer_dir, capsys, monkeypatch):
     """A bad training argument is found before converting; a data problem only found by the training run removes the
     conversion it stopped, so the same command works once fixed."""
-    import mhmoe.conversion as conversion
+    import mhmoe.convert.continue_tune as conversion
 
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     out = tmp_path / "t"
@@ -432,7 +457,7 @@ def test_two_processes(tmp_path, corpus, tokenizer_dir):
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     out = tmp_path / "ddp"
     script = os.path.join(os.path.dirname(__file__), "..", "..", "conversion", "convert_llama_to_moh.py")
-    src = os.path.join(os.path.dirname(conversion.__file__), "..")
+    src = os.path.join(os.path.dirname(mhmoe.__file__), "..")
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
     from .test_train import _free_port

@@ -24,6 +24,7 @@ pytest.importorskip("lm_eval")
 import lm_eval  # noqa: E402
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM  # noqa: E402
+from mhmoe import analysis  # noqa: E402
 from mhmoe import evaluate as mev  # noqa: E402
 from tests.fixtures import lm_eval_data as fx  # noqa: E402
 
@@ -302,7 +303,7 @@ def test_routing_counts_match_router_logits():
                       num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16, moe_heads=2,
                       decoder_sparse_step=1, max_position_embeddings=64)  # fmt: skip
     model = MHMoEForCausalLM(cfg).eval()
-    stats = mev.RoutingStatistics(model)
+    stats = analysis.RoutingStatistics(model)
     assert len(stats.router_names) == 3
     ids = torch.randint(0, 64, (3, 9))
     lengths = [9, 4, 6]
@@ -335,7 +336,7 @@ def test_routing_counts_in_cached_generation():
                       num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, moe_heads=4,
                       max_position_embeddings=64)  # fmt: skip
     model = MHMoEForCausalLM(cfg).eval()
-    stats = mev.RoutingStatistics(model)
+    stats = analysis.RoutingStatistics(model)
     ids = torch.randint(3, 64, (3, 7))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding, as HFLM's generate_until batches are
@@ -351,9 +352,9 @@ def test_routing_counts_in_cached_generation():
 
 def test_routing_summary_formulas():
     model = torch.nn.Linear(2, 2)
-    stats = mev.RoutingStatistics(model)
-    stats.moe["a"] = mev._LayerCounts(torch.tensor([3, 1, 0, 0, 0]), rows=2)  # 4 experts, nothing dropped
-    stats.moe["b"] = mev._LayerCounts(torch.tensor([1, 1, 1, 1, 4]), rows=4)  # balanced, half dropped
+    stats = analysis.RoutingStatistics(model)
+    stats.moe["a"] = analysis._LayerCounts(torch.tensor([3, 1, 0, 0, 0]), rows=2)  # 4 experts, nothing dropped
+    stats.moe["b"] = analysis._LayerCounts(torch.tensor([1, 1, 1, 1, 4]), rows=4)  # balanced, half dropped
     summary = stats.summary()
     h_a = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
     layer_a, layer_b = summary["moe_per_layer"]["a"], summary["moe_per_layer"]["b"]

@@ -6,7 +6,6 @@ h moe_heads, W = D / h sub-token width, N = B·T·h routed rows, E experts, K ex
 """
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,21 +17,17 @@ from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.models.llama.modeling_llama import (
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-)
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_mhmoe import MHMoEConfig
-from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward, load_balancing_loss, router_z_loss
-from .moh import MoHRouter, add_head_router, add_moh_aux_loss, moh_attention_forward, moh_enabled
+from .losses import lm_logits_and_loss
+from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward
+from .moh import MoHRouter, add_head_router, attention_forward, moh_enabled
 from .routing import route
 
 
@@ -126,7 +121,8 @@ class MHMoESparseMoeBlock(nn.Module):
 
 class MHMoEAttention(nn.Module):
     """Multi-head attention with GQA, RoPE and an optional sliding window; backends via ALL_ATTENTION_FUNCTIONS.
-    With moh_* set, Mixture-of-Head attention (`moh.py`): a head router gates each head's output before o_proj."""
+    With moh_* set, Mixture-of-Head attention: a head router gates each head's output before o_proj (the forward is
+    `moh.attention_forward`, shared with MoH-Llama and the patched Llama-family models)."""
 
     def __init__(self, config: MHMoEConfig, layer_idx: int):
         super().__init__()
@@ -152,38 +148,10 @@ class MHMoEAttention(nn.Module):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.head_router is not None:
-            return moh_attention_forward(
-                self, hidden_states, position_embeddings, attention_mask, past_key_values, self.config.sliding_window,
-                **kwargs,
-            )  # fmt: skip
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H, T, hd)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, hd)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.config.sliding_window,
+        return attention_forward(
+            self, hidden_states, position_embeddings, attention_mask, past_key_values, self.config.sliding_window,
             **kwargs,
-        )  # attn_output: (B, T, H, hd), per head, before o_proj
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        )  # fmt: skip
 
 
 class MHMoEDecoderLayer(GradientCheckpointingLayer):
@@ -369,35 +337,13 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
             output_router_logits=output_router_logits,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, slice_indices, :])
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-        aux_loss = z_loss = None
-        if output_router_logits and outputs.router_logits:
-            aux_loss = load_balancing_loss(
-                outputs.router_logits,
-                config.num_experts,
-                config.num_experts_per_tok,
-                attention_mask,
-                config.moe_heads,
-                config.router_aux_loss_mode,
-            )
-            z_loss = router_z_loss(outputs.router_logits, attention_mask, config.moe_heads)
-            if loss is not None:
-                loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
-                loss = loss + config.router_z_loss_coef * z_loss.to(loss.device)
-        moh_logits = outputs.moh_router_logits if output_router_logits else None
-        loss, moh_aux_loss = add_moh_aux_loss(loss, moh_logits, config, attention_mask)
+        logits, loss, router_losses = lm_logits_and_loss(
+            self, outputs, labels, logits_to_keep, attention_mask, output_router_logits, **kwargs
+        )
 
         return MHMoECausalLMOutputWithPast(
             loss=loss,
-            aux_loss=aux_loss,
-            z_loss=z_loss,
-            moh_aux_loss=moh_aux_loss,
+            **router_losses,
             moh_router_logits=outputs.moh_router_logits,
             logits=logits,
             past_key_values=outputs.past_key_values,

@@ -35,6 +35,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration_mhmoe import MOH_ROUTERS
+from .losses import add_moh_aux_loss, moh_load_balancing_loss  # noqa: F401  (their former home; kept for one release)
+from .routing import topk_mask as head_selection  # noqa: F401  (kept for one release)
 L2_STD_MIN = 1e-6  # clamp of the per-token std in the "l2" router
 HEAD_SKIPPING_MAX_ROWS = 8  # head skipping loops over query rows: only for decoding-sized inputs (B·T rows)
 
@@ -50,13 +52,6 @@ def routed_gates(router_logits: torch.Tensor, active_heads: int) -> tuple[torch.
     weights, index = torch.topk(probs, active_heads, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True) * active_heads
     return torch.zeros_like(probs).scatter(-1, index, weights), index
-
-
-def head_selection(router_logits: torch.Tensor, active_heads: int) -> torch.Tensor:
-    """(B, T, R) logits -> (B, T, R) fp32 0/1: the routed heads each token selects (the router's own top-K)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    index = torch.topk(probs, active_heads, dim=-1).indices
-    return torch.zeros_like(probs).scatter(-1, index, 1.0)
 
 
 def l2_router_logits(routed_queries: torch.Tensor) -> torch.Tensor:
@@ -149,38 +144,6 @@ class MoHRouter(nn.Module):
         return gates, router_logits, routed_index
 
 
-def moh_load_balancing_loss(
-    router_logits: tuple[torch.Tensor, ...], active_heads: int, attention_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Eq. 7 over the routed heads, averaged over MoH layers: R·Σ_i f_i·P_i with f_i the fraction of (non-padding)
-    tokens that select routed head i and P_i its mean router probability. Perfect balance gives K."""
-    losses = []
-    for logits in router_logits:
-        batch, seq, routed = logits.shape
-        probs = torch.softmax(logits.float(), dim=-1)
-        selected = head_selection(logits, active_heads)
-        if attention_mask is not None and attention_mask.dim() == 2:
-            mask = attention_mask[:, -seq:].to(probs.device, probs.dtype)  # decoding: the mask covers past tokens too
-        else:
-            mask = probs.new_ones(batch, seq)
-        tokens = mask.sum().clamp(min=1)  # 0 (not NaN) for a batch of padding only
-        f = (selected * mask[..., None]).sum(dim=(0, 1)) / tokens
-        p = (probs * mask[..., None]).sum(dim=(0, 1)) / tokens
-        losses.append(routed * torch.sum(f * p))
-    return torch.stack(losses).mean()
-
-
-def add_moh_aux_loss(loss, moh_router_logits, config, attention_mask=None):
-    """(`loss` + moh_aux_loss_coef × the head load-balancing loss, that loss unweighted), as a causal LM's forward adds
-    it; `loss` None (no labels) stays None. Without router logits (not requested, or no MoH layer): (`loss`, None)."""
-    if not moh_router_logits:
-        return loss, None
-    aux_loss = moh_load_balancing_loss(moh_router_logits, config.moh_active_heads, attention_mask)
-    if loss is not None:
-        loss = loss + config.moh_aux_loss_coef * aux_loss.to(loss.device)
-    return loss, aux_loss
-
-
 def add_head_router(attention: nn.Module, config) -> nn.Module:
     """Give an attention module (Llama-style q/k/v/o projections) a MoH head router built from `config`'s moh_* fields
     (None when MoH is off). Router parameters follow the query projection's device and dtype."""
@@ -193,7 +156,7 @@ def add_head_router(attention: nn.Module, config) -> nn.Module:
     return attention
 
 
-def moh_attention_forward(
+def attention_forward(
     module: nn.Module,
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -203,12 +166,16 @@ def moh_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward of a Llama-style attention module (q_proj, k_proj, v_proj, o_proj, head_dim, scaling, config,
-    layer_idx, head_router) with MoH gates. With all heads active and gates of exactly 1 it performs Llama's
-    operations in Llama's order."""
+    layer_idx, head_router): plain multi-head attention when `module.head_router` is None (no gates), else MoH gates on
+    each head's output before o_proj. With all heads active and gates of exactly 1 it performs Llama's operations in
+    Llama's order. CPU decoding takes the head-skipping fast path (`skipped_heads_attention`), which equals the gated
+    computation."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query_states = module.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd), pre-RoPE
-    gates, _, _ = module.head_router(hidden_states, query_states)  # (B, T, H)
+    gates = None
+    if module.head_router is not None:
+        gates, _, _ = module.head_router(hidden_states, query_states)  # (B, T, H)
     query_states = query_states.transpose(1, 2)  # (B, H, T, hd)
     key_states = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, hd)
     value_states = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -218,7 +185,7 @@ def moh_attention_forward(
     if past_key_values is not None:  # every head's K/V is cached: a later token may select it
         key_states, value_states = past_key_values.update(key_states, value_states, module.layer_idx)
 
-    if _use_head_skipping(module, query_states, attention_mask, gates, kwargs):
+    if gates is not None and _use_head_skipping(module, query_states, attention_mask, gates, kwargs):
         out = skipped_heads_attention(
             query_states, key_states, value_states, attention_mask, gates, module.o_proj, module.scaling
         )
@@ -239,9 +206,13 @@ def moh_attention_forward(
         scaling=module.scaling,
         **kwargs,
     )  # (B, T, H, hd)
-    attn_output = attn_output * gates.to(attn_output.dtype)[..., None]
+    if gates is not None:
+        attn_output = attn_output * gates.to(attn_output.dtype)[..., None]
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return module.o_proj(attn_output), attn_weights
+
+
+moh_attention_forward = attention_forward  # the former name, kept for one release
 
 
 class MoHAttentionMixin:
@@ -255,7 +226,7 @@ class MoHAttentionMixin:
             sliding_window = self.sliding_window
         else:  # Mistral: from the config; Llama: none
             sliding_window = getattr(self.config, "sliding_window", None)
-        return moh_attention_forward(
+        return attention_forward(
             self, hidden_states, position_embeddings, attention_mask, past_key_values, sliding_window, **kwargs
         )
 
@@ -413,7 +384,7 @@ def masked_heads_attention(
 
 
 __all__ = [
-    "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "add_moh_aux_loss", "head_selection",
-    "l2_router_logits", "masked_heads_attention", "moh_attention_forward", "moh_enabled", "moh_load_balancing_loss",
-    "routed_gates", "skipped_heads_attention", "straight_through",
+    "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "add_moh_aux_loss", "attention_forward",
+    "head_selection", "l2_router_logits", "masked_heads_attention", "moh_attention_forward", "moh_enabled",
+    "moh_load_balancing_loss", "routed_gates", "skipped_heads_attention", "straight_through",
 ]  # fmt: skip

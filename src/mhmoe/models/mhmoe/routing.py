@@ -82,3 +82,11 @@ def sort_by_expert(
     (see `routing_naive.sort_by_expert`)."""
     chosen, forced = routing_backend(experts, backend)
     return _run(chosen, forced, naive_sort_by_expert, triton_sort_by_expert, experts, num_experts)
+
+
+def topk_mask(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(..., E) logits -> (..., E) fp32 0/1: the top-k each row selects, as the routers select (fp32 softmax, top-k).
+    Shared by the load statistics and the balancing losses of experts and MoH heads."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    index = torch.topk(probs, top_k, dim=-1).indices
+    return torch.zeros_like(probs).scatter(-1, index, 1.0)

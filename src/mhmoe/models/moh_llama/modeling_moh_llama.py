@@ -27,7 +27,8 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 # One source of truth for MoH (a later export step copies moh.py next to this file).
-from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router, add_moh_aux_loss, moh_enabled
+from ..mhmoe.losses import lm_logits_and_loss
+from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router, moh_enabled
 from ..mhmoe.configuration_mhmoe import refuse_auto_class_registration
 from .configuration_moh_llama import MoHLlamaConfig
 
@@ -126,25 +127,18 @@ def moh_causal_lm_forward(
         use_cache=use_cache,
         **kwargs,
     )
-    hidden_states = outputs.last_hidden_state
-    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    logits = self.lm_head(hidden_states[:, slice_indices, :])
-
-    loss = None
-    if labels is not None:
-        loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **kwargs)
-    moh_router_logits = outputs.get("moh_router_logits")  # set by capture_outputs (`_can_record_outputs`)
-    loss, moh_aux_loss = add_moh_aux_loss(loss, moh_router_logits if output_router_logits else None, config,
-                                          attention_mask)  # fmt: skip
+    logits, loss, router_losses = lm_logits_and_loss(
+        self, outputs, labels, logits_to_keep, attention_mask, output_router_logits, **kwargs
+    )
 
     return MoHCausalLMOutputWithPast(
         loss=loss,
-        moh_aux_loss=moh_aux_loss,
+        moh_aux_loss=router_losses["moh_aux_loss"],
         logits=logits,
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
-        moh_router_logits=moh_router_logits,
+        moh_router_logits=outputs.get("moh_router_logits"),  # set by capture_outputs (`_can_record_outputs`)
     )
 
 

@@ -1,0 +1,37 @@
+"""Convert a dense LLaMA-family checkpoint into MoH-LLaMA, and continue-tune it (the MoH paper's §4.4 / App. B.2).
+
+One module per stage:
+
+* recipe.py         the paper's recipe, every default once: head split ratios, l2 router, straight-through gates,
+                    balance-loss β, continue-tuning optimizer and schedule; `head_split`
+* plan.py           reading and checking the source checkpoint (config, index, shard headers) into a ConversionPlan
+* write.py          `convert`: shards streamed byte for byte into a temporary folder, checked, renamed at the end
+* verify.py         the converted model with every head active must give the source's logits
+* continue_tune.py  continue-tuning through mhmoe.train, and the recovery curve (paper Fig. 2)
+* cli.py            `mhmoe-convert` / conversion/convert_llama_to_moh.py: arguments and `main`
+
+`convert(input_dir, output_dir)` turns a Transformers checkpoint of model_type llama, mistral or qwen2 (safetensors,
+one file or shards + index) into a `moh_llama` checkpoint; `convert_and_continue_tune(args, tune)` also trains it.
+"""
+
+from .cli import ConvertArguments, build_parser, main
+from .continue_tune import (
+    CONVERTED_SUBDIR, RECOVERY_CSV, RECOVERY_PNG, continue_tune_arguments, convert_and_continue_tune, format_recovery,
+    recovery_curve,
+)
+from .errors import ConversionError
+from .plan import (
+    DROPPED_TENSOR_SUFFIXES, FLOAT_DTYPES, RECORD_NAME, SOURCE_MODEL_TYPES, ConversionPlan, ShardPlan, TensorEntry,
+    plan_conversion,
+)
+from .recipe import CONTINUE_TUNING_DEFAULTS, head_split
+from .verify import all_heads_active, verify_conversion
+from .write import ConversionReport, convert
+
+__all__ = [
+    "CONTINUE_TUNING_DEFAULTS", "CONVERTED_SUBDIR", "DROPPED_TENSOR_SUFFIXES", "FLOAT_DTYPES", "RECORD_NAME",
+    "RECOVERY_CSV", "RECOVERY_PNG", "SOURCE_MODEL_TYPES",
+    "ConversionError", "ConversionPlan", "ConversionReport", "ConvertArguments", "ShardPlan", "TensorEntry",
+    "all_heads_active", "build_parser", "continue_tune_arguments", "convert", "convert_and_continue_tune",
+    "format_recovery", "head_split", "main", "plan_conversion", "recovery_curve", "verify_conversion",
+]  # fmt: skip

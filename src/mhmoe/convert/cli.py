@@ -1,0 +1,92 @@
+"""`mhmoe-convert` / conversion/convert_llama_to_moh.py: the arguments and `main()`.
+
+Converts (write.py); with `--train_file` also continue-tunes (continue_tune.py), taking every continue-tuning flag of
+mhmoe-train with the recipe's defaults (recipe.py). Works under `accelerate launch` with several processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from .continue_tune import _continue_tune_arguments_class, convert_and_continue_tune
+from .errors import ConversionError
+from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO, continue_tuning_words
+from .verify import read_probe
+from .write import convert
+
+
+@dataclass
+class ConvertArguments:
+    """The conversion (`convert_llama_to_moh.py` also takes every continue-tuning flag of mhmoe-train)."""
+
+    input_dir: str = field(default=None, metadata={"help": "Dense llama / mistral / qwen2 checkpoint (safetensors)."})
+    output_dir: str = field(
+        default=None,
+        metadata={"help": "Where the moh_llama checkpoint goes. With --train_file: the continue-tuned model, metrics, "
+                          "checkpoints and recovery curve; the converted (untuned) model is in OUTPUT_DIR/converted."},
+    )
+    shared_heads_ratio: float = field(
+        default=SHARED_HEADS_RATIO, metadata={"help": "Fraction of heads shared (the first ones)."}
+    )
+    active_heads_ratio: float = field(
+        default=ACTIVE_HEADS_RATIO,
+        metadata={"help": "Fraction of ALL heads active per token (shared + routed), e.g. 0.75."},
+    )
+    moh_aux_loss_coef: float = field(
+        default=AUX_LOSS_COEF, metadata={"help": "β of the MoH load-balance loss (eq. 7)."}
+    )
+    overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir."})
+    skip_logit_check: bool = field(
+        default=False,
+        metadata={"help": "Skip loading source and converted model to compare logits (for models too large for this "
+                          "machine's memory); names, dtypes and shapes are still checked."},
+    )
+    probe_file: str | None = field(default=None, metadata={"help": "Text for the probe batch of the logit check."})
+
+
+def build_parser():
+    from transformers import HfArgumentParser
+
+    return HfArgumentParser(
+        (ConvertArguments, _continue_tune_arguments_class()),
+        description="Convert a dense LLaMA / Mistral / Qwen2 checkpoint into MoH-LLaMA (Mixture-of-Head attention, "
+        f"{ROUTER} router, {GATES} gates); with --train_file, continue-tune it with mhmoe-train (paper stage-2 "
+        f"defaults: {continue_tuning_words()}).",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point; refusals exit with status 2 and a one-line message, nothing left at --output_dir."""
+    from ..train import TrainingError
+
+    parser = build_parser()
+    args, tune = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        if not args.input_dir or not args.output_dir:
+            raise ConversionError("--input_dir and --output_dir are required")
+        if tune.train_file:
+            convert_and_continue_tune(args, tune, progress=not tune.disable_tqdm)
+        else:
+            if tune.resume_from_checkpoint:
+                raise ConversionError("--resume_from_checkpoint continues a continue-tuning run: give --train_file")
+            if int(os.environ.get("RANK", "0")) > 0:  # launched with several processes: one converts
+                return
+            report = convert(
+                args.input_dir, args.output_dir, args.shared_heads_ratio, args.active_heads_ratio,
+                overwrite=args.overwrite, verify_logits=not args.skip_logit_check,
+                probe_text=read_probe(args.probe_file), moh_aux_loss_coef=args.moh_aux_loss_coef,
+                progress=not tune.disable_tqdm,
+            )  # fmt: skip
+            print(report.format(), flush=True)
+    except (ConversionError, TrainingError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

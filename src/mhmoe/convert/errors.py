@@ -1,0 +1,7 @@
+"""The converter's one exception type."""
+
+from ..checkpoint_files import CheckpointError
+
+
+class ConversionError(CheckpointError):
+    """A checkpoint or an argument the converter refuses, with the reason in words."""

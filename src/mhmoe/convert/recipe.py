@@ -1,0 +1,85 @@
+"""The MoH paper's recipe for turning a dense LLaMA into MoH-LLaMA (§4.4, App. B.2, Table D): every default, once.
+
+Change the converter's recipe here; plan.py, write.py, continue_tune.py and cli.py read it from this file.
+
+* Head split: the first `SHARED_HEADS_RATIO × H` heads of every layer are shared (always on); `ACTIVE_HEADS_RATIO` is
+  the fraction of *all* heads active per token (shared + routed), as in the paper: LLaMA3-8B, 32 heads, 16 shared,
+  8 of the other 16 routed = 75%.
+* Router: the parameter-free "l2" router (pre-RoPE query norms) with straight-through 0/1 gates. It adds no
+  parameters, so the dense weights are copied unchanged, and with every head on the model is the dense parent.
+* MoH load-balance loss β = `AUX_LOSS_COEF` (eq. 7).
+* Continue-tuning (the paper's second stage): AdamW, warmup 50 iterations, cosine 2e-5 -> 1e-6, weight decay 0.1,
+  gradient clipping 1.0; the dense parent's perplexity is measured at step 0.
+"""
+
+from __future__ import annotations
+
+from .errors import ConversionError
+
+SHARED_HEADS_RATIO = 0.5
+ACTIVE_HEADS_RATIO = 0.75
+ROUTER = "l2"
+STRAIGHT_THROUGH = True
+GATES = "straight-through" if STRAIGHT_THROUGH else "soft"  # in words, for reports and --help
+AUX_LOSS_COEF = 0.01
+
+# mhmoe-train's defaults replaced for continue-tuning (every other mhmoe-train default stays)
+CONTINUE_TUNING_DEFAULTS = {
+    "learning_rate": 2e-5, "min_learning_rate": 1e-6, "warmup_steps": 50, "lr_scheduler_type": "cosine",
+    "weight_decay": 0.1, "max_grad_norm": 1.0, "eval_at_start": True,
+}  # fmt: skip
+
+
+def head_split(num_heads: int, shared_heads_ratio: float, active_heads_ratio: float) -> tuple[int, int]:
+    """(shared heads, routed heads active per token) for `num_heads` query heads.
+
+    `active_heads_ratio` counts all active heads (shared + routed): 32 heads, 0.5, 0.75 -> (16, 8). Refuses ratios that
+    do not give whole heads, no routed head, or no active routed head.
+    """
+    shared_float = num_heads * shared_heads_ratio
+    active_float = num_heads * active_heads_ratio
+    shared, active = round(shared_float), round(active_float)
+    if not 0 <= shared_heads_ratio < 1:
+        raise ConversionError(f"--shared_heads_ratio must be in [0, 1), got {shared_heads_ratio}")
+    if not 0 < active_heads_ratio <= 1:
+        raise ConversionError(f"--active_heads_ratio must be in (0, 1], got {active_heads_ratio}")
+    if abs(shared_float - shared) > 1e-6 or abs(active_float - active) > 1e-6:
+        raise ConversionError(
+            f"ratios give no integer head split: {num_heads} heads × shared ratio {shared_heads_ratio} = "
+            f"{shared_float:g} shared, × active ratio {active_heads_ratio} = {active_float:g} active heads (choose "
+            f"ratios that are multiples of 1/{num_heads})"
+        )
+    if shared >= num_heads:
+        raise ConversionError(f"{shared} shared heads of {num_heads} leave no head to route")
+    if active <= shared:
+        raise ConversionError(
+            f"--active_heads_ratio {active_heads_ratio} ({active} heads) must exceed --shared_heads_ratio "
+            f"{shared_heads_ratio} ({shared} heads): it counts shared + routed heads, and at least one routed head "
+            "must be active"
+        )
+    return shared, active - shared
+
+
+def moh_fields(shared: int, routed_active: int, aux_loss_coef: float) -> dict:
+    """The MoHLlamaConfig fields the recipe sets on top of the source's Llama fields."""
+    return dict(
+        moh_shared_heads=shared,
+        moh_active_heads=routed_active,
+        moh_router=ROUTER,
+        moh_straight_through=STRAIGHT_THROUGH,
+        moh_aux_loss_coef=aux_loss_coef,
+    )
+
+
+def _number(value: float) -> str:
+    return f"{value:g}".replace("e-0", "e-")  # 2e-5, not 2e-05
+
+
+def continue_tuning_words() -> str:
+    """The continue-tuning defaults in words, for --help."""
+    d = CONTINUE_TUNING_DEFAULTS
+    return (
+        f"lr {_number(d['learning_rate'])} -> {_number(d['min_learning_rate'])} {d['lr_scheduler_type']}, warmup "
+        f"{d['warmup_steps']}, weight decay {_number(d['weight_decay'])}, clip {d['max_grad_norm']:.1f}, "
+        f"β {_number(AUX_LOSS_COEF)}"
+    )

@@ -1,0 +1,264 @@
+"""Write a planned conversion: shards streamed byte for byte into a temporary folder, renamed into place at the end.
+
+`convert(input_dir, output_dir, ...)` is the whole conversion: plan (plan.py), write, verify (verify.py), record. The
+recipe's router adds no parameters, so the weights are copied byte for byte, shard by shard (same shard names, same
+index), without building the model: memory stays far below one shard (`os.copy_file_range` where the kernel has it).
+Everything is checked before anything is written. The output is written to a temporary directory next to
+`output_dir`, its safetensors headers re-read and compared with the plan, every file flushed to disk, and the folder
+renamed at the end, so a failed or interrupted conversion leaves nothing; an existing non-empty `output_dir` is only
+replaced with `overwrite`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..checkpoint_files import SAFE_INDEX_NAME, fsync, overlapping, replace_dir, temporary_dir_next_to
+from .errors import ConversionError
+from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
+from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO
+from .verify import verified
+
+_COPY_CHUNK = 64 * 1024 * 1024
+
+
+def _copy_range(src_fd: int, dst_fd: int, offset: int, count: int) -> None:
+    """Copy `count` bytes at `offset` of src to dst's current position, in the kernel when it can (no user memory)."""
+    position = offset
+    end = offset + count
+    use_kernel = hasattr(os, "copy_file_range")
+    while position < end:
+        chunk = min(_COPY_CHUNK, end - position)
+        if use_kernel:
+            try:
+                done = os.copy_file_range(src_fd, dst_fd, chunk, position)
+            except OSError:  # other file systems / kernels: fall back to read + write
+                use_kernel = False
+                continue
+            if done == 0:
+                raise ConversionError("unexpected end of a source shard while copying (was it modified meanwhile?)")
+        else:
+            data = os.pread(src_fd, chunk, position)
+            if not data:
+                raise ConversionError("unexpected end of a source shard while copying (was it modified meanwhile?)")
+            os.write(dst_fd, data)  # regular files: complete writes
+            done = len(data)
+        position += done
+
+
+def _write_shard(shard: ShardPlan, out_path: str, progress=None) -> None:
+    header, offset = {}, 0
+    for t in shard.tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    metadata = {str(k): str(v) for k, v in shard.metadata.items()} or {"format": "pt"}
+    metadata.setdefault("format", "pt")
+    header["__metadata__"] = metadata
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    src_fd = os.open(shard.source_path, os.O_RDONLY)
+    dst_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(dst_fd, struct.pack("<Q", len(encoded)) + encoded)
+        run_start = run_end = None
+        for t in shard.tensors + [None]:  # copy maximal runs of contiguous source bytes in one go
+            if t is not None and not t.added and t.start == run_end:
+                run_end = t.end
+                continue
+            if run_start is not None and run_end > run_start:
+                _copy_range(src_fd, dst_fd, run_start, run_end - run_start)
+                if progress is not None:
+                    progress.update(run_end - run_start)
+            run_start = run_end = None
+            if t is None:
+                break
+            if t.added:
+                zeros = bytes(min(t.nbytes, _COPY_CHUNK))
+                left = t.nbytes
+                while left:
+                    left -= os.write(dst_fd, zeros[: min(left, len(zeros))])
+            else:
+                run_start, run_end = t.start, t.end
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+
+
+def _check_written(plan: ConversionPlan, directory: str) -> None:
+    """The written shards hold exactly the planned tensors (names, dtypes, shapes) and are complete."""
+    for shard in plan.shards:
+        written = read_shard(os.path.join(directory, shard.filename), shard.filename)
+        got = {t.name: (t.dtype, t.shape) for t in written.tensors}
+        want = {t.name: (t.dtype, t.shape) for t in shard.tensors}
+        if got != want:
+            raise ConversionError(f"written shard {shard.filename} does not match the plan")
+
+
+def output_state(output_dir: str, overwrite: bool) -> bool:
+    """True when output_dir exists (and may be replaced). Refuses a non-empty one without overwrite."""
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
+        raise ConversionError(f"--output_dir {output_dir} exists and is not a directory")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        raise ConversionError(f"--output_dir {output_dir} exists and is not empty; pass --overwrite to replace it")
+    return os.path.isdir(output_dir)
+
+
+def check_paths(input_dir: str, output_dir: str) -> None:
+    if overlapping(input_dir, output_dir):
+        raise ConversionError(f"--output_dir {output_dir} must not be --input_dir, inside it, or contain it")
+
+
+def _check_disk_space(plan: ConversionPlan, output_dir: str) -> None:
+    existing = os.path.dirname(os.path.abspath(output_dir))
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if plan.total_bytes > free:
+        raise ConversionError(
+            f"not enough disk space: {plan.total_bytes / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free"
+        )
+
+
+def _write_checkpoint(plan: ConversionPlan, temporary: str, progress: bool) -> None:
+    """Shards, index, config and the copied files into `temporary`; the shards' headers re-read and checked."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress,
+               dynamic_ncols=True)  # fmt: skip
+    # each shard is flushed to disk by a background thread while the next one is copied (fsync drops the GIL)
+    with ThreadPoolExecutor(max_workers=1) as flusher:
+        flushed = []
+        for shard in plan.shards:
+            path = os.path.join(temporary, shard.filename)
+            _write_shard(shard, path, bar)
+            flushed.append(flusher.submit(fsync, path))
+        for future in flushed:
+            future.result()
+    bar.close()
+    if plan.indexed:
+        weight_map = {t.name: s.filename for s in plan.shards for t in s.tensors}
+        index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(temporary, SAFE_INDEX_NAME), "w") as f:
+            json.dump(index, f, indent=2)
+    plan.config.save_pretrained(temporary)
+    for name in plan.copy_files:
+        shutil.copy2(os.path.join(plan.input_dir, name), os.path.join(temporary, name))
+    _check_written(plan, temporary)
+
+
+def _commit(temporary: str, output_dir: str, overwrite: bool) -> None:
+    """Flush the small files and the folder, then rename it into place."""
+    for name in os.listdir(temporary):
+        if not name.endswith(".safetensors"):  # small files; the shards are flushed already
+            fsync(os.path.join(temporary, name))
+    fsync(temporary)
+    output_state(output_dir, overwrite)  # still allowed (nothing appeared meanwhile)
+    replace_dir(temporary, output_dir)
+    fsync(os.path.dirname(os.path.abspath(output_dir)))
+
+
+@dataclass
+class ConversionReport:
+    input_dir: str
+    output_dir: str
+    source_model_type: str
+    num_layers: int
+    num_heads: int
+    num_key_value_heads: int
+    shared_heads: int
+    routed_active_heads: int
+    shards: int
+    tensors: int
+    bytes: int
+    seconds: float
+    notes: list[str]
+    verification: dict | None = None
+
+    @classmethod
+    def of(cls, plan: ConversionPlan, input_dir: str, output_dir: str, seconds: float, verification: dict | None):
+        config = plan.config
+        return cls(
+            input_dir=input_dir, output_dir=output_dir, source_model_type=plan.source_model_type,
+            num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads, shared_heads=config.moh_shared_heads,
+            routed_active_heads=config.moh_active_heads, shards=len(plan.shards),
+            tensors=sum(len(s.tensors) for s in plan.shards), bytes=plan.total_bytes, seconds=seconds,
+            notes=plan.notes, verification=verification,
+        )  # fmt: skip
+
+    @property
+    def active_heads(self) -> int:
+        return self.shared_heads + self.routed_active_heads
+
+    def format(self) -> str:
+        h, s, k = self.num_heads, self.shared_heads, self.routed_active_heads
+        lines = [
+            f"converted {self.source_model_type} -> moh_llama: {self.input_dir} -> {self.output_dir}",
+            f"  heads per layer: {h} ({self.num_key_value_heads} key/value), {s} shared + {k} of {h - s} routed "
+            f"active = {self.active_heads}/{h} ({100 * self.active_heads / h:.1f}%); router {ROUTER}, {GATES}; "
+            f"{self.num_layers} layers",
+            f"  weights: {self.tensors} tensors, {self.bytes / 1e6:,.1f} MB in {self.shards} shard(s), copied in "
+            f"{self.seconds:.2f} s ({self.bytes / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)",
+        ]
+        lines += [f"  note: {note}" for note in self.notes]
+        v = self.verification
+        if v is None:
+            lines.append("  logits: not checked (--skip_logit_check); tensor names, dtypes and shapes were checked")
+        else:
+            lines.append(
+                f"  check ({v['probe']}, {v['dtype']}): all heads active: max |Δlogit| = "
+                f"{v['all_heads_max_abs_diff']:.3g} vs source -> {'OK' if v['all_heads_equal'] else 'FAILED'}"
+            )
+            lines.append(
+                f"  routing on ({self.active_heads}/{h} heads): max |Δlogit| {v['routed_max_abs_diff']:.3g}, mean "
+                f"{v['routed_mean_abs_diff']:.3g}, top-1 agreement {100 * v['routed_top1_agreement']:.1f}%, probe "
+                f"perplexity {v['source_probe_ppl']:.2f} -> {v['routed_probe_ppl']:.2f} (continue-tune to recover)"
+            )
+        return "\n".join(lines)
+
+
+def convert(
+    input_dir: str,
+    output_dir: str,
+    shared_heads_ratio: float = SHARED_HEADS_RATIO,
+    active_heads_ratio: float = ACTIVE_HEADS_RATIO,
+    overwrite: bool = False,
+    verify_logits: bool = True,
+    probe_text: str | None = None,
+    moh_aux_loss_coef: float = AUX_LOSS_COEF,
+    progress: bool = True,
+) -> ConversionReport:
+    """Convert `input_dir` (llama / mistral / qwen2, safetensors) into a moh_llama checkpoint at `output_dir`.
+
+    Raises `ConversionError` (nothing written at `output_dir`) for anything it refuses; see plan.py's docstring.
+    `verify_logits=False` skips loading the models (names, dtypes and shapes are still checked).
+    """
+    start = time.time()
+    check_paths(input_dir, output_dir)
+    output_state(output_dir, overwrite)
+    plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
+    _check_disk_space(plan, output_dir)
+
+    temporary = temporary_dir_next_to(output_dir)
+    try:
+        _write_checkpoint(plan, temporary, progress)
+        copy_seconds = time.time() - start
+        verification = verified(input_dir, temporary, probe_text) if verify_logits else None
+        report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
+        record = dataclasses.asdict(report)
+        record.update(shared_heads_ratio=shared_heads_ratio, active_heads_ratio=active_heads_ratio,
+                      input_dir=os.path.abspath(input_dir))  # fmt: skip
+        with open(os.path.join(temporary, RECORD_NAME), "w") as f:
+            json.dump(record, f, indent=2)
+        _commit(temporary, output_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return report

@@ -1,0 +1,148 @@
+"""Router losses, added to the LM loss by every causal-LM forward of the library (MHMoE, MoH-Llama, patched models).
+
+- `load_balancing_loss`: Switch/GShard balance of the MoE routers over routed rows (sub-tokens), padding excluded,
+  in the conventions of `router_aux_loss_mode`;
+- `router_z_loss`: ST-MoE router z-loss;
+- `moh_load_balancing_loss`: the MoH paper's eq. 7 over the routed heads;
+- `add_router_losses`: the one place that weights them into the training loss.
+
+Shape legend: N routed rows (tokens × moe_heads, token-major), E experts, K experts per row; MoH logits (B, T, R) with R
+routed heads.
+
+This file runs on torch alone: exported checkpoints ship it next to the modeling file.
+"""
+
+import torch
+
+from .routing import topk_mask
+
+
+def _rows_mask(attention_mask: torch.Tensor | None, num_rows: int, moe_heads: int) -> torch.Tensor | None:
+    """The (N,) float mask of real (non-padding) rows: the (B, T) attention mask expanded ×moe_heads, token-major.
+
+    During cached decoding the mask covers past tokens too; only the last T columns belong to these rows.
+    """
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    tokens = num_rows // moe_heads
+    seq = tokens // attention_mask.shape[0]
+    mask = attention_mask[:, -seq:].reshape(-1)
+    return mask.repeat_interleave(moe_heads).float()
+
+
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+    moe_heads: int = 1,
+    mode: str = "per_layer",
+) -> torch.Tensor:
+    """Switch/GShard load-balancing loss E·Σ_e f_e·P_e over routed rows, padding excluded.
+
+    f_e: fraction of top-k assignments to expert e; P_e: mean router probability of e. `per_layer` averages the loss of
+    each layer; `mixtral` pools f and P over all layers first, exactly as Transformers' Mixtral does; `top1_sum` counts
+    only each row's top-1 expert in f and sums the layers' losses (the official MH-MoE code's GShard convention).
+    """
+    counted = 1 if mode == "top1_sum" else top_k
+    counts_sum, probs_sum, rows_sum, losses = 0.0, 0.0, 0.0, []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
+        selected = torch.topk(probs, counted, dim=-1).indices  # (N, K) or (N, 1)
+        mask = _rows_mask(attention_mask, probs.shape[0], moe_heads)
+        mask = probs.new_ones(probs.shape[0]) if mask is None else mask.to(probs.device)  # (N,)
+        counts = probs.new_zeros(num_experts).scatter_add_(0, selected.reshape(-1), mask.repeat_interleave(counted))
+        prob_sum, rows = (probs * mask[:, None]).sum(0), mask.sum().clamp(min=1)  # (E,), (): 0 with no real rows
+        losses.append(num_experts * torch.sum((counts / rows) * (prob_sum / rows)))
+        counts_sum, probs_sum, rows_sum = counts_sum + counts, probs_sum + prob_sum, rows_sum + rows
+    if mode == "mixtral":
+        return num_experts * torch.sum((counts_sum / rows_sum) * (probs_sum / rows_sum))
+    return torch.stack(losses).sum() if mode == "top1_sum" else torch.stack(losses).mean()
+
+
+def router_z_loss(
+    router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None = None, moe_heads: int = 1
+) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over real rows of logsumexp(logits)², averaged over layers."""
+    losses = []
+    for logits in router_logits:
+        z = torch.logsumexp(logits.float(), dim=-1).pow(2)  # (N,)
+        mask = _rows_mask(attention_mask, z.shape[0], moe_heads)
+        losses.append(z.mean() if mask is None else (z * mask.to(z.device)).sum() / mask.sum().clamp(min=1))
+    return torch.stack(losses).mean()
+
+
+def moh_load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...], active_heads: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Eq. 7 over the routed heads, averaged over MoH layers: R·Σ_i f_i·P_i with f_i the fraction of (non-padding)
+    tokens that select routed head i and P_i its mean router probability. Perfect balance gives K."""
+    losses = []
+    for logits in router_logits:
+        batch, seq, routed = logits.shape
+        probs = torch.softmax(logits.float(), dim=-1)
+        selected = topk_mask(logits, active_heads)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            mask = attention_mask[:, -seq:].to(probs.device, probs.dtype)  # decoding: the mask covers past tokens too
+        else:
+            mask = probs.new_ones(batch, seq)
+        tokens = mask.sum().clamp(min=1)  # 0 (not NaN) for a batch of padding only
+        f = (selected * mask[..., None]).sum(dim=(0, 1)) / tokens
+        p = (probs * mask[..., None]).sum(dim=(0, 1)) / tokens
+        losses.append(routed * torch.sum(f * p))
+    return torch.stack(losses).mean()
+
+
+def add_router_losses(loss, config, attention_mask=None, router_logits=None, moh_router_logits=None):
+    """(`loss` + the weighted router losses, {"aux_loss", "z_loss", "moh_aux_loss"} unweighted).
+
+    From the MoE routers' logits: `aux_loss` (×`router_aux_loss_coef`) and `z_loss` (×`router_z_loss_coef`); from the
+    MoH head routers' logits: `moh_aux_loss` (×`moh_aux_loss_coef`). A loss whose logits are not given (not requested,
+    or no such layer) is None; `loss` None (no labels) stays None.
+    """
+    losses = {"aux_loss": None, "z_loss": None, "moh_aux_loss": None}
+    coefficients = {}
+    if router_logits:
+        losses["aux_loss"] = load_balancing_loss(
+            router_logits, config.num_experts, config.num_experts_per_tok, attention_mask, config.moe_heads,
+            config.router_aux_loss_mode,
+        )  # fmt: skip
+        losses["z_loss"] = router_z_loss(router_logits, attention_mask, config.moe_heads)
+        coefficients.update(aux_loss=config.router_aux_loss_coef, z_loss=config.router_z_loss_coef)
+    if moh_router_logits:
+        losses["moh_aux_loss"] = moh_load_balancing_loss(moh_router_logits, config.moh_active_heads, attention_mask)
+        coefficients["moh_aux_loss"] = config.moh_aux_loss_coef
+    if loss is not None:
+        for name, coefficient in coefficients.items():
+            loss = loss + coefficient * losses[name].to(loss.device)
+    return loss, losses
+
+
+def lm_logits_and_loss(model, outputs, labels, logits_to_keep, attention_mask, output_router_logits, **kwargs):
+    """A causal LM's head and loss after its base model ran: (logits, loss, unweighted router losses).
+
+    logits = lm_head(last hidden states kept by `logits_to_keep`); loss = Transformers' LM loss (None without `labels`)
+    + the router losses of `add_router_losses` when `output_router_logits` (MoE and MoH router logits, those the base
+    model recorded). Shared by MHMoEForCausalLM and the MoH Llama-family forward."""
+    hidden_states = outputs.last_hidden_state
+    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    logits = model.lm_head(hidden_states[:, slice_indices, :])
+    loss = None
+    if labels is not None:
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+    router_logits = (outputs.get("router_logits"), outputs.get("moh_router_logits")) if output_router_logits else ()
+    loss, router_losses = add_router_losses(loss, model.config, attention_mask, *router_logits)
+    return logits, loss, router_losses
+
+
+def add_moh_aux_loss(loss, moh_router_logits, config, attention_mask=None):
+    """(`loss` + moh_aux_loss_coef × the head balancing loss, that loss): `add_router_losses` for MoH logits alone
+    (kept for one release)."""
+    loss, losses = add_router_losses(loss, config, attention_mask, moh_router_logits=moh_router_logits)
+    return loss, losses["moh_aux_loss"]
+
+
+__all__ = [
+    "add_moh_aux_loss", "add_router_losses", "lm_logits_and_loss", "load_balancing_loss", "moh_load_balancing_loss",
+    "router_z_loss",
+]  # fmt: skip
