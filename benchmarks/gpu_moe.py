@@ -137,7 +137,7 @@ def time_model(repeats, dtype, device, smoke) -> dict:
         model = MHMoEForCausalLM(config).to(device=device, dtype=dtype).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step():
+        def step(model=model, optimizer=optimizer):
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
