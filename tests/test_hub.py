@@ -60,7 +60,8 @@ for name, folder in folders.items():
     info[name] = {"classes": [type(x).__module__ + "." + type(x).__name__ for x in (model.config, base, model)],
                   "tokens": tok("the water")["input_ids"]}
 info["mhmoe_modules"] = sorted(m for m in sys.modules if m == "mhmoe" or m.startswith("mhmoe."))
-info["routing_has_triton"] = [m.HAS_TRITON for n, m in list(sys.modules.items()) if n.endswith(".routing_triton")]
+kernel_files = ("routing_triton", "head_router_triton")
+info["routing_has_triton"] = [m.HAS_TRITON for n, m in list(sys.modules.items()) if n.endswith(kernel_files)]
 save_file(tensors, out + ".safetensors")
 with open(out + ".json", "w") as f:
     json.dump(info, f)
@@ -139,7 +140,7 @@ def test_loads_without_mhmoe(exported):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, info = load_file(root / "got.safetensors"), json.loads((root / "got.json").read_text())
     assert "not installed here" in info["blocked"] and info["mhmoe_modules"] == []
-    assert set(info["routing_has_triton"]) == {False}  # each export's routing_triton.py imported, without kernels
+    assert len(info["routing_has_triton"]) == 4 and not any(info["routing_has_triton"])  # *_triton.py, no kernels
     for name, model in exported["models"].items():
         classes = info[name]["classes"]
         assert all(c.startswith("transformers_modules.") for c in classes), classes
@@ -169,7 +170,8 @@ def test_exported_folder(exported):
     assert json.loads((mhmoe_dir / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_mhmoe.MHMoEForCausalLM"
     )
-    assert check_exported_code(moh_dir) == ["configuration_mhmoe.py", "configuration_moh_llama.py", "losses.py",
+    assert check_exported_code(moh_dir) == ["configuration_mhmoe.py", "configuration_moh_llama.py",
+                                            "head_router_naive.py", "head_router_triton.py", "losses.py",
                                             "modeling_moh_llama.py", "moh.py", "parity.py", "routing.py",
                                             "routing_naive.py", "routing_triton.py"]  # fmt: skip
     assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").rglob("*.py")
@@ -177,7 +179,8 @@ def test_exported_folder(exported):
     for name in ("moh.py", "configuration_mhmoe.py", "parity.py", "losses.py"):
         assert (moh_dir / name).read_bytes() == (models / "mhmoe" / name).read_bytes()
     routing_source = (models / "mhmoe" / "routing.py").read_text()  # imports the ops folder's files, flattened
-    assert (moh_dir / "routing.py").read_text() == routing_source.replace("from .ops.routing.", "from .")
+    flattened = routing_source.replace("from .ops.routing.", "from .").replace("from .ops.head_router.", "from .")
+    assert (moh_dir / "routing.py").read_text() == flattened
     for name in ("configuration_moh_llama.py", "modeling_moh_llama.py"):
         text = (moh_dir / name).read_text()
         assert "from .." not in text and text.replace("from .", "from ..mhmoe.") != text

@@ -83,3 +83,38 @@ def test_properties(rows, routed, shared, head_dim, active, straight_through, se
     assert torch.equal(index, ref_index)
     torch.testing.assert_close(logits, ref_logits, rtol=2e-5, atol=1e-5)
     torch.testing.assert_close(gates, ref_gates, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatch):
+    """An MHMoE model with MoH l2 routing: routing_backend="triton" (head router and expert routing on the kernels)
+    gives the torch path's logits, losses and gradients, and the head-router kernel really ran."""
+    from mhmoe import MHMoEConfig, MHMoEForCausalLM
+    from mhmoe.models.mhmoe import routing
+
+    monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
+    config = MHMoEConfig(vocab_size=41, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, moe_heads=2, num_experts=5, num_experts_per_tok=2,
+                         moe_intermediate_size=16, moh_shared_heads=1, moh_active_heads=2, moh_router="l2",
+                         moh_straight_through=straight_through, output_router_logits=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    ids = torch.randint(0, 41, (2, 7), generator=torch.Generator().manual_seed(2))
+    calls = []
+    original = routing.l2_head_gates_triton
+    monkeypatch.setattr(routing, "l2_head_gates_triton", lambda *a: calls.append(1) or original(*a))
+    results = []
+    for backend in ("torch", "triton"):
+        for module in model.modules():
+            if hasattr(module, "routing_backend"):
+                module.routing_backend = backend
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append([out.logits, out.loss, out.moh_aux_loss] + [p.grad for p in model.parameters()])
+    assert len(calls) == 2  # one per layer, on the triton pass
+    for have, want in zip(results[1], results[0]):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)

@@ -58,8 +58,8 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     forward call (padding rows included) and the overflow contributes nothing (the token keeps its residual); cached
     decoding steps and padded batches therefore route with their own capacity (dropless routing has no such effect).
 
-    `routing_backend` forces the routing implementation ("torch": the PyTorch reference, "triton": the kernels, CUDA
-    only); None picks by device. The environment variable MHMOE_ROUTING_BACKEND overrides it (see `routing.py`).
+    `routing_backend` forces the implementation of the routing ops (expert routing and the MoH l2 head router;
+    "torch": the PyTorch reference, "triton": the kernels, CUDA only); None picks by device. The environment variable MHMOE_ROUTING_BACKEND overrides it (see `routing.py`).
 
     Mixture-of-Head attention (MoH) is on when `moh_shared_heads` and `moh_active_heads` are set: the first
     `moh_shared_heads` heads are always on and the router picks `moh_active_heads` of the remaining heads per token

@@ -3,9 +3,9 @@
 Shape legend: N routed rows (tokens × moe_heads sub-tokens, token-major), E experts, K = num_experts_per_tok,
 S = N·K (row, expert) assignments. A dropped assignment (over capacity) carries the sentinel expert id E and weight 0.
 
-`route` and `sort_by_expert` are the dispatch points of the routing op (ops/routing/): the PyTorch reference
-(`routing_naive.py`, the default on CPU) or the Triton kernels (`routing_triton.py`, the default on CUDA when triton is
-installed). `MHMOE_ROUTING_BACKEND=torch|triton` in the environment, else the config's `routing_backend`, forces one.
+`route` and `sort_by_expert` are the dispatch points of the routing op (ops/routing/), `l2_head_gates` the one of the
+MoH l2 head router (ops/head_router/): the PyTorch reference (`*_naive.py`, the default on CPU) or the Triton kernels
+(`*_triton.py`, the default on CUDA when triton is installed). `MHMOE_ROUTING_BACKEND=torch|triton` in the environment, else the config's `routing_backend`, forces one.
 Under torch.compile / torch.export the reference is traced. Exported checkpoints (`trust_remote_code`) ship these
 files and run them on torch alone (the kernel file then has no kernels to offer and the reference runs).
 """
@@ -16,6 +16,8 @@ import warnings
 import torch
 
 from .configuration_mhmoe import ROUTING_BACKENDS
+from .ops.head_router.head_router_naive import l2_head_gates as naive_l2_head_gates
+from .ops.head_router.head_router_triton import l2_head_gates_triton
 from .ops.routing.routing_naive import renormalises  # noqa: F401  (part of this module's interface)
 from .ops.routing.routing_naive import route as naive_route
 from .ops.routing.routing_naive import sort_by_expert as naive_sort_by_expert
@@ -82,6 +84,23 @@ def sort_by_expert(
     (see `routing_naive.sort_by_expert`)."""
     chosen, forced = routing_backend(experts, backend)
     return _run(chosen, forced, naive_sort_by_expert, triton_sort_by_expert, experts, num_experts)
+
+
+def l2_head_gates(
+    query_states: torch.Tensor,
+    shared_heads: int,
+    active_heads: int,
+    straight_through: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoH "l2" head router (see `ops/head_router/head_router_naive.py`) on the routing backend: pre-RoPE queries
+    (..., H, hd) -> gates (..., H) fp32, router logits (..., R) fp32, selected routed heads (..., K) int64."""
+    lead = query_states.shape[:-2]
+    queries = query_states.reshape(-1, *query_states.shape[-2:])  # (M, H, hd)
+    chosen, forced = routing_backend(queries, backend)
+    args = (queries, shared_heads, active_heads, straight_through)
+    gates, logits, index = _run(chosen, forced, naive_l2_head_gates, l2_head_gates_triton, *args)
+    return gates.view(*lead, -1), logits.view(*lead, -1), index.view(*lead, -1)
 
 
 def topk_mask(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
