@@ -5,8 +5,9 @@ S = N·K (row, expert) assignments. A dropped assignment (over capacity) carries
 
 `route` and `sort_by_expert` are the dispatch points of the routing op (ops/routing/), `l2_head_gates` the one of the
 MoH l2 head router (ops/head_router/): the PyTorch reference (`*_naive.py`, the default on CPU) or the Triton kernels
-(`*_triton.py`, the default on CUDA when triton is installed). `MHMOE_ROUTING_BACKEND=torch|triton` in the environment, else the config's `routing_backend`, forces one.
-Under torch.compile / torch.export the reference is traced. Exported checkpoints (`trust_remote_code`) ship these
+(`*_triton.py`, the default on CUDA when triton is installed). `MHMOE_ROUTING_BACKEND=torch|triton` in the
+environment, else the config's `routing_backend`, forces one. Under torch.compile / torch.export the reference is
+traced. Exported checkpoints (`trust_remote_code`) ship these
 files and run them on torch alone (the kernel file then has no kernels to offer and the reference runs).
 """
 
