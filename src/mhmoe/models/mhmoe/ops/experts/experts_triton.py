@@ -8,8 +8,9 @@ is written once (no atomics) and the K slots are summed in a fixed order: determ
 sort last, fall in no tile, and their slots stay 0.
 
 Status: forward only, SiLU only; fp32 inputs use TF32 in `tl.dot` on a GPU. Tested against `experts_naive.py` under
-TRITON_INTERPRET=1 (fp32); never run on a GPU here and not used by the model (no `experts_implementation` selects it). A backward (the weight gradients as grouped
-GEMMs over the same tiles, the input gradient through the same gather) is still to be written.
+TRITON_INTERPRET=1 (fp32); never run on a GPU here and not used by the model (no `experts_implementation` selects
+it). A backward (the weight gradients as grouped GEMMs over the same tiles, the input gradient through the same
+gather) is still to be written.
 
 Imports without triton (exported checkpoints): the kernels are then plain functions, never launched.
 """
