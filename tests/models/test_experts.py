@@ -296,6 +296,22 @@ def test_block_under_torch_compile(pool, capacity_factor):
     assert not pool._free
 
 
+def test_bf16_block_under_torch_compile():
+    """bf16 in a traced graph takes torch's grouped GEMM directly (its fake kernel traces bf16): fullgraph compile,
+    output and gradients close to eager bf16."""
+    block = _h3_block().to(torch.bfloat16)
+    x = torch.randn(2, 5, 24, dtype=torch.bfloat16)
+    expected = _block_run(block, x, "eager")
+    torch._dynamo.reset()
+    try:
+        got = _block_run(block, x, "grouped_mm", call=torch.compile(block, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    for have, want in zip(got, expected):
+        assert have.dtype == want.dtype == torch.bfloat16
+        assert (have.float() - want.float()).abs().max() <= 3e-2 * want.float().abs().max()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_inference_path_matches_eager(case, act):
