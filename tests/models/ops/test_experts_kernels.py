@@ -1,6 +1,7 @@
-"""The forward-only Triton experts kernels (ops/experts/experts_triton.py) against the PyTorch reference
-(experts_naive.py, itself checked against the model's `eager` loop), under TRITON_INTERPRET=1 (tests/conftest.py):
-odd widths, E ∈ {1, 3, 7, 40}, K ∈ {1, 2, 3, 8}, experts without rows, every row on one expert, dropped assignments."""
+"""The Triton experts kernels (ops/experts/experts_triton.py) against the PyTorch reference (experts_naive.py, itself
+checked against the model's `eager` loop), under TRITON_INTERPRET=1 (tests/conftest.py): outputs and gradients on odd
+widths, E ∈ {1, 3, 7, 40}, K ∈ {1, 2, 3, 8}, experts without rows, every row on one expert, dropped assignments; and a
+whole model running them through Transformers' experts registry."""
 
 import pytest
 import torch
@@ -68,8 +69,52 @@ def test_reference_is_the_models_eager_loop():
     torch.testing.assert_close(experts_naive.experts_forward(x, index, weights, gate_up, down, F.silu), want)
 
 
-def test_refuses_autograd():
-    x, index, weights, gate_up, down = _problem(5, 8, 8, 3, 1, 0.0)
-    order, offsets = sort_by_expert(index, 3)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        experts_triton.experts_forward(x.requires_grad_(), index, weights, gate_up, down, order, offsets)
+GRAD_CASES = [(37, 5, 7, 13, 3, 0.0), (37, 8, 16, 13, 3, 0.3), (20, 16, 16, 1, 1, 0.0), (11, 16, 24, 40, 8, 0.0)]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=[f"N{n}-E{e}-K{k}-drop{d}" for n, w, i, e, k, d in GRAD_CASES])
+def test_gradients_match_reference(case):
+    """Output and the gradients of the rows, routing weights, gate_up_proj and down_proj."""
+    problem = _problem(*case, seed=7)
+    index = problem[1]
+    order, offsets = sort_by_expert(index, case[3])
+    results = []
+    for forward in (lambda *a: experts_triton.experts_forward(*a, order, offsets), experts_naive.experts_forward):
+        x, weights, gate_up, down = (t.clone().requires_grad_() for t in (problem[0], *problem[2:]))
+        out = forward(x, index, weights, gate_up, down)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out.detach(), x.grad, weights.grad, gate_up.grad, down.grad])
+    for name, have, want in zip(("out", "d_x", "d_weights", "d_gate_up", "d_down"), *results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_model_through_the_experts_registry(monkeypatch):
+    """Registered with Transformers' experts interface, the kernels run a whole MH-MoE model (h=2, capacity drops)
+    with the `grouped_mm` path's logits and gradients."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from mhmoe import MHMoEForCausalLM
+
+    config = MHMoEConfig(vocab_size=37, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, moe_heads=2, num_experts=6, num_experts_per_tok=2,
+                         moe_intermediate_size=16, capacity_factor=0.75)  # fmt: skip
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(3))
+    calls = []
+    forward = experts_triton.triton_experts_forward
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "mhmoe_triton",
+                        lambda *a: calls.append(1) or forward(*a))  # fmt: skip
+    results = []
+    for implementation in ("grouped_mm", "mhmoe_triton"):
+        model.set_experts_implementation(implementation)
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append([out.logits, out.loss] + [p.grad for p in model.parameters()])
+    assert len(calls) == 2
+    for have, want in zip(results[1], results[0]):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
