@@ -4,7 +4,8 @@ One run per configuration, every number a ratio to a reference measured in the s
 
   blocks   d ∈ {768, 2048}, tokens ∈ {8k, 32k}, fwd and fwd+bwd, times relative to Transformers' Mixtral block
            (`grouped_mm`, E=8 k=1 f≈8d/3): our SMoE block (same shapes), MH-MoE h=2 and h=3 (`matched_to_smoe`:
-           same activated FLOPs and parameters), a dense SwiGLU MLP of the same FLOPs
+           same activated FLOPs and parameters), a dense SwiGLU MLP of the same FLOPs, and on CUDA the h=3 block on the
+           Triton experts kernels (`ours_h3_triton`: `triton_experts_forward`, registered as "mhmoe_triton")
   model    training-step tokens/s (forward, backward, AdamW step) of MH-MoE h=3, SMoE and dense models, d=768
   routing  16k sub-tokens × 96 experts, top-3: the Triton kernels (`routing_triton.route` + `sort_by_expert`) against
            the PyTorch reference, in µs
@@ -22,6 +23,7 @@ Without CUDA (and without --smoke / --table) it prints that no GPU is available 
 """
 
 import argparse
+import copy
 import json
 import platform
 import re
@@ -31,12 +33,14 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.integrations.moe import ExpertsInterface
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM
 from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEMLP, MHMoESparseMoeBlock
 from mhmoe.models.mhmoe.moe import grouped_experts_forward
+from mhmoe.models.mhmoe.ops.experts import experts_triton
 from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
 
 HERE = Path(__file__).resolve().parent
@@ -82,6 +86,9 @@ def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
         config = MHMoEConfig.matched_to_smoe(smoe, moe_heads=heads, num_experts_per_tok=heads)
         blocks[f"ours_h{heads}"] = MHMoESparseMoeBlock(config)
     blocks["dense"] = MHMoEMLP(MHMoEConfig(hidden_size=hidden, num_attention_heads=hidden // 64), inter)
+    if device.type == "cuda" and experts_triton.HAS_TRITON:
+        ExpertsInterface.register("mhmoe_triton", experts_triton.triton_experts_forward)
+        blocks["ours_h3_triton"] = MHMoESparseMoeBlock(blocks["ours_h3"].experts.config)
     generator = torch.Generator().manual_seed(0)
     for module in blocks.values():
         with torch.no_grad():
@@ -91,6 +98,11 @@ def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
             if hasattr(sub, "config") and hasattr(sub.config, "_experts_implementation"):
                 sub.config._experts_implementation = "grouped_mm"
         module.to(device=device, dtype=dtype)
+    if "ours_h3_triton" in blocks:  # the same weights as ours_h3, on the Triton experts kernels
+        triton_block = blocks["ours_h3_triton"]
+        triton_block.load_state_dict(blocks["ours_h3"].state_dict())
+        triton_block.experts.config = copy.copy(triton_block.experts.config)
+        triton_block.experts.config._experts_implementation = "mhmoe_triton"
     return blocks
 
 
