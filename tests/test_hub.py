@@ -170,14 +170,14 @@ def test_exported_folder(exported):
     assert json.loads((mhmoe_dir / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_mhmoe.MHMoEForCausalLM"
     )
-    assert check_exported_code(moh_dir) == ["configuration_mhmoe.py", "configuration_moh_llama.py",
+    assert check_exported_code(moh_dir) == ["causal_lm.py", "configuration_mhmoe.py", "configuration_moh_llama.py",
                                             "head_router_naive.py", "head_router_triton.py", "losses.py",
                                             "modeling_moh_llama.py", "moh.py", "parity.py", "routing.py",
                                             "routing_naive.py", "routing_triton.py"]  # fmt: skip
     unused = {"__init__.py", "experts_naive.py", "experts_triton.py"}  # opt-in experts kernels: not imported
     assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").rglob("*.py")
                                                     if p.name not in unused)  # fmt: skip
-    for name in ("moh.py", "configuration_mhmoe.py", "parity.py", "losses.py"):
+    for name in ("moh.py", "configuration_mhmoe.py", "parity.py", "losses.py", "causal_lm.py"):
         assert (moh_dir / name).read_bytes() == (models / "mhmoe" / name).read_bytes()
     routing_source = (models / "mhmoe" / "routing.py").read_text()  # imports the ops folder's files, flattened
     flattened = routing_source.replace("from .ops.routing.", "from .").replace("from .ops.head_router.", "from .")

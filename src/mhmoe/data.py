@@ -4,12 +4,19 @@ Everything here runs offline. A `.jsonl` (or `.json` lines / array) file gives o
 `text_field` of each object); any other file is plain text and is one document. Documents are tokenised, each is
 followed by the tokenizer's EOS token, all are concatenated and cut into `block_size` blocks; the remainder that does
 not fill a block is dropped.
+
+`order_by_similarity` is Lory's similarity-based data batching (Zhong et al. 2024, after in-context pretraining, Shi
+et al. 2023): documents are put in an order where neighbours are similar before packing, so a block that crosses a
+document boundary continues with related text and a segment routed on the previous segment (router_type="lory")
+still gets a relevant routing. `mhmoe-train --similarity_batching` applies it to the training documents.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import zlib
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -122,4 +129,47 @@ def tokenize_and_pack(documents: Sequence[str], tokenizer, block_size: int) -> t
     return torch.tensor(ids[: num_blocks * block_size], dtype=torch.long).view(num_blocks, block_size)
 
 
-__all__ = ["read_documents", "read_files", "tokenize_and_pack", "train_tokenizer"]
+def order_by_similarity(documents: Sequence[str], dim: int = 1024, neighbours: int = 8, block: int = 1024) -> list[str]:
+    """`documents` reordered so that consecutive documents are similar (Lory's similarity-based batching).
+
+    Like in-context pretraining (Shi et al. 2023): each document's `neighbours` nearest documents by cosine similarity,
+    then one path through that graph, from the first document always to its most similar unvisited neighbour; when
+    all its neighbours are visited the path jumps to the first unvisited document. Shi et al. embed with a retriever
+    and search approximately; here a document is its TF-IDF vector of words hashed (crc32) into `dim` buckets, and the
+    search is exact, in blocks of `block` rows (memory block × n). Deterministic; every document appears once.
+    """
+    n = len(documents)
+    if n <= 2:
+        return list(documents)
+    counts = torch.zeros(n, dim)
+    for i, document in enumerate(documents):
+        buckets = [zlib.crc32(word.encode()) % dim for word in re.findall(r"\w+", document.lower())]
+        if buckets:
+            counts[i].index_add_(0, torch.tensor(buckets), torch.ones(len(buckets)))
+    idf = torch.log((1 + n) / (1 + (counts > 0).sum(0).float())) + 1
+    vectors = torch.nn.functional.normalize(counts.log1p() * idf, dim=1)  # (n, dim)
+    k = min(neighbours, n - 1)
+    nearest = torch.empty(n, k, dtype=torch.long)
+    for start in range(0, n, block):
+        sims = vectors[start : start + block] @ vectors.t()  # (block, n)
+        rows = torch.arange(start, min(start + block, n))
+        sims[rows - start, rows] = -float("inf")  # not its own neighbour
+        nearest[rows] = sims.topk(k, dim=1).indices  # most similar first (ties: lower index, topk is stable here)
+    nearest_lists = nearest.tolist()
+    visited, path, next_unvisited = [False] * n, [], 0
+    current = 0
+    while True:
+        visited[current] = True
+        path.append(current)
+        candidate = next((j for j in nearest_lists[current] if not visited[j]), None)
+        if candidate is None:
+            while next_unvisited < n and visited[next_unvisited]:
+                next_unvisited += 1
+            if next_unvisited == n:
+                break
+            candidate = next_unvisited
+        current = candidate
+    return [documents[i] for i in path]
+
+
+__all__ = ["order_by_similarity", "read_documents", "read_files", "tokenize_and_pack", "train_tokenizer"]

@@ -3,7 +3,9 @@
 `export_pretrained(model_or_dir, save_directory, tokenizer=None)` writes a self-contained folder:
 
 - the weights as safetensors (an in-memory model through `save_pretrained`; a checkpoint directory's shards and index
-  copied byte for byte; pickle-only checkpoints are refused, never unpickled),
+  copied byte for byte; pickle-only checkpoints are refused, never unpickled). A BitNet b1.58 model
+  (`linear_type="bitnet_b158"`) is written packed: int8 ternary weights and one fp32 scale per matrix
+  (`bitnet_packed=True`, inference only, the same logits),
 - `config.json` with an `auto_map` naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`,
 - `generation_config.json`, the tokenizer (the one given, else the source directory's), a model card `README.md`,
 - the modeling code: the `configuration_*.py` / `modeling_*.py` files of the config and model classes and every file
@@ -249,6 +251,14 @@ def _architecture_rows(config, classes, parameters: int) -> list[tuple[str, str]
             rows.append(("MoE", moe))
         else:
             rows.append(("MoE", "none (dense)"))
+    if getattr(config, "router_type", "topk") == "lory":  # the MoE row's top-k does not apply
+        pools = "one pool per head (MH-Lory v2)" if config.lory_expert_pool == "per_head" else "one shared pool"
+        rows.append(("Lory routing", f"all experts merged into one per {config.lory_segment_length}-token segment, "
+                                     f"routed on the previous segment; {pools}"))  # fmt: skip
+    if getattr(config, "linear_type", "linear") == "bitnet_b158":
+        layers = "every decoder projection" if config.bitnet_quantized_layers == "all" else "the experts"
+        stored = "int8 ternary weights + one scale per matrix" if config.bitnet_packed else "latent fp weights"
+        rows.append(("BitNet b1.58", f"{layers} ternary, 8-bit activations; stored as {stored}"))
     if getattr(config, "moh_shared_heads", None) is not None:
         shared, active = config.moh_shared_heads, config.moh_active_heads
         gates = ", straight-through 0/1 gates" if config.moh_straight_through else ""
@@ -315,6 +325,9 @@ def export_pretrained(
             tokenizer = source_dir
     else:
         config, weight_files = model.config, None
+    if getattr(config, "linear_type", "linear") == "bitnet_b158" and not config.bitnet_packed:
+        model, weight_files = _bitnet_packed(model), None  # int8 ternary weights + scales, not the latent weights
+        config = model.config
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     classes = auto_classes(config)
@@ -322,7 +335,7 @@ def export_pretrained(
 
     temporary = Path(temporary_dir_next_to(save_directory))
     try:
-        _write_weights(temporary, model if source_dir is None else source_dir, config, weight_files)
+        _write_weights(temporary, model if weight_files is None else source_dir, config, weight_files)
         config_path = temporary / CONFIG_NAME
         config_dict = json.loads(config_path.read_text())
         config_dict["auto_map"] = {auto: f"{_module_file(cls).stem}.{cls.__name__}" for auto, cls in classes.items()}
@@ -347,6 +360,16 @@ def export_pretrained(
     if push_to_hub:
         upload_folder(save_directory, push_to_hub, private, token, commit_message)
     return Path(save_directory)
+
+
+def _bitnet_packed(model):
+    """A latent BitNet model (object or checkpoint directory) as its packed inference copy (`bitnet.packed_model`)."""
+    from .models.mhmoe.bitnet import packed_model
+    from .models.mhmoe.modeling_mhmoe import MHMoEForCausalLM
+
+    if isinstance(model, (str, os.PathLike)):
+        model = MHMoEForCausalLM.from_pretrained(model)
+    return packed_model(model)
 
 
 def _write_weights(folder: Path, source, config, weight_files: list[str] | None) -> None:

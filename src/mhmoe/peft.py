@@ -59,7 +59,14 @@ def lora_config(
     **kwargs,
 ) -> LoraConfig:
     """A `LoraConfig` for an mhmoe / moh_llama model: attention projections (or `target_modules`) and, with
-    `experts=True`, every expert's `gate_up_proj` and `down_proj` through PEFT's `target_parameters`."""
+    `experts=True`, every expert's `gate_up_proj` and `down_proj` through PEFT's `target_parameters`.
+    BitNet models: LoRA trains full-precision adapters beside the quantised projections (PEFT wraps `BitLinear` as a
+    Linear; expert deltas join the latent weights before quantisation); packed exports are refused."""
+    if getattr(getattr(model, "config", None), "bitnet_packed", False):
+        raise ValueError(
+            "this BitNet model is a packed export (bitnet_packed=True: int8 ternary weights, inference only); train "
+            "LoRA on the latent checkpoint (the one mhmoe-train saved) instead"
+        )
     if isinstance(target_modules, (list, tuple)):  # names given by hand: each must name a module of this model
         modules = dict(model.named_modules())
         names = {name.rsplit(".", 1)[-1] for name in modules}

@@ -87,9 +87,11 @@ def run_recovery_demo(
     control: bool = True,
     seed: int = 0,
     progress: bool = False,
+    data_files: tuple[str, str] | None = None,
 ) -> dict:
     """Train a dense parent, convert it, continue-tune it (and, with `control`, the dense parent alike); return the
-    perplexities. Everything is written under `workdir` (dense/, moh/, dense_continued/)."""
+    perplexities. Everything is written under `workdir` (dense/, moh/, dense_continued/). `data_files`: (train,
+    validation) JSONL/text files instead of the standard-library corpus; the tokenizer is trained on the first."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -98,7 +100,7 @@ def run_recovery_demo(
     from .train import reset_accelerate_state
 
     started = time.time()
-    train_file, val_file = write_corpus(os.path.join(workdir, "data"), stdlib=stdlib)
+    train_file, val_file = data_files or write_corpus(os.path.join(workdir, "data"), stdlib=stdlib)
     tokenizer = train_tokenizer(read_files([train_file]), vocab_size, 4 * block_size)
 
     # 1. the dense parent

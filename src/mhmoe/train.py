@@ -33,7 +33,7 @@ import torch
 
 import mhmoe  # noqa: F401  (registers the model types and PEFT defaults)
 
-from .data import tokenize_and_pack, train_tokenizer
+from .data import order_by_similarity, tokenize_and_pack, train_tokenizer
 from .train_args import (  # noqa: F401  (re-exported: `from mhmoe.train import ...` keeps working)
     CHECKPOINT_PREFIX, DENSE_PARENT_TYPES, METRICS_FILE, PARAMETER_SETTINGS, PLOT_FILE, RUN_OUTPUTS, STATE_FILE,
     SUMMARY_FILE, TrainArguments, TrainingError, _coerce_args, _list_checkpoints, _read, _remove_run_outputs,
@@ -259,6 +259,7 @@ def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> No
     block_size = run.block_size = args.block_size or min(1024, context)
     if block_size > context:
         raise TrainingError(f"--block_size {block_size} is larger than the model's context ({context} positions)")
+    train_docs = order_by_similarity(train_docs) if args.similarity_batching else train_docs
     train_blocks = tokenize_and_pack(train_docs, tokenizer, block_size)
     if len(train_blocks) == 0:
         raise TrainingError(f"--train_file holds fewer than block_size={block_size} tokens: no training block")

@@ -122,6 +122,8 @@ class TrainArguments:
     ddp_find_unused_parameters: bool = False
     disable_tqdm: bool = False
     plot: bool = field(default=True, metadata={"help": "Write loss_curve.png (matplotlib)."})
+    similarity_batching: bool = field(default=False, metadata={"help": "Order training documents so neighbours are "
+                                      "similar before packing (Lory's batching; mhmoe.data.order_by_similarity)."})
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -66,6 +66,12 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     (`moh_router` "learned": the paper's two-stage router; "l2": parameter-free, from the pre-RoPE query norms).
     `moh_straight_through` makes the gates 0/1 in the forward pass (straight-through estimator);
     `moh_aux_loss_coef` weights the head load-balancing loss. See `moh.py`.
+
+    `linear_type="bitnet_b158"` is 1-bit MH-MoE: BitNet b1.58 projections (ternary weights, 8-bit activations) for
+    every decoder projection (`bitnet_quantized_layers="all"`) or the experts only (`"experts"`); `bitnet_packed` marks
+    exported int8 ternary weights. See `bitnet.py`. `router_type="lory"` replaces top-k routing by Lory's merged expert
+    per `lory_segment_length`-token segment, routed on the previous segment, per MoE head for `moe_heads > 1`
+    (MH-Lory; `lory_expert_pool` "shared" = v1, "per_head" = v2); `num_experts_per_tok` is then unused. See `lory.py`.
     """
 
     model_type = "mhmoe"
@@ -115,6 +121,13 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     moh_router: str = "learned"
     moh_straight_through: bool = False
     moh_aux_loss_coef: float | int = 0.01
+    # 1-bit MH-MoE (BitNet b1.58, bitnet.py) and Lory / MH-Lory routing (lory.py); see check_variant_problems
+    linear_type: str = "linear"  # "linear" | "bitnet_b158"
+    bitnet_quantized_layers: str = "all"  # "all": every decoder projection (the paper) | "experts" (official code)
+    bitnet_packed: bool = False  # weights stored as int8 ternary + one scale per matrix (export; inference only)
+    router_type: str = "topk"  # "topk" | "lory"
+    lory_segment_length: int = 256
+    lory_expert_pool: str = "shared"  # "shared": MH-Lory v1 (E experts) | "per_head": v2 (E per head, E·h in all)
 
     def __post_init__(self, **kwargs):
         misnamed = [f"{name} (use {MISNAMED_FIELDS[name]})" for name in kwargs if name in MISNAMED_FIELDS]
@@ -209,6 +222,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
             problems.append(f"routing_backend must be one of {ROUTING_BACKENDS} or None (by device), got "
                             f"{self.routing_backend!r}")  # fmt: skip
         problems += moh_config_problems(self)
+        problems += check_variant_problems(self)
         if problems:
             raise ValueError("Invalid MHMoEConfig: " + "; ".join(problems) + ".")
 
@@ -329,6 +343,44 @@ def moh_config_problems(config) -> list[str]:
                 f"moh_shared_heads + moh_active_heads ({shared} + {active}) must be <= num_attention_heads ({heads}): "
                 f"the router picks moh_active_heads of the {heads - shared} routed heads"
             )
+    return problems
+
+
+LINEAR_TYPES = ("linear", "bitnet_b158")  # bitnet.py
+BITNET_QUANTIZED_LAYERS = ("all", "experts")
+ROUTER_TYPES = ("topk", "lory")  # lory.py
+LORY_EXPERT_POOLS = ("shared", "per_head")
+
+
+def check_variant_problems(config) -> list[str]:
+    """What is wrong with the BitNet (linear_type, bitnet_*) and Lory (router_type, lory_*) fields, in words."""
+    problems, bitnet, lory = [], config.linear_type == "bitnet_b158", config.router_type == "lory"
+    if config.linear_type not in LINEAR_TYPES:
+        problems.append(f"linear_type must be one of {LINEAR_TYPES}, got {config.linear_type!r}")
+    if config.bitnet_quantized_layers not in BITNET_QUANTIZED_LAYERS:
+        problems.append(f"bitnet_quantized_layers must be one of {BITNET_QUANTIZED_LAYERS} ('all': every decoder "
+                        f"projection, the paper's; 'experts': the experts only), got "
+                        f"{config.bitnet_quantized_layers!r}")  # fmt: skip
+    if bitnet and config.bitnet_quantized_layers == "experts" and config.decoder_sparse_step == 0:
+        problems.append("bitnet_quantized_layers='experts' quantises nothing in a dense model (decoder_sparse_step=0); "
+                        "use 'all'")  # fmt: skip
+    if config.bitnet_packed and not bitnet:
+        problems.append("bitnet_packed=True needs linear_type='bitnet_b158' (it marks exported ternary weights)")
+    if config.router_type not in ROUTER_TYPES:
+        problems.append(f"router_type must be one of {ROUTER_TYPES} ('topk': sparse top-k routing; 'lory': one "
+                        f"merged expert per segment), got {config.router_type!r}")  # fmt: skip
+    if config.lory_expert_pool not in LORY_EXPERT_POOLS:
+        problems.append(f"lory_expert_pool must be one of {LORY_EXPERT_POOLS} ('shared': MH-Lory v1; 'per_head': "
+                        f"v2), got {config.lory_expert_pool!r}")  # fmt: skip
+    if not config.lory_segment_length >= 1:
+        problems.append(f"lory_segment_length must be >= 1 tokens, got {config.lory_segment_length}")
+    if lory and config.capacity_factor is not None:
+        problems.append("capacity_factor applies to top-k routing; router_type='lory' merges all experts (use None)")
+    if lory and config.router_jitter_noise:
+        problems.append("router_jitter_noise applies to top-k routing; use 0 with router_type='lory'")
+    if lory and bitnet:
+        problems.append("router_type='lory' with linear_type='bitnet_b158' is not supported (quantising merged "
+                        "experts is not defined by either paper); choose one")  # fmt: skip
     return problems
 
 

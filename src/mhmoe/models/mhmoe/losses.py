@@ -118,23 +118,6 @@ def add_router_losses(loss, config, attention_mask=None, router_logits=None, moh
     return loss, losses
 
 
-def lm_logits_and_loss(model, outputs, labels, logits_to_keep, attention_mask, output_router_logits, **kwargs):
-    """A causal LM's head and loss after its base model ran: (logits, loss, unweighted router losses).
-
-    logits = lm_head(last hidden states kept by `logits_to_keep`); loss = Transformers' LM loss (None without `labels`)
-    + the router losses of `add_router_losses` when `output_router_logits` (MoE and MoH router logits, those the base
-    model recorded). Shared by MHMoEForCausalLM and the MoH Llama-family forward."""
-    hidden_states = outputs.last_hidden_state
-    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    logits = model.lm_head(hidden_states[:, slice_indices, :])
-    loss = None
-    if labels is not None:
-        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
-    router_logits = (outputs.get("router_logits"), outputs.get("moh_router_logits")) if output_router_logits else ()
-    loss, router_losses = add_router_losses(loss, model.config, attention_mask, *router_logits)
-    return logits, loss, router_losses
-
-
 def add_moh_aux_loss(loss, moh_router_logits, config, attention_mask=None):
     """(`loss` + moh_aux_loss_coef × the head balancing loss, that loss): `add_router_losses` for MoH logits alone
     (kept for one release)."""
@@ -143,6 +126,5 @@ def add_moh_aux_loss(loss, moh_router_logits, config, attention_mask=None):
 
 
 __all__ = [
-    "add_moh_aux_loss", "add_router_losses", "lm_logits_and_loss", "load_balancing_loss", "moh_load_balancing_loss",
-    "router_z_loss",
+    "add_moh_aux_loss", "add_router_losses", "load_balancing_loss", "moh_load_balancing_loss", "router_z_loss",
 ]  # fmt: skip

@@ -16,18 +16,20 @@ from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .bitnet import BitNetExperts, is_quantized, make_linear
 from .configuration_mhmoe import MHMoEConfig
-from .losses import lm_logits_and_loss
+from .causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward  # noqa: F401  (re-exported)
+from .lory import LoryExperts, LoryRouter, MHLoryBlock
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward
-from .moh import MoHRouter, add_head_router, attention_forward, moh_enabled
+from .moh import MoHRouter, add_head_router, attention_forward
 from .routing import route
 
 
@@ -40,9 +42,9 @@ class MHMoEMLP(nn.Module):
 
     def __init__(self, config: MHMoEConfig, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = make_linear(config, config.hidden_size, intermediate_size, bias=bias)
+        self.up_proj = make_linear(config, config.hidden_size, intermediate_size, bias=bias)
+        self.down_proj = make_linear(config, intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -96,10 +98,10 @@ class MHMoESparseMoeBlock(nn.Module):
         self.moe_heads = config.moe_heads
         self.jitter_noise = config.router_jitter_noise
         d = config.hidden_size
-        self.head_proj = nn.Linear(d, d, bias=False) if config.moe_head_layer else None
+        self.head_proj = make_linear(config, d, d) if config.moe_head_layer else None
         self.gate = MHMoETopKRouter(config)
-        self.experts = MHMoEExperts(config)
-        self.merge_proj = nn.Linear(d, d, bias=False) if config.moe_merge_layer else None
+        self.experts = BitNetExperts(config) if is_quantized(config, expert=True) else MHMoEExperts(config)
+        self.merge_proj = make_linear(config, d, d) if config.moe_merge_layer else None
         shared = config.shared_expert_intermediate_size
         self.shared_expert = MHMoEMLP(config, shared) if shared else None
 
@@ -119,6 +121,14 @@ class MHMoESparseMoeBlock(nn.Module):
         return out
 
 
+def _lory_parts(config: MHMoEConfig) -> tuple:
+    """The head layer, merge layer and shared expert of a Lory block (as `MHMoESparseMoeBlock` builds them)."""
+    d, shared = config.hidden_size, config.shared_expert_intermediate_size
+    head = make_linear(config, d, d) if config.moe_head_layer else None
+    merge = make_linear(config, d, d) if config.moe_merge_layer else None
+    return head, merge, MHMoEMLP(config, shared) if shared else None
+
+
 class MHMoEAttention(nn.Module):
     """Multi-head attention with GQA, RoPE and an optional sliding window; backends via ALL_ATTENTION_FUNCTIONS.
     With moh_* set, Mixture-of-Head attention: a head router gates each head's output before o_proj (the forward is
@@ -134,10 +144,10 @@ class MHMoEAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = make_linear(config, config.hidden_size, q_dim, bias=config.attention_bias)
+        self.k_proj = make_linear(config, config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.v_proj = make_linear(config, config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.o_proj = make_linear(config, q_dim, config.hidden_size, bias=config.attention_bias)
         add_head_router(self, config)  # self.head_router: None unless MoH
 
     def forward(
@@ -159,7 +169,9 @@ class MHMoEDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = MHMoEAttention(config, layer_idx)
-        if config.is_moe_layer(layer_idx):
+        if config.is_moe_layer(layer_idx) and config.router_type == "lory":  # lory.py: one merged expert per segment
+            self.mlp = MHLoryBlock(config, layer_idx, *_lory_parts(config))
+        elif config.is_moe_layer(layer_idx):
             self.mlp = MHMoESparseMoeBlock(config)
         else:
             self.mlp = MHMoEMLP(config, config.intermediate_size, bias=config.mlp_bias)
@@ -185,7 +197,8 @@ class MHMoEDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp_kwargs = {"past_key_values": past_key_values} if isinstance(self.mlp, MHLoryBlock) else {}
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), **mlp_kwargs)
 
 
 class MHMoEPreTrainedModel(PreTrainedModel):
@@ -217,6 +230,8 @@ class MHMoEPreTrainedModel(PreTrainedModel):
             module.weight.normal_(mean=0.0, std=std)
         elif isinstance(module, MoHRouter):
             module.reset_parameters()
+        elif isinstance(module, (BitNetExperts, LoryExperts, LoryRouter)):
+            module.reset_parameters(std)
 
 
 class MHMoEModel(MHMoEPreTrainedModel):
@@ -285,16 +300,6 @@ class MHMoEModelOutputWithPast(MoeModelOutputWithPast):
     moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
-@dataclass
-class MHMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
-    """Mixtral's output plus the router z-loss and the MoH head load-balancing loss (both unweighted, kept apart so
-    training can log them) and the MoH head-router logits."""
-
-    z_loss: torch.FloatTensor | None = None
-    moh_aux_loss: torch.FloatTensor | None = None
-    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
 class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -305,52 +310,8 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MHMoECausalLMOutputWithPast:
-        """Causal LM forward. With `output_router_logits` (argument or config), returns the load-balancing `aux_loss`,
-        `z_loss` and, for MoH, `moh_aux_loss`, and, when `labels` are given, adds them to the LM loss weighted by
-        `router_aux_loss_coef`, `router_z_loss_coef` and `moh_aux_loss_coef`."""
-        config = self.config
-        if output_router_logits is None:
-            output_router_logits = config.output_router_logits
-        if moh_enabled(config):
-            kwargs.setdefault("output_moh_router_logits", output_router_logits)
-        outputs: MHMoEModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
-        logits, loss, router_losses = lm_logits_and_loss(
-            self, outputs, labels, logits_to_keep, attention_mask, output_router_logits, **kwargs
-        )
-
-        return MHMoECausalLMOutputWithPast(
-            loss=loss,
-            **router_losses,
-            moh_router_logits=outputs.moh_router_logits,
-            logits=logits,
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            router_logits=outputs.router_logits,
-        )
+    causal_lm_output_class = MHMoECausalLMOutputWithPast
+    forward = causal_lm_forward  # base model -> LM head -> LM + router losses (causal_lm.py)
 
 
 __all__ = ["MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel"]

@@ -156,7 +156,8 @@ def add_head_router(attention: nn.Module, config) -> nn.Module:
     router = None
     if moh_enabled(config):
         weight = attention.q_proj.weight
-        router = MoHRouter.from_config(config).to(device=weight.device, dtype=weight.dtype)
+        dtype = weight.dtype if weight.is_floating_point() else None  # packed BitNet q_proj: int8 ternary weights
+        router = MoHRouter.from_config(config).to(device=weight.device, dtype=dtype)
     attention.head_router = router
     attention.moh_head_skipping = True
     return attention
@@ -244,6 +245,8 @@ class MoHAttentionMixin:
 def _use_head_skipping(module, query_states, attention_mask, gates, kwargs) -> bool:
     router = module.head_router
     if not getattr(module, "moh_head_skipping", True) or torch.compiler.is_compiling():
+        return False
+    if type(module.o_proj) is not nn.Linear:  # BitNet's o_proj quantises its input: no per-head split of its weight
         return False
     if query_states.device.type != "cpu":  # measured on CPU only; on GPUs one fused kernel over all heads may win
         return False

@@ -6,6 +6,13 @@ A SwiGLU expert on width w has 3·w·f weights and costs 3·w·f multiply-adds p
 per token: head and merge layers d² each, router h·(d/h)·E = d·E, experts h·k·3·(d/h)·f = 3·d·f·k, shared expert
 3·d·f_shared. The paper's eq. (8), f_mh = f_moe − d/k, is exact only for k=1 and 2-matrix FFNs; for SwiGLU the
 leading-term FLOPs equation is 2d² + 3·d·f_mh·k_mh = 3·d·f_moe·k_moe (its Section 3 settings follow it).
+
+Lory / MH-Lory (`router_type="lory"`, segment length L, P expert pools: 1 shared (v1) or h, one per head (v2)):
+experts P·E·3·(d/h)·f and router P·E·(d/h) parameters; per token one merged expert per sub-token, h·3·(d/h)·f = 3·d·f;
+per segment each head's router on the segment mean (E·d/h) and its merge Σ_e w_e θ_e, which reads all E of its pool's
+expert parameter sets: h·E·3·(d/h)·f = 3·d·f·E multiply-adds, i.e. E× the expert parameters one head uses. The per-token
+cost counts that merge spread over the L tokens of the segment. BitNet b1.58 changes no count (same shapes; its
+per-projection norms and scales are excluded like the other norms).
 """
 
 from dataclasses import dataclass
@@ -21,6 +28,7 @@ class MoELayerCost:
     head_merge_params: int
     router_params: int
     shared_expert_params: int
+    merge_macs_per_segment: int = 0  # Lory: routing on the segment means and merging the experts, once per segment
 
     @property
     def flops_per_token(self) -> int:
@@ -28,7 +36,10 @@ class MoELayerCost:
 
 
 def moe_layer_cost(config) -> MoELayerCost:
-    """Cost of one MoE layer of `config` (an `MHMoEConfig` or anything with the same fields)."""
+    """Cost of one MoE layer of `config` (an `MHMoEConfig` or anything with the same fields); Lory's per-segment merge
+    is included in `macs_per_token` as merge_macs_per_segment / lory_segment_length (rounded)."""
+    if getattr(config, "router_type", "topk") == "lory":
+        return _lory_layer_cost(config)
     d, h, E = config.hidden_size, config.moe_heads, config.num_experts
     k, f = config.num_experts_per_tok, config.moe_intermediate_size
     f_shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
@@ -45,6 +56,25 @@ def moe_layer_cost(config) -> MoELayerCost:
         head_merge_params=head_merge,
         router_params=router,
         shared_expert_params=shared,
+    )
+
+
+def _lory_layer_cost(config) -> MoELayerCost:
+    d, h, E, f = config.hidden_size, config.moe_heads, config.num_experts, config.moe_intermediate_size
+    pools = h if config.lory_expert_pool == "per_head" else 1
+    width = d // h
+    head_merge = (int(bool(config.moe_head_layer)) + int(bool(config.moe_merge_layer))) * d * d
+    shared = 3 * d * (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    per_segment = h * E * width + h * E * 3 * width * f  # each head: router on its mean, merge of E experts
+    per_token = head_merge + h * 3 * width * f + shared  # one merged expert per sub-token
+    return MoELayerCost(
+        params=head_merge + pools * E * width + pools * E * 3 * width * f + shared,
+        macs_per_token=per_token + round(per_segment / config.lory_segment_length),
+        expert_params=pools * E * 3 * width * f,
+        head_merge_params=head_merge,
+        router_params=pools * E * width,
+        shared_expert_params=shared,
+        merge_macs_per_segment=per_segment,
     )
 
 

@@ -5,13 +5,9 @@ keys) and gates each head's output with a MoH head router (see `models/mhmoe/moh
 dict is exactly Llama's. With all heads active and straight-through gates the logits equal `LlamaForCausalLM`'s.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -22,13 +18,11 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
-from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder
 
 # One source of truth for MoH (a later export step copies moh.py next to this file).
-from ..mhmoe.losses import lm_logits_and_loss
-from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router, moh_enabled
+from ..mhmoe.causal_lm import MoHCausalLMOutputWithPast, causal_lm_forward
+from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router
 from ..mhmoe.configuration_mhmoe import refuse_auto_class_registration
 from .configuration_moh_llama import MoHLlamaConfig
 
@@ -72,14 +66,6 @@ class MoHLlamaPreTrainedModel(LlamaPreTrainedModel):
             module.reset_parameters()
 
 
-@dataclass
-class MoHCausalLMOutputWithPast(CausalLMOutputWithPast):
-    """Llama's causal-LM output plus the (unweighted) MoH load-balancing loss and the head-router logits."""
-
-    moh_aux_loss: torch.FloatTensor | None = None
-    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
 class MoHLlamaModel(MoHLlamaPreTrainedModel, LlamaModel):
     def __init__(self, config: MoHLlamaConfig):
         config.validate_architecture()  # again: fields may have been set after the config was built
@@ -96,50 +82,7 @@ class MoHLlamaModel(MoHLlamaPreTrainedModel, LlamaModel):
         self.post_init()
 
 
-@can_return_tuple
-def moh_causal_lm_forward(
-    self,
-    input_ids: torch.LongTensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    past_key_values: Cache | None = None,
-    inputs_embeds: torch.Tensor | None = None,
-    labels: torch.LongTensor | None = None,
-    use_cache: bool | None = None,
-    output_router_logits: bool | None = None,
-    logits_to_keep: int | torch.Tensor = 0,
-    **kwargs: Unpack[TransformersKwargs],
-) -> MoHCausalLMOutputWithPast:
-    """Llama's causal-LM forward plus MoH: with `output_router_logits` (argument or config) it returns the head
-    load-balancing loss `moh_aux_loss` (eq. 7) and, when `labels` are given, adds it ×`moh_aux_loss_coef` to the loss.
-    Shared by MoHLlamaForCausalLM and the Mistral/Qwen2 models `mhmoe.apply_moh` patches."""
-    config = self.config
-    if output_router_logits is None:
-        output_router_logits = getattr(config, "output_router_logits", False)
-    if moh_enabled(config):
-        kwargs.setdefault("output_moh_router_logits", output_router_logits)
-    outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
-    )
-    logits, loss, router_losses = lm_logits_and_loss(
-        self, outputs, labels, logits_to_keep, attention_mask, output_router_logits, **kwargs
-    )
-
-    return MoHCausalLMOutputWithPast(
-        loss=loss,
-        moh_aux_loss=router_losses["moh_aux_loss"],
-        logits=logits,
-        past_key_values=outputs.past_key_values,
-        hidden_states=outputs.hidden_states,
-        attentions=outputs.attentions,
-        moh_router_logits=outputs.get("moh_router_logits"),  # set by capture_outputs (`_can_record_outputs`)
-    )
+moh_causal_lm_forward = causal_lm_forward  # the former name, kept for one release
 
 
 class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM):
@@ -150,7 +93,7 @@ class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    forward = moh_causal_lm_forward
+    forward = causal_lm_forward  # Llama's causal-LM forward plus the MoH balance loss (models/mhmoe/causal_lm.py)
 
 
 __all__ = [

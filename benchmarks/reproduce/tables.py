@@ -1,0 +1,98 @@
+"""The cells of each reproduced table: name -> MHMoEConfig fields, at a given scale.
+
+Scales (`SCALES`): "cpu" trains each cell in minutes on 2 CPU cores; "gpu" is the larger scale for a lent GPU; "quick"
+is the CI smoke run (tiny, seconds). Every MoE model puts MoE in every second layer (the paper's setting) and is
+matched to the top-1 SMoE with `MHMoEConfig.matched_to_smoe` (activated FLOPs and parameters, head/merge layers
+counted). Router settings follow the official MH-MoE code: top-k gates renormalised only when k > 1, GShard balance
+loss on top-1 assignments summed over layers (`router_aux_loss_mode="top1_sum"`, coefficient 0.01), dropless unless
+a cell says `capacity_factor`.
+"""
+
+from mhmoe import MHMoEConfig
+
+SCALES = {
+    # d divisible by 2 and 3 (h=2, h=3), even head_dim; f_smoe = 8/3·d as in the paper (d=768, f=2048)
+    "quick": dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, smoe_intermediate=128, block=32,
+                  batch=4, steps=6, vocab=320, lr=3e-3),
+    "cpu": dict(hidden_size=96, num_hidden_layers=4, num_attention_heads=4, smoe_intermediate=256, block=64,
+                batch=8, steps=300, vocab=2048, lr=2e-3),
+    "gpu": dict(hidden_size=576, num_hidden_layers=8, num_attention_heads=8, smoe_intermediate=1536, block=512,
+                batch=32, steps=3000, vocab=8192, lr=1e-3),
+}  # fmt: skip
+
+ROUTER = dict(router_aux_loss_mode="top1_sum", router_aux_loss_coef=0.01, norm_topk_prob=True,
+              output_router_logits=True)  # fmt: skip
+
+
+def base_fields(scale: dict) -> dict:
+    d = scale["hidden_size"]
+    return dict(vocab_size=scale["vocab"], hidden_size=d, intermediate_size=scale["smoe_intermediate"],
+                num_hidden_layers=scale["num_hidden_layers"], num_attention_heads=scale["num_attention_heads"],
+                max_position_embeddings=scale["block"], tie_word_embeddings=False)  # fmt: skip
+
+
+def smoe(scale: dict, **fields) -> MHMoEConfig:
+    """The top-1 SMoE of Table 1 (E=8), MoE every second layer."""
+    return MHMoEConfig(**base_fields(scale), num_experts=8, num_experts_per_tok=1,
+                       moe_intermediate_size=scale["smoe_intermediate"], moe_heads=1, decoder_sparse_step=2,
+                       **ROUTER, **fields)  # fmt: skip
+
+
+def table1(scale: dict, shared: bool = False, **extra) -> dict[str, MHMoEConfig]:
+    """MH-MoE Table 1 (with `shared`: Table 2): dense, SMoE, fine-grained SMoE, MH-MoE h=2 and h=3."""
+    f = scale["smoe_intermediate"]
+    shared_fields = dict(shared_expert_intermediate_size=f // 2) if shared else {}
+    source = smoe(scale, **extra)
+    cells = {
+        "SMoE": smoe(scale, **shared_fields, **extra),
+        "Fine-grained SMoE": MHMoEConfig.matched_to_smoe(source, moe_heads=1, num_experts_per_tok=2,
+                                                          moe_head_layer=False, moe_merge_layer=False,
+                                                          **shared_fields),  # fmt: skip
+        "MH-MoE h=2": MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2, **shared_fields),
+        "MH-MoE h=3": MHMoEConfig.matched_to_smoe(source, moe_heads=3, num_experts_per_tok=3, **shared_fields),
+    }
+    if not shared:  # the dense baseline has no shared expert to add
+        cells = {"Dense": MHMoEConfig(**base_fields(scale), decoder_sparse_step=0), **cells}
+    return cells
+
+
+def ablations(scale: dict) -> dict[str, MHMoEConfig]:
+    """MH-MoE Tables 4-5: h=2 with both layers, without the head layer, without the merge layer, without both (each
+    re-matched to the SMoE for what it really has)."""
+    source = smoe(scale)
+    variants = {"MH-MoE h=2": {}, "w/o head layer": dict(moe_head_layer=False),
+                "w/o merge layer": dict(moe_merge_layer=False),
+                "w/o both": dict(moe_head_layer=False, moe_merge_layer=False)}  # fmt: skip
+    return {name: MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2, **fields)
+            for name, fields in variants.items()}  # fmt: skip
+
+
+def capacity(scale: dict) -> dict[str, MHMoEConfig]:
+    """MH-MoE h=2 vs SMoE, dropless (this library's default) and at capacity factor 1.0 (the official training)."""
+    cells = {}
+    for label, cf in (("dropless", None), ("capacity 1.0", 1.0)):
+        source = smoe(scale, capacity_factor=cf)
+        cells[f"SMoE, {label}"] = source
+        cells[f"MH-MoE h=2, {label}"] = MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2)
+    return cells
+
+
+def moh_table4(scale: dict) -> dict[str, MHMoEConfig]:
+    """MoH Table 4: dense multi-head attention against MoH at 75% and 50% active heads, from scratch, learned router
+    (dense MLPs, so only attention differs)."""
+    heads = scale["num_attention_heads"] * 2  # 8 heads at the cpu scale: 2 shared + routed
+    fields = dict(base_fields(scale), num_attention_heads=heads, decoder_sparse_step=0, output_router_logits=True)
+    return {
+        "MHA (100% heads)": MHMoEConfig(**fields),
+        "MoH 75% heads": MHMoEConfig(**fields, moh_shared_heads=2, moh_active_heads=heads * 3 // 4 - 2),
+        "MoH 50% heads": MHMoEConfig(**fields, moh_shared_heads=2, moh_active_heads=heads // 2 - 2),
+    }
+
+
+TABLES = {
+    "mhmoe_table1": (table1, "MH-MoE Table 1: dense, SMoE, fine-grained SMoE, MH-MoE (FLOPs and parameters matched)"),
+    "mhmoe_table2": (lambda scale: table1(scale, shared=True), "MH-MoE Table 2: with a shared expert"),
+    "mhmoe_ablation": (ablations, "MH-MoE Tables 4-5: head and merge layer ablations"),
+    "mhmoe_capacity": (capacity, "MH-MoE vs SMoE, dropless and with capacity factor 1.0"),
+    "moh_table4": (moh_table4, "MoH Table 4: MHA vs MoH at 75% and 50% active heads, from scratch"),
+}

@@ -1,0 +1,285 @@
+"""BitNet b1.58 (Ma et al. 2024, "The Era of 1-bit LLMs"): ternary weights, 8-bit activations, for 1-bit MH-MoE.
+
+Every quantised projection computes y = W_q · Q_8(RMSNorm(x)):
+- weights: one absmean scale per matrix, s = mean(|W|); W_q = s · clamp(round(W / s), -1, 1), values {-s, 0, +s};
+- activations: per token absmax to 8 bits, Q_8(x) = clamp(round(x · 127 / max|x|), -128, 127) · max|x| / 127;
+- the sub-layer norm: an RMSNorm with its own gain on the input of every quantised projection, before the activation
+  quantisation (BitNet's SubLN placement, kept by b1.58's training-tips code);
+- straight-through estimator: the forward uses W_q and Q_8(x), the backward treats both roundings as identity, so the
+  gradients reach the full-precision latent weights, which the optimiser updates.
+For the 3-D expert weights (E, out, in) each expert matrix has its own scale and its own norm gain; the experts run
+as two grouped GEMMs over the tokens sorted by expert (`torch.nn.functional.grouped_mm`, one matmul per expert only
+where the kernel refuses the operands), like the unquantised grouped path.
+
+Inference uses the same quantised weights (cached per weight version when no gradient is taken). `bitnet_packed=True`
+models hold the weights as int8 ternary values plus one fp32 scale per matrix (`weight` / `weight_scale`,
+`gate_up_proj` / `gate_up_proj_scale`, ...): what `mhmoe.hub.export_pretrained` writes (`packed_model`). They are for
+inference; train the latent checkpoint.
+
+Shape legend: N routed rows, K experts per row, S kept (row, expert) assignments, E experts, W row width,
+I = moe_intermediate_size. This file runs on torch + transformers alone: exported checkpoints ship it.
+"""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from .configuration_mhmoe import BITNET_QUANTIZED_LAYERS, LINEAR_TYPES
+from .routing import sort_by_expert
+
+_SCALE_MIN = 1e-5  # clamp of the absmean / absmax scales (an all-zero matrix or token)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class BitNetRMSNorm(LlamaRMSNorm):
+    """The sub-layer norm in front of a quantised projection (Transformers initialises *RMSNorm gains to 1)."""
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ternary values in {-1, 0, 1} as `weight`'s dtype, fp32 scale): one absmean scale per matrix; a 3-D
+    (E, out, in) weight gets one per expert, shape (E,)."""
+    dims = tuple(range(weight.dim() - 2, weight.dim()))
+    scale = weight.detach().abs().float().mean(dim=dims).clamp(min=_SCALE_MIN)  # () or (E,)
+    ternary = (weight.detach().float() / scale[..., None, None]).round().clamp(-1, 1)
+    return ternary.to(weight.dtype), scale
+
+
+def dequantize(ternary: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ternary × scale (one per matrix), computed in fp32 and cast once: latent and packed models agree exactly."""
+    return (ternary.float() * scale.float()[..., None, None]).to(dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the quantised tensor exactly; backward: the gradient goes to the full-precision tensor unchanged."""
+
+    @staticmethod
+    def forward(ctx, full_precision, quantized):
+        return quantized
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _ste(full_precision: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and full_precision.requires_grad:
+        return _StraightThrough.apply(full_precision, quantized)
+    return quantized
+
+
+def _ste_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Forward: ternary × scale; backward: identity to the latent weight."""
+    return _ste(weight, dequantize(*quantize_weight(weight), weight.dtype))
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """Per-token (last dim) absmax 8-bit fake quantisation with the straight-through estimator."""
+    scale = 127.0 / x.detach().abs().float().amax(dim=-1, keepdim=True).clamp(min=_SCALE_MIN)
+    return _ste(x, ((x.detach().float() * scale).round().clamp(-128, 127) / scale).to(x.dtype))
+
+
+class _CachedQuantization:
+    """The quantised weight for no-grad forwards, recomputed only when the latent weight changes."""
+
+    def _quantized_for_forward(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        # only a stored parameter is cached: under PEFT's parametrisation `weight` is recomputed on every access
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(weight, nn.Parameter):
+            return _ste_weight(weight)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        cache = self.__dict__.setdefault("_bitnet_cache", {})
+        if name not in cache or cache[name][0] != key:
+            cache[name] = (key, _ste_weight(weight))
+        return cache[name][1]
+
+
+class BitLinear(nn.Linear, _CachedQuantization):
+    """`nn.Linear` with BitNet b1.58 quantisation (latent full-precision `weight`; PEFT's LoRA wraps it as a Linear)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6):
+        super().__init__(in_features, out_features, bias=bias)
+        self.input_norm = BitNetRMSNorm(in_features, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = quantize_activations(self.input_norm(x))
+        return F.linear(x, self._quantized_for_forward("weight", self.weight), self.bias)
+
+    def quantized_weight(self) -> torch.Tensor:
+        """The weight the forward uses: ternary × its one scale."""
+        return dequantize(*quantize_weight(self.weight), self.weight.dtype)
+
+
+class PackedBitLinear(nn.Module):
+    """Inference-only BitLinear holding int8 ternary `weight` and its fp32 `weight_scale` (an exported checkpoint)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones((), dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.input_norm = BitNetRMSNorm(in_features, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = quantize_activations(self.input_norm(x))
+        return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
+
+    def quantized_weight(self) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale, torch.float32)
+
+
+def is_quantized(config, expert: bool = False) -> bool:
+    """Whether a projection of this kind is a BitLinear under `config` (experts: the routed experts' 3-D weights)."""
+    if getattr(config, "linear_type", "linear") != "bitnet_b158":
+        return False
+    return expert or config.bitnet_quantized_layers == "all"
+
+
+def make_linear(config, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
+    """The decoder projection `config` asks for: `nn.Linear`, `BitLinear`, or `PackedBitLinear` (packed export)."""
+    if not is_quantized(config):
+        return nn.Linear(in_features, out_features, bias=bias)
+    cls = PackedBitLinear if config.bitnet_packed else BitLinear
+    return cls(in_features, out_features, bias=bias, eps=config.rms_norm_eps)
+
+
+def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows (S, in) sorted by expert, weight (E, out, in), offsets (E,) int32 group ends -> (S, out); differentiable."""
+    rhs = weight.transpose(1, 2)  # (E, in, out), a view
+    tensors = (rows, rhs)
+    aligned = all(t.data_ptr() % 16 == 0 and all(s == 1 or s * t.element_size() % 16 == 0 for s in t.stride())
+                  for t in tensors) and all(n * rows.element_size() % 16 == 0 for n in weight.shape[1:])  # fmt: skip
+    # (the output and the gradients the backward makes need 16-byte rows too)
+    dtype_ok = rows.dtype in (torch.float32, torch.bfloat16, torch.float16) if rows.device.type == "cpu" else (
+        rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (8, 0))  # fmt: skip
+    if _GROUPED_MM is not None and aligned and dtype_ok and rows.dtype == rhs.dtype and rows.shape[0] > 0:
+        return _GROUPED_MM(rows, rhs, offs=offsets)
+    ends = offsets.tolist()  # torch's kernel refuses these operands: one matmul per non-empty expert
+    starts = [0] + ends[:-1]
+    pieces = [rows[a:b] @ rhs[e] for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
+    return torch.cat(pieces) if pieces else rows.new_zeros(0, weight.shape[1])
+
+
+def _norm_quantize(rows: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row (in fp32, like LlamaRMSNorm) times its gain row, then 8-bit activations: an expert's
+    sub-layer norm. `gain` (S, width) or (1, width)."""
+    variance = rows.float().pow(2).mean(-1, keepdim=True)
+    normed = (rows.float() * torch.rsqrt(variance + eps)).to(rows.dtype)
+    return quantize_activations(gain.to(rows.dtype) * normed)
+
+
+class BitNetExperts(nn.Module, _CachedQuantization):
+    """`num_experts` SwiGLU experts as 3-D weights like `MHMoEExperts`, every expert matrix a BitLinear: its own scale,
+    its own sub-layer norm gain (`gate_up_norm` (E, W), `down_norm` (E, I)). Same call as the other experts
+    implementations: (hidden_states (N, W), top_k_index (N, K), top_k_weights (N, K)) -> (N, W)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size // config.moe_heads
+        self.intermediate_dim = config.moe_intermediate_size
+        self.eps = config.rms_norm_eps
+        self.packed = bool(config.bitnet_packed)
+        shapes = {"gate_up_proj": (self.num_experts, 2 * self.intermediate_dim, self.hidden_dim),
+                  "down_proj": (self.num_experts, self.hidden_dim, self.intermediate_dim)}  # fmt: skip
+        for name, shape in shapes.items():
+            if self.packed:
+                self.register_buffer(name, torch.zeros(shape, dtype=torch.int8))
+                self.register_buffer(f"{name}_scale", torch.ones(self.num_experts, dtype=torch.float32))
+            else:
+                setattr(self, name, nn.Parameter(torch.empty(shape)))
+        self.gate_up_norm = nn.Parameter(torch.ones(self.num_experts, self.hidden_dim))
+        self.down_norm = nn.Parameter(torch.ones(self.num_experts, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        if not self.packed:
+            self.gate_up_proj.normal_(mean=0.0, std=std)
+            self.down_proj.normal_(mean=0.0, std=std)
+        self.gate_up_norm.fill_(1.0)
+        self.down_norm.fill_(1.0)
+
+    def quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up (E, 2I, W), down (E, W, I)) as the forward uses them: ternary × one scale per expert matrix."""
+        if self.packed:
+            return tuple(dequantize(getattr(self, n), getattr(self, f"{n}_scale"), torch.float32)
+                         for n in ("gate_up_proj", "down_proj"))  # fmt: skip
+        return tuple(dequantize(*quantize_weight(w), w.dtype) for w in self._latent())
+
+    def _latent(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj.detach(), self.down_proj.detach()
+
+    def _weights_for_forward(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.packed:
+            return tuple(dequantize(getattr(self, n), getattr(self, f"{n}_scale"), dtype)
+                         for n in ("gate_up_proj", "down_proj"))  # fmt: skip
+        return self._quantized_for_forward("gate_up_proj", self.gate_up_proj), self._quantized_for_forward(
+            "down_proj", self.down_proj)  # fmt: skip
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        num_rows, top_k = top_k_index.shape
+        order, offsets = sort_by_expert(top_k_index, self.num_experts)  # (S,), (E,) int32
+        num_kept = int(offsets[-1])  # dropped assignments (capacity) sort last and are not computed
+        order = order[:num_kept]
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        expert_of_row = torch.repeat_interleave(torch.arange(self.num_experts, device=order.device), counts)  # (S,)
+        source_rows = order // top_k  # (S,) the routed row of each sorted assignment
+        gate_up_w, down_w = self._weights_for_forward(hidden_states.dtype)
+        rows = hidden_states.index_select(0, source_rows)  # (S, W)
+        rows = _norm_quantize(rows, self.gate_up_norm.index_select(0, expert_of_row), self.eps)
+        gate, up = _grouped_linear(rows, gate_up_w, offsets).chunk(2, dim=-1)  # (S, I) each
+        hidden = _norm_quantize(self.act_fn(gate) * up, self.down_norm.index_select(0, expert_of_row), self.eps)
+        expert_out = _grouped_linear(hidden, down_w, offsets)  # (S, W)
+        weights = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(expert_out.dtype)
+        out = hidden_states.new_zeros(num_rows, self.hidden_dim, dtype=expert_out.dtype)
+        return out.index_add(0, source_rows, expert_out * weights).to(hidden_states.dtype)
+
+    def eager_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """Reference: a loop over rows and their experts with each expert's quantised matrices (tests)."""
+        gate_up_w, down_w = self.quantized_weights()
+        out = torch.zeros_like(hidden_states, dtype=torch.float32)
+        for row in range(hidden_states.shape[0]):
+            for slot in range(top_k_index.shape[1]):
+                e = int(top_k_index[row, slot])
+                if e >= self.num_experts:
+                    continue
+                x = _norm_quantize(hidden_states[row : row + 1], self.gate_up_norm[e : e + 1], self.eps)
+                gate, up = (x @ gate_up_w[e].t()).chunk(2, dim=-1)
+                x = _norm_quantize(self.act_fn(gate) * up, self.down_norm[e : e + 1], self.eps)
+                out[row] += top_k_weights[row, slot] * (x @ down_w[e].t())[0].float()
+        return out.to(hidden_states.dtype)
+
+
+def packed_model(model):
+    """A copy of a latent BitNet model whose quantised projections hold int8 ternary weights + fp32 scales
+    (`config.bitnet_packed=True`): same logits, about a quarter of the fp32 weight bytes. A model that is not a
+    latent BitNet model is returned as is."""
+    config = model.config
+    if getattr(config, "linear_type", "linear") != "bitnet_b158" or config.bitnet_packed:
+        return model
+    state = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, BitLinear):
+            ternary, scale = quantize_weight(module.weight.detach())
+            state[f"{prefix}weight"], state[f"{prefix}weight_scale"] = ternary.to(torch.int8), scale
+        elif isinstance(module, BitNetExperts):
+            for param, latent in zip(("gate_up_proj", "down_proj"), module._latent()):
+                ternary, scale = quantize_weight(latent)
+                state[f"{prefix}{param}"], state[f"{prefix}{param}_scale"] = ternary.to(torch.int8), scale
+    packed_config = copy.deepcopy(config)
+    packed_config.bitnet_packed = True
+    packed = type(model)(packed_config).to(device=model.device, dtype=model.dtype)  # int8 buffers stay int8
+    full = {**model.state_dict(), **state}
+    packed.load_state_dict({k: v for k, v in full.items() if k in packed.state_dict()}, strict=True)
+    return packed.eval()
+
+
+__all__ = [
+    "BITNET_QUANTIZED_LAYERS", "LINEAR_TYPES", "BitLinear", "BitNetExperts", "BitNetRMSNorm", "PackedBitLinear",
+    "is_quantized", "make_linear", "packed_model", "quantize_activations", "quantize_weight",
+]  # fmt: skip

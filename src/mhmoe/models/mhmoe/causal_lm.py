@@ -1,0 +1,91 @@
+"""The causal-LM forward shared by MHMoEForCausalLM, MoHLlamaForCausalLM and the Llama-family models `apply_moh`
+patches: base model → LM head → LM loss + router losses (`losses.add_router_losses`), and the output classes.
+
+This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+
+from .losses import add_router_losses
+from .moh import moh_enabled
+
+
+@dataclass
+class MoHCausalLMOutputWithPast(CausalLMOutputWithPast):
+    """Llama's causal-LM output plus the (unweighted) MoH load-balancing loss and the head-router logits."""
+
+    moh_aux_loss: torch.FloatTensor | None = None
+    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class MHMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    """Mixtral's output plus the router z-loss and the MoH head load-balancing loss (both unweighted, kept apart so
+    training can log them) and the MoH head-router logits."""
+
+    z_loss: torch.FloatTensor | None = None
+    moh_aux_loss: torch.FloatTensor | None = None
+    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@can_return_tuple
+def causal_lm_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values: Cache | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.LongTensor | None = None,
+    use_cache: bool | None = None,
+    output_router_logits: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Unpack[TransformersKwargs],
+):
+    """Causal LM forward. With `output_router_logits` (argument or config) it returns the unweighted router losses the
+    model has (MoE: `aux_loss`, `z_loss`; MoH: `moh_aux_loss`) and, when `labels` are given, adds them to the LM loss
+    weighted by `router_aux_loss_coef`, `router_z_loss_coef` and `moh_aux_loss_coef`. The output class is the model
+    class's `causal_lm_output_class` (default `MoHCausalLMOutputWithPast`)."""
+    config = self.config
+    if output_router_logits is None:
+        output_router_logits = getattr(config, "output_router_logits", False)
+    if moh_enabled(config):
+        kwargs.setdefault("output_moh_router_logits", output_router_logits)
+    if "router_logits" in getattr(self.model, "_can_record_outputs", {}):  # a base model with MoE routers
+        kwargs["output_router_logits"] = output_router_logits
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    logits = self.lm_head(outputs.last_hidden_state[:, slice_indices, :])
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **kwargs)
+    # router logits are recorded by capture_outputs (`_can_record_outputs`) when requested
+    router_logits = (outputs.get("router_logits"), outputs.get("moh_router_logits"))
+    loss, router_losses = add_router_losses(loss, config, attention_mask, *(router_logits if output_router_logits
+                                                                             else ()))  # fmt: skip
+    output_class = getattr(self, "causal_lm_output_class", MoHCausalLMOutputWithPast)
+    fields = {
+        "loss": loss, **router_losses, "logits": logits, "past_key_values": outputs.past_key_values,
+        "hidden_states": outputs.hidden_states, "attentions": outputs.attentions,
+        "router_logits": router_logits[0], "moh_router_logits": router_logits[1],
+    }  # fmt: skip
+    names = {field.name for field in dataclasses.fields(output_class)}
+    return output_class(**{name: value for name, value in fields.items() if name in names})
+
+
+__all__ = ["MHMoECausalLMOutputWithPast", "MoHCausalLMOutputWithPast", "causal_lm_forward"]

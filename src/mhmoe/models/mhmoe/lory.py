@@ -1,0 +1,175 @@
+"""Lory (Zhong et al. 2024) and Multi-Headed Lory (the MH-Lory proposal): one merged expert per segment.
+
+The sequence is cut into segments of `lory_segment_length` tokens. For segment s every token goes through ONE SwiGLU
+expert whose parameters are the routing-weighted sum of all experts' parameters, θ_s = Σ_e w_{s,e} θ_e, with
+w_s = softmax(R(mean of segment s-1's hidden states)): routing never sees the segment's own or later tokens, so the
+model stays causal. Everything is differentiable (no top-k), so no load-balancing loss is added (neither the proposal
+nor Lory use one; the router learns through the merged parameters).
+
+First segment: it has no previous segment; its "previous mean" is the zero vector, so the router's logits are 0 and
+the merge is uniform (the mean of the experts). The proposal gives the rule only for segments with a predecessor;
+Lory's paper treats the first segment its own way (not reproduced here), which lets a first-segment token's routing
+depend on later tokens of that segment: this rule keeps every token's routing strictly causal.
+
+MH-Lory (moe_heads = h > 1): the head layer projects each token, it is split into h sub-tokens of width W = D/h, and
+each head p gets its own routing weights per segment from the mean of its sub-tokens:
+- v1 (`lory_expert_pool="shared"`): all heads merge from one pool of E experts with one router (E, W);
+- v2 (`"per_head"`): head p has its own pool of E experts and its own router, E·h experts in all.
+Sub-tokens are concatenated again and projected by the merge layer, as in MH-MoE.
+
+Cost per segment and head: the merge reads E expert parameter sets (E·3·W·I multiply-adds) once, then every token of
+the segment pays one expert (3·W·I); `parity.moe_layer_cost` counts both.
+
+Decoding with the KV cache: the block keeps, per layer, the number of tokens seen, the running sum of the current
+segment's sub-tokens and the mean of the previous segment, next to the cache (`past_key_values._mhmoe_lory`), so a
+token decoded alone gets the routing the full forward gives it. Beam search's reordering of the cache reorders this
+state too; a cache cropped or reused for another sequence no longer matches it and is refused in words. Padding tokens
+count in the segment means (the block sees no attention mask): train on packed blocks (as `mhmoe-train` does) and
+decode unpadded or right-padded batches; a left-padded batch routes its first segments on the padding too.
+
+Shape legend: B batch, T tokens of this call, D hidden_size, h moe_heads, W = D/h, E experts per pool, P pools (1 for
+v1, h for v2), I moe_intermediate_size, L segment length. This file runs on torch + transformers alone.
+"""
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from .configuration_mhmoe import LORY_EXPERT_POOLS, ROUTER_TYPES
+
+
+class LoryRouter(nn.Module):
+    """Linear router per pool, `weight` (P·E, W), computed in fp32 on segment means."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_pools = config.moe_heads if config.lory_expert_pool == "per_head" else 1
+        self.num_experts = config.num_experts
+        width = config.hidden_size // config.moe_heads
+        self.weight = nn.Parameter(torch.empty(self.num_pools * self.num_experts, width))
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        self.weight.normal_(mean=0.0, std=std)
+
+    def forward(self, means: torch.Tensor) -> torch.Tensor:
+        """means (B, h, W) -> routing weights (B, h, E) fp32 (softmax over each head's pool)."""
+        weight = self.weight.float().view(self.num_pools, self.num_experts, -1)  # (P, E, W)
+        logits = torch.einsum("bhw,hew->bhe" if self.num_pools > 1 else "bhw,ew->bhe",
+                              means.float(), weight if self.num_pools > 1 else weight[0])  # fmt: skip
+        return torch.softmax(logits, dim=-1)
+
+
+class LoryExperts(nn.Module):
+    """P·E SwiGLU experts on width W, 3-D like `MHMoEExperts` (`gate_up_proj` (P·E, 2I, W), `down_proj` (P·E, W, I))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_pools = config.moe_heads if config.lory_expert_pool == "per_head" else 1
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size // config.moe_heads
+        self.intermediate_dim = config.moe_intermediate_size
+        total = self.num_pools * self.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(total, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(total, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        self.gate_up_proj.normal_(mean=0.0, std=std)
+        self.down_proj.normal_(mean=0.0, std=std)
+
+    def merged(self, routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """routing (B, h, E) -> per (batch row, head) merged weights: gate_up (B, h, 2I, W), down (B, h, W, I)."""
+        routing = routing.to(self.gate_up_proj.dtype)
+        merged = []
+        for param in (self.gate_up_proj, self.down_proj):
+            pools = param.view(self.num_pools, self.num_experts, *param.shape[1:])  # (P, E, out, in)
+            if self.num_pools > 1:  # v2: head p merges its own pool
+                merged.append(torch.einsum("bhe,heoi->bhoi", routing, pools))
+            else:  # v1 / Lory: every head merges the one pool with its own weights
+                merged.append(torch.einsum("bhe,eoi->bhoi", routing, pools[0]))
+        return merged[0], merged[1]
+
+    def forward(self, sub_tokens: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """sub_tokens (B, n, h, W) of one segment through its merged expert -> (B, n, h, W)."""
+        gate, up = torch.einsum("bnhw,bhow->bnho", sub_tokens, gate_up).chunk(2, dim=-1)  # (B, n, h, I) each
+        return torch.einsum("bnhi,bhoi->bnho", self.act_fn(gate) * up, down)
+
+
+class MHLoryBlock(nn.Module):
+    """head layer -> h sub-tokens -> per segment and head one merged expert (routed on the previous segment) ->
+    concatenate -> merge layer [+ shared expert]. Parameter names follow `MHMoESparseMoeBlock`."""
+
+    def __init__(self, config, layer_idx: int, head_proj=None, merge_proj=None, shared_expert=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.moe_heads = config.moe_heads
+        self.segment_length = config.lory_segment_length
+        self.head_proj = head_proj
+        self.gate = LoryRouter(config)
+        self.experts = LoryExperts(config)
+        self.merge_proj = merge_proj
+        self.shared_expert = shared_expert
+
+    def forward(self, hidden_states: torch.Tensor, past_key_values=None) -> torch.Tensor:
+        batch_size, seq_len, hidden_dim = hidden_states.shape
+        sub_tokens = self.head_proj(hidden_states) if self.head_proj is not None else hidden_states
+        sub_tokens = sub_tokens.view(batch_size, seq_len, self.moe_heads, -1)  # (B, T, h, W)
+        seen, prev_mean, current_sum = self._state(past_key_values, sub_tokens)
+        length, outputs, start = self.segment_length, [], 0
+        while start < seq_len:  # one merged expert per segment touched by this call
+            in_segment = (seen + start) % length  # tokens of this segment seen before
+            end = min(seq_len, start + length - in_segment)
+            piece = sub_tokens[:, start:end]  # (B, n, h, W)
+            gate_up, down = self.experts.merged(self.gate(prev_mean))
+            outputs.append(self.experts(piece, gate_up, down))
+            current_sum = current_sum + piece.float().sum(dim=1)  # (B, h, W)
+            if (seen + end) % length == 0:  # segment complete: its mean routes the next one
+                prev_mean, current_sum = current_sum / length, torch.zeros_like(current_sum)
+            start = end
+        if past_key_values is not None:
+            past_key_values._mhmoe_lory[self.layer_idx] = (seen + seq_len, prev_mean, current_sum)
+        out = torch.cat(outputs, dim=1).reshape(batch_size, seq_len, hidden_dim)  # concatenate the sub-tokens
+        if self.merge_proj is not None:
+            out = self.merge_proj(out)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(hidden_states)
+        return out
+
+    def _state(self, past_key_values, sub_tokens: torch.Tensor):
+        """(tokens seen before this call, previous segment's mean (B, h, W) fp32, current segment's sum so far)."""
+        batch_size, seq_len, heads, width = sub_tokens.shape
+        zeros = sub_tokens.new_zeros(batch_size, heads, width, dtype=torch.float32)
+        if past_key_values is None:
+            return 0, zeros, zeros
+        states = getattr(past_key_values, "_mhmoe_lory", None)
+        if states is None:
+            states = past_key_values._mhmoe_lory = {}
+            _follow_beam_reordering(past_key_values, states)
+        seen, prev_mean, current_sum = states.get(self.layer_idx, (0, zeros, zeros))
+        cached = past_key_values.get_seq_length(self.layer_idx)  # attention already added this call's tokens
+        if cached != seen + seq_len or prev_mean.shape[0] != batch_size:
+            raise ValueError(
+                f"router_type='lory' keeps per-segment routing state next to the KV cache: layer {self.layer_idx} has "
+                f"routed {seen} tokens, but the cache holds {cached} after this call's {seq_len} (batch "
+                f"{prev_mean.shape[0]} vs {batch_size}). Cropping the cache (assisted decoding) or reusing it for "
+                "another sequence is not supported with Lory; generate with a fresh cache"
+            )
+        return seen, prev_mean, current_sum
+
+
+def _follow_beam_reordering(cache, states: dict) -> None:
+    """Beam search reorders the cache's batch rows (`cache.reorder_cache(beam_idx)`): reorder the Lory state alike."""
+    reorder = cache.reorder_cache
+
+    def reorder_cache(beam_idx: torch.LongTensor) -> None:
+        reorder(beam_idx)
+        for layer, (seen, prev_mean, current_sum) in list(states.items()):
+            index = beam_idx.to(prev_mean.device)
+            states[layer] = (seen, prev_mean.index_select(0, index), current_sum.index_select(0, index))
+
+    cache.reorder_cache = reorder_cache
+
+
+__all__ = ["LORY_EXPERT_POOLS", "ROUTER_TYPES", "LoryExperts", "LoryRouter", "MHLoryBlock"]

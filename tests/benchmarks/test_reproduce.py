@@ -1,0 +1,99 @@
+"""The reproduction harness (benchmarks/reproduce/): quick runs end to end, the tables' parity, committed results."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mhmoe import moe_layer_cost
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks" / "reproduce"))
+
+import harness  # noqa: E402
+import make_splits  # noqa: E402
+import run  # noqa: E402
+import tables  # noqa: E402
+
+
+def test_quick_table_end_to_end(tmp_path):
+    run.main(["mhmoe_table1", "--quick", "--seeds", "0", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "reproduce_mhmoe_table1.json").read_text())
+    assert list(data["cells"]) == ["Dense", "SMoE", "Fine-grained SMoE", "MH-MoE h=2", "MH-MoE h=3"]
+    for cell in data["cells"].values():
+        assert [r["seed"] for r in cell["runs"]] == [0, 1]
+        for r in cell["runs"]:
+            assert [p["step"] for p in r["eval"]] == [3, 6]  # the paper's two columns: half and end of training
+            assert all(1 < p["ppl"] < data["scale"]["vocab"] * 2 for p in r["eval"])
+        ppls = [r["eval"][-1]["ppl"] for r in cell["runs"]]
+        assert cell["summary"]["final"]["mean"] == pytest.approx(sum(ppls) / 2)
+        assert cell["summary"]["final"]["min"] == min(ppls) and cell["summary"]["final"]["max"] == max(ppls)
+    assert data["cells"]["Dense"]["runs"][0]["eval"] != data["cells"]["Dense"]["runs"][1]["eval"]  # seeds differ
+    assert (tmp_path / "reproduce_mhmoe_table1.md").read_text() == harness.markdown_table(data)
+    assert (tmp_path / "reproduce_mhmoe_table1.png").stat().st_size > 1000
+
+
+def test_quick_fig2_end_to_end(tmp_path):
+    run.main(["moh_fig2", "--quick", "--seeds", "0", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "reproduce_moh_fig2.json").read_text())
+    (result,) = data["runs"]
+    assert result["active_heads"] == "6/8"  # 75% of the heads, the paper's setting
+    assert set(result["curves"]) == {"MoH 75% (converted)", "dense control"}
+    assert result["curves"]["MoH 75% (converted)"][0]["tokens"] == 0  # the converted model before tuning
+    assert result["curves"]["MoH 75% (converted)"][0]["ppl"] == pytest.approx(result["moh_ppl_before_tuning"])
+    assert (tmp_path / "reproduce_moh_fig2.md").read_text() == harness.fig2_markdown(data)
+
+
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_every_table_is_matched_to_the_top1_smoe(scale):
+    """FLOPs and parameter parity as the paper sets it: equal activated expert + head/merge MACs (the routers' d·E
+    terms aside) and total MoE-layer parameters within the rounding of E to a multiple of 8; MoE every second layer."""
+    smoe = tables.smoe(tables.SCALES[scale])
+    reference = moe_layer_cost(smoe)
+    d = smoe.hidden_size
+    for name in ("mhmoe_table1", "mhmoe_table2", "mhmoe_ablation", "mhmoe_capacity"):
+        for cell, config in tables.TABLES[name][0](tables.SCALES[scale]).items():
+            if config.decoder_sparse_step == 0:
+                continue
+            assert config.decoder_sparse_step == 2 and config.router_aux_loss_mode == "top1_sum", cell
+            cost = moe_layer_cost(config)
+            shared = 3 * d * config.shared_expert_intermediate_size
+            macs = cost.macs_per_token - d * config.num_experts - shared  # routers aside
+            assert macs == pytest.approx(reference.macs_per_token - d * 8, rel=0.02), (name, cell)
+            params = cost.params - cost.router_params - shared
+            assert params == pytest.approx(reference.params - reference.router_params, rel=0.15), (name, cell)
+
+
+def test_moh_table4_head_budgets():
+    cells = tables.moh_table4(tables.SCALES["cpu"])
+    active = {name: (c.moh_shared_heads or 0) + (c.moh_active_heads or c.num_attention_heads)
+              for name, c in cells.items()}  # fmt: skip
+    heads = cells["MHA (100% heads)"].num_attention_heads
+    assert active == {"MHA (100% heads)": heads, "MoH 75% heads": heads * 3 // 4, "MoH 50% heads": heads // 2}
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "benchmarks" / "results").glob("reproduce_*.json")), ids=str)
+def test_committed_tables_are_what_the_command_prints(path):
+    data = json.loads(path.read_text())
+    render = harness.fig2_markdown if data["table"] == "moh_fig2" else harness.markdown_table
+    assert path.with_suffix(".md").read_text() == render(data)
+    assert path.with_suffix(".png").is_file()
+
+
+def test_make_splits_is_by_document_and_deterministic(tmp_path):
+    source = tmp_path / "src"
+    for i in range(60):
+        (source / f"d{i // 10}").mkdir(parents=True, exist_ok=True)
+        (source / f"d{i // 10}" / f"doc{i}.rst.txt").write_text(f"document {i} " + "word " * 30)
+    (source / "stub.rst.txt").write_text("too short")
+    outs = []
+    for name in ("a", "b"):
+        make_splits.main(["--source", f"pkg={source}", "--out", str(tmp_path / name)])
+        outs.append({s: (tmp_path / name / f"{s}.jsonl").read_text() for s in ("train", "validation", "test")})
+    assert outs[0] == outs[1]
+    docs = [json.loads(line)["text"] for split in outs[0].values() for line in split.splitlines()]
+    assert sorted(docs) == sorted((f"document {i} " + "word " * 30).strip() for i in range(60))  # each once; no stub
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert sum(s["documents"] for s in manifest["splits"].values()) == 60
+    assert not list(tmp_path.glob(".a-*"))  # no temporary folder left
