@@ -78,6 +78,7 @@ class MHMoETopKRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.capacity_factor = config.capacity_factor
+        self.routing_backend = config.routing_backend
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size // config.moe_heads))
 
     def forward(self, hidden_states: torch.Tensor):
@@ -85,7 +86,9 @@ class MHMoETopKRouter(nn.Module):
         # fp32 also under autocast (Accelerate's mixed precision), which would cast the linear back down
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             router_logits = nn.functional.linear(hidden_states.float(), self.weight.float())  # (N, E)
-        weights, experts = route(router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor)
+        weights, experts = route(
+            router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor, self.routing_backend
+        )
         return router_logits, weights, experts
 
 
@@ -213,6 +216,7 @@ class MHMoEPreTrainedModel(SelfContainedSaveMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # static-shape routing and dispatch (tests/models/test_compile_export.py)
     _can_record_outputs = {
         "router_logits": OutputRecorder(MHMoETopKRouter, index=0),
         "moh_router_logits": OutputRecorder(MoHRouter, index=1),
