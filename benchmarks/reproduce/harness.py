@@ -194,12 +194,19 @@ def plot_curves(data: dict, path: Path) -> None:
         values = [[run[i]["ppl"] for run in runs] for i in range(len(tokens))]
         ax.plot(tokens, [statistics.fmean(v) for v in values], "o-", label=name)
         ax.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], alpha=0.15)
-    ax.set_xlabel("training tokens")
+    _save_plot(fig, ax, "training tokens", data["title"], path)
+
+
+def _save_plot(fig, ax, xlabel: str, title: str, path: Path, legend_size: int = 8) -> None:
+    """Validation perplexity (log scale) against `xlabel`, saved as PNG."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.set_title(data["title"], fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -241,15 +248,7 @@ def plot_fig2(data: dict, path: Path) -> None:
             ax.plot([p["tokens"] for p in curve], [p["ppl"] for p in curve], style, color=colour, markersize=3,
                     label=f"{label}, seed {seed}")  # fmt: skip
         ax.axhline(run["dense_ppl"], color=colour, linestyle=":", linewidth=1, label=f"dense parent, seed {seed}")
-    ax.set_xlabel("continue-tuning tokens")
-    ax.set_ylabel("validation perplexity")
-    ax.set_yscale("log")
-    ax.set_title(data["title"], fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_plot(fig, ax, "continue-tuning tokens", data["title"], path, legend_size=7)
 
 
 def _slug(text: str) -> str:
