@@ -48,7 +48,7 @@ class CausalLMCase:
         return self.name
 
 
-def randomise_moh_routers(model: torch.nn.Module, seed: int = 0) -> None:
+def randomise_moh_routers(model: torch.nn.Module, seed: int = 0, std: float = 1.0) -> None:
     """Learned MoH routers start at zero (every token picks the same heads): random weights make routing depend on
     the token, as after training."""
     generator = torch.Generator().manual_seed(seed)
@@ -57,7 +57,7 @@ def randomise_moh_routers(model: torch.nn.Module, seed: int = 0) -> None:
             if isinstance(module, MoHRouter):
                 for param in (module.routed_weight, module.shared_weight, module.stage_weight):
                     if param is not None:
-                        param.copy_(torch.randn(param.shape, generator=generator))
+                        param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
 def _finish(model):

@@ -1,10 +1,11 @@
 """mhmoe.hub: exported folders load with `trust_remote_code=True` where mhmoe cannot be imported, evaluate with plain
 `lm-eval run --model hf`, and refusals leave nothing behind.
 
-"Without mhmoe" is checked in subprocesses whose PYTHONPATH is only a folder with a fake `mhmoe` package that raises
-ImportError (it shadows the editable install; src/ is not on the path). Two tiny models are exported once per module:
-(a) an MHMoE model with MoE layers (2 MoE heads, shared expert) and MoH attention (learned router, randomised so that
-routing matters), from memory; (b) a MoH-LLaMA with the l2 router and straight-through gates, from a directory.
+"Without mhmoe" is checked in subprocesses whose PYTHONPATH is only a folder with fake `mhmoe` and `triton` packages
+that raise ImportError (they shadow the installed ones; src/ is not on the path). Two tiny models are exported once
+per module: (a) an MHMoE model with MoE layers (2 MoE heads, shared expert) and MoH attention (learned router,
+randomised so that routing matters), from memory; (b) a MoH-LLaMA with the l2 router and straight-through gates, from
+a directory.
 """
 
 import contextlib
@@ -59,6 +60,8 @@ for name, folder in folders.items():
     info[name] = {"classes": [type(x).__module__ + "." + type(x).__name__ for x in (model.config, base, model)],
                   "tokens": tok("the water")["input_ids"]}
 info["mhmoe_modules"] = sorted(m for m in sys.modules if m == "mhmoe" or m.startswith("mhmoe."))
+kernel_files = ("routing_triton", "head_router_triton")
+info["routing_has_triton"] = [m.HAS_TRITON for n, m in list(sys.modules.items()) if n.endswith(kernel_files)]
 save_file(tensors, out + ".safetensors")
 with open(out + ".json", "w") as f:
     json.dump(info, f)
@@ -70,6 +73,8 @@ def _blocked_env(root: Path) -> dict:
     fake = root / "no_mhmoe"
     (fake / "mhmoe").mkdir(parents=True, exist_ok=True)
     (fake / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe is not installed here (test)')\n")
+    (fake / "triton").mkdir(exist_ok=True)  # nor triton: the exported kernel file must import without it
+    (fake / "triton" / "__init__.py").write_text("raise ImportError('triton is not installed here (test)')\n")
     return {**os.environ, "PYTHONPATH": str(fake), "HF_MODULES_CACHE": str(root / "hf_modules"),
             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_datasets"),
             "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
@@ -135,6 +140,7 @@ def test_loads_without_mhmoe(exported):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, info = load_file(root / "got.safetensors"), json.loads((root / "got.json").read_text())
     assert "not installed here" in info["blocked"] and info["mhmoe_modules"] == []
+    assert len(info["routing_has_triton"]) == 4 and not any(info["routing_has_triton"])  # *_triton.py, no kernels
     for name, model in exported["models"].items():
         classes = info[name]["classes"]
         assert all(c.startswith("transformers_modules.") for c in classes), classes
@@ -165,12 +171,18 @@ def test_exported_folder(exported):
         "modeling_mhmoe.MHMoEForCausalLM"
     )
     assert check_exported_code(moh_dir) == ["causal_lm.py", "configuration_mhmoe.py", "configuration_moh_llama.py",
-                                            "losses.py", "modeling_moh_llama.py", "moh.py", "moh_parallel.py",
-                                            "parity.py", "publish.py", "routing.py"]  # fmt: skip
-    assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").glob("*.py")
-                                                    if p.name != "__init__.py")  # fmt: skip
-    for name in ("moh.py", "configuration_mhmoe.py", "parity.py", "losses.py", "routing.py", "causal_lm.py"):
+                                            "head_router_naive.py", "head_router_triton.py", "losses.py",
+                                            "modeling_moh_llama.py", "moh.py", "moh_parallel.py", "parity.py",
+                                            "publish.py", "routing.py", "routing_naive.py",
+                                            "routing_triton.py"]  # fmt: skip
+    unused = {"__init__.py", "experts_naive.py", "experts_triton.py"}  # opt-in experts kernels: not imported
+    assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").rglob("*.py")
+                                                    if p.name not in unused)  # fmt: skip
+    for name in ("moh.py", "configuration_mhmoe.py", "parity.py", "losses.py", "causal_lm.py"):
         assert (moh_dir / name).read_bytes() == (models / "mhmoe" / name).read_bytes()
+    routing_source = (models / "mhmoe" / "routing.py").read_text()  # imports the ops folder's files, flattened
+    flattened = routing_source.replace("from .ops.routing.", "from .").replace("from .ops.head_router.", "from .")
+    assert (moh_dir / "routing.py").read_text() == flattened
     for name in ("configuration_moh_llama.py", "modeling_moh_llama.py"):
         text = (moh_dir / name).read_text()
         assert "from .." not in text and text.replace("from .", "from ..mhmoe.") != text

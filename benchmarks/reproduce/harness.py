@@ -116,7 +116,10 @@ def environment() -> dict:
         device = torch.cuda.get_device_name()
     else:
         device = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
-    return {"commit": commit, "device": device, "torch": torch.__version__, "mhmoe": mhmoe.__version__}
+    import transformers
+
+    return {"commit": commit, "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
+            "mhmoe": mhmoe.__version__}  # fmt: skip
 
 
 def summarise(cell: dict) -> dict:
@@ -141,6 +144,7 @@ def write_results(name: str, title: str, cells: dict, meta: dict, out_dir: Path)
     path.write_text(json.dumps(data, indent=2) + "\n")
     (out_dir / f"reproduce_{name}.md").write_text(markdown_table(data))
     plot_curves(data, out_dir / f"reproduce_{name}.png")
+    write_cards(data, out_dir)
     return path
 
 
@@ -190,12 +194,19 @@ def plot_curves(data: dict, path: Path) -> None:
         values = [[run[i]["ppl"] for run in runs] for i in range(len(tokens))]
         ax.plot(tokens, [statistics.fmean(v) for v in values], "o-", label=name)
         ax.fill_between(tokens, [min(v) for v in values], [max(v) for v in values], alpha=0.15)
-    ax.set_xlabel("training tokens")
+    _save_plot(fig, ax, "training tokens", data["title"], path)
+
+
+def _save_plot(fig, ax, xlabel: str, title: str, path: Path, legend_size: int = 8) -> None:
+    """Validation perplexity (log scale) against `xlabel`, saved as PNG."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.set_title(data["title"], fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -237,12 +248,50 @@ def plot_fig2(data: dict, path: Path) -> None:
             ax.plot([p["tokens"] for p in curve], [p["ppl"] for p in curve], style, color=colour, markersize=3,
                     label=f"{label}, seed {seed}")  # fmt: skip
         ax.axhline(run["dense_ppl"], color=colour, linestyle=":", linewidth=1, label=f"dense parent, seed {seed}")
-    ax.set_xlabel("continue-tuning tokens")
-    ax.set_ylabel("validation perplexity")
-    ax.set_yscale("log")
-    ax.set_title(data["title"], fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_plot(fig, ax, "continue-tuning tokens", data["title"], path, legend_size=7)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-").replace("--", "-")
+
+
+def write_cards(data: dict, out_dir: Path) -> list[Path]:
+    """One model card per cell (`mhmoe.cards.model_card`, filled from the results): cards/<table>/<cell>.md."""
+    from mhmoe import MHMoEConfig
+    from mhmoe.cards import model_card
+
+    folder = out_dir / "cards" / data["table"]
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, cell in data["cells"].items():
+        final = cell["summary"]["final"]
+        seeds = len(cell["runs"])
+        training = (
+            f"Trained from scratch with `mhmoe.train` for the reproduction table \"{data['title']}\" "
+            f"(benchmarks/reproduce, scale `{data['scale_name']}`): {cell['runs'][0]['steps']} steps, "
+            f"{cell['runs'][0]['tokens']:,} tokens of {data['data']}; {seeds} seeds ({', '.join(map(str, data['seeds']))}),"
+            f" validation perplexity {final['mean']:.2f} (min {final['min']:.2f}, max {final['max']:.2f}); device "
+            f"{data['device']}, commit {data['commit']}."
+        )
+        results = [{"dataset_name": "held-out documentation (reproduction validation split)", "dataset_type": "text",
+                    "dataset_split": "validation", "metric_type": "perplexity", "metric_value": round(final["mean"], 4),
+                    "metric_name": f"validation perplexity, mean of {seeds} seeds"}]  # fmt: skip
+        card = model_card(MHMoEConfig(**cell["config"]), model_name=f"mhmoe-reproduce-{_slug(name)}",
+                          parameters=cell["parity"]["parameters"], results=results, training=training,
+                          remote_code=False, versions=data)  # fmt: skip
+        path = folder / f"{_slug(name)}.md"
+        path.write_text(str(card) + "\n")
+        paths.append(path)
+    return paths
+
+
+def rewrite_outputs(path: Path) -> None:
+    """The Markdown table, plot and model cards of a results JSON, written again from it (no training)."""
+    data = json.loads(path.read_text())
+    if data["table"] == "moh_fig2":
+        path.with_suffix(".md").write_text(fig2_markdown(data))
+        plot_fig2(data, path.with_suffix(".png"))
+        return
+    path.with_suffix(".md").write_text(markdown_table(data))
+    plot_curves(data, path.with_suffix(".png"))
+    write_cards(data, path.parent)

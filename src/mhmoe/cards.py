@@ -102,13 +102,15 @@ def model_card(
     has_tokenizer: bool = False,
     remote_code: bool = True,
     license: str = "apache-2.0",
+    versions: dict | None = None,
 ):
     """A `huggingface_hub.ModelCard` for a model of `config`.
 
     `results`: evaluation results, each {"dataset_name", "dataset_type", "metric_type", "metric_value"} (optional
     "metric_name", "dataset_split", "task_type" (default "text-generation")), written to the `model-index`.
     `base_model`: the dense parent of a converted model (selects the `converted` template). `remote_code`: the folder
-    carries its modeling code (`trust_remote_code=True` loads it without mhmoe)."""
+    carries its modeling code (`trust_remote_code=True` loads it without mhmoe). `versions`: {"mhmoe": ...,
+    "transformers": ...} the model was made with (default: the running ones)."""
     import transformers
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -147,7 +149,8 @@ def model_card(
         data, template_path=str(templates_dir() / TEMPLATES[kind]), model_name=model_name, summary=summary,
         architecture_rows=_table(architecture_rows(config, parameters)), parity_rows=_table(parity_rows(config)),
         training=training or "Not recorded.", results_rows=results_rows, usage=usage, base_model=base_model,
-        mhmoe_version=__version__, transformers_version=transformers.__version__,
+        mhmoe_version=(versions or {}).get("mhmoe", __version__),
+        transformers_version=(versions or {}).get("transformers", transformers.__version__),
     )  # fmt: skip
 
 

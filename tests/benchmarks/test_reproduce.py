@@ -32,6 +32,12 @@ def test_quick_table_end_to_end(tmp_path):
     assert data["cells"]["Dense"]["runs"][0]["eval"] != data["cells"]["Dense"]["runs"][1]["eval"]  # seeds differ
     assert (tmp_path / "reproduce_mhmoe_table1.md").read_text() == harness.markdown_table(data)
     assert (tmp_path / "reproduce_mhmoe_table1.png").stat().st_size > 1000
+    from huggingface_hub import ModelCard  # the cards parse offline, with the results in their model-index
+
+    card = ModelCard((tmp_path / "cards" / "mhmoe_table1" / "mh-moe-h-3.md").read_text())
+    (result,) = card.data.eval_results
+    assert result.metric_type == "perplexity"
+    assert result.metric_value == pytest.approx(data["cells"]["MH-MoE h=3"]["summary"]["final"]["mean"], rel=1e-4)
 
 
 def test_quick_fig2_end_to_end(tmp_path):
@@ -74,11 +80,14 @@ def test_moh_table4_head_budgets():
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "benchmarks" / "results").glob("reproduce_*.json")), ids=str)
-def test_committed_tables_are_what_the_command_prints(path):
+def test_committed_tables_and_cards_are_what_the_command_prints(path, tmp_path):
     data = json.loads(path.read_text())
     render = harness.fig2_markdown if data["table"] == "moh_fig2" else harness.markdown_table
     assert path.with_suffix(".md").read_text() == render(data)
     assert path.with_suffix(".png").is_file()
+    if data["table"] != "moh_fig2":
+        for card in harness.write_cards(data, tmp_path):
+            assert (path.parent / "cards" / data["table"] / card.name).read_text() == card.read_text()
 
 
 def test_make_splits_is_by_document_and_deterministic(tmp_path):

@@ -75,8 +75,11 @@ def test_entry_points_and_old_import_path():
 
     with open(os.path.join(os.path.dirname(mhmoe.__file__), "..", "..", "pyproject.toml")) as f:
         (target,) = re.findall(r'^mhmoe-convert = "(.+)"$', f.read(), re.MULTILINE)
-    module, name = target.split(":")
-    assert module == "mhmoe.convert.cli" and getattr(importlib.import_module(module), name) is main is package.main
+    assert target == "mhmoe.cli:convert"  # mhmoe.cli checks the extras, then runs the command's main()
+    from mhmoe.cli import COMMANDS
+
+    module, _ = COMMANDS["mhmoe-convert"]
+    assert module == "mhmoe.convert.cli" and importlib.import_module(module).main is main is package.main
 
     sys.modules.pop("mhmoe.conversion", None)
     with pytest.warns(DeprecationWarning, match="mhmoe.conversion is deprecated.*import from mhmoe.convert"):

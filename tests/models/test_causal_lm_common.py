@@ -291,15 +291,7 @@ def test_overfits_one_batch(case):
 # compilation and export
 
 
-def _host_sync_xfail(case):
-    """MoE layers do not trace in one graph yet: `int(offsets[-1])`, `bincount` and an `out=` activation in
-    `moe.grouped_experts_forward` (kernels issue). Strict: the lead flips these once that is fixed."""
-    if case.experts:
-        return pytest.mark.xfail(strict=True, reason="graph breaks / host sync in grouped_experts_forward")
-    return []
-
-
-@over(CASES, marks=_host_sync_xfail)
+@over(CASES)
 def test_torch_compile_forward_and_generation(case):
     """Full-graph compilation: the forward through AOT autograd (`aot_eager`: the graphs inductor would get, without
     its C++ build), then greedy generation with a static cache through a compiled forward."""
@@ -315,7 +307,7 @@ def test_torch_compile_forward_and_generation(case):
     assert torch.equal(greedy(model, ids, mask, max_new_tokens=3, cache_implementation="static"), expected_tokens)
 
 
-@over(CASES, marks=_host_sync_xfail)
+@over(CASES)
 def test_torch_export(case):
     model = case.make()
     ids, mask = prompts()

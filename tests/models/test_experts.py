@@ -266,13 +266,15 @@ def test_block_under_gradient_checkpointing(use_reentrant, pooled, request):
         _assert_all_close(_block_run(block, x, "grouped_mm", use_reentrant), expected)
 
 
-def test_block_under_torch_compile(pool):
-    """torch.compile: the dispatch breaks the graph where shapes depend on the routing (expert counts, kept rows), the
-    experts run eagerly between compiled graphs (with the pool), and output and gradients are eager's on the first
-    (tracing) step and the next."""
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
+def test_block_under_torch_compile(pool, capacity_factor):
+    """torch.compile(fullgraph=True): routing and dispatch have static shapes (no host sync, no graph break), the
+    grouped GEMMs are one opaque op each, nothing is pooled inside the graph, and output and gradients are eager's on
+    the first (tracing) step and the next, with and without capacity drops."""
     from torch._dynamo.backends.registry import lookup_backend
 
     block = _h3_block()
+    block.gate.capacity_factor = capacity_factor
     x = torch.randn(2, 5, 24)
     expected = _block_run(block, x, "eager")
     graphs = []
@@ -282,14 +284,32 @@ def test_block_under_torch_compile(pool):
         return lookup_backend("aot_eager")(graph_module, example_inputs)
 
     torch._dynamo.reset()
-    compiled = torch.compile(block, backend=backend)
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
     try:
         for _ in range(2):
             _assert_all_close(_block_run(block, x, "grouped_mm", call=compiled), expected)
     finally:
         torch._dynamo.reset()
-    assert any(node.target is torch._C._nn.linear for g in graphs for node in g.graph.nodes)  # head layer compiled
-    assert pool._free  # the eager expert part gave its buffers back
+    assert len(graphs) == 1
+    targets = [node.target for node in graphs[0].graph.nodes]
+    assert torch._C._nn.linear in targets and targets.count(torch.ops.mhmoe.grouped_mm) == 2
+    assert not pool._free
+
+
+def test_bf16_block_under_torch_compile():
+    """bf16 in a traced graph takes torch's grouped GEMM directly (its fake kernel traces bf16): fullgraph compile,
+    output and gradients close to eager bf16."""
+    block = _h3_block().to(torch.bfloat16)
+    x = torch.randn(2, 5, 24, dtype=torch.bfloat16)
+    expected = _block_run(block, x, "eager")
+    torch._dynamo.reset()
+    try:
+        got = _block_run(block, x, "grouped_mm", call=torch.compile(block, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    for have, want in zip(got, expected):
+        assert have.dtype == want.dtype == torch.bfloat16
+        assert (have.float() - want.float()).abs().max() <= 3e-2 * want.float().abs().max()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -414,3 +434,63 @@ def test_pool_and_inference_mode(pool):
         out = grouped_experts_forward(experts, hidden, index, weights)
     torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
     assert _pooled(pool) == buffers and not any(buf.is_inference() for buf in pool._free)
+
+
+def _registry_model(capacity_factor=None):
+    from mhmoe import MHMoEForCausalLM
+
+    config = MHMoEConfig(vocab_size=31, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, moe_heads=2, num_experts=5, num_experts_per_tok=2,
+                         moe_intermediate_size=8, capacity_factor=capacity_factor)  # fmt: skip
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    return model
+
+
+def _spy(calls):
+    def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+        calls.append(top_k_index.clone())
+        return eager_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+    return experts_forward
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_globally_registered_experts_function_reaches_mhmoe(monkeypatch, capacity_factor):
+    """A function registered with Transformers' global experts interface after mhmoe was imported (as a Hub kernel
+    registers itself) runs when chosen by name; capacity drops reach it as weight-0 slots on a real expert id."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    model = _registry_model(capacity_factor)
+    ids = torch.randint(0, 31, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        calls = []
+        monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "user_experts", _spy(calls))
+        model.set_experts_implementation("user_experts")
+        got = model(ids).logits
+    assert len(calls) == 1 and int(calls[0].max()) < 5
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_patched_global_grouped_mm_is_seen(monkeypatch):
+    """Ours replaces Transformers' stock `grouped_mm`; a global replacement of it (a test's patch, a user's kernel)
+    wins; `eager` stays the model's loop."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    interface = moe.MHMOE_EXPERTS_FUNCTIONS
+    assert interface.get_interface("grouped_mm", None) is grouped_experts_forward
+    assert interface.get_interface("eager", eager_experts_forward) is eager_experts_forward
+    model = _registry_model()
+    assert model.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(0, 31, (1, 4), generator=torch.Generator().manual_seed(1))
+    calls = []
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm", _spy(calls))
+    with torch.no_grad():
+        model(ids)
+    assert len(calls) == 1
+    with pytest.raises(KeyError, match="not a valid experts implementation"):
+        interface.get_interface("no_such_experts", None)

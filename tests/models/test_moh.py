@@ -16,7 +16,7 @@ from mhmoe.models.mhmoe.moh import (
     moh_load_balancing_loss,
     skipped_heads_attention,
 )
-
+from tests.causal_lm_tester import randomise_moh_routers as randomise_routers
 
 VOCAB, HIDDEN, HEADS = 100, 32, 8
 
@@ -38,17 +38,6 @@ def tiny_llama_fields(**kwargs) -> dict:
     )  # fmt: skip
     fields.update(kwargs)
     return fields
-
-
-def randomise_routers(model, std=1.0, seed=0):
-    """Token-dependent routing (a fresh learned router is uniform: every token picks the same heads)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, MoHRouter):
-                for param in (module.routed_weight, module.shared_weight, module.stage_weight):
-                    if param is not None:
-                        param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
 # --------------------------------------------------------------------------------------------------------------------

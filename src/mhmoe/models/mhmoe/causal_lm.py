@@ -4,7 +4,6 @@ patches: base model → LM head → LM loss + router losses (`losses.add_router_
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +83,7 @@ def causal_lm_forward(
         "hidden_states": outputs.hidden_states, "attentions": outputs.attentions,
         "router_logits": router_logits[0], "moh_router_logits": router_logits[1],
     }  # fmt: skip
-    names = {field.name for field in dataclasses.fields(output_class)}
+    names = output_class.__dataclass_fields__  # (not dataclasses.fields(): torch.compile cannot trace it)
     return output_class(**{name: value for name, value in fields.items() if name in names})
 
 

@@ -13,6 +13,7 @@ from .parity import matched_moe_settings
 AUX_LOSS_MODES = ("per_layer", "mixtral", "top1_sum")
 NORM_TOPK_PROB = (True, False, "always")
 MOH_ROUTERS = ("learned", "l2")
+ROUTING_BACKENDS = ("torch", "triton")
 # names other MoE configs use for our fields: refused instead of silently dropped (`top_k` also breaks save_pretrained)
 MISNAMED_FIELDS = {
     "top_k": "num_experts_per_tok", "router_top_k": "num_experts_per_tok", "num_local_experts": "num_experts",
@@ -56,6 +57,9 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     (the official MH-MoE training uses 1.0) caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments of one
     forward call (padding rows included) and the overflow contributes nothing (the token keeps its residual); cached
     decoding steps and padded batches therefore route with their own capacity (dropless routing has no such effect).
+
+    `routing_backend` forces the implementation of the routing ops (expert routing and the MoH l2 head router;
+    "torch": the PyTorch reference, "triton": the kernels, CUDA only); None picks by device. The environment variable MHMOE_ROUTING_BACKEND overrides it (see `routing.py`).
 
     Mixture-of-Head attention (MoH) is on when `moh_shared_heads` and `moh_active_heads` are set: the first
     `moh_shared_heads` heads are always on and the router picks `moh_active_heads` of the remaining heads per token
@@ -141,6 +145,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     router_jitter_noise: float = 0.0
     capacity_factor: float | int | None = None
     output_router_logits: bool = False
+    routing_backend: str | None = None  # None: by device (triton on CUDA when installed, else torch); see routing.py
     # mixture-of-head attention (MoH); both None = plain multi-head attention
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None
@@ -244,6 +249,9 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
         if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             problems.append(f"capacity_factor must be a finite number > 0 or None (dropless), got "
                             f"{self.capacity_factor}")  # fmt: skip
+        if self.routing_backend is not None and self.routing_backend not in ROUTING_BACKENDS:
+            problems.append(f"routing_backend must be one of {ROUTING_BACKENDS} or None (by device), got "
+                            f"{self.routing_backend!r}")  # fmt: skip
         problems += moh_config_problems(self)
         problems += check_variant_problems(self)
         if problems:

@@ -17,8 +17,8 @@ from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeModelOutputWithPast
-from transformers.modeling_utils import PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
@@ -78,6 +78,7 @@ class MHMoETopKRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.capacity_factor = config.capacity_factor
+        self.routing_backend = config.routing_backend
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size // config.moe_heads))
 
     def forward(self, hidden_states: torch.Tensor):
@@ -85,7 +86,9 @@ class MHMoETopKRouter(nn.Module):
         # fp32 also under autocast (Accelerate's mixed precision), which would cast the linear back down
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             router_logits = nn.functional.linear(hidden_states.float(), self.weight.float())  # (N, E)
-        weights, experts = route(router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor)
+        weights, experts = route(
+            router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor, self.routing_backend
+        )
         return router_logits, weights, experts
 
 
@@ -157,9 +160,12 @@ class MHMoEAttention(nn.Module):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )  # the backend (eager, sdpa, flex, flash, or one a user registered)
         return attention_forward(
             self, hidden_states, position_embeddings, attention_mask, past_key_values, self.config.sliding_window,
-            **kwargs,
+            attention_interface=attention_interface, **kwargs,
         )  # fmt: skip
 
 
@@ -210,6 +216,7 @@ class MHMoEPreTrainedModel(SelfContainedSaveMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True  # static-shape routing and dispatch (tests/models/test_compile_export.py)
     _can_record_outputs = {
         "router_logits": OutputRecorder(MHMoETopKRouter, index=0),
         "moh_router_logits": OutputRecorder(MoHRouter, index=1),

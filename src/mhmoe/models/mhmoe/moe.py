@@ -5,12 +5,14 @@ K = num_experts_per_tok, S = N·K assignments, I = moe_intermediate_size. Expert
 v5 MoE models: `gate_up_proj` (E, 2I, W) and `down_proj` (E, W, I). Expert id E marks a dropped assignment.
 """
 
+import functools
 import os
 import threading
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+from transformers.integrations.moe import ExpertsInterface
+from transformers.integrations.moe import grouped_mm_experts_forward as _TRANSFORMERS_GROUPED_MM
 
 from .losses import load_balancing_loss, router_z_loss  # noqa: F401  (their former home; kept for one release)
 from .routing import sort_by_expert
@@ -315,23 +317,103 @@ def grouped_experts_forward(
 ) -> torch.Tensor:
     """Sort assignments by expert, two grouped GEMMs, weight, and sum each row's K outputs (deterministic).
 
-    Dropped assignments (expert id E) are not computed and contribute 0.
+    Dropped assignments (expert id E) sort last, past offsets[-1]: the grouped GEMMs never compute them and their
+    slots are masked to 0. Shapes do not depend on the routing (no host sync): only a capacity-routed model
+    (`config.capacity_factor` set) reads offsets[-1] once in eager mode, to skip the dropped rows' gathers.
     """
     num_rows, top_k = top_k_index.shape
-    order, offsets = sort_by_expert(top_k_index, self.num_experts)  # (S,), (E,)
-    num_kept = int(offsets[-1])  # the one host sync; < S only when capacity dropped assignments
-    dropped = None
-    if num_kept < order.shape[0]:
+    num_slots = num_rows * top_k
+    config = getattr(self, "config", None)
+    backend = getattr(config, "routing_backend", None)
+    order, offsets = sort_by_expert(top_k_index, self.num_experts, backend)  # (S,), (E,)
+    dropped = top_k_index.reshape(-1) >= self.num_experts  # (S,)
+    num_kept = num_slots
+    if getattr(config, "capacity_factor", None) is not None and not _tracing():
+        num_kept = int(offsets[-1])  # the one host sync, of capacity routing only
         order = order[:num_kept]
-        dropped = top_k_index.reshape(-1) >= self.num_experts  # (S,)
-    # slot_pos[j]: where flat assignment j sits in `order` (dropped ones point at 0 and are masked)
-    slot_pos = order.new_zeros(num_rows * top_k) if dropped is not None else order.new_empty(num_rows * top_k)
-    slot_pos.index_copy_(0, order, torch.arange(num_kept, device=order.device))
+    # slot_pos[j]: where flat assignment j sits in `order` (dropped ones past the kept rows, or at 0: masked)
+    slot_pos = order.new_zeros(num_slots) if num_kept < num_slots else order.new_empty(num_slots)
+    slot_pos.index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
     weights = (self.gate_up_proj, self.down_proj)
     args = (hidden_states, top_k_weights, *weights, self.act_fn, order, offsets, slot_pos, dropped)
+    if _tracing():  # torch.compile / torch.export: differentiable ops, autograd derives the backward
+        return _traced_experts_forward(*args)
     if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
         return _GroupedExperts.apply(*args)
     return _experts_forward(*args, for_backward=False)[0]
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _traced_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`_grouped_mm` for traced graphs: torch's kernel where its fake kernel traces (bf16), else the opaque
+    `mhmoe::grouped_mm` op (the same eager code, seen by the compiler as one call with static shapes)."""
+    a = a.to(b.dtype)
+    if _GROUPED_MM is not None and b.dtype == torch.bfloat16 and (not b.is_cuda or _kernel_accepts(b)):
+        return _GROUPED_MM(a, b, offs=offsets)
+    return torch.ops.mhmoe.grouped_mm(a, b, offsets)
+
+
+def _traced_experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos,
+                            dropped):  # fmt: skip
+    """The computation of `_experts_forward` from differentiable ops, for torch.compile / torch.export.
+
+    Rows past offsets[-1] (dropped assignments) come out of the grouped GEMMs undefined: the gathered input rows are
+    zeroed there (so their undefined gradient never reaches the input) and the output slots are masked.
+    """
+    num_rows, top_k = top_k_weights.shape
+    dropped_sorted = dropped.index_select(0, order)[:, None]  # (S, 1)
+    rows = hidden_states.index_select(0, order // top_k).masked_fill(dropped_sorted, 0.0)  # (S, W)
+    gate, up = _traced_grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)  # (S, I) each
+    expert_out = _traced_grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), offsets)  # (S, W)
+    slots = expert_out.index_select(0, slot_pos).masked_fill(dropped[:, None], 0.0)  # (N·K, W)
+    acc = _accumulation_dtype(slots, top_k_weights)
+    slots = slots.view(num_rows, top_k, -1).to(acc)  # (N, K, W)
+    out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots).squeeze(1)  # (N, W)
+    return out.to(hidden_states.dtype)
+
+
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _grouped_mm(a, b, offsets)  # always a new tensor, as a custom op must return
+
+
+def _grouped_mm_backward_op(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _grouped_mm(grad, b.transpose(1, 2), offsets), _grouped_mm(a.t(), grad, offsets)
+
+
+def _register_grouped_mm_op() -> None:
+    """`torch.ops.mhmoe.grouped_mm(a (S, in), b (E, in, out), offsets (E,)) -> (S, out)` with its backward, opaque
+    to the compiler (it cannot trace the per-group loop). Registered once per process: an exported checkpoint's copy
+    of this file finds the op already there."""
+    if hasattr(torch.ops.mhmoe, "grouped_mm"):
+        return
+    forward = torch.library.custom_op("mhmoe::grouped_mm", _grouped_mm_op, mutates_args=())
+    backward = torch.library.custom_op("mhmoe::grouped_mm_backward", _grouped_mm_backward_op, mutates_args=())
+
+    @forward.register_fake
+    def _(a, b, offsets):
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @backward.register_fake
+    def _(a, b, offsets, grad):
+        return torch.empty_like(a), b.new_empty(b.shape)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def grad_fn(ctx, grad):
+        a, b, offsets = ctx.saved_tensors
+        grad_a, grad_b = torch.ops.mhmoe.grouped_mm_backward(a, b, offsets, grad)
+        return grad_a, grad_b, None
+
+    forward.register_autograd(grad_fn, setup_context=setup_context)
+
+
+_register_grouped_mm_op()
 
 
 def _drop_sentinels(experts_forward):
@@ -343,16 +425,32 @@ def _drop_sentinels(experts_forward):
         top_k_weights = top_k_weights.masked_fill(dropped, 0.0)
         return experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
+    forward.__wrapped__ = experts_forward
     return forward
 
 
 class MHMoEExpertsInterface(ExpertsInterface):
-    """Transformers' experts interface with `grouped_mm` backed by `grouped_experts_forward` (capacity-aware)."""
+    """Transformers' experts interface, read live: a function registered with `ALL_EXPERTS_FUNCTIONS` (or
+    `ExpertsInterface.register`) at any time, or a patched global entry, is what `experts_implementation=<name>` runs,
+    adapted to capacity routing's dropped-assignment sentinel. Transformers' own `grouped_mm` is replaced by the
+    capacity-aware `grouped_experts_forward` as long as nobody has replaced it globally; `eager` is the model's loop.
+    """
 
-    _global_mapping = {
-        **{name: _drop_sentinels(fn) for name, fn in ALL_EXPERTS_FUNCTIONS._global_mapping.items()},
-        "grouped_mm": grouped_experts_forward,
-    }
+    _replaces = {"grouped_mm": (_TRANSFORMERS_GROUPED_MM, grouped_experts_forward)}
+
+    def get_interface(self, experts_implementation: str, default):
+        if experts_implementation in self._local_mapping:  # set on this instance: used as is
+            return self._local_mapping[experts_implementation]
+        function = super().get_interface(experts_implementation, default)  # Transformers' checks and lookup
+        stock, ours = self._replaces.get(experts_implementation, (None, None))
+        if function is default or function is ours:
+            return function
+        return ours if function is stock else _adapted(function)
+
+
+@functools.cache
+def _adapted(function):
+    return _drop_sentinels(function)
 
 
 MHMOE_EXPERTS_FUNCTIONS = MHMoEExpertsInterface()

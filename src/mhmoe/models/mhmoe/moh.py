@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 from .configuration_mhmoe import MOH_ROUTERS
 from .losses import add_moh_aux_loss, moh_load_balancing_loss  # noqa: F401  (their former home; kept for one release)
 from .routing import topk_mask as head_selection  # noqa: F401  (kept for one release)
+from .routing import l2_head_gates, routing_backend
 L2_STD_MIN = 1e-6  # clamp of the per-token std in the "l2" router
 HEAD_SKIPPING_MAX_ROWS = 8  # head skipping loops over query rows: only for decoding-sized inputs (B·T rows)
 
@@ -104,7 +105,7 @@ class MoHRouter(nn.Module):
 
     @classmethod
     def from_config(cls, config) -> "MoHRouter":
-        return cls(
+        router = cls(
             config.hidden_size,
             config.num_attention_heads,
             config.moh_shared_heads,
@@ -112,6 +113,8 @@ class MoHRouter(nn.Module):
             config.moh_router,
             config.moh_straight_through,
         )
+        router.routing_backend = getattr(config, "routing_backend", None)  # "torch" | "triton" | None: by device
+        return router
 
     def reset_parameters(self):
         """Zero router weights: uniform probabilities, every gate exactly 1 at the start."""
@@ -129,6 +132,9 @@ class MoHRouter(nn.Module):
         """`head_norms` (B, T, H): the "l2" router's query norms of every head, when `query_states` holds only some
         heads (tensor parallelism gathers them: `moh_parallel.py`)."""
         shared = self.shared_heads
+        backend = getattr(self, "routing_backend", None)
+        if self.router == "l2" and routing_backend(query_states, backend)[0] == "triton":  # the fused kernel
+            return l2_head_gates(query_states, shared, self.active_heads, self.straight_through, backend)
         if self.router == "learned":
             x = hidden_states.float()
             router_logits = F.linear(x, self.routed_weight.float())  # (B, T, R)
@@ -172,13 +178,15 @@ def attention_forward(
     attention_mask: torch.Tensor | None,
     past_key_values=None,
     sliding_window: int | None = None,
+    attention_interface: Callable | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward of a Llama-style attention module (q_proj, k_proj, v_proj, o_proj, head_dim, scaling, config,
     layer_idx, head_router): plain multi-head attention when `module.head_router` is None (no gates), else MoH gates on
     each head's output before o_proj. With all heads active and gates of exactly 1 it performs Llama's operations in
     Llama's order. CPU decoding takes the head-skipping fast path (`skipped_heads_attention`), which equals the gated
-    computation."""
+    computation. `attention_interface`: the backend function (default: `config._attn_implementation`'s in
+    ALL_ATTENTION_FUNCTIONS)."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query_states = module.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd), pre-RoPE
@@ -200,9 +208,10 @@ def attention_forward(
         )
         return out, None
 
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        module.config._attn_implementation, eager_attention_forward
-    )
+    if attention_interface is None:
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            module.config._attn_implementation, eager_attention_forward
+        )
     if sliding_window is not None:
         kwargs["sliding_window"] = sliding_window
     attn_output, attn_weights = attention_interface(

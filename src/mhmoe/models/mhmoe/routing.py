@@ -3,13 +3,63 @@
 Shape legend: N routed rows (tokens × moe_heads sub-tokens, token-major), E experts, K = num_experts_per_tok,
 S = N·K (row, expert) assignments. A dropped assignment (over capacity) carries the sentinel expert id E and weight 0.
 
-This is the PyTorch reference. `route` and `sort_by_expert` are the dispatch points a fused kernel may back; they
-must stay runnable on torch alone because exported checkpoints (`trust_remote_code`) ship this file.
+`route` and `sort_by_expert` are the dispatch points of the routing op (ops/routing/), `l2_head_gates` the one of the
+MoH l2 head router (ops/head_router/): the PyTorch reference (`*_naive.py`, the default on CPU) or the Triton kernels
+(`*_triton.py`, the default on CUDA when triton is installed). `MHMOE_ROUTING_BACKEND=torch|triton` in the
+environment, else the config's `routing_backend`, forces one. Under torch.compile / torch.export the reference is
+traced. Exported checkpoints (`trust_remote_code`) ship these
+files and run them on torch alone (the kernel file then has no kernels to offer and the reference runs).
 """
 
-import math
+import os
+import warnings
 
 import torch
+
+from .configuration_mhmoe import ROUTING_BACKENDS
+from .ops.head_router.head_router_naive import l2_head_gates as naive_l2_head_gates
+from .ops.head_router.head_router_triton import l2_head_gates_triton
+from .ops.routing.routing_naive import renormalises  # noqa: F401  (part of this module's interface)
+from .ops.routing.routing_naive import route as naive_route
+from .ops.routing.routing_naive import sort_by_expert as naive_sort_by_expert
+from .ops.routing.routing_triton import HAS_TRITON
+from .ops.routing.routing_triton import route as triton_route
+from .ops.routing.routing_triton import sort_by_expert as triton_sort_by_expert
+
+ROUTING_BACKEND_ENV = "MHMOE_ROUTING_BACKEND"
+_auto_triton_failed = False  # set when the automatic choice of the kernels failed once: torch from then on
+
+
+def routing_backend(tensor: torch.Tensor, backend: str | None = None) -> tuple[str, bool]:
+    """(backend to run for `tensor`, whether it was forced): the environment, else `backend` (the config's), else
+    triton on CUDA when installed, else torch."""
+    forced = os.environ.get(ROUTING_BACKEND_ENV) or backend
+    if forced:
+        if forced not in ROUTING_BACKENDS:
+            where = ROUTING_BACKEND_ENV if os.environ.get(ROUTING_BACKEND_ENV) else "routing_backend"
+            raise ValueError(f"{where} must be one of {ROUTING_BACKENDS}, got {forced!r}")
+        return ("torch" if torch.compiler.is_compiling() else forced), True
+    if tensor.is_cuda and HAS_TRITON and not _auto_triton_failed and not torch.compiler.is_compiling():
+        return "triton", False
+    return "torch", False
+
+
+def _run(backend: str, forced: bool, reference, kernel, *args):
+    global _auto_triton_failed
+    if backend == "torch":
+        return reference(*args)
+    if forced:
+        return kernel(*args)
+    try:
+        return kernel(*args)
+    except Exception as error:  # an automatic choice must not stop training: say so once and use the reference
+        _auto_triton_failed = True
+        warnings.warn(
+            f"the triton routing kernels failed ({type(error).__name__}: {error}); using the torch backend from now "
+            f"on (set {ROUTING_BACKEND_ENV}=triton to see the error raised)",
+            stacklevel=3,
+        )
+        return reference(*args)
 
 
 def route(
@@ -17,59 +67,41 @@ def route(
     top_k: int,
     norm_topk_prob: bool | str = True,
     capacity_factor: float | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32, top-k, optional renormalisation and Switch capacity.
+    """Softmax in fp32, top-k, optional renormalisation and Switch capacity (see `routing_naive.route`).
 
-    `norm_topk_prob`: True renormalises the K weights to sum to 1 when K > 1 and keeps the raw probability at K = 1
-    (Switch, the official MH-MoE code: a renormalised top-1 gate is p/p = 1 and the router would get no gradient from
-    the LM loss); "always" renormalises at every K (Transformers' Mixtral); False never.
     Returns `weights` (N, K) fp32 and `experts` (N, K) int64; dropped assignments get expert E and weight 0.
     """
-    num_rows, num_experts = router_logits.shape
-    probs = torch.softmax(router_logits.float(), dim=-1)  # (N, E)
-    weights, experts = torch.topk(probs, top_k, dim=-1)  # (N, K)
-    if renormalises(norm_topk_prob, top_k):
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if capacity_factor is not None:
-        capacity = math.ceil(capacity_factor * num_rows * top_k / num_experts)
-        kept = _within_capacity(experts, num_experts, capacity)
-        experts = torch.where(kept, experts, num_experts)
-        weights = weights * kept
-    return weights, experts
+    chosen, forced = routing_backend(router_logits, backend)
+    args = (router_logits, top_k, norm_topk_prob, capacity_factor)
+    return _run(chosen, forced, naive_route, triton_route, *args)
 
 
-def renormalises(norm_topk_prob: bool | str, top_k: int) -> bool:
-    """Whether `route` renormalises the top-k weights (see its docstring)."""
-    return norm_topk_prob == "always" or (norm_topk_prob is True and top_k > 1)
+def sort_by_expert(
+    experts: torch.Tensor, num_experts: int, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group assignments by expert: `order` (S,) sorted by expert, dropped last, stable; `offsets` (E,) int32 ends
+    (see `routing_naive.sort_by_expert`)."""
+    chosen, forced = routing_backend(experts, backend)
+    return _run(chosen, forced, naive_sort_by_expert, triton_sort_by_expert, experts, num_experts)
 
 
-def _within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
-    """(N, K) bool: the assignment is among the first `capacity` of its expert.
-
-    Priority goes by choice rank first (every row's top-1 before any top-2, as in GShard), then by row order.
-    """
-    num_rows, top_k = experts.shape
-    flat = experts.t().reshape(-1)  # (K·N,) slot-major: priority order
-    sorted_experts, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    starts = torch.cumsum(counts, 0) - counts  # (E,) first position of each expert in the sorted list
-    rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[sorted_experts]
-    rank = torch.empty_like(rank_sorted)
-    rank[order] = rank_sorted
-    return (rank < capacity).view(top_k, num_rows).t()
-
-
-def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group assignments by expert.
-
-    `experts` (N, K) with ids in [0, E] (E = dropped). Returns `order` (S,) indices into the flattened (N·K)
-    assignments, sorted by expert with dropped ones last, and `offsets` (E,) int32 cumulative end of each expert's
-    group (offsets[-1] = number of kept assignments), the layout `torch._grouped_mm` takes.
-    """
-    flat = experts.reshape(-1)
-    _, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    return order, torch.cumsum(counts, 0, dtype=torch.int32)
+def l2_head_gates(
+    query_states: torch.Tensor,
+    shared_heads: int,
+    active_heads: int,
+    straight_through: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoH "l2" head router (see `ops/head_router/head_router_naive.py`) on the routing backend: pre-RoPE queries
+    (..., H, hd) -> gates (..., H) fp32, router logits (..., R) fp32, selected routed heads (..., K) int64."""
+    lead = query_states.shape[:-2]
+    queries = query_states.reshape(-1, *query_states.shape[-2:])  # (M, H, hd)
+    chosen, forced = routing_backend(queries, backend)
+    args = (queries, shared_heads, active_heads, straight_through)
+    gates, logits, index = _run(chosen, forced, naive_l2_head_gates, l2_head_gates_triton, *args)
+    return gates.view(*lead, -1), logits.view(*lead, -1), index.view(*lead, -1)
 
 
 def topk_mask(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:

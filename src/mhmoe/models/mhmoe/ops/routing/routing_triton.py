@@ -1,0 +1,236 @@
+"""Routing in Triton: fp32 softmax + top-k + renormalisation in one kernel, and a stable counting sort (Switch capacity
+ranks, the expert-sorted permutation) in two kernels around a small scan, with no atomics: deterministic.
+
+Same contract as `routing_naive.py` (its `route` and `sort_by_expert`), which the tests compare against under
+TRITON_INTERPRET=1. Shape legend: N rows, E experts, K = top_k (1..8), S = N·K assignments, B bins of the counting
+sort (E, or E + 1 with the dropped sentinel), BLOCK_* tile sizes (powers of two; E and B are padded up to one).
+
+Counting sort, for ids in [0, B): each program takes BLOCK consecutive ids and (1) counts its ids per bin; a scan over
+the (programs, B) table gives each (program, bin) its first place in the sorted order; (2) each id's place is that
+base plus the number of equal ids before it in the program's block (a cumulative sum over a one-hot (BLOCK, B)
+tile). Stable by construction: ties keep their input order.
+
+This file must import without triton (exported checkpoints load on torch + transformers alone): the kernels are then
+plain functions that are never launched, and `HAS_TRITON` is False.
+"""
+
+import os
+import types
+
+import torch
+
+from .routing_naive import expert_capacity, renormalises
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch-only install
+    triton = None
+    tl = types.SimpleNamespace(constexpr=int)
+
+HAS_TRITON = triton is not None
+MAX_TOP_K = 8
+
+
+def _jit(fn):
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+@_jit
+def _softmax_topk_kernel(
+    logits_ptr, weights_ptr, experts_ptr, num_rows, num_experts, stride_row,
+    TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_N rows per program: (BLOCK_N, BLOCK_E) logits -> fp32 softmax -> K rounds of (max, lowest id at the max)
+    -> weights (N, K) fp32 (renormalised when RENORM) and experts (N, K) int64, in descending order."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_rows
+    col_ok = cols < num_experts
+    offs = rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+    x = tl.load(logits_ptr + offs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.where(col_ok[None, :], x, float("-inf"))  # padding columns: probability 0, never chosen
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    probs = e / tl.sum(e, axis=1)[:, None]
+    probs = tl.where(col_ok[None, :], probs, -1.0)
+
+    kcols = tl.arange(0, BLOCK_K)
+    values = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    index = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        choice = tl.min(tl.where(probs == best[:, None], cols[None, :], BLOCK_E), axis=1)  # ties: the lowest id
+        values = tl.where(kcols[None, :] == j, best[:, None], values)
+        index = tl.where(kcols[None, :] == j, choice[:, None], index)
+        probs = tl.where(cols[None, :] == choice[:, None], -1.0, probs)
+    if RENORM:
+        values = values / tl.sum(values, axis=1)[:, None]  # padding columns hold 0
+    out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
+    out_mask = row_ok[:, None] & (kcols[None, :] < TOP_K)
+    tl.store(weights_ptr + out, values, mask=out_mask)
+    tl.store(experts_ptr + out, index.to(tl.int64), mask=out_mask)
+
+
+@_jit
+def _block_histogram_kernel(ids_ptr, counts_ptr, num_ids, num_bins, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+    """counts[program, b] = number of ids equal to b among the program's BLOCK ids."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_ids, other=BLOCK_B).to(tl.int32)  # past the end: in no bin
+    bins = tl.arange(0, BLOCK_B)
+    counts = tl.sum((ids[:, None] == bins[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + pid.to(tl.int64) * num_bins + bins, counts, mask=bins < num_bins)
+
+
+@_jit
+def _stable_scatter_kernel(
+    ids_ptr, base_ptr, pos_ptr, order_ptr, num_ids, num_bins,
+    WRITE_ORDER: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """pos[i] = base[program, ids[i]] + (equal ids before i in the block); order[pos[i]] = i when WRITE_ORDER."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < num_ids
+    ids = tl.load(ids_ptr + offs, mask=valid, other=BLOCK_B).to(tl.int32)
+    bins = tl.arange(0, BLOCK_B)
+    onehot = (ids[:, None] == bins[None, :]).to(tl.int32)  # (BLOCK, BLOCK_B)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # equal ids before, in input order
+    base = tl.load(base_ptr + pid.to(tl.int64) * num_bins + ids, mask=valid, other=0)
+    pos = base + rank
+    tl.store(pos_ptr + offs, pos, mask=valid)
+    if WRITE_ORDER:
+        tl.store(order_ptr + pos, offs, mask=valid)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _check(tensor: torch.Tensor) -> None:
+    if not HAS_TRITON:
+        raise ImportError("the triton routing backend needs triton: `pip install triton`, or use the torch backend")
+    if not tensor.is_cuda and not _interpreting():
+        raise ValueError(
+            f"the triton routing kernels run on CUDA tensors (got a {tensor.device.type} tensor); on CPU "
+            "use the torch backend, or set TRITON_INTERPRET=1 before importing triton (slow, for tests)"
+        )
+
+
+def counting_sort(
+    ids: torch.Tensor, num_bins: int, write_order: bool = True, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Stable counting sort of `ids` (S,) with values in [0, num_bins).
+
+    Returns `pos` (S,) int64, each id's place in sorted order (the inverse permutation), `order` (S,) int64 with
+    ids[order] sorted (None unless `write_order`), and `bin_counts` (num_bins,) int64.
+    """
+    _check(ids)
+    ids = ids.reshape(-1).contiguous()
+    num_ids, device = ids.numel(), ids.device
+    block_b = _next_power_of_2(num_bins)
+    if block is None:  # one-hot tiles of ~4k entries on a GPU; large ones under the interpreter (per-program cost)
+        block = max(16, (2**16 if _interpreting() else 2**12) // block_b)
+    num_blocks = -(-num_ids // block)
+    pos = torch.empty(num_ids, dtype=torch.int64, device=device)
+    order = torch.empty(num_ids, dtype=torch.int64, device=device) if write_order else None
+    if num_ids == 0:
+        return pos, order, torch.zeros(num_bins, dtype=torch.int64, device=device)
+    counts = torch.empty(num_blocks, num_bins, dtype=torch.int32, device=device)
+    _block_histogram_kernel[(num_blocks,)](ids, counts, num_ids, num_bins, BLOCK=block, BLOCK_B=block_b)
+    bin_counts = counts.sum(0, dtype=torch.int64)  # (B,)
+    bin_starts = torch.cumsum(bin_counts, 0) - bin_counts  # (B,) exclusive scan over bins
+    base = bin_starts + (torch.cumsum(counts, 0, dtype=torch.int64) - counts)  # (programs, B), then over programs
+    _stable_scatter_kernel[(num_blocks,)](
+        ids, base, pos, order if write_order else pos, num_ids, num_bins,
+        WRITE_ORDER=write_order, BLOCK=block, BLOCK_B=block_b,
+    )  # fmt: skip
+    return pos, order, bin_counts
+
+
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalise: bool, block_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, E) logits -> weights (N, K) fp32 (renormalised when `renormalise`), experts (N, K) int64; one launch.
+    Differentiable in the weights (the backward is the softmax / renormalisation Jacobian, in PyTorch)."""
+    _check(router_logits)
+    num_rows, num_experts = router_logits.shape
+    if not 1 <= top_k <= min(MAX_TOP_K, num_experts):
+        raise ValueError(f"the triton routing kernel takes 1 <= top_k <= min({MAX_TOP_K}, num_experts), got top_k="
+                         f"{top_k} with {num_experts} experts; use the torch backend")  # fmt: skip
+    return _SoftmaxTopK.apply(router_logits, top_k, renormalise, block_rows)
+
+
+def _softmax_topk_forward(logits, top_k, renormalise, block_rows):
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    num_rows, num_experts = logits.shape
+    weights = torch.empty(num_rows, top_k, dtype=torch.float32, device=logits.device)
+    experts = torch.empty(num_rows, top_k, dtype=torch.int64, device=logits.device)
+    block_e = _next_power_of_2(num_experts)
+    if block_rows is None:
+        block_rows = max(1, (2**14 if _interpreting() else 2**11) // block_e)
+    if num_rows:
+        _softmax_topk_kernel[(-(-num_rows // block_rows),)](
+            logits, weights, experts, num_rows, num_experts, logits.stride(0),
+            TOP_K=top_k, RENORM=renormalise, BLOCK_K=_next_power_of_2(top_k), BLOCK_N=block_rows, BLOCK_E=block_e,
+        )  # fmt: skip
+    return weights, experts
+
+
+class _SoftmaxTopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, top_k, renormalise, block_rows):
+        weights, experts = _softmax_topk_forward(logits, top_k, renormalise, block_rows)
+        ctx.mark_non_differentiable(experts)
+        ctx.save_for_backward(logits, experts)
+        ctx.renormalise = renormalise
+        return weights, experts
+
+    @staticmethod
+    def backward(ctx, grad_weights, _):
+        logits, experts = ctx.saved_tensors
+        probs = torch.softmax(logits.float(), dim=-1)  # (N, E), recomputed rather than kept
+        chosen = probs.gather(1, experts)  # (N, K)
+        grad_chosen = grad_weights.float()
+        if ctx.renormalise:  # w = v / Σv: dv = (dw - Σ dw·w) / Σv
+            total = chosen.sum(-1, keepdim=True)
+            grad_chosen = (grad_chosen - (grad_chosen * chosen / total).sum(-1, keepdim=True)) / total
+        grad_probs = torch.zeros_like(probs).scatter_(1, experts, grad_chosen)  # distinct experts per row
+        grad_logits = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+        return grad_logits.to(logits.dtype), None, None, None
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool | str = True,
+    capacity_factor: float | None = None,
+    block_rows: int | None = None,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routing_naive.route` with the kernels: the same weights (fp32 tolerance) and, without ties, the same experts
+    (ties go to the lowest expert id)."""
+    num_rows, num_experts = router_logits.shape
+    weights, experts = softmax_topk(router_logits, top_k, renormalises(norm_topk_prob, top_k), block_rows)
+    if capacity_factor is not None:
+        capacity = expert_capacity(capacity_factor, num_rows, top_k, num_experts)
+        flat = experts.t().reshape(-1)  # (K·N,) slot-major: priority order
+        pos, _, counts = counting_sort(flat, num_experts, write_order=False, block=block)
+        rank = pos - (torch.cumsum(counts, 0) - counts)[flat]  # place among the expert's assignments
+        kept = (rank < capacity).view(top_k, num_rows).t()
+        experts = torch.where(kept, experts, num_experts)
+        weights = weights * kept
+    return weights, experts
+
+
+def sort_by_expert(
+    experts: torch.Tensor, num_experts: int, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`routing_naive.sort_by_expert` with the counting sort: `order` (S,) int64 (dropped id E last, stable) and
+    `offsets` (E,) int32."""
+    _, order, counts = counting_sort(experts.reshape(-1), num_experts + 1, block=block)
+    return order, torch.cumsum(counts[:num_experts], 0).to(torch.int32)

@@ -1,0 +1,120 @@
+"""The MoH l2 head-router kernel (ops/head_router/head_router_triton.py) against its PyTorch reference
+(head_router_naive.py), and that reference against the model's own `moh.MoHRouter(router="l2")`: gates, router logits,
+selected heads and the queries' gradient, under TRITON_INTERPRET=1 (tests/conftest.py)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mhmoe.models.mhmoe.moh import MoHRouter
+from mhmoe.models.mhmoe.ops.head_router import head_router_triton
+from mhmoe.models.mhmoe.ops.head_router.head_router_naive import l2_head_gates
+from mhmoe.models.mhmoe.ops.head_router.head_router_triton import l2_head_gates_triton
+
+pytestmark = pytest.mark.skipif(not head_router_triton.HAS_TRITON, reason="triton is not installed")
+
+CASES = [  # (M, H, S, K, hd): M not a multiple of the 8-row blocks; hd 5 and 12 not powers of two
+    (37, 8, 2, 3, 12), (37, 8, 0, 1, 8), (19, 4, 2, 2, 5), (21, 6, 3, 1, 16), (13, 3, 2, 1, 4), (9, 16, 4, 8, 8),
+]  # fmt: skip
+
+
+def _grads(fn, queries, straight_through, shared, active):
+    leaf = queries.clone().requires_grad_()
+    gates, logits, index = fn(leaf, shared, active, straight_through)
+    probe_gates = torch.linspace(-1, 1, gates.numel()).view_as(gates)
+    probe_logits = torch.linspace(0.5, -0.5, logits.numel()).view_as(logits)
+    ((gates * probe_gates).sum() + (logits * probe_logits).sum()).backward()
+    return gates.detach(), logits.detach(), index, leaf.grad
+
+
+@pytest.mark.parametrize("straight_through", [False, True], ids=["soft", "straight-through"])
+@pytest.mark.parametrize("case", CASES, ids=[f"M{m}-H{h}-S{s}-K{k}-hd{d}" for m, h, s, k, d in CASES])
+def test_kernel_matches_reference(case, straight_through):
+    rows, heads, shared, active, head_dim = case
+    queries = torch.randn(rows, heads, head_dim, generator=torch.Generator().manual_seed(rows + heads))
+    kernel = _grads(lambda *a: l2_head_gates_triton(*a[:3], a[3], block_rows=8), queries, straight_through, shared,
+                    active)  # fmt: skip
+    reference = _grads(l2_head_gates, queries, straight_through, shared, active)
+    assert torch.equal(kernel[2], reference[2])
+    for have, want in zip(kernel[:2] + kernel[3:], reference[:2] + reference[3:]):
+        torch.testing.assert_close(have, want, rtol=2e-5, atol=1e-5)
+    gates = kernel[0]
+    assert (gates[:, :shared] == 1).all() and int((gates[:, shared:] != 0).sum()) == rows * active
+    if straight_through:
+        assert set(gates.unique().tolist()) <= {0.0, 1.0}
+
+
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_reference_is_the_models_router(straight_through):
+    """head_router_naive.l2_head_gates gives MoHRouter(router="l2")'s gates, logits, index and query gradient."""
+    batch, seq, heads, shared, active, head_dim = 2, 5, 8, 2, 3, 12
+    router = MoHRouter(32, heads, shared, active, router="l2", straight_through=straight_through)
+    queries = torch.randn(batch, seq, heads, head_dim, generator=torch.Generator().manual_seed(0))
+    leaf = queries.clone().requires_grad_()
+    gates, logits, index = router(torch.randn(batch, seq, 32), leaf)
+    probe = torch.linspace(-1, 1, gates.numel()).view_as(gates)
+    (gates * probe).sum().backward()
+    flat = queries.reshape(-1, heads, head_dim).clone().requires_grad_()
+    ref_gates, ref_logits, ref_index = l2_head_gates(flat, shared, active, straight_through)
+    (ref_gates * probe.reshape(-1, heads)).sum().backward()
+    torch.testing.assert_close(ref_gates, gates.reshape(-1, heads))
+    torch.testing.assert_close(ref_logits, logits.reshape(-1, heads - shared))
+    assert torch.equal(ref_index, index.reshape(-1, active))
+    torch.testing.assert_close(flat.grad, leaf.grad.reshape(-1, heads, head_dim))
+
+
+def test_ties_go_to_the_lowest_head_and_bad_arguments():
+    queries = torch.ones(3, 6, 4)  # every routed head has the same norm
+    gates, _, index = l2_head_gates_triton(queries, 2, 2)
+    assert index.tolist() == [[0, 1]] * 3 and gates[:, 2:4].eq(1).all() and gates[:, 4:].eq(0).all()
+    with pytest.raises(ValueError, match="active_heads"):
+        l2_head_gates_triton(queries, 2, 5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 40), routed=st.integers(1, 12), shared=st.integers(0, 4), head_dim=st.integers(1, 20),
+       active=st.integers(1, 12), straight_through=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+def test_properties(rows, routed, shared, head_dim, active, straight_through, seed):
+    active = min(active, routed)
+    queries = torch.randn(rows, shared + routed, head_dim, generator=torch.Generator().manual_seed(seed))
+    gates, logits, index = l2_head_gates_triton(queries, shared, active, straight_through, block_rows=16)
+    ref_gates, ref_logits, ref_index = l2_head_gates(queries, shared, active, straight_through)
+    assert torch.equal(index, ref_index)
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-5, atol=1e-5)
+    torch.testing.assert_close(gates, ref_gates, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatch):
+    """An MHMoE model with MoH l2 routing: routing_backend="triton" (head router and expert routing on the kernels)
+    gives the torch path's logits, losses and gradients, and the head-router kernel really ran."""
+    from mhmoe import MHMoEConfig, MHMoEForCausalLM
+    from mhmoe.models.mhmoe import routing
+
+    monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
+    config = MHMoEConfig(vocab_size=41, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, moe_heads=2, num_experts=5, num_experts_per_tok=2,
+                         moe_intermediate_size=16, moh_shared_heads=1, moh_active_heads=2, moh_router="l2",
+                         moh_straight_through=straight_through, output_router_logits=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    ids = torch.randint(0, 41, (2, 7), generator=torch.Generator().manual_seed(2))
+    calls = []
+    original = routing.l2_head_gates_triton
+    monkeypatch.setattr(routing, "l2_head_gates_triton", lambda *a: calls.append(1) or original(*a))
+    results = []
+    for backend in ("torch", "triton"):
+        for module in model.modules():
+            if hasattr(module, "routing_backend"):
+                module.routing_backend = backend
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append([out.logits, out.loss, out.moh_aux_loss] + [p.grad for p in model.parameters()])
+    assert len(calls) == 2  # one per layer, on the triton pass
+    for have, want in zip(results[1], results[0]):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,212 @@
+"""The Triton routing kernels (ops/routing/routing_triton.py) against the PyTorch reference (routing_naive.py), run
+under TRITON_INTERPRET=1 (tests/conftest.py): outputs and router gradients on awkward shapes, ties, one expert taking
+every row, capacity overflow, hypothesis properties, the backend switch, and a whole model forced onto the kernels.
+
+Small blocks (`block_rows`, `block`) split even small inputs over several programs with a ragged last one; the
+interpreter costs ~2 ms per program, so every case stays at a few launches of a few programs.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mhmoe import MHMoEConfig, MHMoEForCausalLM
+from mhmoe.models.mhmoe import routing
+from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
+
+pytestmark = pytest.mark.skipif(not routing_triton.HAS_TRITON, reason="triton is not installed")
+
+SHAPES = [  # (N, E, K): N not a multiple of the blocks used below
+    (37, 1, 1), (37, 3, 1), (37, 3, 2), (50, 7, 3), (29, 40, 2), (45, 40, 8), (33, 96, 3), (21, 96, 8), (1, 3, 3),
+]  # fmt: skip
+
+
+def _logits(num_rows, num_experts, seed=0, scale=2.0):
+    return torch.randn(num_rows, num_experts, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _both(logits, top_k, norm=True, capacity=None, block_rows=8, block=16):
+    """(kernel, reference) results: weights, experts and the logits' gradient of a fixed weighted sum of weights."""
+    results = []
+    for kernel in (True, False):
+        leaf = logits.detach().clone().requires_grad_()
+        if kernel:
+            weights, experts = routing_triton.route(leaf, top_k, norm, capacity, block_rows=block_rows, block=block)
+        else:
+            weights, experts = routing_naive.route(leaf, top_k, norm, capacity)
+        probe = torch.linspace(-1, 2, weights.numel()).view_as(weights)
+        (weights * probe).sum().backward()
+        results.append((weights.detach(), experts, leaf.grad))
+    return results
+
+
+@pytest.mark.parametrize("norm", [True, "always", False])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"N{n}-E{e}-K{k}" for n, e, k in SHAPES])
+def test_route_matches_reference(shape, norm):
+    num_rows, num_experts, top_k = shape
+    (weights, experts, grad), (ref_weights, ref_experts, ref_grad) = _both(_logits(*shape[:2]), top_k, norm)
+    assert experts.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("capacity", [0.25, 0.5, 1.0, 2.0])
+@pytest.mark.parametrize("shape", [(50, 7, 3), (45, 40, 8), (37, 3, 1)], ids=["E7-K3", "E40-K8", "E3-K1"])
+def test_capacity_matches_reference(shape, capacity):
+    num_rows, num_experts, top_k = shape
+    (weights, experts, grad), (ref_weights, ref_experts, ref_grad) = _both(_logits(*shape[:2], seed=3), top_k,
+                                                                           capacity=capacity)  # fmt: skip
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    if capacity <= 0.5:
+        assert (experts == num_experts).any()  # some assignments were dropped
+
+
+def test_every_row_on_one_expert_overflows_in_priority_order():
+    """All rows prefer expert 2: with capacity c only the first c rows keep it (row order); the rest are dropped."""
+    logits = _logits(40, 7, seed=4, scale=0.1)
+    logits[:, 2] += 20.0
+    capacity = routing_naive.expert_capacity(0.5, 40, 2, 7)  # 6
+    (weights, experts, _), (ref_weights, ref_experts, _) = _both(logits, 2, capacity=0.5)
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights)
+    assert (experts[:capacity, 0] == 2).all() and (experts[capacity:, 0] == 7).all()
+    assert (weights[capacity:, 0] == 0).all()
+    (_, dropless, _), _ = _both(logits, 2)
+    assert (dropless[:, 0] == 2).all()
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_ties_go_to_the_lowest_expert_id(top_k):
+    """Equal logits: the kernel takes the lowest ids (a stable descending sort's order); the weights are the
+    reference's (equal values are interchangeable)."""
+    logits = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.5], [2.0, 2.0, 2.0, 2.0, 2.0], [0.0, 3.0, 0.0, 3.0, 3.0]])
+    weights, experts = routing_triton.route(logits, top_k, block_rows=2)
+    stable = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(experts, stable)
+    ref_weights, _ = routing_naive.route(logits, top_k)
+    torch.testing.assert_close(weights, ref_weights)
+
+
+@pytest.mark.parametrize("num_bins", [1, 2, 8, 41, 97])
+def test_counting_sort_is_a_stable_sort(num_bins):
+    ids = torch.randint(0, num_bins, (203,), generator=torch.Generator().manual_seed(num_bins))
+    pos, order, counts = routing_triton.counting_sort(ids, num_bins, block=32)
+    expected = torch.sort(ids, stable=True).indices
+    assert torch.equal(order, expected)
+    assert torch.equal(pos[order], torch.arange(203))  # pos is the inverse permutation
+    assert torch.equal(counts, torch.bincount(ids, minlength=num_bins))
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.4])
+def test_sort_by_expert_matches_reference(drop):
+    num_experts = 13
+    generator = torch.Generator().manual_seed(5)
+    experts = torch.randint(0, num_experts, (61, 3), generator=generator)
+    experts = experts.masked_fill(torch.rand(61, 3, generator=generator) < drop, num_experts)  # dropped sentinel E
+    order, offsets = routing_triton.sort_by_expert(experts, num_experts, block=16)
+    ref_order, ref_offsets = routing_naive.sort_by_expert(experts, num_experts)
+    assert order.dtype == ref_order.dtype and offsets.dtype == ref_offsets.dtype == torch.int32
+    assert torch.equal(order, ref_order) and torch.equal(offsets, ref_offsets)
+
+
+def test_empty_input_and_bad_arguments():
+    weights, experts = routing_triton.route(torch.zeros(0, 5), 2, capacity_factor=1.0)
+    assert weights.shape == experts.shape == (0, 2)
+    order, offsets = routing_triton.sort_by_expert(experts, 5)
+    assert order.numel() == 0 and offsets.tolist() == [0] * 5
+    with pytest.raises(ValueError, match="top_k <= min"):
+        routing_triton.route(torch.zeros(4, 12), 9)
+    with pytest.raises(ValueError, match="top_k <= min"):
+        routing_triton.route(torch.zeros(4, 3), 4)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    num_rows=st.integers(1, 70),
+    num_experts=st.integers(1, 100),
+    top_k=st.integers(1, 8),
+    capacity=st.one_of(st.none(), st.floats(0.1, 2.0)),
+    norm=st.sampled_from([True, "always", False]),
+    seed=st.integers(0, 2**16),
+)
+def test_route_properties(num_rows, num_experts, top_k, capacity, norm, seed):
+    """Continuous random logits (no ties): the kernel's experts are the reference's and its weights within fp32
+    tolerance, at any shape, with and without capacity."""
+    top_k = min(top_k, num_experts)
+    logits = _logits(num_rows, num_experts, seed=seed)
+    weights, experts = routing_triton.route(logits, top_k, norm, capacity, block_rows=16, block=64)
+    ref_weights, ref_experts = routing_naive.route(logits, top_k, norm, capacity)
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+    kept = experts < num_experts
+    if capacity is not None:  # no expert over capacity, and dropped slots weigh nothing
+        cap = routing_naive.expert_capacity(capacity, num_rows, top_k, num_experts)
+        assert int(torch.bincount(experts[kept], minlength=num_experts).max()) <= cap
+        assert not weights[~kept].any()
+
+
+@settings(max_examples=20, deadline=None)
+@given(ids=st.lists(st.integers(0, 9), min_size=1, max_size=150), block=st.sampled_from([16, 32, 128]))
+def test_counting_sort_properties(ids, block):
+    ids = torch.tensor(ids)
+    pos, order, counts = routing_triton.counting_sort(ids, 10, block=block)
+    assert torch.equal(order, torch.sort(ids, stable=True).indices)
+    assert torch.equal(order[pos], torch.arange(len(ids)))
+    assert int(counts.sum()) == len(ids)
+
+
+def test_backend_switch(monkeypatch):
+    logits = _logits(9, 5)
+    calls = []
+    monkeypatch.setattr(routing, "triton_route", lambda *args: calls.append("triton") or routing_triton.route(*args))
+    monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
+    routing.route(logits, 2)
+    assert calls == []  # CPU default: the reference
+    routing.route(logits, 2, backend="triton")
+    assert calls == ["triton"]
+    monkeypatch.setenv(routing.ROUTING_BACKEND_ENV, "torch")  # the environment overrides the config
+    routing.route(logits, 2, backend="triton")
+    assert calls == ["triton"]
+    monkeypatch.setenv(routing.ROUTING_BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="MHMOE_ROUTING_BACKEND must be one of"):
+        routing.route(logits, 2)
+    with pytest.raises(ValueError, match="routing_backend must be one of"):
+        MHMoEConfig(routing_backend="cuda")
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatch):
+    """A whole MH-MoE model (h=3, E=7, top-3) with routing_backend="triton" gives the torch path's logits, losses and
+    gradients; the kernels really ran (route and sort)."""
+    monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
+    config = MHMoEConfig(vocab_size=53, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, moe_heads=3, num_experts=7, num_experts_per_tok=3,
+                         moe_intermediate_size=16, capacity_factor=capacity_factor,
+                         output_router_logits=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    ids = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(1))
+    calls = []
+    for name in ("triton_route", "triton_sort_by_expert"):
+        original = getattr(routing, name)
+        monkeypatch.setattr(routing, name, lambda *a, original=original, name=name: calls.append(name) or original(*a))
+
+    results = []
+    for backend in ("torch", "triton"):
+        model.config.routing_backend = backend
+        for layer in model.model.layers:
+            layer.mlp.gate.routing_backend = backend
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append([out.logits, out.loss, out.aux_loss] + [p.grad for p in model.parameters()])
+    assert calls.count("triton_route") == 2 and calls.count("triton_sort_by_expert") == 2
+    for have, want in zip(results[1], results[0]):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,110 @@
+"""save_pretrained / push_to_hub of mhmoe models write a folder that loads with trust_remote_code where mhmoe is not
+installed (the same logits), `self_contained=False` writes Transformers' plain folder, and push_to_hub is checked up
+to the upload."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
+from tests.test_hub import _blocked_env
+
+SCRIPT = r"""
+import sys
+import torch
+from safetensors.torch import load_file, save_file
+try:
+    import mhmoe
+    sys.exit("mhmoe is importable")
+except ImportError:
+    pass
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = model(load_file(sys.argv[2])["input_ids"]).logits
+save_file({"logits": logits, "is_remote": torch.tensor(type(model).__module__.startswith("transformers_modules"))},
+          sys.argv[3])
+"""
+
+
+def _models():
+    torch.manual_seed(0)
+    mhmoe_model = MHMoEForCausalLM(MHMoEConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        moe_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2,
+        moh_shared_heads=2, moh_active_heads=1, max_position_embeddings=64))  # fmt: skip
+    moh_llama = MoHLlamaForCausalLM(MoHLlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, moh_shared_heads=1, moh_active_heads=2, max_position_embeddings=64))  # fmt: skip
+    return {"mhmoe": mhmoe_model.eval(), "moh_llama": moh_llama.eval()}
+
+
+@pytest.mark.parametrize("name", ["mhmoe", "moh_llama"])
+def test_save_pretrained_loads_in_a_process_without_mhmoe(name, tmp_path):
+    model = _models()[name]
+    folder = tmp_path / "saved"
+    model.save_pretrained(folder)
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md", f"modeling_{name}.py"} <= names
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == f"modeling_{name}.{type(model).__name__}"
+    card = (folder / "README.md").read_text()
+    assert "library_name: transformers" in card and "custom_code" in card
+
+    ids = torch.randint(0, 64, (2, 9))
+    save_file({"input_ids": ids}, tmp_path / "in.safetensors")
+    subprocess.run([sys.executable, "-c", SCRIPT, str(folder), str(tmp_path / "in.safetensors"),
+                    str(tmp_path / "out.safetensors")], env=_blocked_env(tmp_path), check=True, timeout=300)  # fmt: skip
+    out = load_file(tmp_path / "out.safetensors")
+    assert bool(out["is_remote"])
+    with torch.no_grad():
+        torch.testing.assert_close(out["logits"], model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_self_contained_false_writes_the_plain_folder(tmp_path):
+    model = _models()["mhmoe"]
+    model.save_pretrained(tmp_path, self_contained=False)
+    assert not list(tmp_path.glob("*.py")) and not (tmp_path / "README.md").exists()
+    assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
+    reloaded = MHMoEForCausalLM.from_pretrained(tmp_path).eval()  # mhmoe is imported here: loads as usual
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def test_push_to_hub_uploads_the_self_contained_folder(monkeypatch):
+    """Up to the upload: the files push_to_hub would send are the self-contained folder."""
+    import huggingface_hub
+
+    sent = {}
+
+    class Uploaded(Exception):  # stops at the upload itself
+        pass
+
+    def fake_create_commit(self, repo_id, operations, **kwargs):
+        sent["repo"] = repo_id
+        sent["files"] = sorted(op.path_in_repo for op in operations)
+        raise Uploaded
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    endpoint = "https://hub.invalid"
+    repo_url = huggingface_hub.RepoUrl(f"{endpoint}/someone/tiny-mhmoe", endpoint=endpoint)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: repo_url)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", fake_create_commit)
+    monkeypatch.setattr(huggingface_hub.HfApi, "preupload_lfs_files", lambda self, *a, **k: None, raising=False)
+    with pytest.raises(Uploaded):
+        _models()["mhmoe"].push_to_hub("someone/tiny-mhmoe", token="hf_fake")
+    assert sent["repo"] == "someone/tiny-mhmoe"
+    assert {"config.json", "model.safetensors", "README.md", "modeling_mhmoe.py", "configuration_mhmoe.py",
+            "moe.py", "routing.py"} <= set(sent["files"])  # fmt: skip
+
+
+def test_push_to_hub_offline_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match=r"could not reach the Hugging Face Hub.*save_pretrained\(folder\)"):
+        _models()["mhmoe"].push_to_hub("someone/tiny-mhmoe")
