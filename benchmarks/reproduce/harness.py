@@ -28,8 +28,8 @@ CORPUS = REPO / "data" / "corpus"
 RESULTS = REPO / "benchmarks" / "results"
 
 
-VALIDATION_CHARS = {"quick": 20_000, "cpu": 120_000, "gpu": 4_000_000}  # validation text evaluated per point
-TRAIN_CHARS = {"quick": None, "cpu": 6_000_000, "gpu": None}  # None: the whole training split
+VALIDATION_CHARS = {"quick": 20_000, "cpu": 120_000, "cpu_long": 120_000, "gpu": 4_000_000}  # evaluated per point
+TRAIN_CHARS = {"quick": None, "cpu": 6_000_000, "cpu_long": 6_000_000, "gpu": None}  # None: the whole split
 
 
 def data_files(scale_name: str, workdir: Path) -> tuple[str, str, str]:
@@ -140,10 +140,10 @@ def write_results(name: str, title: str, cells: dict, meta: dict, out_dir: Path)
     for cell in cells.values():
         cell["summary"] = summarise(cell)
     data = {"table": name, "title": title, **meta, "cells": cells}
-    path = out_dir / f"reproduce_{name}.json"
+    path = out_dir / f"reproduce_{name}_{meta['scale_name']}.json"  # one file per table and scale: scales are kept
     path.write_text(json.dumps(data, indent=2) + "\n")
-    (out_dir / f"reproduce_{name}.md").write_text(markdown_table(data))
-    plot_curves(data, out_dir / f"reproduce_{name}.png")
+    path.with_suffix(".md").write_text(markdown_table(data))
+    plot_curves(data, path.with_suffix(".png"))
     write_cards(data, out_dir)
     return path
 
@@ -253,11 +253,11 @@ def _slug(text: str) -> str:
 
 
 def write_cards(data: dict, out_dir: Path) -> list[Path]:
-    """One model card per cell (`mhmoe.cards.model_card`, filled from the results): cards/<table>/<cell>.md."""
+    """One model card per cell (`mhmoe.cards.model_card`, filled from the results): cards/<table>_<scale>/<cell>.md."""
     from mhmoe import MHMoEConfig
     from mhmoe.cards import model_card
 
-    folder = out_dir / "cards" / data["table"]
+    folder = out_dir / "cards" / f"{data['table']}_{data['scale_name']}"
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, cell in data["cells"].items():

@@ -28,6 +28,9 @@ FIG2_SCALES = {
     "cpu": dict(vocab_size=2048, hidden_size=96, intermediate_size=256, num_layers=4, num_heads=8,
                 num_key_value_heads=4, block_size=64, batch_size=8, dense_steps=400, tune_steps=150, eval_steps=25,
                 dense_lr=2e-3, tune_lr=5e-4, tune_min_lr=5e-5),
+    "cpu_long": dict(vocab_size=2048, hidden_size=96, intermediate_size=256, num_layers=4, num_heads=8,
+                     num_key_value_heads=4, block_size=64, batch_size=8, dense_steps=2000, tune_steps=600,
+                     eval_steps=50, dense_lr=2e-3, tune_lr=5e-4, tune_min_lr=5e-5),
     "gpu": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8,
                 num_key_value_heads=8, block_size=512, batch_size=32, dense_steps=3000, tune_steps=600, eval_steps=50,
                 dense_lr=1e-3, tune_lr=2e-4, tune_min_lr=2e-5),
@@ -78,10 +81,10 @@ def run_fig2(scale_name: str, seeds: list[int], out_dir: Path, workdir: Path) ->
     data = {"table": "moh_fig2", "title": "MoH Fig. 2: dense LLaMA -> MoH (75% heads), continue-tuned",
             "data": data_name, "scale_name": scale_name, "scale": FIG2_SCALES[scale_name], "seeds": seeds,
             **harness.environment(), "runs": runs}  # fmt: skip
-    path = out_dir / "reproduce_moh_fig2.json"
+    path = out_dir / f"reproduce_moh_fig2_{scale_name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
-    (out_dir / "reproduce_moh_fig2.md").write_text(harness.fig2_markdown(data))
-    harness.plot_fig2(data, out_dir / "reproduce_moh_fig2.png")
+    path.with_suffix(".md").write_text(harness.fig2_markdown(data))
+    harness.plot_fig2(data, path.with_suffix(".png"))
     print(harness.fig2_markdown(data))
     return path
 
@@ -97,14 +100,14 @@ def main(argv=None) -> None:
     parser.add_argument("--cards", action="store_true", help="regenerate the tables, plots and model cards from the "
                         "committed results JSON (no training)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.cards:
+        for path in sorted((args.out or harness.RESULTS).glob("reproduce_*.json")):
+            harness.rewrite_outputs(path)
+        return
     if args.list or not args.table:
         for name, (_, title) in tables.TABLES.items():
             print(f"{name:16s} {title}")
         print(f"{'moh_fig2':16s} MoH Fig. 2: dense LLaMA -> MoH recovery, continue-tuned, with a dense control")
-        return
-    if args.cards:
-        for path in sorted((args.out or harness.RESULTS).glob("reproduce_*.json")):
-            harness.rewrite_outputs(path)
         return
     if len(args.seeds) < 2 and not args.quick:
         parser.error("use at least 2 seeds per cell (--seeds 0 1)")

@@ -1,7 +1,7 @@
 """The cells of each reproduced table: name -> MHMoEConfig fields, at a given scale.
 
-Scales (`SCALES`): "cpu" trains each cell in minutes on 2 CPU cores; "gpu" is the larger scale for a lent GPU; "quick"
-is the CI smoke run (tiny, seconds). Every MoE model puts MoE in every second layer (the paper's setting) and is
+Scales (`SCALES`): "cpu" trains each cell in seconds to minutes on 2 CPU cores, "cpu_long" the same models 5× longer;
+"gpu" is the larger scale for a lent GPU; "quick" is the CI smoke run (tiny, seconds). Every MoE model puts MoE in every second layer (the paper's setting) and is
 matched to the top-1 SMoE with `MHMoEConfig.matched_to_smoe` (activated FLOPs and parameters, head/merge layers
 counted). Router settings follow the official MH-MoE code: top-k gates renormalised only when k > 1, GShard balance
 loss on top-1 assignments summed over layers (`router_aux_loss_mode="top1_sum"`, coefficient 0.01), dropless unless
@@ -16,6 +16,8 @@ SCALES = {
                   batch=4, steps=6, vocab=320, lr=3e-3),
     "cpu": dict(hidden_size=96, num_hidden_layers=4, num_attention_heads=4, smoe_intermediate=256, block=64,
                 batch=8, steps=300, vocab=2048, lr=2e-3),
+    "cpu_long": dict(hidden_size=96, num_hidden_layers=4, num_attention_heads=4, smoe_intermediate=256, block=64,
+                     batch=8, steps=1500, vocab=2048, lr=2e-3),
     "gpu": dict(hidden_size=576, num_hidden_layers=8, num_attention_heads=8, smoe_intermediate=1536, block=512,
                 batch=32, steps=3000, vocab=8192, lr=1e-3),
 }  # fmt: skip

@@ -19,7 +19,7 @@ import tables  # noqa: E402
 
 def test_quick_table_end_to_end(tmp_path):
     run.main(["mhmoe_table1", "--quick", "--seeds", "0", "1", "--out", str(tmp_path)])
-    data = json.loads((tmp_path / "reproduce_mhmoe_table1.json").read_text())
+    data = json.loads((tmp_path / "reproduce_mhmoe_table1_quick.json").read_text())
     assert list(data["cells"]) == ["Dense", "SMoE", "Fine-grained SMoE", "MH-MoE h=2", "MH-MoE h=3"]
     for cell in data["cells"].values():
         assert [r["seed"] for r in cell["runs"]] == [0, 1]
@@ -30,11 +30,11 @@ def test_quick_table_end_to_end(tmp_path):
         assert cell["summary"]["final"]["mean"] == pytest.approx(sum(ppls) / 2)
         assert cell["summary"]["final"]["min"] == min(ppls) and cell["summary"]["final"]["max"] == max(ppls)
     assert data["cells"]["Dense"]["runs"][0]["eval"] != data["cells"]["Dense"]["runs"][1]["eval"]  # seeds differ
-    assert (tmp_path / "reproduce_mhmoe_table1.md").read_text() == harness.markdown_table(data)
-    assert (tmp_path / "reproduce_mhmoe_table1.png").stat().st_size > 1000
+    assert (tmp_path / "reproduce_mhmoe_table1_quick.md").read_text() == harness.markdown_table(data)
+    assert (tmp_path / "reproduce_mhmoe_table1_quick.png").stat().st_size > 1000
     from huggingface_hub import ModelCard  # the cards parse offline, with the results in their model-index
 
-    card = ModelCard((tmp_path / "cards" / "mhmoe_table1" / "mh-moe-h-3.md").read_text())
+    card = ModelCard((tmp_path / "cards" / "mhmoe_table1_quick" / "mh-moe-h-3.md").read_text())
     (result,) = card.data.eval_results
     assert result.metric_type == "perplexity"
     assert result.metric_value == pytest.approx(data["cells"]["MH-MoE h=3"]["summary"]["final"]["mean"], rel=1e-4)
@@ -42,13 +42,13 @@ def test_quick_table_end_to_end(tmp_path):
 
 def test_quick_fig2_end_to_end(tmp_path):
     run.main(["moh_fig2", "--quick", "--seeds", "0", "--out", str(tmp_path)])
-    data = json.loads((tmp_path / "reproduce_moh_fig2.json").read_text())
+    data = json.loads((tmp_path / "reproduce_moh_fig2_quick.json").read_text())
     (result,) = data["runs"]
     assert result["active_heads"] == "6/8"  # 75% of the heads, the paper's setting
     assert set(result["curves"]) == {"MoH 75% (converted)", "dense control"}
     assert result["curves"]["MoH 75% (converted)"][0]["tokens"] == 0  # the converted model before tuning
     assert result["curves"]["MoH 75% (converted)"][0]["ppl"] == pytest.approx(result["moh_ppl_before_tuning"])
-    assert (tmp_path / "reproduce_moh_fig2.md").read_text() == harness.fig2_markdown(data)
+    assert (tmp_path / "reproduce_moh_fig2_quick.md").read_text() == harness.fig2_markdown(data)
 
 
 @pytest.mark.parametrize("scale", ["cpu", "gpu"])
@@ -87,7 +87,7 @@ def test_committed_tables_and_cards_are_what_the_command_prints(path, tmp_path):
     assert path.with_suffix(".png").is_file()
     if data["table"] != "moh_fig2":
         for card in harness.write_cards(data, tmp_path):
-            assert (path.parent / "cards" / data["table"] / card.name).read_text() == card.read_text()
+            assert (path.parent / "cards" / card.parent.name / card.name).read_text() == card.read_text()
 
 
 def test_make_splits_is_by_document_and_deterministic(tmp_path):
