@@ -81,8 +81,39 @@ def parity(config) -> dict:
     return out
 
 
-def run_cell(config, seed: int, scale: dict, files: tuple[str, str], tokenizer, workdir: Path) -> dict:
-    """Train one (config, seed) from scratch; validation perplexity at half and at the end of training."""
+def measure_throughput(model, scale: dict, repeats: int = 3) -> dict:
+    """Training (forward + backward) and inference (forward, no gradient) tokens/s of `model` on one random batch of
+    the scale's shape: median of `repeats` timed calls after one warm-up, in this process, on this machine."""
+    ids = torch.randint(3, scale["vocab"], (scale["batch"], scale["block"]))
+    tokens = ids.numel()
+
+    def median_seconds(step) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
+
+    def train_step():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def inference_step():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+
+    model.train()
+    train = median_seconds(train_step)
+    model.eval()
+    return {"train_tokens_per_second": round(tokens / train, 1),
+            "inference_tokens_per_second": round(tokens / median_seconds(inference_step), 1)}  # fmt: skip
+
+
+def run_cell(config, seed: int, scale: dict, files: tuple[str, str], tokenizer, workdir: Path,
+             throughput: bool = False) -> dict:  # fmt: skip
+    """Train one (config, seed) from scratch; validation perplexity at half and at the end of training (and, with
+    `throughput`, the trained model's training and inference tokens/s)."""
     steps = scale["steps"]
     torch.manual_seed(seed)
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -103,6 +134,7 @@ def run_cell(config, seed: int, scale: dict, files: tuple[str, str], tokenizer, 
         "tokens_per_second": round(train_tokens / seconds, 1),
         "eval": [{"step": r["step"], "tokens": r["tokens"], "ppl": r["eval_ppl"]} for r in evals],
         "final_train_loss": next((r["lm_loss"] for r in reversed(result.history) if "lm_loss" in r), None),
+        **(measure_throughput(result.model, scale) if throughput else {}),
     }  # fmt: skip
 
 
@@ -168,12 +200,18 @@ def markdown_table(data: dict) -> str:
         f"| model | ppl @ {mid:,} tokens | ppl @ {final:,} tokens | params | MoE layer params | MoE layer MACs/token |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for name, cell in cells.items():  # throughput stays in the JSON: runs shared the machine with other work
+    speed = "train_tokens_per_second" in next(iter(cells.values()))["runs"][0]
+    if speed:  # measured per cell in the same run (`measure_throughput`); the machine may be shared: noisy
+        lines[-2] += " train tokens/s | inference tokens/s |"
+        lines[-1] += " --- | --- |"
+    for name, cell in cells.items():
         p = cell["parity"]
-        lines.append(
-            f"| {name} | {_fmt(cell['summary'].get('mid'))} | {_fmt(cell['summary'].get('final'))} | "
-            f"{p['parameters']:,} | {p.get('moe_layer_params', 0):,} | {p.get('moe_layer_macs_per_token', 0):,} |"
-        )
+        line = (f"| {name} | {_fmt(cell['summary'].get('mid'))} | {_fmt(cell['summary'].get('final'))} | "
+                f"{p['parameters']:,} | {p.get('moe_layer_params', 0):,} | {p.get('moe_layer_macs_per_token', 0):,} |")
+        if speed:
+            line += "".join(f" {statistics.median(run[key] for run in cell['runs']):,.0f} |"
+                            for key in ("train_tokens_per_second", "inference_tokens_per_second"))  # fmt: skip
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 

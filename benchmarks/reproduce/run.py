@@ -46,7 +46,8 @@ def run_table(name: str, scale_name: str, seeds: list[int], out_dir: Path, workd
     for cell_name, config in build(scale).items():
         cells[cell_name] = {"config": config.to_diff_dict(), "parity": harness.parity(config), "runs": []}
         for seed in seeds:
-            run = harness.run_cell(config, seed, scale, (train_file, val_file), tokenizer, workdir)
+            run = harness.run_cell(config, seed, scale, (train_file, val_file), tokenizer, workdir,
+                                   throughput=name in tables.THROUGHPUT_TABLES)  # fmt: skip
             cells[cell_name]["runs"].append(run)
             final = run["eval"][-1]["ppl"] if run["eval"] else float("nan")
             print(f"{name} | {cell_name} | seed {seed}: ppl {final:.2f} ({run['seconds']} s) | "

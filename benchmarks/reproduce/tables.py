@@ -91,10 +91,45 @@ def moh_table4(scale: dict) -> dict[str, MHMoEConfig]:
     }
 
 
+def _with(config: MHMoEConfig, **fields) -> MHMoEConfig:
+    values = config.to_dict()
+    for key in ("model_type", "transformers_version", "architectures", "auto_map"):
+        values.pop(key, None)
+    return MHMoEConfig(**{**values, **fields})
+
+
+def bitnet_table3(scale: dict) -> dict[str, MHMoEConfig]:
+    """MH-MoE Table 3: Table 1's matched models trained as 1-bit models (BitNet b1.58, every decoder projection
+    quantised, the paper's setting; `bitnet_quantized_layers="experts"` would be the official code's)."""
+    return {name: _with(config, linear_type="bitnet_b158", bitnet_quantized_layers="all")
+            for name, config in table1(scale).items()}  # fmt: skip
+
+
+def lory_comparison(scale: dict) -> dict[str, MHMoEConfig]:
+    """The Multi-Headed Lory proposal's comparison at equal activated parameters: SMoE (top-1), MH-MoE h=2, Lory (one
+    merged expert of the SMoE's size per segment), MH-Lory v1 (h=2, one shared pool) and v2 (h=2, a pool per head with
+    half the experts each, so that total parameters match v1). MH variants are sized with `matched_to_smoe` (k=1 per
+    head for Lory: one merged expert per head). Segments: a quarter of a training block."""
+    source = smoe(scale)
+    segment = dict(router_type="lory", lory_segment_length=max(1, scale["block"] // 4))
+    mh_lory = MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=1, round_experts_to=4, **segment)
+    return {
+        "SMoE": source,
+        "MH-MoE h=2": MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2),
+        "Lory": _with(source, **segment),
+        "MH-Lory v1": mh_lory,
+        "MH-Lory v2": _with(mh_lory, lory_expert_pool="per_head", num_experts=max(1, mh_lory.num_experts // 2)),
+    }
+
+
 TABLES = {
     "mhmoe_table1": (table1, "MH-MoE Table 1: dense, SMoE, fine-grained SMoE, MH-MoE (FLOPs and parameters matched)"),
     "mhmoe_table2": (lambda scale: table1(scale, shared=True), "MH-MoE Table 2: with a shared expert"),
     "mhmoe_ablation": (ablations, "MH-MoE Tables 4-5: head and merge layer ablations"),
     "mhmoe_capacity": (capacity, "MH-MoE vs SMoE, dropless and with capacity factor 1.0"),
     "moh_table4": (moh_table4, "MoH Table 4: MHA vs MoH at 75% and 50% active heads, from scratch"),
+    "bitnet_table3": (bitnet_table3, "MH-MoE Table 3: 1-bit (BitNet b1.58) dense, SMoE, fine-grained SMoE, MH-MoE"),
+    "lory_comparison": (lory_comparison, "Multi-Headed Lory: Lory, MH-Lory v1/v2, MH-MoE and SMoE at equal "
+                                         "activated parameters (with throughput)"),
 }
+THROUGHPUT_TABLES = ("lory_comparison",)  # their Markdown table adds training and inference tokens/s

@@ -106,3 +106,27 @@ def test_make_splits_is_by_document_and_deterministic(tmp_path):
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert sum(s["documents"] for s in manifest["splits"].values()) == 60
     assert not list(tmp_path.glob(".a-*"))  # no temporary folder left
+
+
+def test_variant_tables():
+    """Table 3 is Table 1 as BitNet b1.58 (every decoder projection); the Lory comparison holds total parameters within
+    rounding and uses Lory routing where it says so."""
+    scale = tables.SCALES["cpu"]
+    bitnet = tables.bitnet_table3(scale)
+    assert list(bitnet) == list(tables.table1(scale))
+    assert all(c.linear_type == "bitnet_b158" and c.bitnet_quantized_layers == "all" for c in bitnet.values())
+    lory = tables.lory_comparison(scale)
+    assert [c.router_type for c in lory.values()] == ["topk", "topk", "lory", "lory", "lory"]
+    assert lory["MH-Lory v2"].lory_expert_pool == "per_head" and lory["MH-Lory v1"].lory_expert_pool == "shared"
+    params = {name: moe_layer_cost(c).params for name, c in lory.items()}
+    assert params["Lory"] == params["SMoE"] and params["MH-Lory v1"] == params["MH-Lory v2"]
+    assert params["MH-Lory v1"] == pytest.approx(params["SMoE"], rel=0.05)
+
+
+def test_quick_throughput_columns(tmp_path):
+    run.main(["lory_comparison", "--quick", "--seeds", "0", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "reproduce_lory_comparison_quick.json").read_text())
+    for cell in data["cells"].values():
+        assert all(r["train_tokens_per_second"] > 0 and r["inference_tokens_per_second"] > 0 for r in cell["runs"])
+    table = (tmp_path / "reproduce_lory_comparison_quick.md").read_text()
+    assert "train tokens/s | inference tokens/s |" in table and table == harness.markdown_table(data)
