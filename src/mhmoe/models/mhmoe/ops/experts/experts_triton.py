@@ -17,25 +17,13 @@ Transformers experts function a user registers (`ExpertsInterface.register("mhmo
 Imports without triton (exported checkpoints): the kernels are then plain functions, never launched.
 """
 
-import os
-import types
 
 import torch
 
 from ..routing.routing_triton import sort_by_expert
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch-only install
-    triton = None
-    tl = types.SimpleNamespace(constexpr=int)
-
-HAS_TRITON = triton is not None
-
-
-def _jit(fn):
-    return triton.jit(fn) if HAS_TRITON else fn
+from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
+from ..triton_compat import jit as _jit
 
 
 @_jit
@@ -255,7 +243,7 @@ def experts_forward(
     dtype; the K weighted slots of a row are summed in fp32 (one bmm, fixed order)."""
     if not HAS_TRITON:
         raise ImportError("the triton experts kernels need triton: `pip install triton`")
-    if not hidden_states.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not hidden_states.is_cuda and not interpreting():
         raise ValueError("the triton experts kernels run on CUDA tensors (or under TRITON_INTERPRET=1)")
     num_rows, top_k = top_k_index.shape
     blocks = (block_m, block_n, block_k)

@@ -7,25 +7,13 @@ head_router_naive.py; BLOCK_* are powers of two (R, hd, K padded up).
 Imports without triton (exported checkpoints): the kernel is then a plain function, never launched.
 """
 
-import os
-import types
 
 import torch
 
 from .head_router_naive import L2_STD_MIN, l2_head_gates
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch-only install
-    triton = None
-    tl = types.SimpleNamespace(constexpr=int)
-
-HAS_TRITON = triton is not None
-
-
-def _jit(fn):
-    return triton.jit(fn) if HAS_TRITON else fn
+from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
+from ..triton_compat import jit as _jit
 
 
 @_jit
@@ -94,7 +82,7 @@ def _launch(queries, shared_heads, active_heads, straight_through, block_rows):
     index = torch.empty(num_rows, active_heads, dtype=torch.int64, device=device)
     block_r, block_d = _next_power_of_2(routed), _next_power_of_2(head_dim)
     if block_rows is None:
-        budget = 2**16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2**13
+        budget = 2**16 if interpreting() else 2**13
         block_rows = max(1, budget // (block_r * block_d))
     if num_rows:
         _l2_head_gates_kernel[(-(-num_rows // block_rows),)](
@@ -135,7 +123,7 @@ def l2_head_gates_triton(
     (M, K); ties between routed heads go to the lowest head."""
     if not HAS_TRITON:
         raise ImportError("the triton head-router kernel needs triton: `pip install triton`")
-    if not queries.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not queries.is_cuda and not interpreting():
         raise ValueError("the triton head-router kernel runs on CUDA tensors (or under TRITON_INTERPRET=1)")
     num_heads = queries.shape[1]
     if not 0 <= shared_heads < num_heads or not 1 <= active_heads <= num_heads - shared_heads:

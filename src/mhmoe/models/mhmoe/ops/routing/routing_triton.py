@@ -14,26 +14,14 @@ This file must import without triton (exported checkpoints load on torch + trans
 plain functions that are never launched, and `HAS_TRITON` is False.
 """
 
-import os
-import types
 
 import torch
 
 from .routing_naive import expert_capacity, renormalises
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch-only install
-    triton = None
-    tl = types.SimpleNamespace(constexpr=int)
-
-HAS_TRITON = triton is not None
+from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
+from ..triton_compat import jit as _jit
 MAX_TOP_K = 8
-
-
-def _jit(fn):
-    return triton.jit(fn) if HAS_TRITON else fn
 
 
 @_jit
@@ -103,9 +91,6 @@ def _stable_scatter_kernel(
         tl.store(order_ptr + pos, offs, mask=valid)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
@@ -114,7 +99,7 @@ def _next_power_of_2(n: int) -> int:
 def _check(tensor: torch.Tensor) -> None:
     if not HAS_TRITON:
         raise ImportError("the triton routing backend needs triton: `pip install triton`, or use the torch backend")
-    if not tensor.is_cuda and not _interpreting():
+    if not tensor.is_cuda and not interpreting():
         raise ValueError(
             f"the triton routing kernels run on CUDA tensors (got a {tensor.device.type} tensor); on CPU "
             "use the torch backend, or set TRITON_INTERPRET=1 before importing triton (slow, for tests)"
@@ -134,7 +119,7 @@ def counting_sort(
     num_ids, device = ids.numel(), ids.device
     block_b = _next_power_of_2(num_bins)
     if block is None:  # one-hot tiles of ~4k entries on a GPU; large ones under the interpreter (per-program cost)
-        block = max(16, (2**16 if _interpreting() else 2**12) // block_b)
+        block = max(16, (2**16 if interpreting() else 2**12) // block_b)
     num_blocks = -(-num_ids // block)
     pos = torch.empty(num_ids, dtype=torch.int64, device=device)
     order = torch.empty(num_ids, dtype=torch.int64, device=device) if write_order else None
@@ -172,7 +157,7 @@ def _softmax_topk_forward(logits, top_k, renormalise, block_rows):
     experts = torch.empty(num_rows, top_k, dtype=torch.int64, device=logits.device)
     block_e = _next_power_of_2(num_experts)
     if block_rows is None:
-        block_rows = max(1, (2**14 if _interpreting() else 2**11) // block_e)
+        block_rows = max(1, (2**14 if interpreting() else 2**11) // block_e)
     if num_rows:
         _softmax_topk_kernel[(-(-num_rows // block_rows),)](
             logits, weights, experts, num_rows, num_experts, logits.stride(0),
