@@ -6,8 +6,12 @@ Each statement is timed inside its own new process (time.perf_counter around the
 included), the statements interleaved run by run so that load on the machine affects them alike; the medians are
 printed side by side with the difference to `import transformers`. Also printed: which of the optional packages
 (accelerate, peft, lm_eval, matplotlib, triton) each statement leaves in sys.modules. `import transformers` is lazy
-and loads no torch; any model class needs transformers' modeling code (`transformers.modeling_utils`, which imports
-torch and, where installed, accelerate and triton), so `from transformers import LlamaForCausalLM` is shown too.
+and loads no torch, and neither does `import mhmoe` (its names load on first use; `mhmoe.lazy`). Using the Auto
+classes loads torch; after `import mhmoe` it also loads mhmoe's model classes, which register with them
+(`mhmoe.registration`), so `import mhmoe; from transformers import AutoModelForCausalLM` is shown next to the same
+import without mhmoe. Any model class needs transformers' modeling code (`transformers.modeling_utils`, which imports
+torch and, where installed, accelerate and triton): `from transformers import LlamaForCausalLM` is the yardstick for
+`from mhmoe import MHMoEForCausalLM`.
 `--other_src DIR` adds `import mhmoe` from another source tree (PYTHONPATH=DIR), e.g. an older commit's `src/`.
 """
 
@@ -20,8 +24,11 @@ import sys
 
 STATEMENTS = {
     "import transformers": "import transformers",
-    "from transformers import LlamaForCausalLM": "from transformers import LlamaForCausalLM",
     "import mhmoe": "import mhmoe",
+    "from transformers import AutoModelForCausalLM": "from transformers import AutoModelForCausalLM",
+    "import mhmoe; ...import AutoModelForCausalLM": "import mhmoe; from transformers import AutoModelForCausalLM",
+    "from transformers import LlamaForCausalLM": "from transformers import LlamaForCausalLM",
+    "from mhmoe import MHMoEForCausalLM": "from mhmoe import MHMoEForCausalLM",
 }
 OPTIONAL = ("accelerate", "peft", "lm_eval", "matplotlib", "triton")
 
@@ -57,15 +64,15 @@ def main(argv=None) -> None:
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
           f"{args.runs} fresh processes per statement" + (f"; --other_src {args.other_src}" if args.other_src else ""))
     print("median seconds (min-max): wall clock, and CPU time of the importing process (less sensitive to load);")
-    print("'+' = over `import transformers`; last column: optional packages the statement left in sys.modules")
+    print("'+/-' = over / under `import transformers`; last column: optional packages the statement left in sys.modules")
     base = {key: statistics.median(r[key] for r in results["import transformers"]) for key in ("wall", "cpu")}
     for name, runs in results.items():
         columns = []
         for key in ("wall", "cpu"):
             values = [r[key] for r in runs]
             median = statistics.median(values)
-            columns.append(f"{key} {median:5.2f} ({min(values):.2f}-{max(values):.2f}) +{median - base[key]:4.2f}")
-        print(f"{name:<42} {'   '.join(columns)}   {', '.join(runs[-1]['optional']) or 'none'}")
+            columns.append(f"{key} {median:5.2f} ({min(values):.2f}-{max(values):.2f}) {median - base[key]:+5.2f}")
+        print(f"{name:<46} {'   '.join(columns)}   {', '.join(runs[-1]['optional']) or 'none'}")
 
 
 if __name__ == "__main__":

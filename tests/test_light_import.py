@@ -1,5 +1,6 @@
-"""`import mhmoe` is light: it loads no optional extra (accelerate, peft, lm-eval, matplotlib, triton) beyond what
-transformers itself loads, and PEFT's default targets still reach users who import peft before or after mhmoe.
+"""`import mhmoe` is light: it imports neither torch nor Transformers, its public names load on first use, and using
+the models loads no optional extra (accelerate, peft, lm-eval, matplotlib, triton) beyond what transformers itself
+loads; PEFT's default targets still reach users who import peft before or after mhmoe.
 Checked in fresh interpreters (the test process has imported everything already); where the extras are not installed
 at all: tests/test_installed_package.py."""
 
@@ -43,6 +44,31 @@ def _run(code: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_import_mhmoe_imports_neither_torch_nor_transformers():
+    code = """
+import json, sys
+import mhmoe
+heavy = sorted(m for m in ("torch", "transformers", "safetensors", "tokenizers") if m in sys.modules)
+names = {name: getattr(mhmoe, name).__module__ for name in mhmoe.__all__}  # each resolves (and imports) on first use
+try:
+    mhmoe.no_such_name
+    missing = None
+except AttributeError as e:
+    missing = str(e)
+print(json.dumps(dict(heavy=heavy, names=names, missing=missing, in_dir=sorted(set(mhmoe.__all__) - set(dir(mhmoe))),
+                      analysis=mhmoe.analysis.__name__)))
+"""
+    result = _run(code)
+    assert result["heavy"] == []
+    assert result["names"]["MHMoEForCausalLM"] == "mhmoe.models.mhmoe.modeling_mhmoe"
+    assert result["names"]["MoHLlamaConfig"] == "mhmoe.models.moh_llama.configuration_moh_llama"
+    assert result["names"]["apply_moh"] == "mhmoe.patch"
+    assert all(module.startswith("mhmoe.") for module in result["names"].values())
+    assert result["missing"] == "module 'mhmoe' has no attribute 'no_such_name'"
+    assert result["in_dir"] == []  # dir(mhmoe) lists the names before they are loaded
+    assert result["analysis"] == "mhmoe.analysis"  # a submodule read as an attribute is imported
+
+
 def test_import_and_models_load_no_optional_extra():
     """Against a baseline: what `import transformers` and a Llama model already load. Where accelerate and triton
     are installed, transformers (modeling_utils) and torch (torch._dynamo) import them themselves; mhmoe adds none."""
@@ -59,7 +85,7 @@ after_models = optional_loaded()
 from peft import LoraConfig, get_peft_model  # after mhmoe: the one-shot import hook fills PEFT's tables
 peft_model = get_peft_model(mhmoe_model, LoraConfig(r=4))
 targets = sorted(peft_model.peft_config["default"].target_modules)
-hooks_left = [type(f).__name__ for f in sys.meta_path if type(f).__module__ == "mhmoe.peft_defaults"]
+hooks_left = [type(f).__name__ for f in sys.meta_path if type(f).__module__ == "mhmoe.import_hooks"]
 print(json.dumps(dict(baseline=baseline, after_models=after_models, targets=targets, hooks_left=hooks_left,
                       file=mhmoe.__file__)))
 """

@@ -56,18 +56,13 @@ class ExportError(CheckpointError):
 
 
 def auto_classes(config) -> dict[str, type]:
-    """{"AutoConfig": config class, "AutoModel": ..., "AutoModelForCausalLM": ...} for a config of a model type mhmoe
-    registers (read from the Auto classes' registrations made by `import mhmoe`)."""
-    import mhmoe  # noqa: F401  (registers the model types)
-    from transformers import AutoModel, AutoModelForCausalLM
+    """{"AutoConfig": config class, "AutoModel": ..., "AutoModelForCausalLM": ...} for a config of one of mhmoe's
+    model types (`mhmoe.registration`, the classes mhmoe registers with the Auto classes)."""
+    from .registration import model_classes
 
     config_class = type(config)
-    classes = {"AutoConfig": config_class}
-    try:
-        classes["AutoModel"] = AutoModel._model_mapping[config_class]
-        classes["AutoModelForCausalLM"] = AutoModelForCausalLM._model_mapping[config_class]
-    except KeyError:
-        classes = {}
+    classes = model_classes().get(config_class, {})
+    classes = {"AutoConfig": config_class, **classes} if classes else {}
     if not classes or not all(c.__module__.startswith(f"{__package__}.models.") for c in classes.values()):
         raise ExportError(
             f"model_type {getattr(config, 'model_type', None)!r} ({config_class.__name__}) is not one of mhmoe's "
@@ -162,8 +157,6 @@ def _source_dir(path: str):
         raise ExportError(f"source {path} is not a directory (give a checkpoint directory or a model object)")
     if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
         raise ExportError(f"source {path} is not a Transformers checkpoint: no {CONFIG_NAME}")
-    import mhmoe  # noqa: F401  (registers the model types)
-
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, TypeError, ValueError, KeyError) as e:

@@ -1,6 +1,19 @@
-from .configuration_mhmoe import MHMoEConfig
-from .modeling_mhmoe import MHMoEForCausalLM, MHMoEModel, MHMoEPreTrainedModel
-from .parity import MoELayerCost, matched_moe_settings, moe_layer_cost
+"""MH-MoE: `MHMoEConfig`, the models and the parity helpers; loaded on first use (`mhmoe.lazy`)."""
+
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "MHMoEConfig": ".configuration_mhmoe",
+    **dict.fromkeys(("MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel"), ".modeling_mhmoe"),
+    **dict.fromkeys(("MoELayerCost", "matched_moe_settings", "moe_layer_cost"), ".parity"),
+})  # fmt: skip
+
+if TYPE_CHECKING:
+    from .configuration_mhmoe import MHMoEConfig
+    from .modeling_mhmoe import MHMoEForCausalLM, MHMoEModel, MHMoEPreTrainedModel
+    from .parity import MoELayerCost, matched_moe_settings, moe_layer_cost
 
 __all__ = [
     "MHMoEConfig", "MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel",

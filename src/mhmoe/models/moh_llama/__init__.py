@@ -1,5 +1,19 @@
-from .configuration_moh_llama import MoHLlamaConfig
-from .modeling_moh_llama import MoHCausalLMOutputWithPast, MoHLlamaForCausalLM, MoHLlamaModel, MoHLlamaPreTrainedModel
+"""MoH-LLaMA: `MoHLlamaConfig` and the models; loaded on first use (`mhmoe.lazy`)."""
+
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "MoHLlamaConfig": ".configuration_moh_llama",
+    **dict.fromkeys(("MoHCausalLMOutputWithPast", "MoHLlamaForCausalLM", "MoHLlamaModel", "MoHLlamaPreTrainedModel"),
+                    ".modeling_moh_llama"),
+})  # fmt: skip
+
+if TYPE_CHECKING:
+    from .configuration_moh_llama import MoHLlamaConfig
+    from .modeling_moh_llama import (MoHCausalLMOutputWithPast, MoHLlamaForCausalLM, MoHLlamaModel,
+                                     MoHLlamaPreTrainedModel)
 
 __all__ = [
     "MoHCausalLMOutputWithPast", "MoHLlamaConfig", "MoHLlamaForCausalLM", "MoHLlamaModel", "MoHLlamaPreTrainedModel",
