@@ -123,3 +123,13 @@ def test_load_needs_a_routed_model():
         expert_load(dense, batches())
     with pytest.raises(ValueError, match="at least one batch"):
         head_load(moh_llama(), [])
+
+
+def test_expert_load_refuses_lory_with_the_reason():
+    lory = MHMoEForCausalLM(
+        MHMoEConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=HEADS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    router_type="lory", lory_segment_length=4)
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="Lory model .* selects no experts"):
+        expert_load(lory, batches())

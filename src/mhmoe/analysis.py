@@ -95,6 +95,11 @@ def expert_load(model, batches: Iterable) -> torch.Tensor:
     """(MoE layers, E) selection frequency of every expert over `batches` (MHMoE models; sub-tokens of padding
     tokens excluded)."""
     config = model.config
+    if getattr(config, "router_type", "topk") == "lory":
+        raise ValueError(
+            "expert_load counts top-k expert selections; a Lory model (router_type='lory') selects no experts: each "
+            "segment merges all experts with soft weights, so there is no selection frequency to count"
+        )
     top_k, moe_heads = config.num_experts_per_tok, getattr(config, "moe_heads", 1)
     counts, rows = None, 0.0
     for router_logits, mask in _router_outputs(model, batches, "router_logits"):
