@@ -15,10 +15,9 @@ from tests.causal_lm_tester import CASES, PAD, TOLERANCE, VOCAB, cpu_supports, g
 
 
 
-def over(cases, marks=lambda case: ()):
-    """Parametrize a check over `cases` (with per-case pytest marks)."""
-    params = [pytest.param(case, marks=marks(case)) for case in cases]
-    return pytest.mark.parametrize("case", params, ids=[case.name for case in cases])
+def over(cases):
+    """Parametrize a check over `cases`, named by the case."""
+    return pytest.mark.parametrize("case", cases, ids=[case.name for case in cases])
 
 
 every_case = over(CASES)
