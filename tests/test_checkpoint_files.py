@@ -98,3 +98,18 @@ def test_temporary_dir_then_replace(tmp_path, existing):
     replace_dir(temporary, str(target))
     assert sorted(os.listdir(target)) == ["new.txt"]
     assert sorted(os.listdir(tmp_path)) == ["out"]  # neither the temporary nor the old folder is left behind
+
+
+def test_read_model_type(tmp_path):
+    from mhmoe.checkpoint_files import read_model_type
+
+    good, none, broken, listed = (tmp_path / name for name in ("good.json", "none.json", "broken.json", "list.json"))
+    good.write_text('{"model_type": "llama", "hidden_size": 8}')
+    none.write_text("{}")
+    broken.write_text("{not json")
+    listed.write_text("[1, 2]")
+    assert read_model_type(str(good)) == "llama"
+    assert read_model_type(str(none)) is None
+    for path in (broken, listed):
+        with pytest.raises(CheckpointError, match=f"{path.name}: not a valid config JSON"):
+            read_model_type(str(path))

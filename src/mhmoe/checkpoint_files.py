@@ -1,6 +1,6 @@
 """Checkpoint folders on disk, shared by the converter (`mhmoe.convert`) and the exporter (`mhmoe.hub`).
 
-Reading: the safetensors weight files of a folder (one file, or shards named by an index) and their headers. Pickle
+Reading: the model type a config.json names, the safetensors weight files of a folder (one file, or shards named by an index) and their headers. Pickle
 checkpoints are refused, never unpickled. Writing: a folder is built in a temporary directory next to its target,
 flushed to disk and renamed into place at the end, so a failed or interrupted write leaves nothing behind.
 
@@ -42,6 +42,15 @@ def read_header(path: str, error: type[ValueError] = CheckpointError) -> tuple[d
             raise error(f"{path}: safetensors header of {length} bytes is implausible")
         header = json.loads(f.read(length))
     return header, 8 + length
+
+
+def read_model_type(config_path: str, error: type[ValueError] = CheckpointError) -> str | None:
+    """The `model_type` a checkpoint's config.json names (None when it names none), read without Transformers."""
+    try:
+        with open(config_path) as f:
+            return json.load(f).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise error(f"{config_path}: not a valid config JSON ({e})") from None
 
 
 def weight_files(input_dir: str, error: type[ValueError] = CheckpointError) -> tuple[list[str], dict | None]:

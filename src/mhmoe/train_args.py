@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from .checkpoint_files import overlapping, weight_files
+from .checkpoint_files import overlapping, read_model_type, weight_files
 from .data import read_files
 
 METRICS_FILE = "metrics.jsonl"
@@ -323,11 +323,7 @@ def load_config(args: TrainArguments):
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise TrainingError(f"{path} is not a checkpoint directory (no config.json)")
-        try:
-            with open(config_file) as f:
-                model_type = json.load(f).get("model_type")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise TrainingError(f"{config_file}: not a valid config JSON ({e})") from None
+        model_type = read_model_type(config_file, TrainingError)
         try:
             weight_files(path, TrainingError)  # safetensors only; pickles are refused, never unpickled
         except TrainingError as e:

@@ -12,7 +12,6 @@ tensors, missing tensors, pickle-only checkpoints (never unpickled), ratios with
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import typing
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 
 from transformers.utils import CONFIG_NAME
 
-from ..checkpoint_files import PICKLE_SUFFIXES, SAFE_INDEX_NAME, read_header, weight_files
+from ..checkpoint_files import PICKLE_SUFFIXES, SAFE_INDEX_NAME, read_header, read_model_type, weight_files
 from .errors import ConversionError
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, SHARED_HEADS_RATIO, head_split, moh_fields
 
@@ -91,11 +90,7 @@ def _source_config(input_dir: str):
         raise ConversionError(f"--input_dir {input_dir} is not a directory")
     if not os.path.isfile(config_path):
         raise ConversionError(f"{input_dir} is not a Transformers checkpoint: no {CONFIG_NAME}")
-    try:
-        with open(config_path) as f:
-            model_type = json.load(f).get("model_type")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ConversionError(f"{config_path} is not a valid JSON config ({e})") from None
+    model_type = read_model_type(config_path, ConversionError)
     if model_type == "moh_llama":
         raise ConversionError(f"{input_dir} is already a moh_llama (Mixture-of-Head) checkpoint")
     if model_type not in SOURCE_MODEL_TYPES:
