@@ -58,6 +58,7 @@ def _ours(moe_heads: int, num_experts: int, top_k: int, intermediate: int) -> MH
         num_experts_per_tok=top_k,
         moe_intermediate_size=intermediate,
         moe_heads=moe_heads,
+        norm_topk_prob="always",  # Mixtral's convention (it renormalises at k = 1 too), so ours_smoe == Mixtral
     )
     config._experts_implementation = "grouped_mm"
     return MHMoESparseMoeBlock(config)
