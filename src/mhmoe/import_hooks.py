@@ -12,7 +12,8 @@ included), and registering mhmoe's model classes imports mhmoe's modeling code, 
 Llama's modeling file complete. Hooks given `after_imports_finish=True` therefore wait until no import of a
 transformers or mhmoe module is running any more (imports of other packages that are under way, a user's module or
 PEFT, do not hold them back): while installed, the finder also wraps those modules' `exec_module` to count them, per
-thread. The finder removes itself once no hook is left waiting.
+thread. The finder removes itself once no hook is left waiting. Modules loaded by a loader shared between modules (from
+a zip archive) are neither hooked nor counted; wheels install as files.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         else:
             return None
         loader = spec.loader
-        # loaders that are classes (built-in, frozen modules) serve every module: never patch those
-        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+        # Patch only a loader made for this one module (file and extension loaders carry its name): a shared one (a
+        # class for built-in and frozen modules, a zipimporter) would run this module's hooks for others.
+        if getattr(loader, "name", None) != fullname or not hasattr(loader, "exec_module"):
             return spec
         exec_module = loader.exec_module
 
