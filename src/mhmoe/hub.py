@@ -61,16 +61,15 @@ def auto_classes(config) -> dict[str, type]:
     from .registration import model_classes
 
     config_class = type(config)
-    classes = model_classes().get(config_class, {})
-    classes = {"AutoConfig": config_class, **classes} if classes else {}
-    if not classes or not all(c.__module__.startswith(f"{__package__}.models.") for c in classes.values()):
+    classes = model_classes().get(config_class)
+    if classes is None:
         raise ExportError(
             f"model_type {getattr(config, 'model_type', None)!r} ({config_class.__name__}) is not one of mhmoe's "
             "model types ('mhmoe', 'moh_llama'); only those are exported with their modeling code. A Llama, Mistral or "
             "Qwen2 model patched with apply_moh has no modeling code of its own: convert the checkpoint with "
             "mhmoe-convert into a moh_llama checkpoint first"
         )
-    return classes
+    return {"AutoConfig": config_class, **classes}
 
 
 def _module_file(cls: type) -> Path:
