@@ -26,7 +26,9 @@ EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
 def register_peft_defaults() -> None:
-    """Add mhmoe and moh_llama to PEFT's default-target tables (idempotent; never overrides an existing entry)."""
+    """Add mhmoe and moh_llama to PEFT's default-target tables (idempotent; never overrides an existing entry). Not
+    needed after `import mhmoe`, whose post-import hook (`mhmoe.peft_defaults`) has done it by the time this module
+    has imported PEFT."""
     add_default_targets(_constants)
 
 
@@ -86,7 +88,5 @@ def lora_config(
         **kwargs,
     )
 
-
-register_peft_defaults()
 
 __all__ = ["ATTENTION_TARGETS", "MODEL_TYPES", "expert_target_parameters", "lora_config", "register_peft_defaults"]

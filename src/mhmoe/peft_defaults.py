@@ -4,7 +4,7 @@ PEFT finds the modules to adapt when a config names none (`get_peft_model(model,
 tables in `peft.utils.constants`. `import mhmoe` must not import PEFT (an optional extra, seconds to import), so
 `install()` (called by `import mhmoe`) fills the tables at once when that module is already imported and otherwise
 right after PEFT first imports it (a post-import hook, `mhmoe.import_hooks`). The defaults are therefore in
-place whichever of mhmoe and peft is imported first. `mhmoe.peft` (LoRA configs for the experts) fills them too.
+place whichever of mhmoe and peft is imported first.
 """
 
 from __future__ import annotations
