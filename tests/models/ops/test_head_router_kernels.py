@@ -118,3 +118,22 @@ def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatc
     assert len(calls) == 2  # one per layer, on the triton pass
     for have, want in zip(results[1], results[0]):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gathered_head_norms_win_over_the_kernel():
+    """Tensor parallelism hands the l2 router the gathered norms of every head (`head_norms`) while `query_states`
+    holds only this rank's heads: on the triton backend too, the router must route on `head_norms`."""
+    heads, shared, active = 6, 2, 2
+    router = MoHRouter(32, heads, shared, active, router="l2")
+    generator = torch.Generator().manual_seed(7)
+    local_queries = torch.randn(2, 5, heads, 8, generator=generator)  # this rank's queries: other norms
+    head_norms = torch.rand(2, 5, heads, generator=generator) * 3 + 0.1  # every head's, gathered
+    results = []
+    for backend in ("torch", "triton"):
+        router.routing_backend = backend
+        results.append(router(torch.zeros(2, 5, 32), local_queries, head_norms=head_norms))
+    for have, want in zip(results[1], results[0]):
+        torch.testing.assert_close(have, want)
+    from mhmoe.models.mhmoe.moh import l2_scores
+
+    torch.testing.assert_close(results[1][1], l2_scores(head_norms[..., shared:]))  # routed on the gathered norms

@@ -133,7 +133,8 @@ class MoHRouter(nn.Module):
         heads (tensor parallelism gathers them: `moh_parallel.py`)."""
         shared = self.shared_heads
         backend = getattr(self, "routing_backend", None)
-        if self.router == "l2" and routing_backend(query_states, backend)[0] == "triton":  # the fused kernel
+        # the fused kernel reads the queries' own heads: not with tensor parallelism's gathered `head_norms`
+        if self.router == "l2" and head_norms is None and routing_backend(query_states, backend)[0] == "triton":
             return l2_head_gates(query_states, shared, self.active_heads, self.straight_through, backend)
         if self.router == "learned":
             x = hidden_states.float()
