@@ -92,6 +92,14 @@ class MHMoETopKRouter(nn.Module):
         return router_logits, weights, experts
 
 
+def moe_block_parts(config: MHMoEConfig) -> tuple:
+    """The head layer, merge layer and shared expert (each None when the config has none) of an MH-MoE or Lory block."""
+    d, shared = config.hidden_size, config.shared_expert_intermediate_size
+    head = make_linear(config, d, d) if config.moe_head_layer else None
+    merge = make_linear(config, d, d) if config.moe_merge_layer else None
+    return head, merge, MHMoEMLP(config, shared) if shared else None
+
+
 class MHMoESparseMoeBlock(nn.Module):
     """head layer -> split into h sub-tokens -> top-k experts per sub-token -> concatenate -> merge layer."""
 
@@ -99,13 +107,12 @@ class MHMoESparseMoeBlock(nn.Module):
         super().__init__()
         self.moe_heads = config.moe_heads
         self.jitter_noise = config.router_jitter_noise
-        d = config.hidden_size
-        self.head_proj = make_linear(config, d, d) if config.moe_head_layer else None
+        head_proj, merge_proj, shared_expert = moe_block_parts(config)
+        self.head_proj = head_proj  # registered in this order: head, gate, experts, merge, shared expert
         self.gate = MHMoETopKRouter(config)
         self.experts = BitNetExperts(config) if is_quantized(config, expert=True) else MHMoEExperts(config)
-        self.merge_proj = make_linear(config, d, d) if config.moe_merge_layer else None
-        shared = config.shared_expert_intermediate_size
-        self.shared_expert = MHMoEMLP(config, shared) if shared else None
+        self.merge_proj = merge_proj
+        self.shared_expert = shared_expert
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, seq_len, hidden_dim = hidden_states.shape
@@ -121,14 +128,6 @@ class MHMoESparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden_states)
         return out
-
-
-def _lory_parts(config: MHMoEConfig) -> tuple:
-    """The head layer, merge layer and shared expert of a Lory block (as `MHMoESparseMoeBlock` builds them)."""
-    d, shared = config.hidden_size, config.shared_expert_intermediate_size
-    head = make_linear(config, d, d) if config.moe_head_layer else None
-    merge = make_linear(config, d, d) if config.moe_merge_layer else None
-    return head, merge, MHMoEMLP(config, shared) if shared else None
 
 
 class MHMoEAttention(nn.Module):
@@ -175,7 +174,7 @@ class MHMoEDecoderLayer(GradientCheckpointingLayer):
         self.hidden_size = config.hidden_size
         self.self_attn = MHMoEAttention(config, layer_idx)
         if config.is_moe_layer(layer_idx) and config.router_type == "lory":  # lory.py: one merged expert per segment
-            self.mlp = MHLoryBlock(config, layer_idx, *_lory_parts(config))
+            self.mlp = MHLoryBlock(config, layer_idx, *moe_block_parts(config))
         elif config.is_moe_layer(layer_idx):
             self.mlp = MHMoESparseMoeBlock(config)
         else:
