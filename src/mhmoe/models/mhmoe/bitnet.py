@@ -29,10 +29,10 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .configuration_mhmoe import BITNET_QUANTIZED_LAYERS, LINEAR_TYPES
+from .moe import _GROUPED_MM, _kernel_accepts
 from .routing import sort_by_expert
 
 _SCALE_MIN = 1e-5  # clamp of the absmean / absmax scales (an all-zero matrix or token)
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class BitNetRMSNorm(LlamaRMSNorm):
@@ -149,13 +149,9 @@ def make_linear(config, in_features: int, out_features: int, bias: bool = False)
 def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """rows (S, in) sorted by expert, weight (E, out, in), offsets (E,) int32 group ends -> (S, out); differentiable."""
     rhs = weight.transpose(1, 2)  # (E, in, out), a view
-    tensors = (rows, rhs)
-    aligned = all(t.data_ptr() % 16 == 0 and all(s == 1 or s * t.element_size() % 16 == 0 for s in t.stride())
-                  for t in tensors) and all(n * rows.element_size() % 16 == 0 for n in weight.shape[1:])  # fmt: skip
-    # (the output and the gradients the backward makes need 16-byte rows too)
-    dtype_ok = rows.dtype in (torch.float32, torch.bfloat16, torch.float16) if rows.device.type == "cpu" else (
-        rows.dtype == torch.bfloat16 and torch.cuda.get_device_capability(rows.device) >= (8, 0))  # fmt: skip
-    if _GROUPED_MM is not None and aligned and dtype_ok and rows.dtype == rhs.dtype and rows.shape[0] > 0:
+    # the output and the gradients the backward makes need 16-byte rows too
+    rows_aligned = all(n * rows.element_size() % 16 == 0 for n in weight.shape[1:])
+    if _kernel_accepts(rows, rhs) and rows_aligned and rows.dtype == rhs.dtype and rows.shape[0] > 0:
         return _GROUPED_MM(rows, rhs, offs=offsets)
     ends = offsets.tolist()  # torch's kernel refuses these operands: one matmul per non-empty expert
     starts = [0] + ends[:-1]
