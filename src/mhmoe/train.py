@@ -72,7 +72,6 @@ class TrainRun:
     global_blocks: int = 0  # blocks per optimizer step: micro-batch × accumulation × processes
     steps_per_epoch: int = 0
     total_steps: int = 0
-    warmup: int = 0
     # model and optimisation (build_model, build_optimizer)
     model: Any = None
     optimizer: Any = None
@@ -291,7 +290,6 @@ def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> No
         run.total_steps = args.max_steps
     else:
         run.total_steps = max(1, math.ceil(args.num_train_epochs * run.steps_per_epoch))
-    run.warmup = args.warmup_steps or math.ceil(args.warmup_ratio * run.total_steps)
 
 
 def build_model(run: TrainRun, model) -> None:
@@ -358,7 +356,8 @@ def build_optimizer(run: TrainRun) -> None:
     schedule, schedule_kwargs = args.lr_scheduler_type, None
     if args.min_learning_rate > 0:  # cosine down to the final learning rate
         schedule, schedule_kwargs = "cosine_with_min_lr", {"min_lr": args.min_learning_rate}
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=run.warmup, num_training_steps=run.total_steps,
+    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * run.total_steps)
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=run.total_steps,
                               scheduler_specific_kwargs=schedule_kwargs)  # fmt: skip
     if using_deepspeed:
         run.model, run.optimizer, run.scheduler = accelerator.prepare(run.model, optimizer, scheduler)
