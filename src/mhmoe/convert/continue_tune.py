@@ -163,7 +163,8 @@ def recovery_curve(output_dir: str, threshold: float = 1.05) -> dict | None:
     """Write recovery_curve.csv / .png (validation perplexity vs training tokens, the dense parent as reference, like
     the MoH paper's Fig. 2) from a continue-tuning run's metrics.jsonl, and return a summary (None without
     validation records)."""
-    from ..train import METRICS_FILE, _read_metrics
+    from ..train_args import METRICS_FILE
+    from ..train_metrics import _read_metrics
 
     records = _read_metrics(os.path.join(output_dir, METRICS_FILE))
     references = [r["reference_eval_ppl"] for r in records if "reference_eval_ppl" in r]
