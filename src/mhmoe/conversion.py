@@ -4,12 +4,8 @@
 import sys
 import warnings
 
-from .convert import (  # noqa: F401
-    CONTINUE_TUNING_DEFAULTS, CONVERTED_SUBDIR, DROPPED_TENSOR_SUFFIXES, FLOAT_DTYPES, RECORD_NAME, RECOVERY_CSV,
-    RECOVERY_PNG, SOURCE_MODEL_TYPES, ConversionError, ConversionPlan, ConversionReport, ConvertArguments, ShardPlan,
-    TensorEntry, all_heads_active, build_parser, continue_tune_arguments, convert, convert_and_continue_tune,
-    format_recovery, head_split, main, plan_conversion, recovery_curve, verify_conversion,
-)
+from .convert import *  # noqa: F401,F403  (every public name of mhmoe.convert)
+from .convert import __all__  # noqa: F401
 
 warnings.warn(
     "mhmoe.conversion is deprecated and will be removed in the next release: import from mhmoe.convert",
