@@ -202,17 +202,20 @@ class BitNetExperts(nn.Module, _CachedQuantization):
     def quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up (E, 2I, W), down (E, W, I)) as the forward uses them: ternary × one scale per expert matrix."""
         if self.packed:
-            return tuple(dequantize(getattr(self, n), getattr(self, f"{n}_scale"), torch.float32)
-                         for n in ("gate_up_proj", "down_proj"))  # fmt: skip
+            return self._unpacked(torch.float32)
         return tuple(dequantize(*quantize_weight(w), w.dtype) for w in self._latent())
+
+    def _unpacked(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed ternary weights times their scales, in `dtype`."""
+        return tuple(dequantize(getattr(self, n), getattr(self, f"{n}_scale"), dtype)
+                     for n in ("gate_up_proj", "down_proj"))  # fmt: skip
 
     def _latent(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj.detach(), self.down_proj.detach()
 
     def _weights_for_forward(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.packed:
-            return tuple(dequantize(getattr(self, n), getattr(self, f"{n}_scale"), dtype)
-                         for n in ("gate_up_proj", "down_proj"))  # fmt: skip
+            return self._unpacked(dtype)
         return self._quantized_for_forward("gate_up_proj", self.gate_up_proj), self._quantized_for_forward(
             "down_proj", self.down_proj)  # fmt: skip
 
