@@ -24,3 +24,13 @@ def test_eval_tasks_dir_override(tmp_path, monkeypatch):
     assert eval_tasks_dir() == ROOT / "eval_tasks"
     monkeypatch.setenv(EVAL_TASKS_ENV, str(tmp_path))
     assert eval_tasks_dir() == tmp_path
+
+
+def test_data_dirs_puts_the_environment_folder_first(tmp_path, monkeypatch):
+    from mhmoe.resources import data_dir, data_dirs
+
+    monkeypatch.delenv("MHMOE_TEST_DIR", raising=False)
+    assert data_dirs("eval_tasks", "MHMOE_TEST_DIR") == [data_dir("eval_tasks")]
+    monkeypatch.setenv("MHMOE_TEST_DIR", str(tmp_path))
+    assert data_dirs("eval_tasks", "MHMOE_TEST_DIR") == [tmp_path, data_dir("eval_tasks")]
+    assert data_dirs("no_such_folder", "MHMOE_TEST_DIR") == [tmp_path]

@@ -9,7 +9,6 @@ reproduction runs (benchmarks/reproduce) write it as README.md. Nothing here nee
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 TEMPLATES = {"mhmoe": "mhmoe.md", "moh_llama": "moh_llama.md", "converted": "converted.md"}
@@ -18,10 +17,9 @@ TEMPLATES = {"mhmoe": "mhmoe.md", "moh_llama": "moh_llama.md", "converted": "con
 def templates_dir() -> Path:
     """The `model_cards/` folder: $MHMOE_MODEL_CARDS, else the one shipped with mhmoe (`mhmoe.resources`: the wheel's
     copy, or the repository's folder)."""
-    from .resources import data_dir
+    from .resources import data_dirs
 
-    candidates = [Path(os.environ["MHMOE_MODEL_CARDS"])] if os.environ.get("MHMOE_MODEL_CARDS") else []
-    candidates += [path for path in [data_dir("model_cards")] if path is not None]
+    candidates = data_dirs("model_cards", "MHMOE_MODEL_CARDS")
     for path in candidates:
         if (path / TEMPLATES["mhmoe"]).is_file():
             return path

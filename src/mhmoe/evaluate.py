@@ -35,7 +35,7 @@ from lm_eval.models.huggingface import HFLM
 
 import mhmoe  # noqa: F401  (registers the model types with the Auto classes)
 from mhmoe.analysis import RoutingStatistics
-from mhmoe.resources import data_dir
+from mhmoe.resources import data_dirs
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,7 @@ _ACTIVE: dict = {}  # the most recently built MHMoELM's tokenizer, for the perpl
 def eval_tasks_dir() -> Path | None:
     """The lm-eval suites: $MHMOE_EVAL_TASKS when set, else the `eval_tasks/` shipped with mhmoe (`mhmoe.resources`:
     the repository's folder, or the wheel's copy); None when neither is there."""
-    env = os.environ.get(EVAL_TASKS_ENV)
-    candidates = [Path(env)] if env else []
-    candidates.append(data_dir("eval_tasks"))
-    return next((path for path in candidates if path is not None and path.is_dir()), None)
+    return next((path for path in data_dirs("eval_tasks", EVAL_TASKS_ENV) if path.is_dir()), None)
 
 
 def active_tokenizer():

@@ -3,11 +3,12 @@
 
 Each folder lives once in git, at the top of the repository. A wheel (or sdist) built by setup.py carries a copy at
 `mhmoe/_data/<name>/`; a checkout or an editable install reads the top-level folder in place. `data_dir(name)` returns
-whichever this installation has.
+whichever this installation has; `data_dirs(name, env)` puts the folder an environment variable names first.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -28,4 +29,11 @@ def data_dir(name: str) -> Path | None:
     return None
 
 
-__all__ = ["data_dir"]
+def data_dirs(name: str, env: str) -> list[Path]:
+    """Where to look for folder `name`, in order: the folder $`env` names (when set), then `data_dir(name)`."""
+    candidates = [Path(os.environ[env])] if os.environ.get(env) else []
+    shipped = data_dir(name)
+    return candidates + ([shipped] if shipped is not None else [])
+
+
+__all__ = ["data_dir", "data_dirs"]
