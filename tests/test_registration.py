@@ -4,15 +4,9 @@ Each case runs in a fresh interpreter: what matters is which modules are importe
 need the deferral of `mhmoe.import_hooks` are those where Transformers imports its Auto classes in the middle of
 importing a model (`transformers.modeling_layers` imports AutoModel): a Llama model, or mhmoe's own modeling code."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .test_light_import import _run
 
 # builds both model types through the Auto classes and reports what mhmoe registered
 CHECK = """
@@ -36,13 +30,6 @@ ORDERS = {
     "mhmoe_then_llama": "import mhmoe\nfrom transformers import LlamaForCausalLM",  # Auto classes load mid-import
     "mhmoe_modeling_first": "from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEForCausalLM",  # ours mid-import
 }
-
-
-def _run(code: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("order", ORDERS)
