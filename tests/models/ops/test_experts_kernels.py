@@ -13,6 +13,8 @@ from mhmoe.models.mhmoe.moe import eager_experts_forward
 from mhmoe.models.mhmoe.ops.experts import experts_naive, experts_triton
 from mhmoe.models.mhmoe.ops.routing.routing_naive import sort_by_expert
 
+from .spread_model import spread_model
+
 pytestmark = pytest.mark.skipif(not experts_triton.HAS_TRITON, reason="triton is not installed")
 
 CASES = [  # (N, W, I, E, K, drop fraction)
@@ -93,16 +95,11 @@ def test_model_through_the_experts_registry(monkeypatch):
     with the `grouped_mm` path's logits and gradients."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    from mhmoe import MHMoEForCausalLM
 
     config = MHMoEConfig(vocab_size=37, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, moe_heads=2, num_experts=6, num_experts_per_tok=2,
                          moe_intermediate_size=16, capacity_factor=0.75)  # fmt: skip
-    torch.manual_seed(0)
-    model = MHMoEForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.3)
+    model = spread_model(config)
     ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(3))
     calls = []
     forward = experts_triton.triton_experts_forward

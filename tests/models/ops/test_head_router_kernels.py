@@ -12,6 +12,8 @@ from mhmoe.models.mhmoe.ops.head_router import head_router_triton
 from mhmoe.models.mhmoe.ops.head_router.head_router_naive import l2_head_gates
 from mhmoe.models.mhmoe.ops.head_router.head_router_triton import l2_head_gates_triton
 
+from .spread_model import spread_model
+
 pytestmark = pytest.mark.skipif(not head_router_triton.HAS_TRITON, reason="triton is not installed")
 
 CASES = [  # (M, H, S, K, hd): M not a multiple of the 8-row blocks; hd 5 and 12 not powers of two
@@ -89,7 +91,7 @@ def test_properties(rows, routed, shared, head_dim, active, straight_through, se
 def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatch):
     """An MHMoE model with MoH l2 routing: routing_backend="triton" (head router and expert routing on the kernels)
     gives the torch path's logits, losses and gradients, and the head-router kernel really ran."""
-    from mhmoe import MHMoEConfig, MHMoEForCausalLM
+    from mhmoe import MHMoEConfig
     from mhmoe.models.mhmoe import routing
 
     monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
@@ -97,11 +99,7 @@ def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatc
                          num_attention_heads=4, moe_heads=2, num_experts=5, num_experts_per_tok=2,
                          moe_intermediate_size=16, moh_shared_heads=1, moh_active_heads=2, moh_router="l2",
                          moh_straight_through=straight_through, output_router_logits=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = MHMoEForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.3)
+    model = spread_model(config)
     ids = torch.randint(0, 41, (2, 7), generator=torch.Generator().manual_seed(2))
     calls = []
     original = routing.l2_head_gates_triton

@@ -11,9 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mhmoe import MHMoEConfig, MHMoEForCausalLM
+from mhmoe import MHMoEConfig
 from mhmoe.models.mhmoe import routing
 from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
+
+from .spread_model import spread_model
 
 pytestmark = pytest.mark.skipif(not routing_triton.HAS_TRITON, reason="triton is not installed")
 
@@ -187,11 +189,7 @@ def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatc
                          num_attention_heads=2, moe_heads=3, num_experts=7, num_experts_per_tok=3,
                          moe_intermediate_size=16, capacity_factor=capacity_factor,
                          output_router_logits=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = MHMoEForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.3)
+    model = spread_model(config)
     ids = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(1))
     calls = []
     for name in ("triton_route", "triton_sort_by_expert"):
