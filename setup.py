@@ -2,7 +2,7 @@
 
 The code is `src/mhmoe`. The data folders the code reads at run time stay at the top of the repository (one copy in
 git) and are mapped into the package as `mhmoe._data.<folder>`, so wheels and sdists carry them as package data under
-`mhmoe/_data/<folder>/` (every file, subfolders included); `mhmoe.resources.data_dir` finds them there, or in place
+`mhmoe/_data/<folder>/` (every file, subfolders included); `mhmoe._plumbing.resources.data_dir` finds them there, or in place
 from a checkout or an editable install. A folder that does not exist (yet) is simply not mapped.
 """
 

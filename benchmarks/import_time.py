@@ -6,9 +6,9 @@ Each statement is timed inside its own new process (time.perf_counter around the
 included), the statements interleaved run by run so that load on the machine affects them alike; the medians are
 printed side by side with the difference to `import transformers`. Also printed: which of the optional packages
 (accelerate, peft, lm_eval, matplotlib, triton) each statement leaves in sys.modules. `import transformers` is lazy
-and loads no torch, and neither does `import mhmoe` (its names load on first use; `mhmoe.lazy`). Using the Auto
+and loads no torch, and neither does `import mhmoe` (its names load on first use; `mhmoe._plumbing.lazy`). Using the Auto
 classes loads torch; after `import mhmoe` it also loads mhmoe's model classes, which register with them
-(`mhmoe.registration`), so `import mhmoe; from transformers import AutoModelForCausalLM` is shown next to the same
+(`mhmoe._plumbing.registration`), so `import mhmoe; from transformers import AutoModelForCausalLM` is shown next to the same
 import without mhmoe. Any model class needs transformers' modeling code (`transformers.modeling_utils`, which imports
 torch and, where installed, accelerate and triton): `from transformers import LlamaForCausalLM` is the yardstick for
 `from mhmoe import MHMoEForCausalLM`.

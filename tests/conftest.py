@@ -15,3 +15,10 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# a real-text corpus, a tiny BPE tokenizer and tiny checkpoints for the training, conversion and lm-eval tests; each
+# in-process train() gets a fresh Accelerate state
+from tests.fixtures.training import (  # noqa: E402,F401
+    _fresh_accelerate_state, checkpoint_dir, config_json, corpus, moh_llama_type, tokenizer_dir,
+)

@@ -129,7 +129,7 @@ def test_sdist_and_wheel(installed):
     with tarfile.open(installed["sdist"]) as sdist:
         top = f"mhmoe-{mhmoe.__version__}/"
         sdist_names = {n.removeprefix(top) for n in sdist.getnames()}
-    assert {"setup.py", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "src/mhmoe/resources.py",
+    assert {"setup.py", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "src/mhmoe/_plumbing/resources.py",
             "eval_tasks/mhmoe_ppl/utils.py", "tests/test_installed_package.py"} <= sdist_names  # fmt: skip
     assert not [n for n in names if n.startswith(("tests/", "eval_tasks/")) or n.endswith(".pyc")]
 
@@ -137,12 +137,12 @@ def test_sdist_and_wheel(installed):
 _CORE_ONLY = f"""
 import importlib.metadata, importlib.util, json, sys
 import mhmoe
-from mhmoe.extras import MissingExtraError
-from mhmoe.resources import data_dir
+from mhmoe._plumbing.extras import MissingExtraError
+from mhmoe._plumbing.resources import data_dir
 {TINY_MODELS}
 optional = sorted(m for m in {OPTIONAL!r} if m in sys.modules)
 try:
-    import mhmoe.evaluate
+    import mhmoe.evaluation.harness
     evaluate_error = None
 except MissingExtraError as e:
     evaluate_error = str(e)
@@ -164,7 +164,7 @@ def test_core_install_imports_no_extra(installed):
     eval_tasks = Path(result["eval_tasks"])
     assert eval_tasks == installed["site"] / "mhmoe" / "_data" / "eval_tasks"
     assert _data_files(eval_tasks) == _data_files(ROOT / "eval_tasks")
-    assert result["evaluate_error"] == 'mhmoe.evaluate needs lm-eval, which is not installed: pip install "mhmoe[eval]"'
+    assert result["evaluate_error"] == 'mhmoe.evaluation needs lm-eval, which is not installed: pip install "mhmoe[eval]"'
 
     # a console script whose extra is missing: one line naming it, status 2, no traceback (checked before importing)
     proc = _check(["mhmoe-eval", "--tasks", "mhmoe_ppl_wikipedia"], env=installed["env"], cwd=installed["work"],
@@ -224,7 +224,7 @@ def test_editable_install_reads_the_top_level_folders(installed, tmp_path):
     """`pip install -e` of the checkout: the code and the data folders are read in place (no copy)."""
     _, python, site = _venv(tmp_path / "venv", installed["core"])
     _pip_install(python, "-e", installed["source"], env=installed["clean"])
-    code = "import mhmoe, mhmoe.resources as r; print(mhmoe.__file__); print(r.data_dir('eval_tasks'))"
+    code = "import mhmoe, mhmoe._plumbing.resources as r; print(mhmoe.__file__); print(r.data_dir('eval_tasks'))"
     out = _check([python, "-c", code], env=installed["env"], cwd=installed["work"]).stdout.strip().splitlines()
     source = installed["source"]
     assert out[-2:] == [str(source / "src" / "mhmoe" / "__init__.py"), str(source / "eval_tasks")]

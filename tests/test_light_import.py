@@ -56,17 +56,17 @@ try:
 except AttributeError as e:
     missing = str(e)
 print(json.dumps(dict(heavy=heavy, names=names, missing=missing, in_dir=sorted(set(mhmoe.__all__) - set(dir(mhmoe))),
-                      analysis=mhmoe.analysis.__name__)))
+                      evaluation=mhmoe.evaluation.__name__)))
 """
     result = _run(code)
     assert result["heavy"] == []
     assert result["names"]["MHMoEForCausalLM"] == "mhmoe.models.mhmoe.modeling_mhmoe"
     assert result["names"]["MoHLlamaConfig"] == "mhmoe.models.moh_llama.configuration_moh_llama"
-    assert result["names"]["apply_moh"] == "mhmoe.patch"
+    assert result["names"]["apply_moh"] == "mhmoe.models.moh_llama.patch"
     assert all(module.startswith("mhmoe.") for module in result["names"].values())
     assert result["missing"] == "module 'mhmoe' has no attribute 'no_such_name'"
     assert result["in_dir"] == []  # dir(mhmoe) lists the names before they are loaded
-    assert result["analysis"] == "mhmoe.analysis"  # a submodule read as an attribute is imported
+    assert result["evaluation"] == "mhmoe.evaluation"  # a subpackage read as an attribute is imported
 
 
 def test_import_and_models_load_no_optional_extra():
@@ -85,7 +85,7 @@ after_models = optional_loaded()
 from peft import LoraConfig, get_peft_model  # after mhmoe: the one-shot import hook fills PEFT's tables
 peft_model = get_peft_model(mhmoe_model, LoraConfig(r=4))
 targets = sorted(peft_model.peft_config["default"].target_modules)
-hooks_left = [type(f).__name__ for f in sys.meta_path if type(f).__module__ == "mhmoe.import_hooks"]
+hooks_left = [type(f).__name__ for f in sys.meta_path if type(f).__module__ == "mhmoe._plumbing.import_hooks"]
 print(json.dumps(dict(baseline=baseline, after_models=after_models, targets=targets, hooks_left=hooks_left,
                       file=mhmoe.__file__)))
 """

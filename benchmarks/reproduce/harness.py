@@ -1,5 +1,5 @@
 """Shared part of the reproduction runs: data, tokenizer, one training run per (cell, seed), results JSON, Markdown
-tables and plots. Every run goes through `mhmoe.train` (the library's one training loop).
+tables and plots. Every run goes through `mhmoe.training` (the library's one training loop).
 
 Data: `data/corpus/{train,validation}.jsonl` written by `scripts/get_corpus.sh` (Debian's Python 3.11 and Linux 6.1
 documentation sources, split by document) when present; otherwise (and always with --quick) the standard library's
@@ -19,9 +19,9 @@ import torch
 
 import mhmoe
 from mhmoe import MHMoEForCausalLM, moe_layer_cost
-from mhmoe.data import read_files, train_tokenizer
-from mhmoe.recovery_demo import write_corpus
-from mhmoe.train import reset_accelerate_state, train
+from mhmoe.convert.recovery_demo import write_corpus
+from mhmoe.training import reset_accelerate_state, train
+from mhmoe.training.data import read_files, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "data" / "corpus"
@@ -291,9 +291,9 @@ def _slug(text: str) -> str:
 
 
 def write_cards(data: dict, out_dir: Path) -> list[Path]:
-    """One model card per cell (`mhmoe.cards.model_card`, filled from the results): cards/<table>_<scale>/<cell>.md."""
+    """One model card per cell (`mhmoe.hub.cards.model_card`, filled from the results): cards/<table>_<scale>/<cell>.md."""
     from mhmoe import MHMoEConfig
-    from mhmoe.cards import model_card
+    from mhmoe.hub.cards import model_card
 
     folder = out_dir / "cards" / f"{data['table']}_{data['scale_name']}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -302,7 +302,7 @@ def write_cards(data: dict, out_dir: Path) -> list[Path]:
         final = cell["summary"]["final"]
         seeds = len(cell["runs"])
         training = (
-            f"Trained from scratch with `mhmoe.train` for the reproduction table \"{data['title']}\" "
+            f"Trained from scratch with `mhmoe.training` for the reproduction table \"{data['title']}\" "
             f"(benchmarks/reproduce, scale `{data['scale_name']}`): {cell['runs'][0]['steps']} steps, "
             f"{cell['runs'][0]['tokens']:,} tokens of {data['data']}; {seeds} seeds ({', '.join(map(str, data['seeds']))}),"
             f" validation perplexity {final['mean']:.2f} (min {final['min']:.2f}, max {final['max']:.2f}); device "

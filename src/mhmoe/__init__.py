@@ -1,21 +1,27 @@
 """mhmoe: Multi-Head Mixture-of-Experts and Mixture-of-Head attention as Hugging Face Transformers models.
 
+The house, from the bottom up: `_plumbing` (lazy names, registration, extras, console scripts; imports nothing of
+mhmoe), `models` (the model layer: runs on torch and Transformers alone), then the four jobs a user comes for:
+`hub` (publish: export, remote code, cards, checkpoint files), `evaluation` (lm-eval, routing statistics),
+`training` (the training loop), `convert` (dense LLaMA -> MoH), and `demo` (all of them, end to end). Arrows only go
+down; tests/test_layering.py checks it.
+
 `import mhmoe` is light: it imports neither torch nor Transformers. The public names load with the module that defines
-them on first use (`mhmoe.lazy`), and the model types "mhmoe" and "moh_llama" are registered with AutoConfig, AutoModel
-and AutoModelForCausalLM as soon as Transformers loads those classes (`mhmoe.registration`), so
+them on first use (`_plumbing.lazy`), and the model types "mhmoe" and "moh_llama" are registered with AutoConfig,
+AutoModel and AutoModelForCausalLM as soon as Transformers loads those classes (`_plumbing.registration`), so
 `import mhmoe; AutoModelForCausalLM.from_pretrained(path)` works in either import order. Training (accelerate, peft,
 matplotlib), lm-eval and Triton load with the features that use them (extras "train", "eval", "triton"; see
-`mhmoe.extras`).
+`_plumbing.extras`).
 """
 
 from typing import TYPE_CHECKING
 
-from .lazy import lazy_exports
-from .peft_defaults import install as _install_peft_defaults
-from .registration import install as _install_registration
-from .registration import register_auto_classes
-
-__version__ = "0.1.0"
+from ._plumbing.lazy import lazy_exports
+from ._plumbing.peft_defaults import install as _install_peft_defaults
+from ._plumbing.registration import install as _install_registration
+from ._plumbing.registration import register_auto_classes
+from ._plumbing.version import __version__
+from .models.mhmoe import publish as _publish
 
 _EXPORTS = {
     **dict.fromkeys(("MHMoEConfig",), ".models.mhmoe.configuration_mhmoe"),
@@ -23,20 +29,29 @@ _EXPORTS = {
     **dict.fromkeys(("MoELayerCost", "matched_moe_settings", "moe_layer_cost"), ".models.mhmoe.parity"),
     **dict.fromkeys(("MoHLlamaConfig",), ".models.moh_llama.configuration_moh_llama"),
     **dict.fromkeys(("MoHLlamaForCausalLM", "MoHLlamaModel"), ".models.moh_llama.modeling_moh_llama"),
-    **dict.fromkeys(("expert_load", "head_load", "plot_load"), ".analysis"),
-    "apply_moh": ".patch",
+    "apply_moh": ".models.moh_llama.patch",
+    **dict.fromkeys(("expert_load", "head_load", "plot_load"), ".evaluation.analysis"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from .analysis import expert_load, head_load, plot_load
+    from .evaluation.analysis import expert_load, head_load, plot_load
     from .models.mhmoe.configuration_mhmoe import MHMoEConfig
     from .models.mhmoe.modeling_mhmoe import MHMoEForCausalLM, MHMoEModel, MHMoEPreTrainedModel
     from .models.mhmoe.parity import MoELayerCost, matched_moe_settings, moe_layer_cost
     from .models.moh_llama.configuration_moh_llama import MoHLlamaConfig
     from .models.moh_llama.modeling_moh_llama import MoHLlamaForCausalLM, MoHLlamaModel
-    from .patch import apply_moh
+    from .models.moh_llama.patch import apply_moh
 
+
+def _write_remote_code(save_directory: str, config) -> None:
+    from .hub.remote_code import write_remote_code
+
+    write_remote_code(save_directory, config)
+
+
+# save_pretrained / push_to_hub of mhmoe models write the trust_remote_code folder (the model layer holds the hook)
+_publish.REMOTE_CODE_WRITER = _write_remote_code
 # Auto-class registration and PEFT's default targets for "mhmoe" / "moh_llama": post-import hooks, nothing imported here
 _install_registration()
 _install_peft_defaults()

@@ -1,9 +1,9 @@
 """End-to-end demo, offline on CPU: MH-MoE + MoH trained, reloaded; LLaMA -> MoH recovery; lm-eval.
 
 Run `python -m mhmoe.demo` (or `mhmoe-demo`; `--quick` is a smoke run of about a minute). Every stage reuses the
-library's own pieces: `mhmoe.train` (the one training loop; it trains the tokenizer too), the Auto classes,
-`mhmoe.analysis` (expert/head load heat-maps), `mhmoe.evaluate` (lm-eval) and `mhmoe.recovery_demo` (dense LLaMA ->
-MoH continue-tuning). The corpus is the Python stdlib's `pydoc_data.topics` (~465K characters of English reference
+library's own pieces: `mhmoe.training` (the one training loop; it trains the tokenizer too), the Auto classes,
+`mhmoe.evaluation` (expert/head load heat-maps, lm-eval) and `mhmoe.convert.recovery_demo` (dense LLaMA -> MoH
+continue-tuning). It sits at the top of the package because it runs every job. The corpus is the Python stdlib's `pydoc_data.topics` (~465K characters of English reference
 text; every 10th topic held out), so nothing is downloaded.
 """
 
@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mhmoe import MHMoEConfig
-from mhmoe.analysis import expert_load, head_load, plot_load
-from mhmoe.data import read_files, tokenize_and_pack
-from mhmoe.recovery_demo import format_result, run_recovery_demo, write_corpus
-from mhmoe.train import reset_accelerate_state, train
+from .convert.recovery_demo import format_result, run_recovery_demo, write_corpus
+from .evaluation.analysis import expert_load, head_load, plot_load
+from .models.mhmoe.configuration_mhmoe import MHMoEConfig
+from .training.data import read_files, tokenize_and_pack
+from .training.loop import train
+from .training.setup import reset_accelerate_state
 
 PROMPT = 'The "if" statement is used'
 
@@ -42,7 +43,7 @@ def demo_config(size: str, vocab_size: int, block_size: int) -> MHMoEConfig:
 
 
 def train_model(args, data_dir: Path, out: Path):
-    """Write the config JSON and train from it with `mhmoe.train` (which trains the BPE tokenizer on the data)."""
+    """Write the config JSON and train from it with `mhmoe.training` (which trains the BPE tokenizer on the data)."""
     train_file, val_file = write_corpus(str(data_dir))
     config_path = out / "mhmoe_moh_config.json"
     demo_config("quick" if args.quick else "default", args.vocab_size, args.block_size).to_json_file(config_path)
@@ -75,14 +76,15 @@ def generate_sample(model, tokenizer, prompt: str = PROMPT, max_new_tokens: int 
 
 def lm_eval_perplexity(model_dir: Path, val_file: str, block_size: int, limit: int | None) -> dict:
     """lm-eval's rolling log-likelihood on the held-out topics (`mhmoe_ppl_wikipedia` on a local file)."""
-    from mhmoe import evaluate as mev
+    from .evaluation.harness import ROUTING_KEY, MHMoELM
+    from .evaluation.suites import simple_evaluate, task_manager
 
-    lm = mev.MHMoELM(pretrained=str(model_dir), batch_size=8, max_length=block_size, device="cpu")
-    tm = mev.task_manager(["mhmoe_ppl"], metadata={"wikipedia_path": val_file})
-    results = mev.simple_evaluate(model=lm, tasks=["mhmoe_ppl_wikipedia"], task_manager=tm, limit=limit,
-                                  bootstrap_iters=0)  # fmt: skip
+    lm = MHMoELM(pretrained=str(model_dir), batch_size=8, max_length=block_size, device="cpu")
+    tm = task_manager(["mhmoe_ppl"], metadata={"wikipedia_path": val_file})
+    results = simple_evaluate(model=lm, tasks=["mhmoe_ppl_wikipedia"], task_manager=tm, limit=limit,
+                              bootstrap_iters=0)  # fmt: skip
     metrics = {k.split(",")[0]: v for k, v in results["results"]["mhmoe_ppl_wikipedia"].items() if "stderr" not in k}
-    return {"metrics": metrics, "routing": results["config"][mev.ROUTING_KEY]}
+    return {"metrics": metrics, "routing": results["config"][ROUTING_KEY]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,7 +110,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
-    print("== 1. MH-MoE with MoH attention, trained from scratch with mhmoe.train")
+    print("== 1. MH-MoE with MoH attention, trained from scratch with mhmoe.training")
     result, train_file, val_file = train_model(args, out / "data", out)
     evals = [r for r in result.history if "eval_ppl" in r]
     ppl_before, ppl_after = evals[0]["eval_ppl"], result.final_eval["eval_ppl"]

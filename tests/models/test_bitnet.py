@@ -10,9 +10,9 @@ from safetensors import safe_open
 from torch import nn
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM
-from mhmoe.bitnet import BitLinear, BitNetExperts, PackedBitLinear, packed_model
+from mhmoe.models.mhmoe.bitnet import BitLinear, BitNetExperts, PackedBitLinear, packed_model
 from mhmoe.hub import export_pretrained
-from mhmoe.peft import lora_config
+from mhmoe.training.peft import lora_config
 from tests.fixtures.remote_code import load_without_mhmoe
 
 

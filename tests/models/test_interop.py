@@ -61,7 +61,7 @@ def test_smoe_equals_mixtral(top_k, sliding_window):
 
 
 def test_mixtral_mode_loss_equals_transformers_function():
-    from mhmoe.models.mhmoe.moe import load_balancing_loss
+    from mhmoe.models.mhmoe.losses import load_balancing_loss
 
     logits = tuple(torch.randn(30, 6) for _ in range(3))
     mask = (torch.rand(5, 6) > 0.3).long()

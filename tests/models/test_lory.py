@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, moe_layer_cost
-from mhmoe.data import order_by_similarity
+from mhmoe.training.data import order_by_similarity
 from mhmoe.hub import export_pretrained
 from mhmoe.models.mhmoe.lory import MHLoryBlock
 from tests.fixtures.remote_code import load_without_mhmoe

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MHMoEModel
 from mhmoe.models.mhmoe.modeling_mhmoe import MHMoESparseMoeBlock
-from mhmoe.models.mhmoe.moe import load_balancing_loss, router_z_loss
+from mhmoe.models.mhmoe.losses import load_balancing_loss, router_z_loss
 
 
 def tiny(**kw):

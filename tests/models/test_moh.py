@@ -10,12 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import mhmoe
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
 from mhmoe.models.mhmoe import moh
-from mhmoe.models.mhmoe.moh import (
-    MoHRouter,
-    masked_heads_attention,
-    moh_load_balancing_loss,
-    skipped_heads_attention,
-)
+from mhmoe.models.mhmoe.losses import moh_load_balancing_loss
+from mhmoe.models.mhmoe.moh import MoHRouter, masked_heads_attention, skipped_heads_attention
 from tests.causal_lm_tester import randomise_moh_routers as randomise_routers
 
 VOCAB, HIDDEN, HEADS = 100, 32, 8

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
-from tests.test_hub import _blocked_env
+from tests.hub.test_export import _blocked_env
 
 SCRIPT = r"""
 import sys

@@ -7,26 +7,49 @@ One module per stage:
 * plan.py           reading and checking the source checkpoint (config, index, shard headers) into a ConversionPlan
 * write.py          `convert`: shards streamed byte for byte into a temporary folder, checked, renamed at the end
 * verify.py         the converted model with every head active must give the source's logits
-* continue_tune.py  continue-tuning through mhmoe.train, and the recovery curve (paper Fig. 2)
-* cli.py            `mhmoe-convert` / conversion/convert_llama_to_moh.py: arguments and `main`
+* continue_tune.py  continue-tuning through mhmoe.training, and the recovery curve (paper Fig. 2)
+* arguments.py      `ConvertArguments`, the converter's own flags
+* cli.py            `mhmoe-convert` / `python -m mhmoe.convert` / conversion/convert_llama_to_moh.py: `main`
+* recovery_demo.py  the end-to-end proof on CPU: a dense parent trained here, converted, continue-tuned, compared
 
 `convert(input_dir, output_dir)` turns a Transformers checkpoint of model_type llama, mistral or qwen2 (safetensors,
-one file or shards + index) into a `moh_llama` checkpoint; `convert_and_continue_tune(args, tune)` also trains it.
+one file or shards + index) into a `moh_llama` checkpoint; `convert_and_continue_tune(args, tune)` also trains it. The
+names below load with their module on first use.
 """
 
-from .cli import ConvertArguments, build_parser, main
-from .continue_tune import (
-    CONVERTED_SUBDIR, RECOVERY_CSV, RECOVERY_PNG, continue_tune_arguments, convert_and_continue_tune, format_recovery,
-    recovery_curve,
-)
-from .errors import ConversionError
-from .plan import (
-    DROPPED_TENSOR_SUFFIXES, FLOAT_DTYPES, RECORD_NAME, SOURCE_MODEL_TYPES, ConversionPlan, ShardPlan, TensorEntry,
-    plan_conversion,
-)
-from .recipe import CONTINUE_TUNING_DEFAULTS, head_split
-from .verify import all_heads_active, verify_conversion
-from .write import ConversionReport, convert
+from typing import TYPE_CHECKING
+
+from .._plumbing.lazy import lazy_exports
+
+_EXPORTS = {
+    "ConvertArguments": ".arguments",
+    **dict.fromkeys(("build_parser", "main"), ".cli"),
+    **dict.fromkeys(("CONVERTED_SUBDIR", "RECOVERY_CSV", "RECOVERY_PNG", "continue_tune_arguments",
+                     "convert_and_continue_tune", "format_recovery", "recovery_curve"), ".continue_tune"),
+    "ConversionError": ".errors",
+    **dict.fromkeys(("DROPPED_TENSOR_SUFFIXES", "FLOAT_DTYPES", "RECORD_NAME", "SOURCE_MODEL_TYPES", "ConversionPlan",
+                     "ShardPlan", "TensorEntry", "plan_conversion"), ".plan"),
+    **dict.fromkeys(("CONTINUE_TUNING_DEFAULTS", "head_split"), ".recipe"),
+    **dict.fromkeys(("all_heads_active", "verify_conversion"), ".verify"),
+    **dict.fromkeys(("ConversionReport", "convert"), ".write"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from .arguments import ConvertArguments
+    from .cli import build_parser, main
+    from .continue_tune import (
+        CONVERTED_SUBDIR, RECOVERY_CSV, RECOVERY_PNG, continue_tune_arguments, convert_and_continue_tune,
+        format_recovery, recovery_curve,
+    )
+    from .errors import ConversionError
+    from .plan import (
+        DROPPED_TENSOR_SUFFIXES, FLOAT_DTYPES, RECORD_NAME, SOURCE_MODEL_TYPES, ConversionPlan, ShardPlan,
+        TensorEntry, plan_conversion,
+    )
+    from .recipe import CONTINUE_TUNING_DEFAULTS, head_split
+    from .verify import all_heads_active, verify_conversion
+    from .write import ConversionReport, convert
 
 __all__ = [
     "CONTINUE_TUNING_DEFAULTS", "CONVERTED_SUBDIR", "DROPPED_TENSOR_SUFFIXES", "FLOAT_DTYPES", "RECORD_NAME",

@@ -7,43 +7,13 @@ mhmoe-train with the recipe's defaults (recipe.py). Works under `accelerate laun
 from __future__ import annotations
 
 import os
-import sys
-from dataclasses import dataclass, field
 
+from .arguments import ConvertArguments
 from .continue_tune import _continue_tune_arguments_class, convert_and_continue_tune
 from .errors import ConversionError
-from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO, continue_tuning_words
+from .recipe import GATES, ROUTER, continue_tuning_words
 from .verify import read_probe
 from .write import convert
-
-
-@dataclass
-class ConvertArguments:
-    """The conversion (`convert_llama_to_moh.py` also takes every continue-tuning flag of mhmoe-train)."""
-
-    input_dir: str = field(default=None, metadata={"help": "Dense llama / mistral / qwen2 checkpoint (safetensors)."})
-    output_dir: str = field(
-        default=None,
-        metadata={"help": "Where the moh_llama checkpoint goes. With --train_file: the continue-tuned model, metrics, "
-                          "checkpoints and recovery curve; the converted (untuned) model is in OUTPUT_DIR/converted."},
-    )
-    shared_heads_ratio: float = field(
-        default=SHARED_HEADS_RATIO, metadata={"help": "Fraction of heads shared (the first ones)."}
-    )
-    active_heads_ratio: float = field(
-        default=ACTIVE_HEADS_RATIO,
-        metadata={"help": "Fraction of ALL heads active per token (shared + routed), e.g. 0.75."},
-    )
-    moh_aux_loss_coef: float = field(
-        default=AUX_LOSS_COEF, metadata={"help": "β of the MoH load-balance loss (eq. 7)."}
-    )
-    overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir."})
-    skip_logit_check: bool = field(
-        default=False,
-        metadata={"help": "Skip loading source and converted model to compare logits (for models too large for this "
-                          "machine's memory); names, dtypes and shapes are still checked."},
-    )
-    probe_file: str | None = field(default=None, metadata={"help": "Text for the probe batch of the logit check."})
 
 
 def build_parser():
@@ -59,7 +29,7 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point; refusals exit with status 2 and a one-line message, nothing left at --output_dir."""
-    from ..train import TrainingError
+    from ..training.arguments import TrainingError
 
     parser = build_parser()
     args, tune = parser.parse_args_into_dataclasses(args=argv)
@@ -88,5 +58,4 @@ def main(argv: list[str] | None = None) -> None:
         torch.distributed.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
+__all__ = ["build_parser", "main"]

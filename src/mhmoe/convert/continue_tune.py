@@ -1,7 +1,7 @@
-"""Continue-tune a converted model with mhmoe.train, and draw its recovery curve (the MoH paper's Fig. 2).
+"""Continue-tune a converted model with mhmoe.training, and draw its recovery curve (the MoH paper's Fig. 2).
 
 `convert_and_continue_tune(args, tune)` converts into OUTPUT_DIR/converted (main process; skipped when resuming), then
-trains it with `mhmoe.train` into OUTPUT_DIR on every process, with the recipe's continue-tuning defaults (recipe.py),
+trains it with `mhmoe.training` into OUTPUT_DIR on every process, with the recipe's continue-tuning defaults (recipe.py),
 periodic validation, the dense parent's perplexity (all heads on) at step 0, and a recovery curve (perplexity vs
 training tokens: recovery_curve.csv / .png, recovery_summary.json).
 """
@@ -18,14 +18,12 @@ from dataclasses import field
 
 from transformers.utils import CONFIG_NAME
 
-from ..checkpoint_files import replace_dir, temporary_dir_next_to
+from ..hub.checkpoint_files import replace_dir, temporary_dir_next_to
+from .arguments import ConvertArguments
 from .errors import ConversionError
 from .recipe import CONTINUE_TUNING_DEFAULTS, head_split
 from .verify import all_heads_active, read_probe
 from .write import check_paths, convert, output_state
-
-if typing.TYPE_CHECKING:
-    from .cli import ConvertArguments
 
 CONVERTED_SUBDIR = "converted"
 RECOVERY_CSV = "recovery_curve.csv"
@@ -37,8 +35,8 @@ _NOT_CONTINUE_TUNING = ("model_name_or_path", "output_dir", "overwrite_output_di
 @functools.cache
 def _continue_tune_arguments_class():
     """mhmoe-train's TrainArguments without the model/output fields (set by the converter), paper defaults; built on
-    first use (it imports mhmoe.train)."""
-    from ..train import TrainArguments
+    first use (it imports mhmoe.training)."""
+    from ..training.arguments import TrainArguments
 
     hints = typing.get_type_hints(TrainArguments)
     fields = []
@@ -73,15 +71,16 @@ def _check_converted(converted: str, args: ConvertArguments) -> None:
 def _convert_for_tuning(args: ConvertArguments, tune, progress: bool):
     """Main process: the training arguments checked, then the conversion into OUTPUT_DIR/converted (atomically: the
     whole OUTPUT_DIR appears at once). Returns the ConversionReport."""
-    from ..train import TrainArguments, check_arguments
+    from ..training.arguments import TrainArguments
+    from ..training.loop import check_before_training
 
     out = args.output_dir
     converted = os.path.join(out, CONVERTED_SUBDIR)
     check_paths(args.input_dir, out)
     output_state(out, args.overwrite)
     # the training arguments are checked before the conversion, which may take long
-    check_arguments(TrainArguments(model_name_or_path=converted, output_dir=out, **dataclasses.asdict(tune),
-                                   overwrite_output_dir=args.overwrite), model_given=True)  # fmt: skip
+    check_before_training(TrainArguments(model_name_or_path=converted, output_dir=out, **dataclasses.asdict(tune),
+                                         overwrite_output_dir=args.overwrite), model_given=True)  # fmt: skip
     temporary = temporary_dir_next_to(out)
     try:
         report = convert(
@@ -101,8 +100,9 @@ def _convert_for_tuning(args: ConvertArguments, tune, progress: bool):
 
 
 def _tune(args: ConvertArguments, tune, state):
-    """Every process: mhmoe.train on OUTPUT_DIR/converted; the recovery curve on the main process."""
-    from ..train import TrainArguments, TrainingError, train
+    """Every process: mhmoe.training on OUTPUT_DIR/converted; the recovery curve on the main process."""
+    from ..training.arguments import TrainArguments, TrainingError
+    from ..training.loop import train
 
     out = args.output_dir
     train_args = TrainArguments(model_name_or_path=os.path.join(out, CONVERTED_SUBDIR), output_dir=out,
@@ -128,7 +128,7 @@ def _tune(args: ConvertArguments, tune, state):
 
 
 def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = True) -> dict:
-    """Convert into OUTPUT_DIR/converted (main process; skipped when resuming), then continue-tune with mhmoe.train into
+    """Convert into OUTPUT_DIR/converted (main process; skipped when resuming), then continue-tune with mhmoe.training into
     OUTPUT_DIR (every process). Returns {"conversion": ConversionReport | None, "train": TrainResult,
     "recovery": summary | None}."""
     from accelerate import PartialState
@@ -136,7 +136,7 @@ def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = Tru
 
     if isinstance(tune, dict):
         tune = continue_tune_arguments(**tune)
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as the Accelerator in mhmoe.train will
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as the Accelerator in mhmoe.training will
     report, failure = None, None
     if state.is_main_process:
         try:
@@ -163,8 +163,7 @@ def recovery_curve(output_dir: str, threshold: float = 1.05) -> dict | None:
     """Write recovery_curve.csv / .png (validation perplexity vs training tokens, the dense parent as reference, like
     the MoH paper's Fig. 2) from a continue-tuning run's metrics.jsonl, and return a summary (None without
     validation records)."""
-    from ..train_args import METRICS_FILE
-    from ..train_metrics import _read_metrics
+    from ..training.metrics import METRICS_FILE, _read_metrics
 
     records = _read_metrics(os.path.join(output_dir, METRICS_FILE))
     references = [r["reference_eval_ppl"] for r in records if "reference_eval_ppl" in r]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from transformers.utils import CONFIG_NAME
 
-from ..checkpoint_files import PICKLE_SUFFIXES, SAFE_INDEX_NAME, read_header, read_model_type, weight_files
+from ..hub.checkpoint_files import PICKLE_SUFFIXES, SAFE_INDEX_NAME, read_header, read_model_type, weight_files
 from .errors import ConversionError
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, SHARED_HEADS_RATIO, head_split, moh_fields
 

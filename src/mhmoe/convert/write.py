@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..checkpoint_files import SAFE_INDEX_NAME, fsync, overlapping, replace_dir, temporary_dir_next_to
+from ..hub.checkpoint_files import SAFE_INDEX_NAME, fsync, overlapping, replace_dir, temporary_dir_next_to
 from .errors import ConversionError
 from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO

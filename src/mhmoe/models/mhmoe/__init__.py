@@ -1,8 +1,8 @@
-"""MH-MoE: `MHMoEConfig`, the models and the parity helpers; loaded on first use (`mhmoe.lazy`)."""
+"""MH-MoE: `MHMoEConfig`, the models and the parity helpers; loaded on first use (`mhmoe._plumbing.lazy`)."""
 
 from typing import TYPE_CHECKING
 
-from ...lazy import lazy_exports
+from ..._plumbing.lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "MHMoEConfig": ".configuration_mhmoe",

@@ -118,13 +118,6 @@ def add_router_losses(loss, config, attention_mask=None, router_logits=None, moh
     return loss, losses
 
 
-def add_moh_aux_loss(loss, moh_router_logits, config, attention_mask=None):
-    """(`loss` + moh_aux_loss_coef × the head balancing loss, that loss): `add_router_losses` for MoH logits alone
-    (kept for one release)."""
-    loss, losses = add_router_losses(loss, config, attention_mask, moh_router_logits=moh_router_logits)
-    return loss, losses["moh_aux_loss"]
-
-
 __all__ = [
-    "add_moh_aux_loss", "add_router_losses", "load_balancing_loss", "moh_load_balancing_loss", "router_z_loss",
+    "add_router_losses", "load_balancing_loss", "moh_load_balancing_loss", "router_z_loss",
 ]  # fmt: skip

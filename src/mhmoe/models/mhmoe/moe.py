@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from transformers.integrations.moe import ExpertsInterface
 from transformers.integrations.moe import grouped_mm_experts_forward as _TRANSFORMERS_GROUPED_MM
 
-from .losses import load_balancing_loss, router_z_loss  # noqa: F401  (their former home; kept for one release)
 from .routing import sort_by_expert
 
 

@@ -35,8 +35,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from .configuration_mhmoe import MOH_ROUTERS
-from .losses import add_moh_aux_loss, moh_load_balancing_loss  # noqa: F401  (their former home; kept for one release)
-from .routing import topk_mask as head_selection  # noqa: F401  (kept for one release)
 from .routing import l2_head_gates, routing_backend
 L2_STD_MIN = 1e-6  # clamp of the per-token std in the "l2" router
 HEAD_SKIPPING_MAX_ROWS = 8  # head skipping loops over query rows: only for decoding-sized inputs (B·T rows)
@@ -231,9 +229,6 @@ def attention_forward(
     return module.o_proj(attn_output), attn_weights
 
 
-moh_attention_forward = attention_forward  # the former name, kept for one release
-
-
 class MoHAttentionMixin:
     """Put before a Llama-style attention class (Llama, Mistral, Qwen2) to route its heads; plain attention when the
     module has no head router."""
@@ -407,7 +402,6 @@ def masked_heads_attention(
 
 
 __all__ = [
-    "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "add_moh_aux_loss", "attention_forward",
-    "head_selection", "l2_router_logits", "l2_scores", "masked_heads_attention", "moh_attention_forward",
-    "moh_enabled", "moh_load_balancing_loss", "routed_gates", "skipped_heads_attention", "straight_through",
+    "MOH_ROUTERS", "MoHAttentionMixin", "MoHRouter", "add_head_router", "attention_forward", "l2_router_logits",
+    "l2_scores", "masked_heads_attention", "moh_enabled", "routed_gates", "skipped_heads_attention", "straight_through",
 ]  # fmt: skip

@@ -1,12 +1,20 @@
 """`save_pretrained` / `push_to_hub` of mhmoe models write a folder that loads with `trust_remote_code=True` where
-mhmoe is not installed: the weights plus the modeling code, `auto_map` and a model card (`mhmoe.hub.write_remote_code`).
+mhmoe is not installed: the weights plus the modeling code, `auto_map` and a model card.
 `save_pretrained(..., self_contained=False)` writes Transformers' plain folder (loads after `import mhmoe`).
+
+The model layer owns the hook, not the writer: `REMOTE_CODE_WRITER` is the function that adds the code to a saved
+folder, `writer(save_directory, config)`; `import mhmoe` sets it to one that calls the publishing layer above
+(`mhmoe.hub.remote_code.write_remote_code`), so nothing here imports upward. When it is None the save is Transformers'
+own.
 
 Runs on torch + transformers alone: in a model loaded from such a folder (its classes live in `transformers_modules`)
 the save is Transformers' own.
 """
 
 import os
+from collections.abc import Callable
+
+REMOTE_CODE_WRITER: Callable[[str, object], None] | None = None  # set by mhmoe/__init__.py
 
 
 class SelfContainedSaveMixin:
@@ -18,11 +26,8 @@ class SelfContainedSaveMixin:
             return
         if not type(self).__module__.startswith("mhmoe."):  # loaded with trust_remote_code: no mhmoe code to copy
             return
-        try:
-            from mhmoe.hub import write_remote_code
-        except ImportError:
-            return
-        write_remote_code(os.fspath(save_directory), self.config)
+        if REMOTE_CODE_WRITER is not None:
+            REMOTE_CODE_WRITER(os.fspath(save_directory), self.config)
 
     def push_to_hub(self, repo_id: str, *args, **kwargs):
         """Transformers' `push_to_hub` (it uploads what `save_pretrained` writes: the self-contained folder). Without

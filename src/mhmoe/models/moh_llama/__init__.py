@@ -1,8 +1,8 @@
-"""MoH-LLaMA: `MoHLlamaConfig` and the models; loaded on first use (`mhmoe.lazy`)."""
+"""MoH-LLaMA: `MoHLlamaConfig` and the models; loaded on first use (`mhmoe._plumbing.lazy`)."""
 
 from typing import TYPE_CHECKING
 
-from ...lazy import lazy_exports
+from ..._plumbing.lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "MoHLlamaConfig": ".configuration_moh_llama",

@@ -81,9 +81,6 @@ class MoHLlamaModel(MoHLlamaPreTrainedModel, LlamaModel):
             route_heads(layer)
 
 
-moh_causal_lm_forward = causal_lm_forward  # the former name, kept for one release
-
-
 class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM, GenerationMixin):
     """LlamaForCausalLM around a MoHLlamaModel, with the MoH losses in its forward."""
 
@@ -100,5 +97,5 @@ class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM, GenerationM
 
 __all__ = [
     "MoHCausalLMOutputWithPast", "MoHLlamaAttention", "MoHLlamaForCausalLM", "MoHLlamaModel",
-    "MoHLlamaPreTrainedModel", "moh_causal_lm_forward",
+    "MoHLlamaPreTrainedModel",
 ]  # fmt: skip

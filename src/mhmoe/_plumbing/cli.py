@@ -1,0 +1,59 @@
+"""The console scripts (`[project.scripts]` in pyproject.toml): each runs its module's `main()`.
+
+Before importing the module, a command checks for the extras it always needs (`mhmoe-eval` needs lm-eval at import),
+and a missing optional dependency met later (peft for `mhmoe-train --lora`, accelerate for `mhmoe-convert
+--train_file`, matplotlib for plots) becomes one line naming the extra to install, with exit status 2, instead of a
+traceback. `python -m mhmoe.<job>` (training, convert, evaluation, hub; and `mhmoe.demo`) runs the same `main()`
+without these checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .extras import MissingExtraError, extra_of, missing_extra_message, require
+
+COMMANDS = {  # console script: (module whose main() it runs, extras the command always needs)
+    "mhmoe-convert": ("mhmoe.convert.cli", ()),
+    "mhmoe-demo": ("mhmoe.demo", ("train", "eval")),
+    "mhmoe-eval": ("mhmoe.evaluation.cli", ("eval",)),
+    "mhmoe-export": ("mhmoe.hub.cli", ()),
+    "mhmoe-train": ("mhmoe.training.cli", ("train",)),
+}
+
+
+def run(command: str, argv: list[str] | None = None) -> None:
+    """Run console script `command` with `argv` (default: sys.argv[1:])."""
+    module, extras = COMMANDS[command]
+    try:
+        for extra in extras:
+            require(extra, feature=command)
+        main = importlib.import_module(module).main
+        main(argv)  # its return value (the demo's summary) is not an exit status
+    except ModuleNotFoundError as e:
+        if extra_of(e.name) is None:
+            raise
+        message = str(e) if isinstance(e, MissingExtraError) else missing_extra_message(e.name, command)
+        print(f"{command}: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def convert() -> None:
+    run("mhmoe-convert")
+
+
+def demo() -> None:
+    run("mhmoe-demo")
+
+
+def evaluate() -> None:
+    run("mhmoe-eval")
+
+
+def export() -> None:
+    run("mhmoe-export")
+
+
+def train() -> None:
+    run("mhmoe-train")

@@ -1,0 +1,5 @@
+"""`python -m mhmoe.convert`: the same as `mhmoe-convert`."""
+
+from .cli import main
+
+main()

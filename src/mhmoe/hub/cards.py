@@ -1,0 +1,155 @@
+"""Model cards: the templates in `model_cards/` (Hugging Face `ModelCard` format) filled from a config and real results.
+
+`model_card(config, ...)` returns a `huggingface_hub.ModelCard` whose YAML metadata holds `library_name`, `tags`,
+`license`, `pipeline_tag`, `base_model` (converted models), `datasets` and a `model-index` with the evaluation results,
+and whose body gives the architecture, the parity numbers of one MoE layer (`moe_layer_cost`), the activated heads and
+experts, and how the model was trained. `save_pretrained` / `push_to_hub` of mhmoe models, `mhmoe-export` and the
+reproduction runs (benchmarks/reproduce) write it as README.md. Nothing here needs the network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TEMPLATES = {"mhmoe": "mhmoe.md", "moh_llama": "moh_llama.md", "converted": "converted.md"}
+
+
+def templates_dir() -> Path:
+    """The `model_cards/` folder: $MHMOE_MODEL_CARDS, else the one shipped with mhmoe (`mhmoe._plumbing.resources`: the wheel's
+    copy, or the repository's folder)."""
+    from .._plumbing.resources import data_dirs
+
+    candidates = data_dirs("model_cards", "MHMOE_MODEL_CARDS")
+    for path in candidates:
+        if (path / TEMPLATES["mhmoe"]).is_file():
+            return path
+    where = ", ".join(map(str, candidates)) or "this installation"
+    raise FileNotFoundError(f"model card templates not found in {where} (set $MHMOE_MODEL_CARDS to a folder with them)")
+
+
+def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, str]]:
+    """(label, text) rows describing the model: size, attention, MoE / Lory / BitNet / MoH options."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    rows = [("model type", f"`{config.model_type}`")]
+    if parameters is not None:
+        rows.append(("parameters", f"{parameters:,} ({parameters / 1e6:.2f}M)"))
+    rows += [
+        ("layers", str(config.num_hidden_layers)),
+        ("hidden size", str(config.hidden_size)),
+        ("attention heads", f"{heads} ({kv} key/value)"),
+        ("vocabulary", str(config.vocab_size)),
+    ]
+    if hasattr(config, "is_moe_layer"):
+        moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+        if moe_layers:
+            h = config.moe_heads
+            moe = (f"{moe_layers} of {config.num_hidden_layers} layers: {config.num_experts} experts, "
+                   f"top-{config.num_experts_per_tok}, {h} MoE head{'s' if h > 1 else ''} (sub-tokens of width "
+                   f"{config.hidden_size // h}), expert inner size {config.moe_intermediate_size}")  # fmt: skip
+            if config.shared_expert_intermediate_size:
+                moe += f", shared expert inner size {config.shared_expert_intermediate_size}"
+            rows.append(("MoE", moe))
+        else:
+            rows.append(("MoE", "none (dense)"))
+    if getattr(config, "router_type", "topk") == "lory":  # the MoE row's top-k does not apply
+        pools = "one pool per head (MH-Lory v2)" if config.lory_expert_pool == "per_head" else "one shared pool"
+        rows.append(("Lory routing", f"all experts merged into one per {config.lory_segment_length}-token segment, "
+                                     f"routed on the previous segment; {pools}"))  # fmt: skip
+    if getattr(config, "linear_type", "linear") == "bitnet_b158":
+        layers = "every decoder projection" if config.bitnet_quantized_layers == "all" else "the experts"
+        stored = "int8 ternary weights + one scale per matrix" if config.bitnet_packed else "latent fp weights"
+        rows.append(("BitNet b1.58", f"{layers} ternary, 8-bit activations; stored as {stored}"))
+    if getattr(config, "moh_shared_heads", None) is not None:
+        shared, active = config.moh_shared_heads, config.moh_active_heads
+        gates = ", straight-through 0/1 gates" if config.moh_straight_through else ""
+        rows.append(("MoH attention", f"{shared} shared + {active} of {heads - shared} routed heads per token = "
+                                      f"{100 * (shared + active) / heads:.1f}% of {heads} heads active; "
+                                      f"`{config.moh_router}` router{gates}"))  # fmt: skip
+    return rows
+
+
+def parity_rows(config) -> list[tuple[str, str]]:
+    """One MoE layer's total parameters and activated multiply-adds per token (`moe_layer_cost`); none for dense."""
+    if not getattr(config, "decoder_sparse_step", 0):
+        return []
+    from ..models.mhmoe.parity import moe_layer_cost
+
+    cost = moe_layer_cost(config)
+    return [
+        ("parameters", f"{cost.params:,} (experts {cost.expert_params:,}, head + merge {cost.head_merge_params:,}, "
+                       f"router {cost.router_params:,}, shared expert {cost.shared_expert_params:,})"),
+        ("activated multiply-adds per token", f"{cost.macs_per_token:,}"),
+    ]  # fmt: skip
+
+
+def _table(rows) -> str:
+    return "\n".join(f"| {a} | {b} |" for a, b in rows)
+
+
+def model_card(
+    config,
+    *,
+    model_name: str,
+    parameters: int | None = None,
+    results: list[dict] | None = None,
+    datasets: list[str] | None = None,
+    base_model: str | None = None,
+    training: str | None = None,
+    repo: str | None = None,
+    has_tokenizer: bool = False,
+    remote_code: bool = True,
+    license: str = "apache-2.0",
+    versions: dict | None = None,
+):
+    """A `huggingface_hub.ModelCard` for a model of `config`.
+
+    `results`: evaluation results, each {"dataset_name", "dataset_type", "metric_type", "metric_value"} (optional
+    "metric_name", "dataset_split", "task_type" (default "text-generation")), written to the `model-index`.
+    `base_model`: the dense parent of a converted model (selects the `converted` template). `remote_code`: the folder
+    carries its modeling code (`trust_remote_code=True` loads it without mhmoe). `versions`: {"mhmoe": ...,
+    "transformers": ...} the model was made with (default: the running ones)."""
+    import transformers
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    from .._plumbing.version import __version__
+
+    kind = "converted" if base_model else ("moh_llama" if config.model_type == "moh_llama" else "mhmoe")
+    tags = ["mhmoe", config.model_type, *(["custom_code"] if remote_code else [])]
+    if getattr(config, "moh_shared_heads", None) is not None:
+        tags.append("mixture-of-head-attention")
+    if getattr(config, "decoder_sparse_step", 0):
+        tags.append("mixture-of-experts")
+    eval_results = [
+        EvalResult(task_type=r.get("task_type", "text-generation"), dataset_type=r["dataset_type"],
+                   dataset_name=r["dataset_name"], dataset_split=r.get("dataset_split"),
+                   metric_type=r["metric_type"], metric_value=r["metric_value"], metric_name=r.get("metric_name"))
+        for r in results or []
+    ]  # fmt: skip
+    data = ModelCardData(
+        library_name="transformers", pipeline_tag="text-generation", license=license, tags=list(dict.fromkeys(tags)),
+        base_model=base_model, datasets=datasets, model_name=model_name, eval_results=eval_results or None,
+    )  # fmt: skip
+    repo = repo or model_name
+    load = "trust_remote_code=True" if remote_code else ""
+    usage = ("import mhmoe  # or, without mhmoe installed: trust_remote_code=True\n" if not remote_code else "") + (
+        f'from transformers import AutoModelForCausalLM{", AutoTokenizer" if has_tokenizer else ""}\n\n'
+        f'model = AutoModelForCausalLM.from_pretrained("{repo}"{", " + load if load else ""})'
+        + (f'\ntokenizer = AutoTokenizer.from_pretrained("{repo}")' if has_tokenizer else "")
+    )
+    summary = (f"A `{config.model_type}` model made with [mhmoe](https://pypi.org/project/mhmoe/)"
+               + (": it loads with `trust_remote_code=True` on torch and transformers alone." if remote_code else "."))
+    results_rows = "\n".join(
+        f"| {r['dataset_name']}{' (' + r['dataset_split'] + ')' if r.get('dataset_split') else ''} | "
+        f"{r.get('metric_name') or r['metric_type']} | {r['metric_value']:.4g} |" for r in results or []
+    )  # fmt: skip
+    return ModelCard.from_template(
+        data, template_path=str(templates_dir() / TEMPLATES[kind]), model_name=model_name, summary=summary,
+        architecture_rows=_table(architecture_rows(config, parameters)), parity_rows=_table(parity_rows(config)),
+        training=training or "Not recorded.", results_rows=results_rows, usage=usage, base_model=base_model,
+        mhmoe_version=(versions or {}).get("mhmoe", __version__),
+        transformers_version=(versions or {}).get("transformers", transformers.__version__),
+    )  # fmt: skip
+
+
+__all__ = ["architecture_rows", "model_card", "parity_rows", "templates_dir"]

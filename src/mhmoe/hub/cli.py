@@ -1,0 +1,32 @@
+"""`mhmoe-export` (and `python -m mhmoe.hub`): export a checkpoint with its modeling code, optionally to the Hub."""
+
+from __future__ import annotations
+
+import argparse
+
+from .export import ExportError, export_pretrained
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`mhmoe-export SRC_DIR OUT_DIR [--overwrite] [--push_to_hub REPO]`; refusals exit with status 2 and a message."""
+    parser = argparse.ArgumentParser(
+        prog="mhmoe-export",
+        description="Export an mhmoe checkpoint with its modeling code (loads with trust_remote_code=True without "
+        "mhmoe installed), a model card and the tokenizer; optionally upload it to the Hugging Face Hub.",
+    )
+    parser.add_argument("src_dir", help="checkpoint directory (model_type mhmoe or moh_llama, safetensors)")
+    parser.add_argument("out_dir", help="directory to write (must be new or empty unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    parser.add_argument("--push_to_hub", metavar="REPO", help="upload the exported folder to this Hub repo id")
+    parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    parser.add_argument("--no_model_card", action="store_true", help="do not write README.md")
+    args = parser.parse_args(argv)
+    try:
+        out = export_pretrained(args.src_dir, args.out_dir, overwrite=args.overwrite, model_card=not args.no_model_card,
+                                push_to_hub=args.push_to_hub, private=args.private or None)  # fmt: skip
+    except ExportError as e:
+        parser.exit(2, f"mhmoe-export: error: {e}\n")
+    print(f"exported {args.src_dir} -> {out}" + (f" (uploaded to {args.push_to_hub})" if args.push_to_hub else ""))
+
+
+__all__ = ["main"]

@@ -1,0 +1,173 @@
+"""Export a checkpoint with its modeling code, so that it loads with `trust_remote_code=True` without mhmoe installed.
+
+`export_pretrained(model_or_dir, save_directory, tokenizer=None)` writes a self-contained folder:
+
+- the weights as safetensors (an in-memory model through `save_pretrained`; a checkpoint directory's shards and index
+  copied byte for byte; pickle-only checkpoints are refused, never unpickled). A BitNet b1.58 model
+  (`linear_type="bitnet_b158"`) is written packed: int8 ternary weights and one fp32 scale per matrix
+  (`bitnet_packed=True`, inference only, the same logits),
+- `config.json` with an `auto_map` naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`,
+- `generation_config.json`, the tokenizer (the one given, else the source directory's), a model card `README.md`,
+- the modeling code (`remote_code.py`: the model's files flattened into the folder, checked as Transformers' loader
+  reads them).
+
+The folder is written to a temporary directory next to `save_directory` and renamed at the end: a failure leaves
+nothing behind (and an existing directory replaced with `overwrite=True` stays as it was). `push_to_hub="user/name"`
+then uploads the folder with `huggingface_hub.HfApi.upload_folder`; that needs the network and a token, so the offline
+test suite does not exercise it. `mhmoe-export SRC_DIR OUT_DIR [--overwrite] [--push_to_hub REPO]` is the CLI
+(`cli.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
+
+from .checkpoint_files import (
+    SAFE_INDEX_NAME, fsync, overlapping, replace_dir, temporary_dir_next_to, weight_files,
+)
+from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
+
+
+def _source_dir(path: str):
+    """(config, weight file names) of a checkpoint directory of an mhmoe model type."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise ExportError(f"source {path} is not a directory (give a checkpoint directory or a model object)")
+    if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
+        raise ExportError(f"source {path} is not a Transformers checkpoint: no {CONFIG_NAME}")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, TypeError, ValueError, KeyError) as e:
+        raise ExportError(f"cannot read the config of {path}: {e}") from None
+    auto_classes(config)
+    shards, weight_map = weight_files(path, ExportError)
+    return config, shards + ([] if weight_map is None else [SAFE_INDEX_NAME])
+
+
+def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) -> None:
+    if os.path.lexists(save_directory) and not os.path.isdir(save_directory):
+        raise ExportError(f"{save_directory} exists and is not a directory; choose another save directory")
+    if os.path.isdir(save_directory) and os.listdir(save_directory) and not overwrite:
+        raise ExportError(f"{save_directory} exists and is not empty; pass overwrite=True (mhmoe-export --overwrite) "
+                          "to replace it, or choose an empty or new directory")  # fmt: skip
+    if source_dir is not None and overlapping(source_dir, save_directory):
+        raise ExportError(f"save directory {save_directory} must not be the source {source_dir}, inside it, or "
+                          "contain it; choose another directory")  # fmt: skip
+
+
+def export_pretrained(
+    model,
+    save_directory: str | os.PathLike,
+    tokenizer=None,
+    overwrite: bool = False,
+    model_card: bool = True,
+    push_to_hub: str | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload model exported with mhmoe",
+) -> Path:
+    """Write `model` (an mhmoe `PreTrainedModel`, or the path of a checkpoint directory) with its modeling code to
+    `save_directory`, so that `AutoModelForCausalLM.from_pretrained(save_directory, trust_remote_code=True)` works
+    without mhmoe. See the module docstring for what is written.
+
+    `tokenizer`: a tokenizer object or path saved alongside (default: the source directory's tokenizer, if any).
+    `overwrite`: replace a non-empty `save_directory` (refused otherwise). `model_card`: write README.md.
+    `push_to_hub`: a Hub repo id ("user/name"); the finished folder is uploaded with `HfApi.upload_folder` (repo
+    created if missing, `private` and `token` passed on). Not covered by the offline tests: it needs the network.
+    Raises `ExportError` for anything refused (nothing is written then), and for a failed upload (the exported folder
+    stays; the message gives the command that retries the upload).
+    """
+    from transformers import AutoTokenizer, PreTrainedModel
+
+    save_directory = os.fspath(save_directory)
+    source_dir = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+    if source_dir is None and not isinstance(model, PreTrainedModel):
+        kind = type(model).__name__
+        hint = " (merge a PEFT adapter first: model.merge_and_unload())" if "Peft" in kind else ""
+        raise ExportError(f"cannot export a {kind}: give an mhmoe PreTrainedModel or a checkpoint directory{hint}")
+    _check_target(save_directory, overwrite, source_dir)
+    if source_dir is not None:
+        config, weight_files = _source_dir(source_dir)
+        if tokenizer is None and any(os.path.isfile(os.path.join(source_dir, f)) for f in TOKENIZER_FILES):
+            tokenizer = source_dir
+    else:
+        config, weight_files = model.config, None
+    if getattr(config, "linear_type", "linear") == "bitnet_b158" and not config.bitnet_packed:
+        model, weight_files = _bitnet_packed(model), None  # int8 ternary weights + scales, not the latent weights
+        config = model.config
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    classes = auto_classes(config)
+    modeling_sources(classes.values())  # refuses code that cannot be exported before anything is written
+
+    temporary = Path(temporary_dir_next_to(save_directory))
+    try:
+        _write_weights(temporary, model if weight_files is None else source_dir, config, weight_files)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(temporary)
+        repo = push_to_hub or os.path.basename(os.path.abspath(save_directory))
+        write_remote_code(temporary, config, model_card=model_card, repo=repo, has_tokenizer=tokenizer is not None)
+        for path in temporary.iterdir():
+            fsync(str(path))
+        fsync(str(temporary))
+        _check_target(save_directory, overwrite, source_dir)  # nothing appeared meanwhile
+        replace_dir(str(temporary), save_directory)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    if push_to_hub:
+        upload_folder(save_directory, push_to_hub, private, token, commit_message)
+    return Path(save_directory)
+
+
+def _bitnet_packed(model):
+    """A latent BitNet model (object or checkpoint directory) as its packed inference copy (`bitnet.packed_model`)."""
+    from ..models.mhmoe.bitnet import packed_model
+    from ..models.mhmoe.modeling_mhmoe import MHMoEForCausalLM
+
+    if isinstance(model, (str, os.PathLike)):
+        model = MHMoEForCausalLM.from_pretrained(model)
+    return packed_model(model)
+
+
+def _write_weights(folder: Path, source, config, weight_files: list[str] | None) -> None:
+    """Weights, config.json and generation_config.json into `folder`: a model object through `save_pretrained`, a
+    checkpoint directory's files copied byte for byte (a generation config made from the config if it has none)."""
+    from transformers import GenerationConfig
+
+    if not isinstance(source, str):
+        source.save_pretrained(folder, self_contained=False)  # the code is written by write_remote_code
+        return
+    for name in weight_files:
+        shutil.copy2(os.path.join(source, name), folder / name)
+    shutil.copy2(os.path.join(source, CONFIG_NAME), folder / CONFIG_NAME)
+    generation = os.path.join(source, GENERATION_CONFIG_NAME)
+    if os.path.isfile(generation):
+        shutil.copy2(generation, folder / GENERATION_CONFIG_NAME)
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(folder)
+
+
+def upload_folder(folder: str, repo_id: str, private: bool | None = None, token: str | None = None,
+                  commit_message: str = "Upload model exported with mhmoe") -> None:  # fmt: skip
+    """Upload a finished export with `HfApi.upload_folder` (the repo is created if missing). A failure (network,
+    authentication, offline mode) raises `ExportError` saying the folder is complete and how to retry."""
+    from huggingface_hub import HfApi
+
+    try:
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
+    except Exception as e:  # the export itself is complete
+        raise ExportError(
+            f"{folder} was exported, but uploading it to {repo_id} failed ({type(e).__name__}: {e}); "
+            f"log in (`hf auth login`) or pass token=..., then retry: `hf upload {repo_id} {folder}`"
+        ) from e
+
+
+__all__ = ["ExportError", "export_pretrained", "upload_folder"]

@@ -1,0 +1,269 @@
+"""mhmoe-train's arguments, their checks (values, data files) and the model config they name. Each problem raises
+`TrainingError` with the fix in words; the output folder and the checkpoint to resume are checked in `outputs.py` and
+`checkpoints.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from ..hub.checkpoint_files import read_model_type, weight_files
+from .data import read_files
+
+
+class TrainingError(ValueError):
+    """A problem with the arguments, the model or the data, found before training starts."""
+
+
+@dataclass
+class TrainArguments:
+    """Arguments of `mhmoe-train` (each field is a `--flag`)."""
+
+    model_name_or_path: str = field(
+        default=None,
+        metadata={"help": "A checkpoint directory (fine-tune; from_pretrained) or a config JSON (train from scratch)."},
+    )
+    output_dir: str = field(default=None, metadata={"help": "Where checkpoints, metrics and the final model go."})
+    train_file: list[str] = field(default=None, metadata={"help": "Training text (.txt: one document per file) or "
+                                                                    "JSONL (.jsonl/.json: one document per record)."})
+    validation_file: list[str] | None = field(default=None, metadata={"help": "Validation text/JSONL file(s)."})
+    validation_split_percentage: float = field(
+        default=0.0, metadata={"help": "Without --validation_file: hold out this %% of the training blocks."}
+    )
+    text_field: str = field(default="text", metadata={"help": "JSONL field holding the text."})
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Tokenizer directory. Default: the checkpoint's; for a config JSON, a byte-level BPE "
+                          "tokenizer trained on the training data (saved with the model)."},
+    )
+    tokenizer_vocab_size: int | None = field(
+        default=None, metadata={"help": "Vocabulary size of a tokenizer trained here (default: the config's)."}
+    )
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "Comma-separated key=value config changes, e.g. 'router_aux_loss_coef=0.02'."}
+    )
+    block_size: int | None = field(
+        default=None, metadata={"help": "Tokens per packed block (default: min(1024, max_position_embeddings))."}
+    )
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; overrides --num_train_epochs when > 0."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the training blocks."})
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 3e-4
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW decay (not on biases, norms, 1-D params)."})
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
+    lr_scheduler_type: str = field(
+        default="cosine",
+        metadata={"help": "cosine, linear, constant, constant_with_warmup, ... (transformers.get_scheduler)."},
+    )
+    min_learning_rate: float = field(
+        default=0.0,
+        metadata={"help": "Final learning rate of the cosine schedule (cosine decays to it instead of 0; e.g. the MoH "
+                          "paper's continue-tuning: 2e-5 -> 1e-6)."},
+    )
+    warmup_steps: int = 0
+    warmup_ratio: float = field(default=0.0, metadata={"help": "Warmup as a fraction of the steps (if no steps)."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (0: off)."})
+    mixed_precision: str | None = field(
+        default=None,
+        metadata={"help": "no, bf16 or fp16 (default: Accelerate's config / environment, else no).",
+                  "choices": ["no", "bf16", "fp16"]},
+    )
+    gradient_checkpointing: bool = False
+    aux_loss: bool = field(
+        default=True, metadata={"help": "Ask MoE models for router logits so their aux losses are trained/logged."}
+    )
+    seed: int = 42
+    logging_steps: int = field(default=1, metadata={"help": "Write a metrics line every N optimizer steps."})
+    eval_steps: int = field(default=0, metadata={"help": "Validate every N steps (0: only at the end)."})
+    eval_at_start: bool = field(
+        default=False, metadata={"help": "Also validate before the first step (logged as step 0, tokens 0)."}
+    )
+    save_steps: int = field(default=0, metadata={"help": "Accelerator.save_state every N steps (0: never)."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "A checkpoint-N directory, or 'latest' (the newest in --output_dir)."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start afresh in an output_dir that holds checkpoints or a finished run (deletes them once "
+                          "every input is checked)."},  # fmt: skip
+    )
+    lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (PEFT) instead of all weights."})
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = field(default=0.0, metadata={"help": "Must be 0 when experts are adapted."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "nn.Linear names (default: PEFT's table for the model type: q/k/v/o_proj)."}
+    )
+    lora_experts: bool = field(
+        default=True, metadata={"help": "Also LoRA the 3-D expert weights (PEFT target_parameters)."}
+    )
+    merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model in output_dir/merged."})
+    ddp_find_unused_parameters: bool = False
+    disable_tqdm: bool = False
+    plot: bool = field(default=True, metadata={"help": "Write loss_curve.png (matplotlib)."})
+    similarity_batching: bool = field(default=False, metadata={"help": "Order training documents so neighbours are "
+                                      "similar before packing (Lory's batching; mhmoe.training.data.order_by_similarity)."})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# checks that run before anything is trained
+
+
+# Dense models of the LLaMA family: the parents that mhmoe.convert turns into MoH (the MoH paper's first stage
+# continue-tunes the dense model on the new data before converting it, §4.4).
+DENSE_PARENT_TYPES = ("llama", "mistral", "qwen2")
+
+
+def supported_model_types() -> list[str]:
+    """Model types this script trains: mhmoe, moh_llama once it is registered with AutoConfig, and the dense
+    LLaMA-family parents (llama, mistral, qwen2)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return [t for t in ("mhmoe", "moh_llama", *DENSE_PARENT_TYPES) if t in CONFIG_MAPPING]
+
+
+def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
+    for name in ("output_dir", "train_file") if model_given else ("model_name_or_path", "output_dir", "train_file"):
+        if not getattr(args, name):
+            raise TrainingError(f"--{name} is required")
+    if isinstance(args.train_file, str):
+        args.train_file = [args.train_file]
+    if isinstance(args.validation_file, str):
+        args.validation_file = [args.validation_file]
+    if isinstance(args.lora_target_modules, str):
+        args.lora_target_modules = [args.lora_target_modules]
+    positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "logging_steps", "lora_r")  # fmt: skip
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise TrainingError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.block_size is not None and args.block_size < 2:
+        raise TrainingError(f"--block_size must be >= 2, got {args.block_size}")
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        raise TrainingError("set --max_steps > 0 or --num_train_epochs > 0")
+    if args.learning_rate <= 0 or args.max_grad_norm < 0 or args.warmup_steps < 0:
+        raise TrainingError("--learning_rate must be > 0, --max_grad_norm and --warmup_steps >= 0")
+    if not 0 <= args.validation_split_percentage < 100 or not 0 <= args.warmup_ratio < 1:
+        raise TrainingError("--validation_split_percentage must be in [0, 100) and --warmup_ratio in [0, 1)")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise TrainingError(f"--save_total_limit must be >= 1, got {args.save_total_limit}")
+    from transformers import SchedulerType
+
+    if args.lr_scheduler_type not in {s.value for s in SchedulerType}:
+        choices = ", ".join(s.value for s in SchedulerType)
+        raise TrainingError(f"unknown --lr_scheduler_type {args.lr_scheduler_type!r} (one of: {choices})")
+    if args.save_steps < 0 or args.eval_steps < 0 or args.logging_steps < 1:
+        raise TrainingError(
+            f"--save_steps and --eval_steps must be >= 0 (0: never / only at the end) and --logging_steps >= 1, got "
+            f"{args.save_steps}, {args.eval_steps} and {args.logging_steps}"
+        )
+    if args.min_learning_rate < 0 or args.min_learning_rate >= args.learning_rate:
+        raise TrainingError(
+            f"--min_learning_rate must be >= 0 and < --learning_rate ({args.learning_rate}), "
+            f"got {args.min_learning_rate}"
+        )
+    if args.min_learning_rate > 0 and args.lr_scheduler_type not in ("cosine", "cosine_with_min_lr"):
+        raise TrainingError(f"--min_learning_rate applies to the cosine schedule, not {args.lr_scheduler_type!r}")
+    if args.lr_scheduler_type == "cosine_with_min_lr" and args.min_learning_rate == 0:
+        raise TrainingError("--lr_scheduler_type cosine_with_min_lr needs --min_learning_rate > 0")
+    for path in [*args.train_file, *(args.validation_file or [])]:
+        if not os.path.isfile(path):
+            raise TrainingError(f"data file not found: {path}")
+    if not model_given and not os.path.exists(args.model_name_or_path):
+        raise TrainingError(
+            f"--model_name_or_path {args.model_name_or_path!r} does not exist (give a local checkpoint directory or a "
+            "config JSON; nothing is downloaded)"
+        )
+    if args.tokenizer_name_or_path is not None and not os.path.isdir(args.tokenizer_name_or_path):
+        raise TrainingError(f"--tokenizer_name_or_path {args.tokenizer_name_or_path!r} is not a directory")
+
+
+def _read(paths: list[str], text_field: str) -> list[str]:
+    try:
+        return read_files(paths, text_field)
+    except (OSError, ValueError) as e:
+        raise TrainingError(str(e)) from None
+
+
+def _parse_overrides(text: str | None) -> dict:
+    if not text:
+        return {}
+    overrides = {}
+    for item in text.split(","):
+        if "=" not in item:
+            raise TrainingError(f"--config_overrides: expected key=value, got {item!r}")
+        key, value = (s.strip() for s in item.split("=", 1))
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the model config
+
+
+def load_config(args: TrainArguments):
+    """(config, from_scratch). Refuses unknown model types with the list of supported ones."""
+    from transformers import AutoConfig
+
+    path = args.model_name_or_path
+    from_scratch = os.path.isfile(path)
+    if from_scratch:
+        try:
+            with open(path) as f:
+                fields = json.load(f)
+        except json.JSONDecodeError as e:
+            raise TrainingError(f"{path}: not a valid config JSON ({e})") from None
+        model_type = fields.pop("model_type", None) if isinstance(fields, dict) else None
+    else:
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise TrainingError(f"{path} is not a checkpoint directory (no config.json)")
+        model_type = read_model_type(config_file, TrainingError)
+        try:
+            weight_files(path, TrainingError)  # safetensors only; pickles are refused, never unpickled
+        except TrainingError as e:
+            raise TrainingError(f"--model_name_or_path: {e}") from None
+    supported = supported_model_types()
+    if model_type not in supported:
+        raise TrainingError(
+            f"model_type {model_type!r} in {path} is not supported by mhmoe-train (supported: {', '.join(supported)})"
+        )
+    overrides = _parse_overrides(args.config_overrides)
+    template = AutoConfig.for_model(model_type)
+    unknown = sorted(key for key in overrides if not hasattr(template, key))
+    if unknown:  # a config takes any key silently: a typo would train with the default and save the typo
+        raise TrainingError(f"--config_overrides: {', '.join(unknown)} is not a {model_type} config field")
+    try:
+        if from_scratch:
+            config = AutoConfig.for_model(model_type, **{**fields, **overrides})
+        else:
+            config = AutoConfig.from_pretrained(path, **overrides)
+    except (TypeError, ValueError) as e:
+        raise TrainingError(f"invalid config {path}: {e}") from None
+    return config, from_scratch
+
+
+def _coerce_args(args) -> TrainArguments:
+    if isinstance(args, TrainArguments):
+        return dataclasses.replace(args)
+    if not isinstance(args, dict):
+        args = vars(args)
+    names = {f.name for f in dataclasses.fields(TrainArguments)}
+    unknown = sorted(set(args) - names)
+    if unknown:
+        raise TrainingError(f"unknown training arguments: {', '.join(unknown)}")
+    return TrainArguments(**args)
+
+
+__all__ = ["DENSE_PARENT_TYPES", "TrainArguments", "TrainingError", "check_arguments", "load_config",
+           "supported_model_types"]  # fmt: skip

@@ -1,0 +1,227 @@
+"""mhmoe-train: pre-train or fine-tune MHMoE / MoH-Llama causal LMs with Accelerate (and PEFT LoRA).
+
+The project's one training loop. Runs as-is on one device, and unchanged under `accelerate launch` (DDP, FSDP,
+DeepSpeed) on many; see docs/training.md. From Python: `train(TrainArguments(...))` or `train({...})`.
+
+Data order. Every epoch is a seeded permutation of the packed blocks (seed + epoch). Optimizer step g of an epoch takes
+the G = per_device_batch × accumulation × processes blocks [g·G, (g+1)·G) of it, cut into micro-batches m = 0 …
+accumulation·processes − 1; process r runs micro-batches a·processes + r (a = accumulation step). So one process
+accumulation 2 sees exactly the micro-batches of two processes without accumulation, and a resumed run continues at
+block g·G of the same permutation: both reproduce the other run's losses.
+
+Stages (torchtitan-style: `train` → `train_step` → `forward_backward_step`), sharing one `TrainRun`:
+`setup_accelerator` → `setup_tokenizer` → `build_data` → `build_model` → `build_optimizer` → `prepare_output_dir`
+→ `resume` → `train_loop` (`train_step` per optimizer step, `evaluate` and `save_checkpoint` on their schedules)
+→ `save_final`. Where each part lives in this package: arguments and their checks `arguments.py`, the setup stages
+`setup.py`, what the stages share `state.py`, checkpoints and resuming `checkpoints.py`, the output folder and the final
+save `outputs.py`, metrics and the loss plot `metrics.py`, the command line `cli.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from .arguments import TrainingError, _coerce_args, _read, check_arguments, load_config, supported_model_types
+from .checkpoints import resume, save_checkpoint
+from .metrics import _loss_fields, _token_nll_sum
+from .metrics import validate as _evaluate  # looked up at call time: tests interrupt a run here
+from .outputs import check_output_dir, prepare_output_dir, save_final
+from .setup import build_data, build_model, build_optimizer, setup_accelerator, setup_tokenizer
+from .state import TrainResult, TrainRun
+
+
+def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) -> TrainResult:
+    """Train as `mhmoe-train` does. `args`: `TrainArguments`, a dict or an argparse Namespace of its fields.
+
+    `model` / `tokenizer` may be given as objects (then `model_name_or_path` is not needed; without a tokenizer, one is
+    trained on the data); otherwise they are loaded or built from `model_name_or_path`. Every input problem raises
+    `TrainingError` before training starts. `on_log(record)` is called (main process) with every metrics record.
+    `reference_eval(model) -> context manager`: before the first step (of a fresh run), validate once inside it and log
+    the result as `reference_eval_loss` / `reference_eval_ppl` at step 0 (`mhmoe.convert` uses it to measure the
+    dense parent: the converted MoH model with every head active).
+    """
+    args = _coerce_args(args)
+    created = not os.path.exists(args.output_dir)
+    try:
+        return _train(args, model, tokenizer, on_log, reference_eval)
+    except TrainingError:
+        if created:  # an input problem stopped it before training: leave nothing behind
+            shutil.rmtree(args.output_dir, ignore_errors=True)
+        raise
+
+
+def _train(args, model, tokenizer, on_log, reference_eval) -> TrainResult:
+    check_before_training(args, model_given=model is not None)
+    if model is None:
+        config, from_scratch = load_config(args)
+    else:
+        config, from_scratch = model.config, False
+        if args.config_overrides:
+            raise TrainingError("--config_overrides applies to models loaded here, not to a model object")
+        if config.model_type not in supported_model_types():
+            raise TrainingError(f"model_type {config.model_type!r} is not supported by mhmoe-train")
+    run = TrainRun(args, setup_accelerator(args), config, from_scratch, on_log)
+    train_docs = _read(args.train_file, args.text_field)
+    if not train_docs:
+        raise TrainingError(f"no text in --train_file {' '.join(args.train_file)}")
+    setup_tokenizer(run, tokenizer, train_docs)
+    build_data(run, train_docs, reference_eval is not None)
+    build_model(run, model)
+    build_optimizer(run)
+    prepare_output_dir(run)
+    resume(run)
+    final_eval = train_loop(run, reference_eval)
+    unwrapped = save_final(run, final_eval)
+    return TrainResult(args.output_dir, run.total_steps, run.history, final_eval, unwrapped, run.tokenizer)
+
+
+def check_before_training(args, model_given: bool = False) -> None:
+    """Every check that runs before anything is trained or written: the arguments and data files, then the output
+    folder and the checkpoint to resume."""
+    check_arguments(args, model_given)
+    check_output_dir(args, model_given)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the loop
+
+
+def train_loop(run: TrainRun, reference_eval=None) -> dict | None:
+    """Every optimizer step from `start_step`, with logging, periodic validation and checkpoints; returns the final
+    validation record (None without validation data)."""
+    from tqdm.auto import tqdm
+
+    args, total = run.args, run.total_steps
+    _print_run(run)
+    progress = tqdm(total=total, initial=run.start_step, disable=not run.is_main or args.disable_tqdm,
+                    desc="training", dynamic_ncols=True)  # fmt: skip
+    if run.start_step == 0 and run.val_blocks is not None:
+        evaluate_before_training(run, reference_eval)
+    run.model.train()
+    start_time = time.time()
+    for step in range(run.start_step, total):
+        means, grad_norm, lr_used = train_step(run, step)
+        done = step + 1
+        if done % args.logging_steps == 0 or done == total:
+            record = {"step": done, "epoch": round(done / run.steps_per_epoch, 4)}
+            record.update(zip(["loss", "lm_loss", *run.loss_names], means.tolist()))
+            record["lr"] = lr_used
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            record["tokens"] = done * run.global_blocks * run.block_size
+            record["elapsed_s"] = round(time.time() - start_time, 3)
+            run.log(record)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", lm=f"{record['lm_loss']:.4f}")
+        progress.update(1)
+        if run.val_blocks is not None and args.eval_steps > 0 and done % args.eval_steps == 0 and done != total:
+            run.log(evaluate(run, done))
+            run.model.train()
+        if args.save_steps > 0 and done % args.save_steps == 0:
+            save_checkpoint(run, done)
+    progress.close()
+    if run.val_blocks is None:
+        return None
+    final_eval = evaluate(run, total)
+    run.log(final_eval)
+    run.accelerator.print(f"validation: loss {final_eval['eval_loss']:.4f}, perplexity {final_eval['eval_ppl']:.2f}")
+    return final_eval
+
+
+def _print_run(run: TrainRun) -> None:
+    args, accelerator = run.args, run.accelerator
+    accelerator.print(
+        f"mhmoe-train: {run.config.model_type}, {run.trainable:,} trainable / {run.total_params:,} parameters; "
+        f"{len(run.train_blocks)} blocks × {run.block_size} tokens, {run.steps_per_epoch} steps/epoch, steps "
+        f"{run.start_step} → {run.total_steps}, global batch {run.global_blocks} blocks ({run.world} process(es) × "
+        f"{args.per_device_train_batch_size} × {args.gradient_accumulation_steps} accum), "
+        f"{accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision}"
+    )
+
+
+def _epoch_permutation(run: TrainRun, epoch: int) -> torch.Tensor:
+    """The seeded order of the training blocks in `epoch` (seed + epoch), computed once per epoch."""
+    if run.permutation is None or run.permutation[0] != epoch:
+        generator = torch.Generator().manual_seed(run.args.seed + epoch)
+        run.permutation = (epoch, torch.randperm(len(run.train_blocks), generator=generator))
+    return run.permutation[1]
+
+
+def train_step(run: TrainRun, step: int) -> tuple[torch.Tensor, Any, float]:
+    """One optimizer step over this process's micro-batches (see the module docstring for the data order).
+
+    Returns the losses [loss, lm_loss, *loss_names] averaged over micro-batches and processes, the gradient norm before
+    clipping (None when not clipped) and the learning rate the update used."""
+    args, accelerator = run.args, run.accelerator
+    accumulation, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
+    epoch, step_in_epoch = divmod(step, run.steps_per_epoch)
+    permutation = _epoch_permutation(run, epoch)
+    sums, grad_norm = None, None
+    for a in range(accumulation):
+        m = a * run.world + accelerator.process_index
+        start = step_in_epoch * run.global_blocks + m * micro
+        batch = run.train_blocks[permutation[start : start + micro]].to(accelerator.device)
+        values, norm = forward_backward_step(run, batch)
+        grad_norm = norm if norm is not None else grad_norm
+        sums = values if sums is None else sums + values
+    lr_used = run.scheduler.get_last_lr()[0]  # the rate this step's update used
+    if not getattr(run.optimizer, "step_was_skipped", False):
+        run.scheduler.step()
+    return accelerator.reduce(sums / accumulation, reduction="mean"), grad_norm, lr_used
+
+
+def forward_backward_step(run: TrainRun, batch: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Forward, backward and (on the last micro-batch of a step) clip + optimizer update for one micro-batch.
+
+    Returns the detached losses [loss, lm_loss, *loss_names] (lm_loss is the LM part alone when router losses are
+    added) and the gradient norm when it was clipped here."""
+    accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
+    grad_norm = None
+    with accelerator.accumulate(model):
+        output = model(input_ids=batch, labels=batch, **run.forward_kwargs)
+        accelerator.backward(output.loss)
+        if accelerator.sync_gradients and run.args.max_grad_norm > 0:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.args.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    extra = _loss_fields(output)
+    if run.loss_names is None:
+        run.loss_names = sorted(extra)
+    with torch.no_grad():
+        loss = output.loss.detach().float()
+        lm_loss = _token_nll_sum(output.logits, batch) / (batch.numel() - batch.shape[0]) if extra else loss
+        values = torch.stack([loss, lm_loss.float()] + [extra[k].detach().float() for k in run.loss_names])
+    return values, grad_norm
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def evaluate(run: TrainRun, step: int) -> dict:
+    """Validation record at `step`: LM loss / perplexity, aux losses, routing load, training tokens seen so far."""
+    record = _evaluate(run.accelerator, run.model, run.val_blocks, run.args.per_device_eval_batch_size, run.config,
+                       run.forward_kwargs, step)  # fmt: skip
+    record["tokens"] = step * run.global_blocks * run.block_size
+    return record
+
+
+def evaluate_before_training(run: TrainRun, reference_eval=None) -> None:
+    """Step-0 validation: the reference model (e.g. the dense parent: a MoH model with every head active) inside
+    `reference_eval`, and with --eval_at_start the model itself."""
+    if reference_eval is not None:
+        with reference_eval(run.accelerator.unwrap_model(run.model)):
+            reference = evaluate(run, 0)
+        run.log({"step": 0, "tokens": 0, **{f"reference_{k}": v for k, v in reference.items() if k[:5] == "eval_"}})
+        run.accelerator.print(f"reference validation: perplexity {reference['eval_ppl']:.2f}")
+    if run.args.eval_at_start:
+        run.log(evaluate(run, 0))
+        run.accelerator.print(f"validation before training: perplexity {run.history[-1]['eval_ppl']:.2f}")
+
+
+__all__ = ["TrainResult", "TrainRun", "TrainingError", "check_before_training", "evaluate", "forward_backward_step",
+           "train", "train_loop", "train_step"]  # fmt: skip

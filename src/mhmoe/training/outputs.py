@@ -1,0 +1,114 @@
+"""The output folder of a training run: checked before training (writable, not the model, no earlier run unless
+resuming or overwriting), prepared once every input is checked, and the final save (model, tokenizer, loss plot, run
+summary)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+from ..hub.checkpoint_files import overlapping
+from .arguments import TrainArguments, TrainingError
+from .checkpoints import check_resume, list_checkpoints
+from .metrics import METRICS_FILE, PLOT_FILE, plot_metrics
+from .state import TrainRun
+
+SUMMARY_FILE = "train_summary.json"
+# what a finished run leaves in --output_dir (besides the tokenizer): refused without --overwrite_output_dir
+RUN_OUTPUTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "adapter_model.safetensors", "adapter_config.json",
+               SUMMARY_FILE)  # fmt: skip
+
+
+def check_output_dir(args: TrainArguments, model_given: bool) -> None:
+    """The output directory is writable, is not the model, and holds no earlier run unless resuming or overwriting."""
+    _check_writable(args.output_dir)
+    if not model_given and os.path.isdir(args.model_name_or_path) and (
+        os.path.realpath(args.model_name_or_path) == os.path.realpath(args.output_dir)
+        or (args.overwrite_output_dir and overlapping(args.model_name_or_path, args.output_dir))
+    ):
+        raise TrainingError(
+            f"--output_dir {args.output_dir!r} would replace or delete the model being trained "
+            f"({args.model_name_or_path}); choose another --output_dir"
+        )
+    if args.resume_from_checkpoint:
+        check_resume(args)
+    elif not args.overwrite_output_dir:
+        if list_checkpoints(args.output_dir):
+            raise TrainingError(
+                f"{args.output_dir} already holds checkpoints: pass --resume_from_checkpoint latest to continue, or "
+                "--overwrite_output_dir to start afresh"
+            )
+        finished = [name for name in RUN_OUTPUTS if os.path.isfile(os.path.join(args.output_dir, name))]
+        if finished:
+            raise TrainingError(
+                f"{args.output_dir} already holds a finished run ({', '.join(finished)}): pass --overwrite_output_dir "
+                "to replace it, or choose another --output_dir"
+            )
+
+
+def _check_writable(directory: str) -> None:
+    """Without creating anything: a directory, or a path whose nearest existing parent takes new entries."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise TrainingError(f"--output_dir {directory!r} is a file, not a directory")
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise TrainingError(f"--output_dir {directory!r} is not writable ({existing} does not take new files)")
+
+
+def _remove_run_outputs(output_dir: str) -> None:
+    """--overwrite_output_dir: what an earlier run left (checkpoints, metrics, final weights and summary)."""
+    for _, path in list_checkpoints(output_dir, complete=False):  # also those a crash left half-written
+        shutil.rmtree(path)
+    for name in (METRICS_FILE, *RUN_OUTPUTS):
+        if os.path.isfile(os.path.join(output_dir, name)):
+            os.remove(os.path.join(output_dir, name))
+
+
+def prepare_output_dir(run: TrainRun) -> None:
+    """Every input is checked: only now is an earlier run's output removed, and output_dir created."""
+    args = run.args
+    if run.is_main:
+        os.makedirs(args.output_dir, exist_ok=True)
+        if args.overwrite_output_dir and not args.resume_from_checkpoint:
+            _remove_run_outputs(args.output_dir)
+    run.accelerator.wait_for_everyone()
+
+
+def save_final(run: TrainRun, final_eval: dict | None):
+    """The unwrapped model (full, or the adapter with --lora; merged too with --merge_lora), tokenizer, loss plot and
+    run summary. Returns the unwrapped model."""
+    args, accelerator = run.args, run.accelerator
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(run.model)
+    unwrapped = accelerator.unwrap_model(run.model)
+    unwrapped.save_pretrained(
+        args.output_dir, is_main_process=run.is_main, save_function=accelerator.save, state_dict=state_dict
+    )
+    if run.is_main:
+        run.tokenizer.save_pretrained(args.output_dir)
+        if args.lora and args.merge_lora:
+            import copy
+
+            merged = copy.deepcopy(unwrapped).merge_and_unload()
+            merged.save_pretrained(os.path.join(args.output_dir, "merged"))
+            run.tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
+        if args.plot:
+            plot_metrics(run.metrics_path, os.path.join(args.output_dir, PLOT_FILE))
+        summary = {"step": run.total_steps, "num_processes": run.world,
+                   "distributed_type": accelerator.distributed_type.value,
+                   "mixed_precision": accelerator.mixed_precision, "global_batch_blocks": run.global_blocks,
+                   "block_size": run.block_size, "trainable_parameters": run.trainable, "parameters": run.total_params,
+                   "final_eval": final_eval, "args": dataclasses.asdict(args)}  # fmt: skip
+        with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
+            json.dump(summary, f, indent=2)
+    accelerator.wait_for_everyone()
+    return unwrapped
+
+
+__all__ = ["RUN_OUTPUTS", "SUMMARY_FILE", "check_output_dir", "prepare_output_dir", "save_final"]

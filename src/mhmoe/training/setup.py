@@ -1,0 +1,224 @@
+"""The setup stages of a training run, in order: `setup_accelerator` → `setup_tokenizer` → `build_data` →
+`build_model` → `build_optimizer`. Each fills in its part of the `TrainRun` and refuses bad input with
+`TrainingError` before anything is trained."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .arguments import TrainArguments, TrainingError, _read
+from .data import order_by_similarity, tokenize_and_pack, train_tokenizer
+from .state import TrainRun
+
+
+def _moe_forward_kwargs(config, aux_loss: bool) -> dict:
+    """Ask for router logits (and so the aux losses) from models that have them."""
+    if aux_loss and hasattr(config, "output_router_logits"):
+        return {"output_router_logits": True}
+    return {}
+
+
+def _num_trainable(model) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def _optimizer_groups(model, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.dim() >= 2 and "norm" not in name.lower() else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide state (its singletons), so that several `train()` calls can run one after the
+    other in one process, each with its own Accelerator (the demos do). Not for use under `accelerate launch`."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def setup_accelerator(args: TrainArguments):
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)],
+    )
+    fsdp_requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp_requested and accelerator.distributed_type.value != "FSDP":
+        accelerator.print(  # Accelerate enables FSDP only for accelerator devices (MULTI_GPU, ...), never MULTI_CPU
+            f"warning: FSDP was requested but Accelerate runs {accelerator.distributed_type.value} here (FSDP needs "
+            "GPUs or other accelerators; on CPU it falls back to plain data parallelism)"
+        )
+    return accelerator
+
+
+def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
+    """The tokenizer: given, from the checkpoint being resumed, from the model directory, or trained here on main."""
+    from transformers import AutoTokenizer
+
+    args, config = run.args, run.config
+    if tokenizer is None:
+        source = args.tokenizer_name_or_path
+        if source is None and args.resume_from_checkpoint and os.path.isfile(
+            os.path.join(args.resume_from_checkpoint, "tokenizer_config.json")
+        ):
+            source = args.resume_from_checkpoint
+        if source is None and not run.from_scratch:
+            source = args.model_name_or_path
+        if source is not None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(source)
+            except (OSError, ValueError) as e:
+                raise TrainingError(f"no tokenizer could be loaded from {source} ({e}); pass --tokenizer_name_or_path")
+        else:
+            vocab_size = args.tokenizer_vocab_size or config.vocab_size
+            if not 259 <= vocab_size <= config.vocab_size:
+                raise TrainingError(
+                    f"a tokenizer trained here needs 259 <= vocab size <= the model's vocab_size "
+                    f"({config.vocab_size}), got {vocab_size}"
+                )
+            if run.is_main:
+                train_tokenizer(train_docs, vocab_size, config.max_position_embeddings).save_pretrained(args.output_dir)
+            run.accelerator.wait_for_everyone()
+            tokenizer = AutoTokenizer.from_pretrained(args.output_dir)  # every process: the same files
+    if len(tokenizer) > config.vocab_size:
+        raise TrainingError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}"
+        )
+    if tokenizer.eos_token_id is None:
+        raise TrainingError("the tokenizer has no EOS token (needed to separate packed documents)")
+    if run.from_scratch:
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    run.tokenizer = tokenizer
+
+
+def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> None:
+    """Packed training and validation blocks (the validation split comes from a seeded permutation of the training
+    blocks), the batch geometry and the number of steps."""
+    args, tokenizer = run.args, run.tokenizer
+    context = run.config.max_position_embeddings
+    block_size = run.block_size = args.block_size or min(1024, context)
+    if block_size > context:
+        raise TrainingError(f"--block_size {block_size} is larger than the model's context ({context} positions)")
+    train_docs = order_by_similarity(train_docs) if args.similarity_batching else train_docs
+    train_blocks = tokenize_and_pack(train_docs, tokenizer, block_size)
+    if len(train_blocks) == 0:
+        raise TrainingError(f"--train_file holds fewer than block_size={block_size} tokens: no training block")
+    val_blocks = None
+    if args.validation_file:
+        val_docs = _read(args.validation_file, args.text_field)
+        val_blocks = tokenize_and_pack(val_docs, tokenizer, block_size) if val_docs else train_blocks[:0]
+        if len(val_blocks) == 0:
+            raise TrainingError(f"--validation_file holds fewer than block_size={block_size} tokens: no block")
+    elif args.validation_split_percentage > 0:
+        held_out = max(1, int(len(train_blocks) * args.validation_split_percentage / 100))
+        if held_out >= len(train_blocks):
+            raise TrainingError("--validation_split_percentage leaves no training block")
+        order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(args.seed))
+        val_blocks, train_blocks = train_blocks[order[:held_out]], train_blocks[order[held_out:]]
+    if val_blocks is None and (args.eval_at_start or reference_eval):
+        raise TrainingError("--eval_at_start (and a reference evaluation) need --validation_file or "
+                            "--validation_split_percentage")  # fmt: skip
+    run.train_blocks, run.val_blocks = train_blocks, val_blocks
+
+    run.global_blocks = args.per_device_train_batch_size * args.gradient_accumulation_steps * run.world
+    run.steps_per_epoch = len(train_blocks) // run.global_blocks
+    if run.steps_per_epoch == 0:
+        raise TrainingError(
+            f"{len(train_blocks)} training blocks of {block_size} tokens do not fill one global batch of "
+            f"{run.global_blocks} blocks (per_device_train_batch_size × gradient_accumulation_steps × processes)"
+        )
+    if args.max_steps > 0:
+        run.total_steps = args.max_steps
+    else:
+        run.total_steps = max(1, math.ceil(args.num_train_epochs * run.steps_per_epoch))
+
+
+def build_model(run: TrainRun, model) -> None:
+    """The model (given, built from a config JSON, or loaded), gradient checkpointing and LoRA adapters."""
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM
+
+    args = run.args
+    set_seed(args.seed)
+    if model is None:
+        if run.from_scratch:
+            model = AutoModelForCausalLM.from_config(run.config)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    args.model_name_or_path, config=run.config, dtype=torch.float32
+                )
+            except RuntimeError as e:  # weights whose shapes the (overridden) config does not have
+                first = str(e).strip().splitlines()[0]
+                raise TrainingError(f"the weights in {args.model_name_or_path} do not fit its config (a "
+                                    f"--config_overrides that changes shapes?): {first}") from None  # fmt: skip
+    if args.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # the v5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora:
+        from peft import get_peft_model
+
+        from .peft import lora_config
+
+        try:
+            peft_config = lora_config(
+                model, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                target_modules=args.lora_target_modules, experts=args.lora_experts,
+            )  # fmt: skip
+            model = get_peft_model(model, peft_config)
+        except ValueError as e:
+            raise TrainingError(f"LoRA: {e}") from None
+    run.forward_kwargs = {**_moe_forward_kwargs(run.config, args.aux_loss), "use_cache": False}
+    run.trainable, run.total_params = _num_trainable(model)
+    run.model = model
+
+
+def build_optimizer(run: TrainRun) -> None:
+    """AdamW and the schedule, prepared by Accelerate: DeepSpeed wants model and optimizer prepared together, FSDP the
+    model first."""
+    from transformers import get_scheduler
+
+    args, accelerator = run.args, run.accelerator
+    using_deepspeed = accelerator.state.deepspeed_plugin is not None
+    if using_deepspeed:
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        ds_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    else:
+        run.model = accelerator.prepare(run.model)
+    optimizer = torch.optim.AdamW(
+        _optimizer_groups(run.model, args.weight_decay),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
+    schedule, schedule_kwargs = args.lr_scheduler_type, None
+    if args.min_learning_rate > 0:  # cosine down to the final learning rate
+        schedule, schedule_kwargs = "cosine_with_min_lr", {"min_lr": args.min_learning_rate}
+    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * run.total_steps)
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=run.total_steps,
+                              scheduler_specific_kwargs=schedule_kwargs)  # fmt: skip
+    if using_deepspeed:
+        run.model, run.optimizer, run.scheduler = accelerator.prepare(run.model, optimizer, scheduler)
+    else:
+        run.optimizer, run.scheduler = accelerator.prepare(optimizer, scheduler)
+
+
+__all__ = ["build_data", "build_model", "build_optimizer", "reset_accelerate_state", "setup_accelerator",
+           "setup_tokenizer"]  # fmt: skip
