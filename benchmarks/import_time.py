@@ -13,6 +13,9 @@ import without mhmoe. Any model class needs transformers' modeling code (`transf
 torch and, where installed, accelerate and triton): `from transformers import LlamaForCausalLM` is the yardstick for
 `from mhmoe import MHMoEForCausalLM`.
 `--other_src DIR` adds `import mhmoe` from another source tree (PYTHONPATH=DIR), e.g. an older commit's `src/`.
+`--registration` times instead what `import mhmoe` would cost under the other ways to register with the Auto classes
+(the alternatives that `mhmoe._plumbing.registration` was chosen against): the config classes registered eagerly
+(models resolved later), everything registered eagerly, and Transformers' own `_LazyModule` for mhmoe's names.
 """
 
 import argparse
@@ -29,6 +32,13 @@ STATEMENTS = {
     "import mhmoe; ...import AutoModelForCausalLM": "import mhmoe; from transformers import AutoModelForCausalLM",
     "from transformers import LlamaForCausalLM": "from transformers import LlamaForCausalLM",
     "from mhmoe import MHMoEForCausalLM": "from mhmoe import MHMoEForCausalLM",
+}
+REGISTRATION = {  # what `import mhmoe` would run under each design
+    "import transformers": "import transformers",
+    "post-import hooks (current): import mhmoe": "import mhmoe",
+    "eager configs: + AutoConfig.register": "import mhmoe; mhmoe._plumbing.registration.register_configs()",
+    "eager everything: + register_auto_classes()": "import mhmoe; mhmoe.register_auto_classes()",
+    "Transformers' _LazyModule: its import": "from transformers.utils.import_utils import _LazyModule",
 }
 OPTIONAL = ("accelerate", "peft", "lm_eval", "matplotlib", "triton")
 
@@ -52,8 +62,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=9, help="fresh processes per statement (default 9)")
     parser.add_argument("--other_src", default=None, help="also time `import mhmoe` with PYTHONPATH=OTHER_SRC")
+    parser.add_argument("--registration", action="store_true", help="time the alternative registration designs")
     args = parser.parse_args(argv)
-    statements = {name: (statement, None) for name, statement in STATEMENTS.items()}
+    table = REGISTRATION if args.registration else STATEMENTS
+    statements = {name: (statement, None) for name, statement in table.items()}
     if args.other_src:
         statements["import mhmoe (--other_src)"] = ("import mhmoe", args.other_src)
     time_once("import mhmoe")  # warm the file cache once, not counted

@@ -47,7 +47,9 @@ def when_imported(name: str, hook: Hook, *, after_imports_finish: bool = False) 
         _ready.append((hook, module))
         _run_ready()
         return
-    _waiting.setdefault(name, []).append((hook, after_imports_finish))
+    hooks = _waiting.setdefault(name, [])
+    if (hook, after_imports_finish) not in hooks:  # asked again (importlib.reload(mhmoe)): once is enough
+        hooks.append((hook, after_imports_finish))
     if not any(isinstance(finder, _PostImportFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
 

@@ -9,6 +9,21 @@ mhmoe imports under way have finished; when Transformers had loaded them before 
 `register_auto_classes()` registers everything now. The classes are named here as strings (`MODEL_TYPES`), as
 Transformers' own Auto tables name theirs, and imported only when registered.
 
+Why post-import hooks. Registering needs the classes themselves (`AutoModel.register` checks `config_class`), and
+Transformers offers no lazy registration or entry point. The alternatives, measured with
+`python benchmarks/import_time.py --registration` (benchmarks/README.md, CPU time of a fresh interpreter):
+- eager registration of the config classes, model classes later: `configuration_auto` and the config module import
+  torch, and the model classes would still need a hook: `import mhmoe` +3.9 s over `import transformers`, no simpler;
+- eager registration of everything: +4.0 s (what `import mhmoe` cost before, 2.85 s on an idle machine);
+- Transformers' `_LazyModule` for mhmoe's names: solves lazy names (as `lazy.py` does, 0.02 s) at the price of
+  importing transformers (0.8 s), and registers nothing;
+- the hooks: 0.02 s, nothing imported, registration exactly when the Auto classes exist.
+Failure modes the hooks are tested against (tests/_plumbing/test_registration.py, test_import_hooks.py): a fresh
+interpreter per import order (mhmoe first, the Auto classes first, mhmoe then a Llama model, mhmoe's modeling module
+first: the last two import the Auto classes mid-import), spawn-based multiprocessing (workers re-import the main
+module, and unpickling a config imports mhmoe), `importlib.reload(mhmoe)` before and after the Auto classes load (one
+finder, each hook once), and pytest-xdist workers. Not covered: modules loaded by a loader shared between modules (a
+zip archive; `import_hooks.py`), where `register_auto_classes()` is the way.
 """
 
 from __future__ import annotations
