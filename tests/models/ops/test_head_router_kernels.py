@@ -4,6 +4,7 @@ selected heads and the queries' gradient, under TRITON_INTERPRET=1 (tests/confte
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,6 +73,37 @@ def test_ties_go_to_the_lowest_head_and_bad_arguments():
     assert index.tolist() == [[0, 1]] * 3 and gates[:, 2:4].eq(1).all() and gates[:, 4:].eq(0).all()
     with pytest.raises(ValueError, match="active_heads"):
         l2_head_gates_triton(queries, 2, 5)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy under the interpreter, on NaN
+@pytest.mark.parametrize("straight_through", [False, True], ids=["soft", "straight-through"])
+def test_nan_and_inf_queries_give_in_range_heads(straight_through):
+    """NaN or inf in a routed head's query makes the row's norms' std, and so its logits, NaN: the kernel then takes
+    the lowest routed heads (distinct, in range: an index past them would read and write out of bounds on a GPU) with
+    NaN gates there, as the reference's NaN gates on its own (unspecified) choice; every other row is the reference's.
+    NaN in a shared head does not touch routing."""
+    rows, heads, shared, active, head_dim = 19, 7, 2, 3, 5
+    queries = torch.randn(rows, heads, head_dim, generator=torch.Generator().manual_seed(4))
+    queries[1, 3, 2] = float("nan")
+    queries[4, 6] = float("inf")
+    queries[6, 2:, 0] = float("-inf")
+    queries[8] = float("nan")
+    queries[10, 0, 1] = float("nan")  # shared head only: the row routes normally
+    gates, logits, index = l2_head_gates_triton(queries, shared, active, straight_through, block_rows=8)
+    ref_gates, ref_logits, ref_index = l2_head_gates(queries, shared, active, straight_through)
+    bad = ref_logits.isnan().any(-1)
+    assert bad.tolist() == [i in (1, 4, 6, 8) for i in range(rows)]
+    assert ((index >= 0) & (index < heads - shared)).all()
+    assert all(len(set(row)) == active for row in index.tolist())
+    assert torch.equal(index[bad], torch.arange(active).expand(int(bad.sum()), active))
+    assert torch.equal(index[~bad], ref_index[~bad])
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(gates[~bad], ref_gates[~bad], rtol=2e-5, atol=1e-5)
+    for have in (gates[bad], ref_gates[bad]):  # shared heads 1; NaN on the K selected routed heads; 0 elsewhere
+        assert (have[:, :shared] == 1).all()
+        assert have[:, shared:].isnan().sum(-1).tolist() == [active] * int(bad.sum())
+        assert (have[:, shared:].nan_to_num(1.0) == 1).sum(-1).tolist() == [active] * int(bad.sum())
+    assert gates[bad][:, shared:].isnan().eq(F.one_hot(index[bad], heads - shared).sum(1).bool()).all()
 
 
 @settings(max_examples=15, deadline=None)

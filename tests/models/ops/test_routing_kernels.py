@@ -93,6 +93,54 @@ def test_ties_go_to_the_lowest_expert_id(top_k):
     torch.testing.assert_close(weights, ref_weights)
 
 
+def _poisoned_logits(num_rows=24, num_experts=11):
+    """Logits with NaN and ±inf in some rows. A NaN or +inf logit, or a row of -inf only, makes the row's softmax NaN
+    throughout (in the reference too); -inf next to finite logits is a probability of 0 and routes normally."""
+    logits = _logits(num_rows, num_experts, seed=9)
+    nan, inf = float("nan"), float("inf")
+    logits[1, 4] = nan
+    logits[3] = nan
+    logits[5, 0] = inf
+    logits[7, [2, 9]] = inf
+    logits[9] = -inf
+    logits[11, :5] = -inf  # finite row: experts 0-4 have probability 0
+    logits[13, 3] = -inf
+    logits[15, 6], logits[15, 7] = nan, -inf
+    logits[17, 10] = -inf
+    return logits
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy under the interpreter, on NaN
+@pytest.mark.parametrize("top_k", [1, 3, 6])
+@pytest.mark.parametrize("capacity", [None, 0.5])
+def test_nan_and_inf_logits_give_in_range_experts(top_k, capacity):
+    """An expert id past the experts would make the later kernels read and write out of bounds on a GPU (an
+    asynchronous illegal-address error, not an exception the fallback could catch). Rows whose softmax is NaN take
+    the lowest ids (distinct, in range) with NaN weights, where `torch.topk` in the reference takes distinct in-range
+    ids in an unspecified order (also NaN weights); every other row is the reference's, its gradient too."""
+    logits = _poisoned_logits()
+    num_rows, num_experts = logits.shape
+    (weights, experts, grad), (ref_weights, ref_experts, ref_grad) = _both(logits, top_k, capacity=capacity)
+    bad = torch.softmax(logits, -1).isnan().any(-1)
+    assert bad.tolist() == [i in (1, 3, 5, 7, 9, 15) for i in range(num_rows)]
+    assert ((experts >= 0) & (experts <= num_experts)).all()
+    kept = experts < num_experts
+    for row in range(num_rows):  # kept ids distinct within a row
+        assert len(set(experts[row][kept[row]].tolist())) == int(kept[row].sum())
+    if capacity is None:
+        assert kept.all() and (ref_experts < num_experts).all()
+        assert torch.equal(experts[bad], torch.arange(top_k).expand(int(bad.sum()), top_k))
+        assert torch.equal(experts[~bad], ref_experts[~bad])
+        torch.testing.assert_close(weights[~bad], ref_weights[~bad], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad[~bad], ref_grad[~bad], rtol=1e-5, atol=1e-6)
+        assert weights[bad].isnan().all() and ref_weights[bad].isnan().all()
+    else:  # the reference's NaN rows take other experts' places: only the contract holds
+        cap = routing_naive.expert_capacity(capacity, num_rows, top_k, num_experts)
+        assert int(torch.bincount(experts[kept], minlength=num_experts).max()) <= cap
+    order, offsets = routing_triton.sort_by_expert(experts, num_experts, block=16)
+    assert int(offsets[-1]) == int(kept.sum()) and sorted(order.tolist()) == list(range(experts.numel()))
+
+
 @pytest.mark.parametrize("num_bins", [1, 2, 8, 41, 97])
 def test_counting_sort_is_a_stable_sort(num_bins):
     ids = torch.randint(0, num_bins, (203,), generator=torch.Generator().manual_seed(num_bins))
