@@ -228,6 +228,44 @@ def test_backend_switch(monkeypatch):
         MHMoEConfig(routing_backend="cuda")
 
 
+def test_a_failing_kernel_is_logged_once_recorded_and_replaced(monkeypatch, caplog):
+    """The automatic choice (CUDA tensors; simulated here) runs the reference when a kernel raises, logs the reason
+    once at WARNING, records it in `fallbacks()` and keeps every routing op on PyTorch until `reset_fallbacks()`; a
+    forced backend raises instead."""
+    from mhmoe.models.mhmoe.ops import fallbacks, reset_fallbacks
+
+    def broken(*args):
+        calls.append("triton")
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    calls = []
+    monkeypatch.setattr(routing, "triton_route", broken)
+    monkeypatch.setattr(routing.torch.Tensor, "is_cuda", property(lambda self: True))  # the automatic choice
+    monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
+    reset_fallbacks()
+    logits = _logits(9, 5)
+    try:
+        with caplog.at_level("WARNING", logger="mhmoe.models.mhmoe.ops.kernel_fallbacks"):
+            for _ in range(3):
+                weights, experts = routing.route(logits, 2)
+        ref_weights, ref_experts = routing_naive.route(logits, 2)
+        assert torch.equal(experts, ref_experts) and torch.equal(weights, ref_weights)
+        assert calls == ["triton"]  # then PyTorch: the failure switched the automatic choice
+        assert routing.routing_backend(logits) == ("torch", False)
+        reason = "RuntimeError: no kernel image is available for execution on the device"
+        assert fallbacks() == {"routing.route": reason}
+        records = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(records) == 1 and reason in records[0].getMessage()
+        assert "routing.route" in records[0].getMessage() and routing.ROUTING_BACKEND_ENV in records[0].getMessage()
+        with pytest.raises(RuntimeError, match="no kernel image"):
+            routing.route(logits, 2, backend="triton")  # forced: the error is raised, not hidden
+        reset_fallbacks()
+        assert fallbacks() == {} and routing.routing_backend(logits) == ("triton", False)
+        assert fallbacks() is not fallbacks()  # a copy: callers cannot change the record
+    finally:
+        reset_fallbacks()
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatch):
     """A whole MH-MoE model (h=3, E=7, top-3) with routing_backend="triton" gives the torch path's logits, losses and
