@@ -106,7 +106,7 @@ def test_nan_and_inf_queries_give_in_range_heads(straight_through):
     assert gates[bad][:, shared:].isnan().eq(F.one_hot(index[bad], heads - shared).sum(1).bool()).all()
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 40), routed=st.integers(1, 12), shared=st.integers(0, 4), head_dim=st.integers(1, 20),
        active=st.integers(1, 12), straight_through=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
 def test_properties(rows, routed, shared, head_dim, active, straight_through, seed):
@@ -115,8 +115,30 @@ def test_properties(rows, routed, shared, head_dim, active, straight_through, se
     gates, logits, index = l2_head_gates_triton(queries, shared, active, straight_through, block_rows=16)
     ref_gates, ref_logits, ref_index = l2_head_gates(queries, shared, active, straight_through)
     assert torch.equal(index, ref_index)
-    torch.testing.assert_close(logits, ref_logits, rtol=2e-5, atol=1e-5)
-    torch.testing.assert_close(gates, ref_gates, rtol=2e-5, atol=1e-5)
+    # logits = norms / std(norms): the kernel's and torch's fp32 sums round differently, by ~eps·|norm|, which moves
+    # the std by ~eps·|norm|/std relative. Near-equal norms (2 routed heads, a small std) amplify that: 4e-5 relative
+    # was seen at |norm|/std = 500. The tolerance follows that conditioning (it is 2e-5 for well-spread norms).
+    norms = queries[:, shared:].norm(dim=-1)
+    std = norms.std(dim=-1, correction=1 if routed > 1 else 0).clamp_min(1e-6)
+    tol = 2e-5 + 8 * torch.finfo(torch.float32).eps * float((norms.amax(-1) / std).max())
+    torch.testing.assert_close(logits, ref_logits, rtol=tol, atol=1e-5)
+    torch.testing.assert_close(gates, ref_gates, rtol=tol, atol=1e-5)
+
+
+@pytest.mark.parametrize("straight_through", [False, True], ids=["soft", "straight-through"])
+def test_bf16_queries(straight_through):
+    """bf16 queries: loaded as bf16, every sum in fp32 (as the reference's `.float()`): the reference's fp32 outputs
+    at fp32 tolerance; the queries' gradient comes back in bf16, at bf16 tolerance."""
+    rows, heads, shared, active, head_dim = 37, 8, 2, 3, 12
+    queries = torch.randn(rows, heads, head_dim, generator=torch.Generator().manual_seed(11)).bfloat16()
+    kernel = _grads(lambda *a: l2_head_gates_triton(*a[:3], a[3], block_rows=8), queries, straight_through, shared,
+                    active)  # fmt: skip
+    reference = _grads(l2_head_gates, queries, straight_through, shared, active)
+    assert torch.equal(kernel[2], reference[2])
+    assert kernel[0].dtype == kernel[1].dtype == torch.float32 and kernel[3].dtype == torch.bfloat16
+    for have, want in zip(kernel[:2], reference[:2]):
+        torch.testing.assert_close(have, want, rtol=2e-5, atol=1e-5)
+    torch.testing.assert_close(kernel[3], reference[3], rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("straight_through", [False, True])

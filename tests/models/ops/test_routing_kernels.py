@@ -54,6 +54,24 @@ def test_route_matches_reference(shape, norm):
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(50, 7, 3), (33, 96, 3), (45, 40, 8)], ids=["E7-K3", "E96-K3", "E40-K8"])
+def test_bf16_logits(shape):
+    """bf16 logits (a bf16 router): loaded as bf16, softmax and top-k in fp32 as the reference's `.float()`, so the
+    reference's fp32 weights at fp32 tolerance; the logits' gradient comes back in bf16, at bf16 tolerance. bf16
+    rounding makes ties common: the kernel takes the lowest tied id (a stable descending sort's order), `torch.topk`
+    any of them, so the experts are checked against the stable sort, the gradients where both chose alike."""
+    num_rows, num_experts, top_k = shape
+    logits = _logits(num_rows, num_experts, seed=13).bfloat16()
+    (weights, experts, grad), (ref_weights, ref_experts, ref_grad) = _both(logits, top_k)
+    assert weights.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    stable = torch.sort(torch.softmax(logits.float(), -1), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(experts, stable)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+    alike = (experts == ref_experts).all(-1)
+    assert alike.float().mean() > 0.5
+    torch.testing.assert_close(grad[alike], ref_grad[alike], rtol=1.6e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("capacity", [0.25, 0.5, 1.0, 2.0])
 @pytest.mark.parametrize("shape", [(50, 7, 3), (45, 40, 8), (37, 3, 1)], ids=["E7-K3", "E40-K8", "E3-K1"])
 def test_capacity_matches_reference(shape, capacity):
