@@ -273,8 +273,10 @@ class _Plan:
         return out[0] if splits == 1 else out.sum(0)  # the chunks' partial sums, in a fixed order
 
 
-def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, order: torch.Tensor,
-                offsets: torch.Tensor, top_k: int, blocks: list[int], num_splits: int) -> torch.Tensor:  # fmt: skip
+def _experts_op(
+    hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, order: torch.Tensor,
+    offsets: torch.Tensor, top_k: int, blocks: list[int], num_splits: int,
+) -> torch.Tensor:  # fmt: skip
     """slots (N·K, W) fp32 = each assignment's unweighted expert output (0 for dropped ones): the fused kernels."""
     plan = _Plan(order, offsets, gate_up_proj.shape[0], blocks, num_splits)
     width, inter = hidden_states.shape[1], down_proj.shape[-1]
@@ -291,9 +293,10 @@ def _experts_op(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_pr
     return slots
 
 
-def _experts_backward_op(grad_slots: torch.Tensor, hidden_states: torch.Tensor, gate_up_proj: torch.Tensor,
-                         down_proj: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int,
-                         blocks: list[int], num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _experts_backward_op(
+    grad_slots: torch.Tensor, hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+    order: torch.Tensor, offsets: torch.Tensor, top_k: int, blocks: list[int], num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients of the rows, gate_up_proj and down_proj: gate/up recomputed with a grouped GEMM; grouped GEMMs and
     the split-K weight gradients as kernels; the SiLU derivative and the gathers in PyTorch."""
     plan = _Plan(order, offsets, gate_up_proj.shape[0], blocks, num_splits)
@@ -328,7 +331,8 @@ def _register_ops() -> None:
 
     @backward.register_fake
     def _(grad_slots, hidden_states, gate_up_proj, down_proj, order, offsets, top_k, blocks, num_splits):
-        return torch.empty_like(hidden_states), torch.empty_like(gate_up_proj), torch.empty_like(down_proj)
+        return (hidden_states.new_empty(hidden_states.shape), gate_up_proj.new_empty(gate_up_proj.shape),
+                down_proj.new_empty(down_proj.shape))  # contiguous, as the kernels' gradients
 
     def setup_context(ctx, inputs, output):
         hidden_states, gate_up_proj, down_proj, order, offsets, top_k, blocks, num_splits = inputs
