@@ -199,6 +199,11 @@ def test_tile_configs():
         module.interpreting = original
     assert {c.kwargs["BLOCK_M"] for c in gpu} >= {64, 128} and {c.kwargs["BLOCK_N"] for c in gpu} >= {64, 128}
     assert {c.num_warps for c in gpu} == {4, 8} and {c.num_stages for c in gpu} >= {3, 4}
+    fits = {dtype: experts_triton._fitting(gpu, {"x": torch.empty(0, dtype=dtype), "width": 64})
+            for dtype in (torch.bfloat16, torch.float32)}  # fmt: skip
+    big = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}  # 3 stages × 24K elements: 144 KiB in bf16, 288 in fp32
+    assert big in [c.kwargs for c in fits[torch.bfloat16]] and big not in [c.kwargs for c in fits[torch.float32]]
+    assert len(fits[torch.bfloat16]) == len(gpu) and 0 < len(fits[torch.float32]) < len(gpu)
     with pytest.raises(ValueError, match="block_m, block_n and block_k together"):
         experts_triton.experts_forward(*_problem(5, 8, 8, 2, 1, 0.0), *sort_by_expert(torch.zeros(5, 1).long(), 2),
                                        block_m=16)  # fmt: skip

@@ -11,9 +11,10 @@ the expert weight gradients by a split-K kernel (each expert's rows cut into `nu
 (expert, chunk, output tile), the chunks' partial sums added in a fixed order: parallel over an expert's rows, no
 atomics), the SiLU derivative and the row gathers in PyTorch; d rows summed over each row's K slots by a gather.
 
-Tiles: on a GPU every kernel is autotuned (`triton.autotune`, keyed on its widths and dtype) over BLOCK_M ∈ {64,
-128} row tiles (and 32 for small inputs), BLOCK_N ∈ {64, 128}, BLOCK_K ∈ {32, 64}, num_warps ∈ {4, 8} and
-num_stages ∈ {3, 4}; `block_m`/`block_n`/`block_k` pin one tile instead. Under TRITON_INTERPRET=1 (tests on CPU) the
+Tiles: on a GPU every kernel is autotuned (`triton.autotune`, keyed on its widths and dtype) over 7 configs:
+BLOCK_M ∈ {64, 128} row tiles (and 32 for small inputs), BLOCK_N ∈ {64, 128}, BLOCK_K ∈ {32, 64}, num_warps ∈ {4, 8},
+num_stages ∈ {3, 4}, less those whose pipelined tiles would not fit in shared memory (fp32); the first call at each
+shape compiles and times them all (seconds per kernel). `block_m`/`block_n`/`block_k` pin one tile instead. Under TRITON_INTERPRET=1 (tests on CPU) the
 config list is a single 32×32×32 tile, which the autotuner runs without benchmarking (it would need a GPU to time).
 Precision: bf16/fp16 operands go to `tl.dot` as they are (fp32 accumulation); fp32 operands run as TF32 when torch's
 own fp32 matmuls may (`torch.backends.cuda.matmul.allow_tf32`), as IEEE fp32 otherwise. The interpreter cannot
@@ -197,14 +198,32 @@ def _configs() -> list:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
         (64, 64, 32, 4, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 8, 3),
-        (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (32, 64, 32, 4, 4),
+        (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (32, 64, 32, 4, 4),
     ]  # fmt: skip
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
             for m, n, k, w, st in tiles]  # fmt: skip
 
 
+SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined operand tiles a config may ask for (A100: 164 KiB, H100: 227)
+
+
+def _fitting(configs, named_args, **kwargs):
+    """The autotuner's early prune: drop tiles whose pipelined operand buffers (num_stages × the A tile and up to two
+    B tiles) would pass SHARED_MEMORY_BUDGET for these operands' dtype (fp32 tiles are twice bf16's): they could not
+    compile. The smallest config stays if none fits."""
+    size = next(v.element_size() for v in named_args.values() if isinstance(v, torch.Tensor))
+
+    def need(c):
+        m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        return c.num_stages * (m * k + 2 * k * n) * size
+
+    return [c for c in configs if need(c) <= SHARED_MEMORY_BUDGET] or [min(configs, key=need)]
+
+
 def _autotuned(kernel, key: list[str]):
-    return triton.autotune(configs=_configs(), key=key)(kernel) if HAS_TRITON else kernel
+    if not HAS_TRITON:
+        return kernel
+    return triton.autotune(configs=_configs(), key=key, prune_configs_by={"early_config_prune": _fitting})(kernel)
 
 
 _gate_up_tuned = _autotuned(_gate_up_kernel, ["width", "inter"])
