@@ -10,6 +10,10 @@ the (programs, B) table gives each (program, bin) its first place in the sorted 
 base plus the number of equal ids before it in the program's block (a cumulative sum over a one-hot (BLOCK, B)
 tile). Stable by construction: ties keep their input order.
 
+NaN or inf logits never give an expert id outside [0, E) (on a GPU such an id would make the later kernels read and
+write out of bounds, an asynchronous error no fallback can catch): a row whose softmax is NaN takes the lowest ids,
+with NaN weights. bf16/fp16 logits are loaded as they are and computed in fp32.
+
 This file must import without triton (exported checkpoints load on torch + transformers alone): the kernels are then
 plain functions that are never launched, and `HAS_TRITON` is False.
 """
