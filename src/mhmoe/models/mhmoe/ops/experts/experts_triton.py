@@ -14,16 +14,17 @@ atomics), the SiLU derivative and the row gathers in PyTorch; d rows summed over
 Tiles: on a GPU every kernel is autotuned (`triton.autotune`, keyed on its widths and dtype) over 7 configs:
 BLOCK_M ∈ {64, 128} row tiles (and 32 for small inputs), BLOCK_N ∈ {64, 128}, BLOCK_K ∈ {32, 64}, num_warps ∈ {4, 8},
 num_stages ∈ {3, 4}, less those whose pipelined tiles would not fit in shared memory (fp32); the first call at each
-shape compiles and times them all (seconds per kernel). `block_m`/`block_n`/`block_k` pin one tile instead. Under TRITON_INTERPRET=1 (tests on CPU) the
-config list is a single 32×32×32 tile, which the autotuner runs without benchmarking (it would need a GPU to time).
+shape compiles and times them all (seconds per kernel). `block_m`/`block_n`/`block_k` pin one tile instead. Under
+TRITON_INTERPRET=1 (tests on CPU) the config list is a single 32×32×32 tile, which the autotuner runs without
+benchmarking (it would need a GPU to time).
 Precision: bf16/fp16 operands go to `tl.dot` as they are (fp32 accumulation); fp32 operands run as TF32 when torch's
 own fp32 matmuls may (`torch.backends.cuda.matmul.allow_tf32`), as IEEE fp32 otherwise. The interpreter cannot
 multiply bf16 (numpy has no bf16): there the tiles are loaded and stored in their dtype and converted to fp32 for the
 dot.
 
 `torch.ops.mhmoe.triton_experts` (and its backward op) is the `torch.library` custom op of the kernels, with fake
-(meta) implementations and autograd registered: `torch.compile` and `torch.export` trace `experts_forward` whole, the
-op opaque inside the graph.
+(meta) implementations and autograd registered: `torch.compile` traces `experts_forward` whole (no graph break;
+tested with `fullgraph=True`, aot_eager), the op opaque inside the graph.
 
 Status: SiLU only. Tested against `experts_naive.py` (outputs and every gradient, fp32 and bf16) under
 TRITON_INTERPRET=1; the CUDA tests (TF32 and IEEE fp32, bf16) skip here: never run on a GPU. Not a default: torch's
