@@ -162,9 +162,10 @@ def test_custom_op_opcheck():
                                                               order, offsets, 2, [], 0))  # fmt: skip
 
 
-def test_torch_compile_traces_the_op():
+def test_torch_compile_and_export_trace_the_op():
     """torch.compile (aot_eager, fullgraph: no graph break) of the experts forward and backward gives the eager
-    results; the op is one node of the graph, its fake implementation gives the shapes."""
+    results, its fake implementation giving the shapes; torch.export of a module routing with the (traceable)
+    reference sort holds the op as one node and runs it."""
     import torch._dynamo
 
     problem = _problem(19, 8, 12, 5, 2, 0.2, seed=6)
@@ -180,6 +181,19 @@ def test_torch_compile_traces_the_op():
     for name, h, w in zip(NAMES, have, want):
         torch.testing.assert_close(h, w, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     torch._dynamo.reset()
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up, self.down = torch.nn.Parameter(problem[3]), torch.nn.Parameter(problem[4])
+
+        def forward(self, x, index, weights):
+            order, offsets = sort_by_expert(index, 5)
+            return experts_triton.experts_forward(x, index, weights, self.gate_up, self.down, order, offsets)
+
+    exported = torch.export.export(Experts(), problem[:3])
+    assert "torch.ops.mhmoe.triton_experts.default" in exported.graph_module.code
+    torch.testing.assert_close(exported.module()(*problem[:3]), want[0], rtol=1e-6, atol=1e-6)
 
 
 def test_tile_configs():

@@ -23,8 +23,8 @@ multiply bf16 (numpy has no bf16): there the tiles are loaded and stored in thei
 dot.
 
 `torch.ops.mhmoe.triton_experts` (and its backward op) is the `torch.library` custom op of the kernels, with fake
-(meta) implementations and autograd registered: `torch.compile` traces `experts_forward` whole (no graph break;
-tested with `fullgraph=True`, aot_eager), the op opaque inside the graph.
+(meta) implementations and autograd registered: `torch.compile` (tested with `fullgraph=True`, aot_eager) and
+`torch.export` trace `experts_forward` whole, the op one opaque node of the graph.
 
 Status: SiLU only. Tested against `experts_naive.py` (outputs and every gradient, fp32 and bf16) under
 TRITON_INTERPRET=1; the CUDA tests (TF32 and IEEE fp32, bf16) skip here: never run on a GPU. Not a default: torch's
