@@ -85,7 +85,7 @@ def _outputs_and_grads(forward, problem, dtype=None):
     index = problem[1]
     x, weights, gate_up, down = (t.to(dtype or t.dtype).clone().requires_grad_() for t in (problem[0], *problem[2:]))
     out = forward(x, index, weights, gate_up, down)
-    (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    (out.float() * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
     return [out.detach(), x.grad, weights.grad, gate_up.grad, down.grad]
 
 

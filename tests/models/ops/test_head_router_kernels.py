@@ -16,6 +16,7 @@ from mhmoe.models.mhmoe.ops.head_router.head_router_triton import l2_head_gates_
 from .spread_model import spread_model
 
 pytestmark = pytest.mark.skipif(not head_router_triton.HAS_TRITON, reason="triton is not installed")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU-only kernel checks)")
 
 CASES = [  # (M, H, S, K, hd): M not a multiple of the 8-row blocks; hd 5 and 12 not powers of two
     (37, 8, 2, 3, 12), (37, 8, 0, 1, 8), (19, 4, 2, 2, 5), (21, 6, 3, 1, 16), (13, 3, 2, 1, 4), (9, 16, 4, 8, 8),
@@ -189,3 +190,20 @@ def test_gathered_head_norms_win_over_the_kernel():
     from mhmoe.models.mhmoe.moh import l2_scores
 
     torch.testing.assert_close(results[1][1], l2_scores(head_norms[..., shared:]))  # routed on the gathered norms
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_reference(dtype):
+    """On the GPU (8192 tokens, 16 heads of 64, 4 shared, top-4; a few NaN rows): the reference's selection and gates
+    (no dot products: fp32 tolerance), in-range heads in the NaN rows after a synchronize."""
+    queries = torch.randn(8192, 16, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    queries[::1000, 7, 0] = float("nan")
+    gates, logits, index = l2_head_gates_triton(queries.cuda(), 4, 4)
+    torch.cuda.synchronize()
+    ref_gates, ref_logits, ref_index = l2_head_gates(queries, 4, 4)
+    bad = ref_logits.isnan().any(-1)
+    assert int(bad.sum()) == 9 and ((index >= 0) & (index < 12)).all()
+    assert torch.equal(index.cpu()[~bad], ref_index[~bad])
+    torch.testing.assert_close(logits.cpu(), ref_logits, rtol=1e-4, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(gates.cpu()[~bad], ref_gates[~bad], rtol=1e-4, atol=1e-5)

@@ -18,6 +18,7 @@ from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
 from .spread_model import spread_model
 
 pytestmark = pytest.mark.skipif(not routing_triton.HAS_TRITON, reason="triton is not installed")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU-only kernel checks)")
 
 SHAPES = [  # (N, E, K): N not a multiple of the blocks used below
     (37, 1, 1), (37, 3, 1), (37, 3, 2), (50, 7, 3), (29, 40, 2), (45, 40, 8), (33, 96, 3), (21, 96, 8), (1, 3, 3),
@@ -312,3 +313,34 @@ def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatc
     assert calls.count("triton_route") == 2 and calls.count("triton_sort_by_expert") == 2
     for have, want in zip(results[1], results[0]):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_route_and_sort_at_scale(dtype):
+    """On the GPU, at the benchmark's size (16,384 rows × 96 experts, top-3, with capacity): the reference's weights
+    and experts (ties by the stable order, bf16 making them common), the sort's permutation and offsets. No dot
+    products here: fp32 is fp32 on the GPU too."""
+    logits = _logits(16384, 96, seed=21).to(dtype).cuda()
+    for capacity in (None, 1.0):
+        weights, experts = routing_triton.route(logits, 3, capacity_factor=capacity)
+        ref_weights, ref_experts = routing_naive.route(logits.cpu(), 3, capacity_factor=capacity)
+        torch.cuda.synchronize()
+        if capacity is None:
+            stable = torch.sort(torch.softmax(logits.float().cpu(), -1), dim=-1, descending=True, stable=True)
+            assert torch.equal(experts.cpu(), stable.indices[:, :3])
+            torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-5, atol=1e-6)
+        order, offsets = routing_triton.sort_by_expert(experts, 96)
+        ref_order, ref_offsets = routing_naive.sort_by_expert(experts.cpu(), 96)
+        assert torch.equal(order.cpu(), ref_order) and torch.equal(offsets.cpu(), ref_offsets)
+
+
+@CUDA
+def test_cuda_nan_logits_stay_in_range():
+    """The GPU pitfall itself: NaN/inf logits through the kernels, then a synchronize (an out-of-range id would show
+    as an asynchronous illegal-address error here) and the ids checked."""
+    logits = _poisoned_logits(4099, 11).cuda()
+    weights, experts = routing_triton.route(logits, 3, capacity_factor=1.0)
+    order, offsets = routing_triton.sort_by_expert(experts, 11)
+    torch.cuda.synchronize()
+    assert ((experts >= 0) & (experts <= 11)).all() and int(offsets[-1]) == int((experts < 11).sum())
