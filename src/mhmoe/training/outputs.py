@@ -5,7 +5,6 @@ summary)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 
@@ -13,7 +12,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from ..hub.checkpoint_files import overlapping
 from .arguments import TrainArguments, TrainingError
-from .checkpoints import check_resume, list_checkpoints
+from .checkpoints import check_resume, list_checkpoints, remove_stale_temporaries, write_json_atomic
 from .metrics import METRICS_FILE, PLOT_FILE, plot_metrics
 from .state import TrainRun
 
@@ -75,6 +74,9 @@ def prepare_output_dir(run: TrainRun) -> None:
     args = run.args
     if run.is_main:
         os.makedirs(args.output_dir, exist_ok=True)
+        removed = remove_stale_temporaries(args.output_dir)  # this run holds the folder's lock: they are no one's
+        if removed:
+            run.accelerator.print(f"removed what interrupted runs left half-written: {', '.join(removed)}")
         if args.overwrite_output_dir and not args.resume_from_checkpoint:
             _remove_run_outputs(args.output_dir)
     run.accelerator.wait_for_everyone()
@@ -105,8 +107,7 @@ def save_final(run: TrainRun, final_eval: dict | None):
                    "mixed_precision": accelerator.mixed_precision, "global_batch_blocks": run.global_blocks,
                    "block_size": run.block_size, "trainable_parameters": run.trainable, "parameters": run.total_params,
                    "final_eval": final_eval, "args": dataclasses.asdict(args)}  # fmt: skip
-        with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json_atomic(os.path.join(args.output_dir, SUMMARY_FILE), summary)  # written last: the run finished
     accelerator.wait_for_everyone()
     return unwrapped
 
