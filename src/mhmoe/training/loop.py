@@ -136,7 +136,6 @@ def train_loop(run: TrainRun, reference_eval=None) -> dict | None:
     for step in range(run.start_step, total):
         means, grad_norm, lr_used = train_step(run, step)
         done = step + 1
-        nonfinite = _check_finite(run, done, float(means[0]), nonfinite)
         if done % args.logging_steps == 0 or done == total:
             record = {"step": done, "epoch": round(done / run.steps_per_epoch, 4)}
             record.update(zip(["loss", "lm_loss", *run.loss_names], means.tolist()))
@@ -148,6 +147,7 @@ def train_loop(run: TrainRun, reference_eval=None) -> dict | None:
             run.log(record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", lm=f"{record['lm_loss']:.4f}")
         progress.update(1)
+        nonfinite = _check_finite(run, done, float(means[0]), nonfinite)  # after the step's record is written
         if run.val_blocks is not None and args.eval_steps > 0 and done % args.eval_steps == 0 and done != total:
             run.log(evaluate(run, done))
             run.model.train()
