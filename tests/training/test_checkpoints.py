@@ -104,6 +104,18 @@ def test_a_second_writer_is_refused(tmp_path, corpus, config_json, tokenizer_dir
     assert (out / "train_summary.json").is_file()
 
 
+def test_a_second_writer_hears_of_the_lock_not_of_the_first_runs_checkpoints(tmp_path, corpus, config_json,
+                                                                             tokenizer_dir):
+    out = tmp_path / "run"
+    train(_args(out, save_steps=1, **_common(corpus, config_json, tokenizer_dir)))
+    lock = OutputDirLock(str(out)).acquire()  # the first run still going
+    try:
+        with pytest.raises(OutputDirLocked, match="another mhmoe-train is writing to"):
+            train(_args(out, **_common(corpus, config_json, tokenizer_dir)))
+    finally:
+        lock.release()
+
+
 def test_new_folder_of_a_locked_out_run_is_not_deleted(tmp_path, corpus, config_json, tokenizer_dir, monkeypatch):
     """A run that found its output folder missing, then lost the lock to a run that created it meanwhile, must not
     delete that folder (as it deletes a folder it created itself when an input is wrong)."""
@@ -111,7 +123,7 @@ def test_new_folder_of_a_locked_out_run_is_not_deleted(tmp_path, corpus, config_
 
     out = tmp_path / "new"
     holder = {}
-    real_check = loop.check_before_training
+    real_check = loop.check_output_location
 
     def winner_starts_meanwhile(*args, **kwargs):
         real_check(*args, **kwargs)
@@ -119,7 +131,7 @@ def test_new_folder_of_a_locked_out_run_is_not_deleted(tmp_path, corpus, config_
         holder["lock"] = OutputDirLock(str(out)).acquire()
         (out / "winner.txt").write_text("x")
 
-    monkeypatch.setattr(loop, "check_before_training", winner_starts_meanwhile)
+    monkeypatch.setattr(loop, "check_output_location", winner_starts_meanwhile)
     try:
         with pytest.raises(OutputDirLocked):
             train(_args(out, **_common(corpus, config_json, tokenizer_dir)))
@@ -176,3 +188,11 @@ def test_leftovers_of_interrupted_runs_are_removed(tmp_path, corpus, config_json
     train(_args(out, max_steps=3, resume_from_checkpoint="latest", **common))
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_an_input_problem_after_the_lock_leaves_no_folder(tmp_path, corpus, config_json, tokenizer_dir):
+    """The lock file needs the folder; a problem found once it is taken still leaves nothing, parents included."""
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(TrainingError, match="no complete checkpoint"):
+        train(_args(out, resume_from_checkpoint="latest", **_common(corpus, config_json, tokenizer_dir)))
+    assert not (tmp_path / "a").exists()

@@ -41,7 +41,7 @@ from .checkpoints import resume, save_checkpoint
 from .lock import OutputDirLock, OutputDirLocked
 from .metrics import _loss_fields, _token_nll_sum
 from .metrics import validate as _evaluate  # looked up at call time: tests interrupt a run here
-from .outputs import check_output_dir, prepare_output_dir, save_final
+from .outputs import check_output_contents, check_output_dir, check_output_location, prepare_output_dir, save_final
 from .setup import build_data, build_model, build_optimizer, setup_accelerator, setup_tokenizer
 from .state import TrainResult, TrainRun
 
@@ -61,19 +61,32 @@ def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) ->
     """
     args = _coerce_args(args)
     check_required(args, model_given=model is not None)
-    created = not os.path.exists(args.output_dir)
+    created = _first_missing_folder(args.output_dir)  # what this run creates, removed again on an input problem
     lock = None
-    try:
-        check_before_training(args, model_given=model is not None)
+    try:  # the checks of check_before_training, with the lock taken before the folder's contents are judged
+        check_arguments(args, model is not None)
+        check_output_location(args, model is not None)
         lock = _lock_output_dir(args.output_dir)
+        check_output_contents(args)
         return _train(args, model, tokenizer, on_log, reference_eval)
     except TrainingError as e:
         if created and not isinstance(e, (OutputDirLocked, TrainingStopped)):
-            shutil.rmtree(args.output_dir, ignore_errors=True)  # an input problem stopped it: leave nothing behind
+            shutil.rmtree(created, ignore_errors=True)  # an input problem stopped it: leave nothing behind
         raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _first_missing_folder(path: str) -> str | None:
+    """The outermost folder of `path` that does not exist yet (None: `path` exists)."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
 
 
 def _lock_output_dir(output_dir: str):
@@ -268,5 +281,5 @@ def evaluate_before_training(run: TrainRun, reference_eval=None) -> None:
         run.accelerator.print(f"validation before training: perplexity {run.history[-1]['eval_ppl']:.2f}")
 
 
-__all__ = ["TrainResult", "TrainRun", "TrainingError", "TrainingStopped", "check_before_training", "evaluate", "forward_backward_step",
-           "train", "train_loop", "train_step"]  # fmt: skip
+__all__ = ["TrainResult", "TrainRun", "TrainingError", "TrainingStopped", "check_before_training", "evaluate",
+           "forward_backward_step", "train", "train_loop", "train_step"]  # fmt: skip

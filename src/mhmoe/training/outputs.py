@@ -24,6 +24,12 @@ RUN_OUTPUTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "adapter_model.safete
 
 def check_output_dir(args: TrainArguments, model_given: bool) -> None:
     """The output directory is writable, is not the model, and holds no earlier run unless resuming or overwriting."""
+    check_output_location(args, model_given)
+    check_output_contents(args)
+
+
+def check_output_location(args: TrainArguments, model_given: bool) -> None:
+    """Before anything is created there (the lock file): writable, and not the model being trained."""
     _check_writable(args.output_dir)
     if not model_given and os.path.isdir(args.model_name_or_path) and (
         os.path.realpath(args.model_name_or_path) == os.path.realpath(args.output_dir)
@@ -33,6 +39,10 @@ def check_output_dir(args: TrainArguments, model_given: bool) -> None:
             f"--output_dir {args.output_dir!r} would replace or delete the model being trained "
             f"({args.model_name_or_path}); choose another --output_dir"
         )
+
+
+def check_output_contents(args: TrainArguments) -> None:
+    """With the folder's lock held: the checkpoint to resume, or no earlier run unless overwriting."""
     if args.resume_from_checkpoint:
         check_resume(args)
     elif not args.overwrite_output_dir:
@@ -112,4 +122,5 @@ def save_final(run: TrainRun, final_eval: dict | None):
     return unwrapped
 
 
-__all__ = ["RUN_OUTPUTS", "SUMMARY_FILE", "check_output_dir", "prepare_output_dir", "save_final"]
+__all__ = ["RUN_OUTPUTS", "SUMMARY_FILE", "check_output_contents", "check_output_dir", "check_output_location",
+           "prepare_output_dir", "save_final"]  # fmt: skip
