@@ -29,7 +29,7 @@ def _command(config_json, tokenizer_dir, corpus, out, *extra):
 
 def _env():
     src = os.path.dirname(os.path.dirname(os.path.abspath(mhmoe.__file__)))
-    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
                 PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))  # fmt: skip
 
 
@@ -38,12 +38,14 @@ def _losses(out):
         return [(r["step"], r["loss"], r["lr"]) for r in map(json.loads, f) if "loss" in r]
 
 
-def _started(out) -> bool:
-    """Training has begun: a step was logged (before that the run only imports and sets up)."""
-    try:
-        return (out / "metrics.jsonl").stat().st_size > 0
-    except FileNotFoundError:
-        return False
+def _start(command, env):
+    """Start a run and return once it prints its summary line, right before the first step (imports and setup take
+    seconds, the 12 tiny steps with their checkpoints well under one)."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:
+        if line.startswith(b"mhmoe-train: "):
+            break
+    return proc, time.time()
 
 
 def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, config_json, tokenizer_dir):
@@ -51,35 +53,35 @@ def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, confi
 
     env = _env()
     reference = tmp_path / "reference"
-    start = time.time()
-    done = subprocess.run(_command(config_json, tokenizer_dir, corpus, reference), env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_seconds = time.time() - start
+    proc, started = _start(_command(config_json, tokenizer_dir, corpus, reference), env)
+    while not (reference / "train_summary.json").exists() and proc.poll() is None:
+        time.sleep(0.005)
+    training_seconds = time.time() - started  # the steps, checkpoints and final save: the window the kills aim at
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
 
-    out, rng, kills, resumes = tmp_path / "run", random.Random(0), 0, 0
+    out, rng, kills, resumes, moments = tmp_path / "run", random.Random(0), 0, 0, []
     while kills < 3:
-        resume = any(p.name.startswith("checkpoint-") for p in out.glob("checkpoint-*")) if out.exists() else False
-        proc = subprocess.Popen(_command(config_json, tokenizer_dir, corpus, out,
-                                         *(["--resume_from_checkpoint", "latest"] if resume else [])),
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        done = max((int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")), default=0)
+        resume = done > 0
+        proc, started = _start(_command(config_json, tokenizer_dir, corpus, out,
+                                        *(["--resume_from_checkpoint", "latest"] if resume else [])), env)  # fmt: skip
         resumes += resume
-        deadline = time.time() + 120
-        while not _started(out) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.01)  # kill inside training (checkpoints every step), not during the imports
-        time.sleep(rng.uniform(0, max(0.3, run_seconds / 8)))
+        time.sleep(rng.uniform(0, 0.9 * training_seconds * (STEPS - done + 1) / STEPS))  # within what is left
         if proc.poll() is not None:  # finished before the kill
             assert proc.returncode == 0, proc.stderr.read()[-3000:]
             break
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
+        moments.append(sorted(p.name for p in out.iterdir()))
+        if (out / "train_summary.json").exists():
+            break
     if not (out / "train_summary.json").exists():
         final = subprocess.run(_command(config_json, tokenizer_dir, corpus, out, "--resume_from_checkpoint", "latest"),
                                env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
         assert final.returncode == 0, final.stderr[-3000:]
         resumes += 1
-    assert kills >= 1 and resumes >= 1
+    assert kills >= 1 and resumes >= 1, moments
 
     assert _losses(out) == _losses(reference)  # every step once, same losses and learning rates, exactly
     assert [s for s, _, _ in _losses(out)] == list(range(1, STEPS + 1))
@@ -93,25 +95,25 @@ def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, confi
 
 
 @pytest.mark.parametrize("moment", ["state file", "final save"])
-def test_kill_at_exact_moments(tmp_path, corpus, config_json, tokenizer_dir, moment):
-    """The two moments the field report named, made exact: a checkpoint whose state file is empty (a kill during its
-    write by an older version) is skipped by name; a run killed after its last checkpoint, before the final save,
-    finishes that save on resume."""
-    env = _env()
+def test_kill_at_exact_moments(tmp_path, corpus, config_json, tokenizer_dir, moment, capsys):
+    """The two moments the field report named, made exact (in process): a checkpoint whose state file is empty (a kill
+    during its write by an older version) is skipped by name; a run killed after its last checkpoint, before the final
+    save, finishes that save on resume."""
+    from tests.training.test_loop import _args, _records, train
+
+    common = dict(model_name_or_path=config_json, tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]],
+                  max_steps=4, save_steps=2, config_overrides="router_jitter_noise=0.2")  # fmt: skip
     out = tmp_path / "run"
-    done = subprocess.run(_command(config_json, tokenizer_dir, corpus, out), env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    train(_args(out, **common))
     weights = (out / "model.safetensors").read_bytes()
     if moment == "state file":
-        (out / f"checkpoint-{STEPS}" / "train_state.json").write_text("")
+        (out / "checkpoint-4" / "train_state.json").write_text("")
     (out / "model.safetensors").unlink()
     (out / "train_summary.json").unlink()
-    resumed = subprocess.run(_command(config_json, tokenizer_dir, corpus, out, "--resume_from_checkpoint", "latest"),
-                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    capsys.readouterr()
+    train(_args(out, resume_from_checkpoint="latest", **common))
     if moment == "state file":
-        assert (f"skipping {out / f'checkpoint-{STEPS}'} is not a complete checkpoint (train_state.json is empty)"
-                in resumed.stderr)  # fmt: skip
+        assert (f"skipping {out / 'checkpoint-4'} is not a complete checkpoint (train_state.json is empty)"
+                in capsys.readouterr().err)  # fmt: skip
     assert (out / "model.safetensors").read_bytes() == weights
-    assert [s for s, _, _ in _losses(out)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]
