@@ -37,7 +37,8 @@ def test_latest_skips_damaged_checkpoints_by_name(tmp_path, capsys):
     assert resolve_checkpoint("latest", str(tmp_path)) == str(tmp_path / "checkpoint-2")
     err = capsys.readouterr().err
     assert f"skipping {tmp_path / 'checkpoint-4'} is not a complete checkpoint (train_state.json is empty)" in err
-    assert f"skipping {tmp_path / 'checkpoint-6'} is not a complete checkpoint (train_state.json is not valid JSON" in err
+    six = tmp_path / "checkpoint-6"
+    assert f"skipping {six} is not a complete checkpoint (train_state.json is not valid JSON" in err
     assert f"skipping {tmp_path / 'checkpoint-8'} is not a complete checkpoint (no train_state.json)" in err
     with pytest.raises(TrainingError, match=r"train_state.json is empty"):
         read_state(str(tmp_path / "checkpoint-4"))
@@ -95,7 +96,8 @@ def test_a_second_writer_is_refused(tmp_path, corpus, config_json, tokenizer_dir
     out.mkdir()
     lock = OutputDirLock(str(out)).acquire()  # another run holds the folder
     try:
-        with pytest.raises(OutputDirLocked, match=rf"another mhmoe-train is writing to {out} \(process {os.getpid()}\)"):
+        words = rf"another mhmoe-train is writing to {out} \(process {os.getpid()}\)"
+        with pytest.raises(OutputDirLocked, match=words):
             train(_args(out, **_common(corpus, config_json, tokenizer_dir)))
         assert out.is_dir() and not (out / "metrics.jsonl").exists()
     finally:

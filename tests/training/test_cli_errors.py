@@ -126,3 +126,18 @@ def test_help_lists_every_field(capsys):
     out = capsys.readouterr().out
     for field in dataclasses.fields(TrainArguments):
         assert f"--{field.name}" in out
+
+
+def test_second_writer_on_the_command_line(tmp_path, corpus, checkpoint_dir, capsys):
+    from mhmoe.training.lock import OutputDirLock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = OutputDirLock(str(out)).acquire()
+    try:
+        line = _one_line_error(capsys, ["--model_name_or_path", checkpoint_dir, "--train_file", corpus["tiny"],
+                                        "--output_dir", str(out), "--max_steps", "1"])  # fmt: skip
+    finally:
+        lock.release()
+    assert line == f"mhmoe-train: error: another mhmoe-train is writing to {out} (process {os.getpid()}): wait for " \
+                   "it to finish, or choose another --output_dir"

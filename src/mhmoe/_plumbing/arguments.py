@@ -1,10 +1,11 @@
 """Command lines built from an arguments dataclass, without importing Transformers (or torch).
 
 `HfArgumentParser` needs `import transformers` (seconds) before it can even print a usage error. `dataclass_parser`
-makes the same command line from the same dataclass (the one definition of the flags): `--name` and `--name-with-dashes`,
-`X | None` parsed as X, `list[X]` as one or more values, bools as `--flag [true/false]` plus `--no_flag` for those
-that default to True, and each field's metadata (help, choices) passed on; tests/_plumbing/test_arguments.py compares
-it with HfArgumentParser. Usage errors are one line, `PROG: error: ... (see PROG --help)`, exit status 2.
+makes the same command line from the same dataclass (the one definition of the flags): `--name` and
+`--name-with-dashes`, `X | None` parsed as X, `list[X]` as one or more values, bools as `--flag [true/false]` plus
+`--no_flag` for those that default to True, and each field's metadata (help, choices) passed on;
+tests/training/test_cli_errors.py compares it with HfArgumentParser on mhmoe-train's flags. Usage errors are one
+line, `PROG: error: ... (see PROG --help)`, exit status 2.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _number_type(kind: type, flag: str):
+def _number_type(kind: type):
     """int/float that name the flag in their error (argparse says "invalid float value: 'x'")."""
 
     def convert(value: str):
@@ -68,7 +69,7 @@ def dataclass_parser(dataclass_type: type, prog: str, description: str | None = 
         elif typing.get_origin(kind) is list:
             kwargs.update(type=typing.get_args(kind)[0], nargs="+")
         else:
-            kwargs["type"] = _number_type(kind, field.name) if kind in (int, float) else kind
+            kwargs["type"] = _number_type(kind) if kind in (int, float) else kind
         if "default" not in kwargs:
             if default is dataclasses.MISSING:
                 kwargs["required"] = True

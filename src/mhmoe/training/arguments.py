@@ -99,7 +99,8 @@ class TrainArguments:
                                          "such as router jitter then differ from the interrupted run)."}  # fmt: skip
     )
     max_nonfinite_steps: int = field(
-        default=3, metadata={"help": "Stop with an error after this many steps in a row with a NaN/inf loss (0: never)."}
+        default=3,
+        metadata={"help": "Stop with an error after this many steps in a row with a NaN/inf loss (0: never)."},
     )
     overwrite_output_dir: bool = field(
         default=False,

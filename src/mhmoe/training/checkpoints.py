@@ -273,4 +273,5 @@ def _continue_schedule(run: TrainRun, saved_total: int) -> None:
 
 
 __all__ = ["CHECKPOINT_PREFIX", "PARAMETER_SETTINGS", "STATE_FILE", "check_resume", "list_checkpoints", "read_state",
-           "remove_stale_temporaries", "resolve_checkpoint", "resume", "save_checkpoint", "write_json_atomic"]  # fmt: skip
+           "remove_stale_temporaries", "resolve_checkpoint", "resume", "save_checkpoint",
+           "write_json_atomic"]  # fmt: skip

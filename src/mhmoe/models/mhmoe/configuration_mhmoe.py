@@ -478,8 +478,8 @@ def warn_misspelt_fields(config_class: type, kwargs: dict) -> None:
         close = difflib.get_close_matches(name, fields, n=1, cutoff=0.85)
         if close and not hasattr(PreTrainedConfig, name):
             logging.get_logger(__name__).warning(
-                f"{config_class.__name__}: unknown argument {name!r} is not a config field (did you mean {close[0]!r}?); "
-                f"it is kept as an attribute and {close[0]} keeps its value"
+                f"{config_class.__name__}: unknown argument {name!r} is not a config field (did you mean "
+                f"{close[0]!r}?); it is kept as an attribute and {close[0]} keeps its value"
             )
 
 
