@@ -198,3 +198,13 @@ def test_an_input_problem_after_the_lock_leaves_no_folder(tmp_path, corpus, conf
     with pytest.raises(TrainingError, match="no complete checkpoint"):
         train(_args(out, resume_from_checkpoint="latest", **_common(corpus, config_json, tokenizer_dir)))
     assert not (tmp_path / "a").exists()
+
+
+def test_resuming_past_the_run_length_is_refused_in_words(tmp_path, corpus, config_json, tokenizer_dir):
+    out = tmp_path / "run"
+    common = _common(corpus, config_json, tokenizer_dir, save_steps=4)
+    train(_args(out, max_steps=4, **common))
+    with pytest.raises(TrainingError, match=r"checkpoint-4 is at step 4, past the 2 steps of this run: pass a "
+                                            r"--max_steps of at least that step"):  # fmt: skip
+        train(_args(out, max_steps=2, resume_from_checkpoint="latest", **common))
+    assert (out / "checkpoint-4" / "train_state.json").is_file()
