@@ -175,7 +175,7 @@ def test_exported_folder(exported):
     assert check_exported_code(moh_dir) == ["causal_lm.py", "configuration_mhmoe.py", "configuration_moh_llama.py",
                                             "head_router_naive.py", "head_router_triton.py", "kernel_fallbacks.py",
                                             "losses.py", "modeling_moh_llama.py", "moh.py", "moh_parallel.py",
-                                            "parity.py", "publish.py", "routing.py", "routing_naive.py",
+                                            "parity.py", "plans.py", "publish.py", "routing.py", "routing_naive.py",
                                             "routing_triton.py", "triton_compat.py"]  # fmt: skip
     unused = {"__init__.py", "experts_naive.py", "experts_triton.py"}  # opt-in experts kernels: not imported
     assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").rglob("*.py")
