@@ -11,6 +11,7 @@ traced. Exported checkpoints (`trust_remote_code`) ship these
 files and run them on torch alone (the kernel file then has no kernels to offer and the reference runs).
 """
 
+import functools
 import os
 import warnings
 
@@ -68,14 +69,19 @@ def route(
     norm_topk_prob: bool | str = True,
     capacity_factor: float | None = None,
     backend: str | None = None,
+    capacity_rounding: str = "switch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32, top-k, optional renormalisation and Switch capacity (see `routing_naive.route`).
+    """Softmax in fp32, top-k, optional renormalisation and capacity (see `routing_naive.route`).
 
     Returns `weights` (N, K) fp32 and `experts` (N, K) int64; dropped assignments get expert E and weight 0.
     """
     chosen, forced = routing_backend(router_logits, backend)
     args = (router_logits, top_k, norm_topk_prob, capacity_factor)
-    return _run(chosen, forced, naive_route, triton_route, *args)
+    if capacity_rounding == "switch":  # the kernels' and the reference's default
+        return _run(chosen, forced, naive_route, triton_route, *args)
+    reference = functools.partial(naive_route, capacity_rounding=capacity_rounding)
+    kernel = functools.partial(triton_route, capacity_rounding=capacity_rounding)
+    return _run(chosen, forced, reference, kernel, *args)
 
 
 def sort_by_expert(
