@@ -330,6 +330,7 @@ def packed_model(model):
 
 
 __all__ = [
-    "BITNET_QUANTIZED_LAYERS", "LINEAR_TYPES", "QUANTIZED_ROLES", "BitLinear", "BitNetExperts", "BitNetRMSNorm", "PackedBitLinear",
+    "BITNET_QUANTIZED_LAYERS", "LINEAR_TYPES", "QUANTIZED_ROLES", "BitLinear", "BitNetExperts", "BitNetRMSNorm",
+    "PackedBitLinear",
     "is_quantized", "make_linear", "packed_model", "quantize_activations", "quantize_weight",
 ]  # fmt: skip

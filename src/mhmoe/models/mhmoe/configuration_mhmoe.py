@@ -86,9 +86,10 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     attention in full precision (the official `--quant-ffn-only`); "experts" the routed experts only (this library's;
     no official configuration). `bitnet_ffn_norm`: "every_projection" puts a sub-layer RMSNorm before gate/up and
     before down (this library's); "before_down" only before down (the official FFN's sub-layer norm before fc2).
-    `bitnet_packed` marks exported int8 ternary weights. See `bitnet.py`. `router_type="lory"` replaces top-k routing by Lory's merged expert
-    per `lory_segment_length`-token segment, routed on the previous segment, per MoE head for `moe_heads > 1`
-    (MH-Lory; `lory_expert_pool` "shared" = v1, "per_head" = v2); `num_experts_per_tok` is then unused. See `lory.py`.
+    `bitnet_packed` marks exported int8 ternary weights. See `bitnet.py`.
+    `router_type="lory"` replaces top-k routing by Lory's merged expert per `lory_segment_length`-token segment,
+    routed on the previous segment, per MoE head for `moe_heads > 1` (MH-Lory; `lory_expert_pool` "shared" = v1,
+    "per_head" = v2); `num_experts_per_tok` is then unused. See `lory.py`.
     """
 
     model_type = "mhmoe"
@@ -272,8 +273,9 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
         if self.capacity_rounding not in CAPACITY_ROUNDINGS:
             problems.append(f"capacity_rounding must be one of {CAPACITY_ROUNDINGS}, got {self.capacity_rounding!r}")
         elif self.capacity_rounding == "official" and self.capacity_factor is None:
-            problems.append("capacity_rounding='official' rounds a capacity, but capacity_factor is None (dropless); "
-                            "set capacity_factor=1.0 (the official code's) or use capacity_rounding='switch'")  # fmt: skip
+            problems.append("capacity_rounding='official' rounds a capacity, but capacity_factor is None "
+                            "(dropless); set capacity_factor=1.0 (the official code's) or use "
+                            "capacity_rounding='switch'")  # fmt: skip
         if self.moe_layer_bias and not (self.moe_head_layer or self.moe_merge_layer):
             problems.append("moe_layer_bias=True needs a head or merge layer (moe_head_layer / moe_merge_layer)")
         if self.routing_backend is not None and self.routing_backend not in ROUTING_BACKENDS:
@@ -461,7 +463,8 @@ def check_variant_problems(config) -> list[str]:
     if config.bitnet_quantized_layers not in BITNET_QUANTIZED_LAYERS:
         problems.append(f"bitnet_quantized_layers must be one of {BITNET_QUANTIZED_LAYERS} ('all': every decoder "
                         f"projection; 'official': attention and FFNs, not head/merge layers or routers; 'ffn_only': "
-                        f"the FFNs; 'experts': the routed experts), got {config.bitnet_quantized_layers!r}")  # fmt: skip
+                        f"the FFNs; 'experts': the routed experts), got "
+                        f"{config.bitnet_quantized_layers!r}")  # fmt: skip
     if config.bitnet_ffn_norm not in BITNET_FFN_NORMS:
         problems.append(f"bitnet_ffn_norm must be one of {BITNET_FFN_NORMS}, got {config.bitnet_ffn_norm!r}")
     if bitnet and config.bitnet_quantized_layers == "experts" and config.decoder_sparse_step == 0:
