@@ -16,6 +16,8 @@ from mhmoe.models.mhmoe.bitnet import BitLinear, BitNetExperts, quantize_weight
 from mhmoe.models.mhmoe.configuration_mhmoe import OFFICIAL_ROUTING, conventions_fields
 from mhmoe.models.mhmoe.modeling_mhmoe import MHMoESparseMoeBlock
 from mhmoe.models.mhmoe.moh import MoHRouter
+from mhmoe.models.mhmoe import routing
+from mhmoe.models.mhmoe.ops.routing import routing_triton
 from mhmoe.models.mhmoe.ops.routing.routing_naive import expert_capacity, route
 
 
@@ -324,3 +326,18 @@ def test_before_down_drops_the_ffn_input_norms_only():
     assert torch.isfinite(out.loss)
     with pytest.raises(ValueError, match="bitnet_ffn_norm must be one of"):
         tiny(bitnet_ffn_norm="none")
+
+
+@pytest.mark.skipif(not routing_triton.HAS_TRITON, reason="triton is not installed")
+def test_official_rounding_through_the_dispatch_and_the_kernel(monkeypatch):
+    """`routing.route` passes the rounding to both backends (kernel under TRITON_INTERPRET on CPU, tests/conftest.py)."""
+    torch.manual_seed(5)
+    logits = torch.randn(10, 3) * 3  # S = 10, E = 3, k = 2: official capacity 8, Switch 7
+    reference = route(logits, 2, False, 1.0, "official")
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("MHMOE_ROUTING_BACKEND", backend)
+        weights, experts = routing.route(logits, 2, False, 1.0, capacity_rounding="official")
+        assert torch.equal(experts, reference[1]), backend
+        torch.testing.assert_close(weights, reference[0])
+    switch = routing.route(logits, 2, False, 1.0)[1]
+    assert (switch == 3).sum() > (reference[1] == 3).sum()  # the smaller Switch capacity drops more here
