@@ -3,12 +3,19 @@
 Scales (`SCALES`): "cpu" trains each cell in seconds to minutes on 2 CPU cores, "cpu_long" the same models 5× longer;
 "gpu" is the larger scale for a lent GPU; "quick" is the CI smoke run (tiny, seconds). Every MoE model puts MoE in every second layer (the paper's setting) and is
 matched to the top-1 SMoE with `MHMoEConfig.matched_to_smoe` (activated FLOPs and parameters, head/merge layers
-counted). Router settings follow the official MH-MoE code: top-k gates renormalised only when k > 1, GShard balance
-loss on top-1 assignments summed over layers (`router_aux_loss_mode="top1_sum"`, coefficient 0.01), dropless unless
-a cell says `capacity_factor`.
+counted). Every MoE cell uses `CONVENTIONS = "official"`, the paper as its official code ran it
+(`mhmoe.models.mhmoe.configuration_mhmoe.conventions_fields`): raw top-k gates (never renormalised), capacity
+k·ceil(S/E) (capacity factor 1.0, the official rounding), head/merge layers with bias, GShard balance loss on top-1
+assignments summed over layers (0.01), and for the 1-bit tables the official code's quantised layers (attention and
+FFNs, not head/merge layers or routers) with its one FFN sub-layer norm before down. Exceptions, said where they are:
+`mhmoe_capacity`'s dropless cells and the Lory cells (Lory merges all experts: no capacity, no gates to renormalise).
+Table 2's shared expert is a full-size expert (inner width = the SMoE expert's), as in the paper.
 """
 
 from mhmoe import MHMoEConfig
+from mhmoe.models.mhmoe.configuration_mhmoe import OFFICIAL_BITNET, conventions_fields
+
+CONVENTIONS = "official"  # "library": this library's defaults (how results before commit 'official preset' ran)
 
 SCALES = {
     # d divisible by 2 and 3 (h=2, h=3), even head_dim; f_smoe = 8/3·d as in the paper (d=768, f=2048)
@@ -22,8 +29,8 @@ SCALES = {
                 batch=32, steps=3000, vocab=8192, lr=1e-3),
 }  # fmt: skip
 
-ROUTER = dict(router_aux_loss_mode="top1_sum", router_aux_loss_coef=0.01, norm_topk_prob=True,
-              output_router_logits=True)  # fmt: skip
+ROUTER = dict(router_aux_loss_mode="top1_sum", router_aux_loss_coef=0.01, output_router_logits=True)
+DROPLESS = dict(capacity_factor=None, capacity_rounding="switch")
 
 
 def base_fields(scale: dict) -> dict:
@@ -34,24 +41,30 @@ def base_fields(scale: dict) -> dict:
 
 
 def smoe(scale: dict, **fields) -> MHMoEConfig:
-    """The top-1 SMoE of Table 1 (E=8), MoE every second layer."""
-    return MHMoEConfig(**base_fields(scale), num_experts=8, num_experts_per_tok=1,
-                       moe_intermediate_size=scale["smoe_intermediate"], moe_heads=1, decoder_sparse_step=2,
-                       **ROUTER, **fields)  # fmt: skip
+    """The top-1 SMoE of Table 1 (E=8), MoE every second layer, with `CONVENTIONS`."""
+    values = dict(base_fields(scale), num_experts=8, num_experts_per_tok=1,
+                  moe_intermediate_size=scale["smoe_intermediate"], moe_heads=1, decoder_sparse_step=2, **ROUTER)
+    values.update(conventions_fields(CONVENTIONS, {**values, **fields}))
+    return MHMoEConfig(**{**values, **fields})
+
+
+def matched(source: MHMoEConfig, moe_heads: int, top_k: int, **fields) -> MHMoEConfig:
+    """`MHMoEConfig.matched_to_smoe` with `CONVENTIONS` (the source's own routing fields under "library")."""
+    return MHMoEConfig.matched_to_smoe(source, moe_heads=moe_heads, num_experts_per_tok=top_k,
+                                       conventions=CONVENTIONS, **fields)  # fmt: skip
 
 
 def table1(scale: dict, shared: bool = False, **extra) -> dict[str, MHMoEConfig]:
-    """MH-MoE Table 1 (with `shared`: Table 2): dense, SMoE, fine-grained SMoE, MH-MoE h=2 and h=3."""
+    """MH-MoE Table 1 (with `shared`: Table 2, a full-size shared expert as in the paper): dense, SMoE, fine-grained
+    SMoE, MH-MoE h=2 and h=3."""
     f = scale["smoe_intermediate"]
-    shared_fields = dict(shared_expert_intermediate_size=f // 2) if shared else {}
+    shared_fields = dict(shared_expert_intermediate_size=f) if shared else {}
     source = smoe(scale, **extra)
     cells = {
         "SMoE": smoe(scale, **shared_fields, **extra),
-        "Fine-grained SMoE": MHMoEConfig.matched_to_smoe(source, moe_heads=1, num_experts_per_tok=2,
-                                                          moe_head_layer=False, moe_merge_layer=False,
-                                                          **shared_fields),  # fmt: skip
-        "MH-MoE h=2": MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2, **shared_fields),
-        "MH-MoE h=3": MHMoEConfig.matched_to_smoe(source, moe_heads=3, num_experts_per_tok=3, **shared_fields),
+        "Fine-grained SMoE": matched(source, 1, 2, moe_head_layer=False, moe_merge_layer=False, **shared_fields),
+        "MH-MoE h=2": matched(source, 2, 2, **shared_fields),
+        "MH-MoE h=3": matched(source, 3, 3, **shared_fields),
     }
     if not shared:  # the dense baseline has no shared expert to add
         cells = {"Dense": MHMoEConfig(**base_fields(scale), decoder_sparse_step=0), **cells}
@@ -65,17 +78,16 @@ def ablations(scale: dict) -> dict[str, MHMoEConfig]:
     variants = {"MH-MoE h=2": {}, "w/o head layer": dict(moe_head_layer=False),
                 "w/o merge layer": dict(moe_merge_layer=False),
                 "w/o both": dict(moe_head_layer=False, moe_merge_layer=False)}  # fmt: skip
-    return {name: MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2, **fields)
-            for name, fields in variants.items()}  # fmt: skip
+    return {name: matched(source, 2, 2, **fields) for name, fields in variants.items()}
 
 
 def capacity(scale: dict) -> dict[str, MHMoEConfig]:
-    """MH-MoE h=2 vs SMoE, dropless (this library's default) and at capacity factor 1.0 (the official training)."""
+    """MH-MoE h=2 vs SMoE, dropless (this library's default) and at the official capacity k·ceil(S/E)."""
     cells = {}
-    for label, cf in (("dropless", None), ("capacity 1.0", 1.0)):
-        source = smoe(scale, capacity_factor=cf)
+    for label, fields in (("dropless", DROPLESS), ("capacity 1.0", {})):
+        source = smoe(scale, **fields)
         cells[f"SMoE, {label}"] = source
-        cells[f"MH-MoE h=2, {label}"] = MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2)
+        cells[f"MH-MoE h=2, {label}"] = matched(source, 2, 2, **fields)
     return cells
 
 
@@ -99,23 +111,27 @@ def _with(config: MHMoEConfig, **fields) -> MHMoEConfig:
 
 
 def bitnet_table3(scale: dict) -> dict[str, MHMoEConfig]:
-    """MH-MoE Table 3: Table 1's matched models trained as 1-bit models (BitNet b1.58, every decoder projection
-    quantised, the paper's setting; `bitnet_quantized_layers="experts"` would be the official code's)."""
-    return {name: _with(config, linear_type="bitnet_b158", bitnet_quantized_layers="all")
-            for name, config in table1(scale).items()}  # fmt: skip
+    """MH-MoE Table 3: Table 1's matched models trained as 1-bit models (BitNet b1.58). Under "official" conventions
+    the official code's quantised layers (attention and FFNs; head/merge layers and routers in full precision) and FFN
+    sub-layer norm (before down only); under "library" every decoder projection."""
+    bitnet = dict(linear_type="bitnet_b158", **(OFFICIAL_BITNET if CONVENTIONS == "official" else {}))
+    return {name: _with(config, **bitnet) for name, config in table1(scale).items()}
 
 
 def lory_comparison(scale: dict) -> dict[str, MHMoEConfig]:
     """The Multi-Headed Lory proposal's comparison at equal activated parameters: SMoE (top-1), MH-MoE h=2, Lory (one
     merged expert of the SMoE's size per segment), MH-Lory v1 (h=2, one shared pool) and v2 (h=2, a pool per head with
     half the experts each, so that total parameters match v1). MH variants are sized with `matched_to_smoe` (k=1 per
-    head for Lory: one merged expert per head). Segments: a quarter of a training block."""
+    head for Lory: one merged expert per head). Segments: a quarter of a training block. The Lory cells have no
+    capacity and no head/merge bias (the official conventions are top-k routing's); SMoE and MH-MoE follow
+    `CONVENTIONS`."""
     source = smoe(scale)
-    segment = dict(router_type="lory", lory_segment_length=max(1, scale["block"] // 4))
-    mh_lory = MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=1, round_experts_to=4, **segment)
+    segment = dict(router_type="lory", lory_segment_length=max(1, scale["block"] // 4), **DROPLESS)
+    mh_lory = MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=1, round_experts_to=4,
+                                          moe_layer_bias=False, **segment)  # fmt: skip
     return {
         "SMoE": source,
-        "MH-MoE h=2": MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2),
+        "MH-MoE h=2": matched(source, 2, 2),
         "Lory": _with(source, **segment),
         "MH-Lory v1": mh_lory,
         "MH-Lory v2": _with(mh_lory, lory_expert_pool="per_head", num_experts=max(1, mh_lory.num_experts // 2)),

@@ -108,13 +108,31 @@ def test_make_splits_is_by_document_and_deterministic(tmp_path):
     assert not list(tmp_path.glob(".a-*"))  # no temporary folder left
 
 
+def test_moe_cells_use_the_official_preset():
+    """Every top-k MoE cell runs as the official code did (raw gates, capacity k·ceil(S/E), head/merge bias), except
+    the capacity table's dropless pair; Table 2's shared expert is full size (the SMoE expert's width)."""
+    scale = tables.SCALES["cpu"]
+    assert tables.CONVENTIONS == "official"
+    for name in ("mhmoe_table1", "mhmoe_table2", "mhmoe_ablation", "mhmoe_capacity", "bitnet_table3"):
+        for cell, c in tables.TABLES[name][0](scale).items():
+            if c.decoder_sparse_step == 0:
+                continue
+            assert c.norm_topk_prob is False, (name, cell)
+            dropless = "dropless" in cell
+            assert (c.capacity_factor, c.capacity_rounding) == ((None, "switch") if dropless else (1.0, "official"))
+            assert c.moe_layer_bias == bool(c.moe_head_layer or c.moe_merge_layer), (name, cell)
+    table2 = tables.TABLES["mhmoe_table2"][0](scale)
+    assert {c.shared_expert_intermediate_size for c in table2.values()} == {scale["smoe_intermediate"]}
+
+
 def test_variant_tables():
-    """Table 3 is Table 1 as BitNet b1.58 (every decoder projection); the Lory comparison holds total parameters within
-    rounding and uses Lory routing where it says so."""
+    """Table 3 is Table 1 as BitNet b1.58 (the official code's quantised layers and FFN norm); the Lory comparison
+    holds total parameters within rounding and uses Lory routing where it says so."""
     scale = tables.SCALES["cpu"]
     bitnet = tables.bitnet_table3(scale)
     assert list(bitnet) == list(tables.table1(scale))
-    assert all(c.linear_type == "bitnet_b158" and c.bitnet_quantized_layers == "all" for c in bitnet.values())
+    assert all(c.linear_type == "bitnet_b158" and c.bitnet_quantized_layers == "official"
+               and c.bitnet_ffn_norm == "before_down" for c in bitnet.values())  # fmt: skip
     lory = tables.lory_comparison(scale)
     assert [c.router_type for c in lory.values()] == ["topk", "topk", "lory", "lory", "lory"]
     assert lory["MH-Lory v2"].lory_expert_pool == "per_head" and lory["MH-Lory v1"].lory_expert_pool == "shared"

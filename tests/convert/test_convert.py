@@ -116,7 +116,7 @@ def test_sharded_llama3_checkpoint(tmp_path, tokenizer_dir):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "moh_llama" and config["architectures"] == ["MoHLlamaForCausalLM"]
     assert (config["moh_shared_heads"], config["moh_active_heads"], config["moh_router"]) == (4, 2, "l2")
-    assert config["moh_straight_through"] is True and config["moh_aux_loss_coef"] == 0.01
+    assert config["moh_straight_through"] == "scores" and config["moh_aux_loss_coef"] == 0.01  # eq. 9-10
     assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["rope_theta"] == 500000.0
     assert config["rope_parameters"]["factor"] == 8.0 and config["num_key_value_heads"] == 2
     assert config["eos_token_id"] == [2, 0] and config["tie_word_embeddings"] is False

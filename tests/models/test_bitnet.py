@@ -59,9 +59,12 @@ def test_weights_are_ternary_times_one_scale_per_matrix():
         _assert_ternary_one_scale(module.quantized_weight(), module.weight.detach())
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts, BitNetExperts)
-    for quantized, latent in zip(experts.quantized_weights(), (experts.gate_up_proj, experts.down_proj)):
-        for e in range(experts.num_experts):  # one scale per expert matrix, not per tensor
-            _assert_ternary_one_scale(quantized[e], latent[e].detach())
+    gate_up, down = experts.quantized_weights()
+    inter = experts.intermediate_dim
+    for e in range(experts.num_experts):  # one scale per expert matrix (gate and up each their own), not per tensor
+        _assert_ternary_one_scale(gate_up[e, :inter], experts.gate_up_proj[e, :inter].detach())
+        _assert_ternary_one_scale(gate_up[e, inter:], experts.gate_up_proj[e, inter:].detach())
+        _assert_ternary_one_scale(down[e], experts.down_proj[e].detach())
     only_experts = MHMoEForCausalLM(tiny(bitnet_quantized_layers="experts"))
     assert not any(isinstance(m, BitLinear) for m in only_experts.modules())
     assert isinstance(only_experts.model.layers[1].mlp.experts, BitNetExperts)
@@ -167,7 +170,8 @@ def test_save_load_and_packed_export_round_trip(tmp_path):
             experts = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")
             assert q.dtype == torch.int8 and set(q.unique().tolist()) <= {-1, 0, 1}
             assert experts.dtype == torch.int8 and experts.shape == (6, 32, 16)
-            assert f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_scale").shape == (6,)
+            assert f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_scale").shape == (6, 2)  # gate, up
+            assert f.get_tensor("model.layers.1.mlp.experts.down_proj_scale").shape == (6,)
             assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").shape == ()
     remote = load_without_mhmoe(folders, ids, prompt, tmp_path)  # trust_remote_code, mhmoe not importable
     for name in folders:

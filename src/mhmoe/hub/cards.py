@@ -57,7 +57,9 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
         rows.append(("Lory routing", f"all experts merged into one per {config.lory_segment_length}-token segment, "
                                      f"routed on the previous segment; {pools}"))  # fmt: skip
     if getattr(config, "linear_type", "linear") == "bitnet_b158":
-        layers = "every decoder projection" if config.bitnet_quantized_layers == "all" else "the experts"
+        layers = {"all": "every decoder projection", "official": "attention and FFN projections (not head/merge "
+                  "layers)", "ffn_only": "the FFN projections", "experts": "the routed experts"}.get(
+            config.bitnet_quantized_layers, config.bitnet_quantized_layers)  # fmt: skip
         stored = "int8 ternary weights + one scale per matrix" if config.bitnet_packed else "latent fp weights"
         rows.append(("BitNet b1.58", f"{layers} ternary, 8-bit activations; stored as {stored}"))
     if getattr(config, "moh_shared_heads", None) is not None:

@@ -4,10 +4,15 @@ Every quantised projection computes y = W_q · Q_8(RMSNorm(x)):
 - weights: one absmean scale per matrix, s = mean(|W|); W_q = s · clamp(round(W / s), -1, 1), values {-s, 0, +s};
 - activations: per token absmax to 8 bits, Q_8(x) = clamp(round(x · 127 / max|x|), -128, 127) · max|x| / 127;
 - the sub-layer norm: an RMSNorm with its own gain on the input of every quantised projection, before the activation
-  quantisation (BitNet's SubLN placement, kept by b1.58's training-tips code);
+  quantisation (b1.58's training-tips BitLinear normalises every input; `bitnet_ffn_norm="every_projection"`). The
+  official MH-MoE FFN instead has one sub-layer norm, before fc2 (down): `bitnet_ffn_norm="before_down"` drops the
+  norm before the FFNs' gate/up projections (dense MLPs, shared and routed experts); attention keeps its norms;
+- which projections are quantised: `bitnet_quantized_layers` ("all", "official", "ffn_only", "experts"; `is_quantized`);
 - straight-through estimator: the forward uses W_q and Q_8(x), the backward treats both roundings as identity, so the
   gradients reach the full-precision latent weights, which the optimiser updates.
-For the 3-D expert weights (E, out, in) each expert matrix has its own scale and its own norm gain; the experts run
+For the 3-D expert weights (E, out, in) each expert matrix has its own scale and its own norm gain, and the fused
+gate/up matrix (E, 2I, W) one scale per half, (E, 2): gate and up are quantised as the separate projections they are
+(the official FFN's fc3/fc1, our dense MLP's gate_proj/up_proj). The experts run
 as two grouped GEMMs over the tokens sorted by expert (`torch.nn.functional.grouped_mm`, one matmul per expert only
 where the kernel refuses the operands), like the unquantised grouped path.
 
@@ -39,18 +44,25 @@ class BitNetRMSNorm(LlamaRMSNorm):
     """The sub-layer norm in front of a quantised projection (Transformers initialises *RMSNorm gains to 1)."""
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(ternary values in {-1, 0, 1} as `weight`'s dtype, fp32 scale): one absmean scale per matrix; a 3-D
-    (E, out, in) weight gets one per expert, shape (E,)."""
-    dims = tuple(range(weight.dim() - 2, weight.dim()))
-    scale = weight.detach().abs().float().mean(dim=dims).clamp(min=_SCALE_MIN)  # () or (E,)
-    ternary = (weight.detach().float() / scale[..., None, None]).round().clamp(-1, 1)
-    return ternary.to(weight.dtype), scale
+    (E, out, in) weight gets one per expert, shape (E,). `parts` > 1 splits the output rows into that many equal
+    matrices, each with its own scale: (E, parts) (the fused gate/up weight: parts=2)."""
+    lead, (rows, cols) = weight.shape[:-2], weight.shape[-2:]
+    split = weight.detach().float().reshape(*lead, parts, rows // parts, cols)
+    scale = split.abs().mean(dim=(-2, -1)).clamp(min=_SCALE_MIN)  # (..., parts)
+    ternary = (split / scale[..., None, None]).round().clamp(-1, 1).reshape(weight.shape)
+    return ternary.to(weight.dtype), (scale if parts > 1 else scale[..., 0])
 
 
 def dequantize(ternary: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """ternary × scale (one per matrix), computed in fp32 and cast once: latent and packed models agree exactly."""
-    return (ternary.float() * scale.float()[..., None, None]).to(dtype)
+    """ternary × scale (one per matrix, or per part when `scale` has a trailing parts dimension, see
+    `quantize_weight`), computed in fp32 and cast once: latent and packed models agree exactly."""
+    if scale.dim() == ternary.dim() - 2:  # one scale per matrix
+        return (ternary.float() * scale.float()[..., None, None]).to(dtype)
+    parts = scale.shape[-1]
+    split = ternary.float().reshape(*ternary.shape[:-2], parts, ternary.shape[-2] // parts, ternary.shape[-1])
+    return (split * scale.float()[..., None, None]).reshape(ternary.shape).to(dtype)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -71,9 +83,9 @@ def _ste(full_precision: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
     return quantized
 
 
-def _ste_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Forward: ternary × scale; backward: identity to the latent weight."""
-    return _ste(weight, dequantize(*quantize_weight(weight), weight.dtype))
+def _ste_weight(weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """Forward: ternary × scale(s); backward: identity to the latent weight."""
+    return _ste(weight, dequantize(*quantize_weight(weight, parts), weight.dtype))
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -85,26 +97,27 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 class _CachedQuantization:
     """The quantised weight for no-grad forwards, recomputed only when the latent weight changes."""
 
-    def _quantized_for_forward(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+    def _quantized_for_forward(self, name: str, weight: torch.Tensor, parts: int = 1) -> torch.Tensor:
         # only a stored parameter is cached: under PEFT's parametrisation `weight` is recomputed on every access
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or not isinstance(weight, nn.Parameter):
-            return _ste_weight(weight)
+            return _ste_weight(weight, parts)
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
         cache = self.__dict__.setdefault("_bitnet_cache", {})
         if name not in cache or cache[name][0] != key:
-            cache[name] = (key, _ste_weight(weight))
+            cache[name] = (key, _ste_weight(weight, parts))
         return cache[name][1]
 
 
 class BitLinear(nn.Linear, _CachedQuantization):
     """`nn.Linear` with BitNet b1.58 quantisation (latent full-precision `weight`; PEFT's LoRA wraps it as a Linear)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6,
+                 input_norm: bool = True):  # fmt: skip
         super().__init__(in_features, out_features, bias=bias)
-        self.input_norm = BitNetRMSNorm(in_features, eps=eps)
+        self.input_norm = BitNetRMSNorm(in_features, eps=eps) if input_norm else None  # None: 8-bit input as is
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = quantize_activations(self.input_norm(x))
+        x = quantize_activations(self.input_norm(x) if self.input_norm is not None else x)
         return F.linear(x, self._quantized_for_forward("weight", self.weight), self.bias)
 
     def quantized_weight(self) -> torch.Tensor:
@@ -115,35 +128,59 @@ class BitLinear(nn.Linear, _CachedQuantization):
 class PackedBitLinear(nn.Module):
     """Inference-only BitLinear holding int8 ternary `weight` and its fp32 `weight_scale` (an exported checkpoint)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6,
+                 input_norm: bool = True):  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones((), dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.input_norm = BitNetRMSNorm(in_features, eps=eps)
+        self.input_norm = BitNetRMSNorm(in_features, eps=eps) if input_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = quantize_activations(self.input_norm(x))
+        x = quantize_activations(self.input_norm(x) if self.input_norm is not None else x)
         return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
 
     def quantized_weight(self) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, torch.float32)
 
 
-def is_quantized(config, expert: bool = False) -> bool:
-    """Whether a projection of this kind is a BitLinear under `config` (experts: the routed experts' 3-D weights)."""
+# Which projections each `bitnet_quantized_layers` setting quantises, by role: "attention" (q/k/v/o), "ffn" (dense
+# MLPs and the shared expert), "experts" (the routed experts), "head_merge" (MH-MoE's head and merge layers). Routers
+# are never quantised. "official": the official MH-MoE code (head/merge are plain nn.Linear there); "ffn_only": its
+# `--quant-ffn-only` (attention in full precision).
+QUANTIZED_ROLES = {
+    "all": {"attention", "ffn", "experts", "head_merge"},
+    "official": {"attention", "ffn", "experts"},
+    "ffn_only": {"ffn", "experts"},
+    "experts": {"experts"},
+}
+ROLES = ("attention", "ffn", "experts", "head_merge")
+
+
+def is_quantized(config, role: str = "attention", expert: bool = False) -> bool:
+    """Whether a projection of this `role` (see QUANTIZED_ROLES; `expert=True` means role "experts") is quantised."""
     if getattr(config, "linear_type", "linear") != "bitnet_b158":
         return False
-    return expert or config.bitnet_quantized_layers == "all"
+    role = "experts" if expert else role
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return role in QUANTIZED_ROLES[config.bitnet_quantized_layers]
 
 
-def make_linear(config, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
-    """The decoder projection `config` asks for: `nn.Linear`, `BitLinear`, or `PackedBitLinear` (packed export)."""
-    if not is_quantized(config):
+def make_linear(config, in_features: int, out_features: int, bias: bool = False, role: str = "attention",
+                input_norm: bool = True) -> nn.Module:  # fmt: skip
+    """The decoder projection `config` asks for (`role`: see QUANTIZED_ROLES): `nn.Linear`, `BitLinear`, or
+    `PackedBitLinear` (packed export); `input_norm=False`: a BitLinear without its sub-layer norm."""
+    if not is_quantized(config, role):
         return nn.Linear(in_features, out_features, bias=bias)
     cls = PackedBitLinear if config.bitnet_packed else BitLinear
-    return cls(in_features, out_features, bias=bias, eps=config.rms_norm_eps)
+    return cls(in_features, out_features, bias=bias, eps=config.rms_norm_eps, input_norm=input_norm)
+
+
+def ffn_input_norm(config) -> bool:
+    """Whether an FFN's gate/up projections get a sub-layer norm (`bitnet_ffn_norm`)."""
+    return getattr(config, "bitnet_ffn_norm", "every_projection") == "every_projection"
 
 
 def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -159,18 +196,23 @@ def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     return torch.cat(pieces) if pieces else rows.new_zeros(0, weight.shape[1])
 
 
-def _norm_quantize(rows: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm_quantize(rows: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm of each row (in fp32, like LlamaRMSNorm) times its gain row, then 8-bit activations: an expert's
-    sub-layer norm. `gain` (S, width) or (1, width)."""
+    sub-layer norm. `gain` (S, width) or (1, width); None: no norm, the 8-bit activations only."""
+    if gain is None:
+        return quantize_activations(rows)
     variance = rows.float().pow(2).mean(-1, keepdim=True)
     normed = (rows.float() * torch.rsqrt(variance + eps)).to(rows.dtype)
     return quantize_activations(gain.to(rows.dtype) * normed)
 
 
 class BitNetExperts(nn.Module, _CachedQuantization):
-    """`num_experts` SwiGLU experts as 3-D weights like `MHMoEExperts`, every expert matrix a BitLinear: its own scale,
-    its own sub-layer norm gain (`gate_up_norm` (E, W), `down_norm` (E, I)). Same call as the other experts
-    implementations: (hidden_states (N, W), top_k_index (N, K), top_k_weights (N, K)) -> (N, W)."""
+    """`num_experts` SwiGLU experts as 3-D weights like `MHMoEExperts`, every expert matrix a BitLinear: its own scale
+    (the fused gate/up: one for gate, one for up), its own sub-layer norm gain (`gate_up_norm` (E, W), absent with
+    `bitnet_ffn_norm="before_down"`; `down_norm` (E, I)). Same call as the other experts implementations:
+    (hidden_states (N, W), top_k_index (N, K), top_k_weights (N, K)) -> (N, W)."""
+
+    _PARTS = {"gate_up_proj": 2, "down_proj": 1}  # scales per expert matrix: gate and up quantised separately
 
     def __init__(self, config):
         super().__init__()
@@ -183,11 +225,13 @@ class BitNetExperts(nn.Module, _CachedQuantization):
                   "down_proj": (self.num_experts, self.hidden_dim, self.intermediate_dim)}  # fmt: skip
         for name, shape in shapes.items():
             if self.packed:
+                scale_shape = (self.num_experts, self._PARTS[name]) if self._PARTS[name] > 1 else (self.num_experts,)
                 self.register_buffer(name, torch.zeros(shape, dtype=torch.int8))
-                self.register_buffer(f"{name}_scale", torch.ones(self.num_experts, dtype=torch.float32))
+                self.register_buffer(f"{name}_scale", torch.ones(scale_shape, dtype=torch.float32))
             else:
                 setattr(self, name, nn.Parameter(torch.empty(shape)))
-        self.gate_up_norm = nn.Parameter(torch.ones(self.num_experts, self.hidden_dim))
+        norm = ffn_input_norm(config)
+        self.gate_up_norm = nn.Parameter(torch.ones(self.num_experts, self.hidden_dim)) if norm else None
         self.down_norm = nn.Parameter(torch.ones(self.num_experts, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
 
@@ -196,14 +240,17 @@ class BitNetExperts(nn.Module, _CachedQuantization):
         if not self.packed:
             self.gate_up_proj.normal_(mean=0.0, std=std)
             self.down_proj.normal_(mean=0.0, std=std)
-        self.gate_up_norm.fill_(1.0)
+        if self.gate_up_norm is not None:
+            self.gate_up_norm.fill_(1.0)
         self.down_norm.fill_(1.0)
 
     def quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up (E, 2I, W), down (E, W, I)) as the forward uses them: ternary × one scale per expert matrix."""
+        """(gate_up (E, 2I, W), down (E, W, I)) as the forward uses them: ternary × one scale per expert matrix (per
+        half of gate_up)."""
         if self.packed:
             return self._unpacked(torch.float32)
-        return tuple(dequantize(*quantize_weight(w), w.dtype) for w in self._latent())
+        return tuple(dequantize(*quantize_weight(w, self._PARTS[n]), w.dtype)
+                     for n, w in zip(("gate_up_proj", "down_proj"), self._latent()))  # fmt: skip
 
     def _unpacked(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed ternary weights times their scales, in `dtype`."""
@@ -216,8 +263,11 @@ class BitNetExperts(nn.Module, _CachedQuantization):
     def _weights_for_forward(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.packed:
             return self._unpacked(dtype)
-        return self._quantized_for_forward("gate_up_proj", self.gate_up_proj), self._quantized_for_forward(
+        return self._quantized_for_forward("gate_up_proj", self.gate_up_proj, 2), self._quantized_for_forward(
             "down_proj", self.down_proj)  # fmt: skip
+
+    def _gate_up_gain(self, experts: torch.Tensor) -> torch.Tensor | None:
+        return None if self.gate_up_norm is None else self.gate_up_norm.index_select(0, experts)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         num_rows, top_k = top_k_index.shape
@@ -229,7 +279,7 @@ class BitNetExperts(nn.Module, _CachedQuantization):
         source_rows = order // top_k  # (S,) the routed row of each sorted assignment
         gate_up_w, down_w = self._weights_for_forward(hidden_states.dtype)
         rows = hidden_states.index_select(0, source_rows)  # (S, W)
-        rows = _norm_quantize(rows, self.gate_up_norm.index_select(0, expert_of_row), self.eps)
+        rows = _norm_quantize(rows, self._gate_up_gain(expert_of_row), self.eps)
         gate, up = _grouped_linear(rows, gate_up_w, offsets).chunk(2, dim=-1)  # (S, I) each
         hidden = _norm_quantize(self.act_fn(gate) * up, self.down_norm.index_select(0, expert_of_row), self.eps)
         expert_out = _grouped_linear(hidden, down_w, offsets)  # (S, W)
@@ -246,7 +296,8 @@ class BitNetExperts(nn.Module, _CachedQuantization):
                 e = int(top_k_index[row, slot])
                 if e >= self.num_experts:
                     continue
-                x = _norm_quantize(hidden_states[row : row + 1], self.gate_up_norm[e : e + 1], self.eps)
+                gain = None if self.gate_up_norm is None else self.gate_up_norm[e : e + 1]
+                x = _norm_quantize(hidden_states[row : row + 1], gain, self.eps)
                 gate, up = (x @ gate_up_w[e].t()).chunk(2, dim=-1)
                 x = _norm_quantize(self.act_fn(gate) * up, self.down_norm[e : e + 1], self.eps)
                 out[row] += top_k_weights[row, slot] * (x @ down_w[e].t())[0].float()
@@ -268,7 +319,7 @@ def packed_model(model):
             state[f"{prefix}weight"], state[f"{prefix}weight_scale"] = ternary.to(torch.int8), scale
         elif isinstance(module, BitNetExperts):
             for param, latent in zip(("gate_up_proj", "down_proj"), module._latent()):
-                ternary, scale = quantize_weight(latent)
+                ternary, scale = quantize_weight(latent, module._PARTS[param])
                 state[f"{prefix}{param}"], state[f"{prefix}{param}_scale"] = ternary.to(torch.int8), scale
     packed_config = copy.deepcopy(config)
     packed_config.bitnet_packed = True
@@ -279,6 +330,7 @@ def packed_model(model):
 
 
 __all__ = [
-    "BITNET_QUANTIZED_LAYERS", "LINEAR_TYPES", "BitLinear", "BitNetExperts", "BitNetRMSNorm", "PackedBitLinear",
+    "BITNET_QUANTIZED_LAYERS", "LINEAR_TYPES", "QUANTIZED_ROLES", "BitLinear", "BitNetExperts", "BitNetRMSNorm",
+    "PackedBitLinear",
     "is_quantized", "make_linear", "packed_model", "quantize_activations", "quantize_weight",
 ]  # fmt: skip

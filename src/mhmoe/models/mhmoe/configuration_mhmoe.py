@@ -14,6 +14,8 @@ from .plans import ConfigPlan, mhmoe_has_module
 AUX_LOSS_MODES = ("per_layer", "mixtral", "top1_sum")
 NORM_TOPK_PROB = (True, False, "always")
 MOH_ROUTERS = ("learned", "l2")
+MOH_STRAIGHT_THROUGH = (False, True, "scores")
+CAPACITY_ROUNDINGS = ("switch", "official")
 ROUTING_BACKENDS = ("torch", "triton")
 # names other MoE configs use for our fields: refused instead of silently dropped (`top_k` also breaks save_pretrained)
 MISNAMED_FIELDS = {
@@ -45,19 +47,26 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     (`moe_merge_layer`). `moe_heads=1` without head/merge layers is a Mixtral-style sparse MoE; `decoder_sparse_step=0`
     is a dense LLaMA. Layer `i` is MoE when `decoder_sparse_step > 0` and `(i + 1) % decoder_sparse_step == 0`.
 
-    `norm_topk_prob=True` renormalises the top-k router weights to sum to 1 when k > 1 and keeps the raw top-1
-    probability when k = 1 (Switch and the official MH-MoE code; renormalised, every top-1 gate would be exactly 1 and
-    the router would learn nothing from the LM loss); `"always"` renormalises at every k (Transformers' Mixtral);
-    `False` keeps the raw top-k probabilities.
+    `norm_topk_prob=True` (this library's default) renormalises the top-k router weights to sum to 1 when k > 1 and
+    keeps the raw top-1 probability when k = 1 (renormalised, every top-1 gate would be exactly 1 and the router would
+    learn nothing from the LM loss); `"always"` renormalises at every k (Transformers' Mixtral); `False` keeps the raw
+    top-k softmax probabilities at every k: the MH-MoE papers' eq. (3) and the official MH-MoE code (its `TopkGate` is
+    built without `normalize_gate_prob_before_dropping`, so top-k gates are never renormalised).
 
     `router_aux_loss_mode="per_layer"` averages over MoE layers the Switch load-balancing loss of each layer, counting
     all top-k assignments of its sub-tokens; `"mixtral"` pools router statistics over all layers exactly like
     Transformers' Mixtral; `"top1_sum"` is the official MH-MoE (fairseq/Tutel GShard) convention: counts top-1
     assignments only and sums the layers' losses (the same coefficient pulls about L/k times harder than
     `"per_layer"` with L MoE layers at top-k). `capacity_factor=None` is dropless (this library's default); a number
-    (the official MH-MoE training uses 1.0) caps each expert at `ceil(capacity_factor * sub_tokens * k / num_experts)` assignments of one
-    forward call (padding rows included) and the overflow contributes nothing (the token keeps its residual); cached
-    decoding steps and padded batches therefore route with their own capacity (dropless routing has no such effect).
+    caps the assignments each expert takes from one forward call (S routed sub-tokens, padding rows included; priority:
+    every row's top-1 before any top-2, then row order, as both GShard and the official code) and the overflow
+    contributes nothing (the token keeps its residual); cached decoding steps and padded batches therefore route with
+    their own capacity. `capacity_rounding="switch"` (default) caps at `ceil(capacity_factor * S * k / E)` (Switch
+    Transformer's formula, this library's); `"official"` at `k * ceil(capacity_factor * S / E)`, the official MH-MoE
+    `TopkGate`'s training capacity `k * ceil(S / E)` at `capacity_factor=1.0` (the official code has no factor). The
+    two differ when k >= 2 and E does not divide S. (The official code's evaluation capacity, `ceil(0.25 * S)`, is not
+    modelled.) `moe_layer_bias=True` gives the head and merge layers a bias, as the official code's
+    `nn.Linear(d, d, bias=True)`; the papers' equations (2) and (4) have none (default False).
 
     `routing_backend` forces the implementation of the routing ops (expert routing and the MoH l2 head router;
     "torch": the PyTorch reference, "triton": the kernels, CUDA only); None picks by device. The environment variable MHMOE_ROUTING_BACKEND overrides it (see `routing.py`).
@@ -65,14 +74,23 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     Mixture-of-Head attention (MoH) is on when `moh_shared_heads` and `moh_active_heads` are set: the first
     `moh_shared_heads` heads are always on and the router picks `moh_active_heads` of the remaining heads per token
     (`moh_router` "learned": the paper's two-stage router; "l2": parameter-free, from the pre-RoPE query norms).
-    `moh_straight_through` makes the gates 0/1 in the forward pass (straight-through estimator);
+    `moh_straight_through` makes the gates 0/1 in the forward pass (straight-through estimator): True backpropagates
+    the soft gates' gradient (top-K weights renormalised ×K, this library's); "scores" (l2 router only) backpropagates
+    into the raw softmax scores of all routed heads, the MoH paper's eq. 9-10 (the released MoH-LLaMA3 code is
+    inference-only and has no backward);
     `moh_aux_loss_coef` weights the head load-balancing loss. See `moh.py`.
 
-    `linear_type="bitnet_b158"` is 1-bit MH-MoE: BitNet b1.58 projections (ternary weights, 8-bit activations) for
-    every decoder projection (`bitnet_quantized_layers="all"`) or the experts only (`"experts"`); `bitnet_packed` marks
-    exported int8 ternary weights. See `bitnet.py`. `router_type="lory"` replaces top-k routing by Lory's merged expert
-    per `lory_segment_length`-token segment, routed on the previous segment, per MoE head for `moe_heads > 1`
-    (MH-Lory; `lory_expert_pool` "shared" = v1, "per_head" = v2); `num_experts_per_tok` is then unused. See `lory.py`.
+    `linear_type="bitnet_b158"` is 1-bit MH-MoE: BitNet b1.58 projections (ternary weights, 8-bit activations).
+    `bitnet_quantized_layers`: "all" every decoder projection, head/merge layers included (this library's reading of
+    the paper's "all the models are quantized"); "official" attention and every FFN (dense MLPs, shared and routed
+    experts), never the head/merge layers or routers (the official MH-MoE code's BitNet run); "ffn_only" the FFNs only,
+    attention in full precision (the official `--quant-ffn-only`); "experts" the routed experts only (this library's;
+    no official configuration). `bitnet_ffn_norm`: "every_projection" puts a sub-layer RMSNorm before gate/up and
+    before down (this library's); "before_down" only before down (the official FFN's sub-layer norm before fc2).
+    `bitnet_packed` marks exported int8 ternary weights. See `bitnet.py`.
+    `router_type="lory"` replaces top-k routing by Lory's merged expert per `lory_segment_length`-token segment,
+    routed on the previous segment, per MoE head for `moe_heads > 1` (MH-Lory; `lory_expert_pool` "shared" = v1,
+    "per_head" = v2); `num_experts_per_tok` is then unused. See `lory.py`.
     """
 
     model_type = "mhmoe"
@@ -146,17 +164,20 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     router_z_loss_coef: float = 0.0
     router_jitter_noise: float = 0.0
     capacity_factor: float | int | None = None
+    capacity_rounding: str = "switch"  # "switch": ceil(cf·S·k/E) | "official": k·ceil(cf·S/E) (official MH-MoE)
+    moe_layer_bias: bool = False  # head/merge layers with a bias (the official code's nn.Linear(d, d, bias=True))
     output_router_logits: bool = False
     routing_backend: str | None = None  # None: by device (triton on CUDA when installed, else torch); see routing.py
     # mixture-of-head attention (MoH); both None = plain multi-head attention
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None
     moh_router: str = "learned"
-    moh_straight_through: bool = False
+    moh_straight_through: bool | str = False  # True: soft top-K gates' gradient | "scores": eq. 9-10 (l2 router)
     moh_aux_loss_coef: float | int = 0.01
     # 1-bit MH-MoE (BitNet b1.58, bitnet.py) and Lory / MH-Lory routing (lory.py); see check_variant_problems
     linear_type: str = "linear"  # "linear" | "bitnet_b158"
-    bitnet_quantized_layers: str = "all"  # "all": every decoder projection (the paper) | "experts" (official code)
+    bitnet_quantized_layers: str = "all"  # "all" | "official" | "ffn_only" | "experts" (see the docstring)
+    bitnet_ffn_norm: str = "every_projection"  # "every_projection" | "before_down" (the official FFN)
     bitnet_packed: bool = False  # weights stored as int8 ternary + one scale per matrix (export; inference only)
     router_type: str = "topk"  # "topk" | "lory"
     lory_segment_length: int = 256
@@ -252,6 +273,14 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
         if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             problems.append(f"capacity_factor must be a finite number > 0 or None (dropless), got "
                             f"{self.capacity_factor}")  # fmt: skip
+        if self.capacity_rounding not in CAPACITY_ROUNDINGS:
+            problems.append(f"capacity_rounding must be one of {CAPACITY_ROUNDINGS}, got {self.capacity_rounding!r}")
+        elif self.capacity_rounding == "official" and self.capacity_factor is None:
+            problems.append("capacity_rounding='official' rounds a capacity, but capacity_factor is None "
+                            "(dropless); set capacity_factor=1.0 (the official code's) or use "
+                            "capacity_rounding='switch'")  # fmt: skip
+        if self.moe_layer_bias and not (self.moe_head_layer or self.moe_merge_layer):
+            problems.append("moe_layer_bias=True needs a head or merge layer (moe_head_layer / moe_merge_layer)")
         if self.routing_backend is not None and self.routing_backend not in ROUTING_BACKENDS:
             problems.append(f"routing_backend must be one of {ROUTING_BACKENDS} or None (by device), got "
                             f"{self.routing_backend!r}")  # fmt: skip
@@ -303,13 +332,22 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
 
     @classmethod
     def matched_to_smoe(
-        cls, smoe_config: "MHMoEConfig", moe_heads: int, num_experts_per_tok: int, round_experts_to: int = 8, **kwargs
-    ) -> "MHMoEConfig":
+        cls, smoe_config: "MHMoEConfig", moe_heads: int, num_experts_per_tok: int, round_experts_to: int = 8,
+        conventions: str = "library", **kwargs,
+    ) -> "MHMoEConfig":  # fmt: skip
         """The MH-MoE config whose MoE layers match `smoe_config`'s activated FLOPs and total parameters.
 
         Head and merge layers are counted, on both sides (`moe_head_layer=False` / `moe_merge_layer=False` in `kwargs`
         solve for the ablations without them); see `mhmoe.parity.matched_moe_settings` for the equations. A Mixtral
         config: convert it with `from_mixtral_config` first.
+
+        `conventions="library"` keeps `smoe_config`'s routing fields; `"official"` is the paper as its official code
+        ran it (`conventions_fields`): raw top-k gates (`norm_topk_prob=False`), capacity `k * ceil(S / E)`
+        (`capacity_factor=1.0`, `capacity_rounding="official"`), head/merge layers with bias (`moe_layer_bias=True`,
+        2·d parameters per MoE layer that the parity solve does not count), the GShard top-1 loss summed over layers
+        (`router_aux_loss_mode="top1_sum"`, 0.01) and, for BitNet models, `bitnet_quantized_layers="official"` and
+        `bitnet_ffn_norm="before_down"`. Give the SMoE baseline the same fields (`conventions_fields("official",
+        smoe_config)`) to compare like with like. `kwargs` override both.
         """
         if not isinstance(smoe_config, MHMoEConfig):
             raise ValueError(
@@ -346,8 +384,34 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
             moe_head_layer=head_layer,
             moe_merge_layer=merge_layer,
         )
+        fields.update(conventions_fields(conventions, fields))
         fields.update(kwargs)
         return cls(**fields)
+
+
+CONVENTIONS = ("library", "official")
+# The official MH-MoE code (torchscale xmoe + Tutel, yushuiwx/MH-MoE) where this library's defaults differ.
+OFFICIAL_ROUTING = dict(norm_topk_prob=False, capacity_factor=1.0, capacity_rounding="official",
+                        router_aux_loss_mode="top1_sum", router_aux_loss_coef=0.01)  # fmt: skip
+OFFICIAL_BITNET = dict(bitnet_quantized_layers="official", bitnet_ffn_norm="before_down")
+
+
+def conventions_fields(conventions: str, config) -> dict:
+    """The fields that give `config` (an MHMoEConfig or its dict) the `conventions`: {} for "library" (the config as
+    is), for "official" `OFFICIAL_ROUTING`, `moe_layer_bias=True` when it has a head or merge layer, and
+    `OFFICIAL_BITNET` when it is a BitNet model (see `MHMoEConfig.matched_to_smoe`)."""
+    if conventions not in CONVENTIONS:
+        raise ValueError(f"conventions must be one of {CONVENTIONS}, got {conventions!r}")
+    if conventions == "library":
+        return {}
+    get = config.get if isinstance(config, dict) else lambda name, default=None: getattr(config, name, default)
+    fields = dict(OFFICIAL_ROUTING)
+    heads = get("moe_heads", 1) or 1
+    if any(get(name) or (get(name) is None and heads > 1) for name in ("moe_head_layer", "moe_merge_layer")):
+        fields["moe_layer_bias"] = True
+    if get("linear_type", "linear") == "bitnet_b158":
+        fields.update(OFFICIAL_BITNET)
+    return fields
 
 
 def moh_config_problems(config) -> list[str]:
@@ -358,6 +422,13 @@ def moh_config_problems(config) -> list[str]:
         problems.append(f"moh_router must be one of {MOH_ROUTERS}, got {config.moh_router!r}")
     if not (config.moh_aux_loss_coef >= 0 and math.isfinite(config.moh_aux_loss_coef)):
         problems.append(f"moh_aux_loss_coef must be a finite number >= 0, got {config.moh_aux_loss_coef}")
+    straight = config.moh_straight_through
+    if not any(straight is value or (isinstance(value, str) and straight == value) for value in MOH_STRAIGHT_THROUGH):
+        problems.append(f"moh_straight_through must be False, True or 'scores' (the paper's eq. 9-10), got "
+                        f"{straight!r}")  # fmt: skip
+    elif straight == "scores" and config.moh_router != "l2":
+        problems.append("moh_straight_through='scores' (eq. 9-10 on the l2 router's softmax scores) needs "
+                        "moh_router='l2'; use True with the learned router")  # fmt: skip
     if (shared is None) != (active is None):
         problems.append(
             f"moh_shared_heads and moh_active_heads must be set together (both None = plain multi-head attention), "
@@ -382,7 +453,8 @@ def moh_config_problems(config) -> list[str]:
 
 
 LINEAR_TYPES = ("linear", "bitnet_b158")  # bitnet.py
-BITNET_QUANTIZED_LAYERS = ("all", "experts")
+BITNET_QUANTIZED_LAYERS = ("all", "official", "ffn_only", "experts")
+BITNET_FFN_NORMS = ("every_projection", "before_down")
 ROUTER_TYPES = ("topk", "lory")  # lory.py
 LORY_EXPERT_POOLS = ("shared", "per_head")
 
@@ -394,8 +466,11 @@ def check_variant_problems(config) -> list[str]:
         problems.append(f"linear_type must be one of {LINEAR_TYPES}, got {config.linear_type!r}")
     if config.bitnet_quantized_layers not in BITNET_QUANTIZED_LAYERS:
         problems.append(f"bitnet_quantized_layers must be one of {BITNET_QUANTIZED_LAYERS} ('all': every decoder "
-                        f"projection, the paper's; 'experts': the experts only), got "
+                        f"projection; 'official': attention and FFNs, not head/merge layers or routers; 'ffn_only': "
+                        f"the FFNs; 'experts': the routed experts), got "
                         f"{config.bitnet_quantized_layers!r}")  # fmt: skip
+    if config.bitnet_ffn_norm not in BITNET_FFN_NORMS:
+        problems.append(f"bitnet_ffn_norm must be one of {BITNET_FFN_NORMS}, got {config.bitnet_ffn_norm!r}")
     if bitnet and config.bitnet_quantized_layers == "experts" and config.decoder_sparse_step == 0:
         problems.append("bitnet_quantized_layers='experts' quantises nothing in a dense model (decoder_sparse_step=0); "
                         "use 'all'")  # fmt: skip
@@ -483,4 +558,4 @@ def warn_misspelt_fields(config_class: type, kwargs: dict) -> None:
             )
 
 
-__all__ = ["MHMoEConfig", "moh_config_problems", "refuse_auto_class_registration"]
+__all__ = ["MHMoEConfig", "conventions_fields", "moh_config_problems", "refuse_auto_class_registration"]

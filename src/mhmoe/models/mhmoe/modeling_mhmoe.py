@@ -24,7 +24,7 @@ from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .bitnet import BitNetExperts, is_quantized, make_linear
+from .bitnet import BitNetExperts, ffn_input_norm, is_quantized, make_linear
 from .configuration_mhmoe import MHMoEConfig
 from .causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward, causal_lm_forward_returning  # noqa: F401
 from .lory import LoryExperts, LoryRouter, MHLoryBlock
@@ -44,9 +44,10 @@ class MHMoEMLP(nn.Module):
 
     def __init__(self, config: MHMoEConfig, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = make_linear(config, config.hidden_size, intermediate_size, bias=bias)
-        self.up_proj = make_linear(config, config.hidden_size, intermediate_size, bias=bias)
-        self.down_proj = make_linear(config, intermediate_size, config.hidden_size, bias=bias)
+        norm = ffn_input_norm(config)  # False: only the sub-layer norm before down (the official BitNet FFN)
+        self.gate_proj = make_linear(config, config.hidden_size, intermediate_size, bias, "ffn", input_norm=norm)
+        self.up_proj = make_linear(config, config.hidden_size, intermediate_size, bias, "ffn", input_norm=norm)
+        self.down_proj = make_linear(config, intermediate_size, config.hidden_size, bias, "ffn")
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -78,6 +79,7 @@ class MHMoETopKRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.capacity_factor = config.capacity_factor
+        self.capacity_rounding = config.capacity_rounding
         self.routing_backend = config.routing_backend
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size // config.moe_heads))
 
@@ -87,16 +89,18 @@ class MHMoETopKRouter(nn.Module):
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             router_logits = nn.functional.linear(hidden_states.float(), self.weight.float())  # (N, E)
         weights, experts = route(
-            router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor, self.routing_backend
-        )
+            router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor, self.routing_backend,
+            self.capacity_rounding,
+        )  # fmt: skip
         return router_logits, weights, experts
 
 
 def moe_block_parts(config: MHMoEConfig) -> tuple:
     """The head layer, merge layer and shared expert (each None when the config has none) of an MH-MoE or Lory block."""
     d, shared = config.hidden_size, config.shared_expert_intermediate_size
-    head = make_linear(config, d, d) if config.moe_head_layer else None
-    merge = make_linear(config, d, d) if config.moe_merge_layer else None
+    bias = config.moe_layer_bias  # the official code's nn.Linear(d, d, bias=True); the papers' equations have none
+    head = make_linear(config, d, d, bias=bias, role="head_merge") if config.moe_head_layer else None
+    merge = make_linear(config, d, d, bias=bias, role="head_merge") if config.moe_merge_layer else None
     return head, merge, MHMoEMLP(config, shared) if shared else None
 
 

@@ -14,8 +14,10 @@ Routers (`moh_router`):
 - "l2": parameter-free (continue-tuning, §4.4): per token the L2 norm of each routed head's pre-RoPE query, divided by
   the per-token std of those norms (clamped), softmax, top-K; shared gates are 1. Adds no parameters, so the state
   dict stays the dense model's.
-`moh_straight_through` (eq. 9-10): forward gates are exactly 0/1 (selected or not), backward uses the soft gates'
-gradient, so the router (or, for "l2", the query projection through the norms) keeps learning.
+`moh_straight_through`: forward gates are exactly 0/1 (selected or not), the backward is a straight-through estimator,
+so the router (or, for "l2", the query projection through the norms) keeps learning. True: the gradient of the soft
+gates (top-K weights renormalised ×K, zero on unselected heads; this library's). "scores" (l2 router): eq. 9-10 as
+written, ∂L/∂g_i^q = ∂L/∂g_i with g_i the raw softmax score of every routed head, selected or not.
 
 Head skipping (CPU): in decoding (few query rows, no gradient) attention and the `o_proj` contribution are computed
 only for each row's active heads, on views of the KV cache (never copied) and of a head-major copy of `o_proj.weight`
@@ -132,7 +134,9 @@ class MoHRouter(nn.Module):
         shared = self.shared_heads
         backend = getattr(self, "routing_backend", None)
         # the fused kernel reads the queries' own heads: not with tensor parallelism's gathered `head_norms`
-        if self.router == "l2" and head_norms is None and routing_backend(query_states, backend)[0] == "triton":
+        scores_ste = self.straight_through == "scores"  # eq. 9-10 on the raw scores: the torch path computes it
+        if (self.router == "l2" and head_norms is None and not scores_ste
+                and routing_backend(query_states, backend)[0] == "triton"):  # fmt: skip
             return l2_head_gates(query_states, shared, self.active_heads, self.straight_through, backend)
         if self.router == "learned":
             x = hidden_states.float()
@@ -153,6 +157,9 @@ class MoHRouter(nn.Module):
         if self.straight_through:
             hard = torch.zeros_like(routed_soft).scatter(-1, routed_index, 1.0)
             hard = torch.cat([torch.ones_like(shared_soft), hard], dim=-1)
+            if scores_ste:  # the raw softmax scores of the routed heads carry the gradient; shared gates are 1
+                scores = torch.softmax(router_logits.float(), dim=-1)
+                gates = torch.cat([torch.ones_like(shared_soft), scores], dim=-1)
             gates = straight_through(gates, hard)
         return gates, router_logits, routed_index
 

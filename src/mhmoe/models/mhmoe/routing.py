@@ -14,6 +14,7 @@ Under torch.compile / torch.export the reference is traced. Exported checkpoints
 files and run them on torch alone (the kernel file then has no kernels to offer and the reference runs).
 """
 
+import functools
 import os
 
 import torch
@@ -73,14 +74,19 @@ def route(
     norm_topk_prob: bool | str = True,
     capacity_factor: float | None = None,
     backend: str | None = None,
+    capacity_rounding: str = "switch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32, top-k, optional renormalisation and Switch capacity (see `routing_naive.route`).
+    """Softmax in fp32, top-k, optional renormalisation and capacity (see `routing_naive.route`).
 
     Returns `weights` (N, K) fp32 and `experts` (N, K) int64; dropped assignments get expert E and weight 0.
     """
     chosen, forced = routing_backend(router_logits, backend)
     args = (router_logits, top_k, norm_topk_prob, capacity_factor)
-    return _run(KERNELS[0], chosen, forced, naive_route, triton_route, *args)
+    if capacity_rounding == "switch":  # the kernels' and the reference's default
+        return _run(KERNELS[0], chosen, forced, naive_route, triton_route, *args)
+    reference = functools.partial(naive_route, capacity_rounding=capacity_rounding)
+    kernel = functools.partial(triton_route, capacity_rounding=capacity_rounding)
+    return _run(KERNELS[0], chosen, forced, reference, kernel, *args)
 
 
 def sort_by_expert(

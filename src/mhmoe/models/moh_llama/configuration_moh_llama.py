@@ -31,7 +31,7 @@ class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None
     moh_router: str = "l2"
-    moh_straight_through: bool = True
+    moh_straight_through: bool | str = True  # True | False | "scores" (eq. 9-10, l2 router): see MHMoEConfig
     moh_aux_loss_coef: float | int = 0.01
     output_router_logits: bool = False
 

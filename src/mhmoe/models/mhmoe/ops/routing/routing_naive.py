@@ -15,12 +15,13 @@ def route(
     top_k: int,
     norm_topk_prob: bool | str = True,
     capacity_factor: float | None = None,
+    capacity_rounding: str = "switch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax in fp32, top-k, optional renormalisation and Switch capacity.
+    """Softmax in fp32, top-k, optional renormalisation and capacity (`expert_capacity`).
 
     `norm_topk_prob`: True renormalises the K weights to sum to 1 when K > 1 and keeps the raw probability at K = 1
-    (Switch, the official MH-MoE code: a renormalised top-1 gate is p/p = 1 and the router would get no gradient from
-    the LM loss); "always" renormalises at every K (Transformers' Mixtral); False never.
+    (a renormalised top-1 gate is p/p = 1 and the router would get no gradient from the LM loss); "always"
+    renormalises at every K (Transformers' Mixtral); False never (the official MH-MoE code and the paper's eq. 3).
     Returns `weights` (N, K) fp32 and `experts` (N, K) int64; dropped assignments get expert E and weight 0.
     """
     num_rows, num_experts = router_logits.shape
@@ -29,7 +30,7 @@ def route(
     if renormalises(norm_topk_prob, top_k):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if capacity_factor is not None:
-        kept = within_capacity(experts, num_experts, expert_capacity(capacity_factor, num_rows, top_k, num_experts))
+        kept = within_capacity(experts, num_experts, expert_capacity(capacity_factor, num_rows, top_k, num_experts, capacity_rounding))
         experts = torch.where(kept, experts, num_experts)
         weights = weights * kept
     return weights, experts
@@ -40,8 +41,15 @@ def renormalises(norm_topk_prob: bool | str, top_k: int) -> bool:
     return norm_topk_prob == "always" or (norm_topk_prob is True and top_k > 1)
 
 
-def expert_capacity(capacity_factor: float, num_rows: int, top_k: int, num_experts: int) -> int:
-    """Switch capacity: at most ceil(capacity_factor · N · K / E) assignments per expert."""
+def expert_capacity(
+    capacity_factor: float, num_rows: int, top_k: int, num_experts: int, rounding: str = "switch"
+) -> int:
+    """Assignments each expert may take. "switch": ceil(capacity_factor · N · K / E) (Switch Transformer);
+    "official": K · ceil(capacity_factor · N / E) (the official MH-MoE TopkGate's K · ceil(N / E) at factor 1)."""
+    if rounding == "official":
+        return top_k * math.ceil(capacity_factor * num_rows / num_experts)
+    if rounding != "switch":
+        raise ValueError(f"capacity rounding must be 'switch' or 'official', got {rounding!r}")
     return math.ceil(capacity_factor * num_rows * top_k / num_experts)
 
 

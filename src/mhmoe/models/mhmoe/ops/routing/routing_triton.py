@@ -207,13 +207,14 @@ def route(
     capacity_factor: float | None = None,
     block_rows: int | None = None,
     block: int | None = None,
+    capacity_rounding: str = "switch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing_naive.route` with the kernels: the same weights (fp32 tolerance) and, without ties, the same experts
     (ties go to the lowest expert id)."""
     num_rows, num_experts = router_logits.shape
     weights, experts = softmax_topk(router_logits, top_k, renormalises(norm_topk_prob, top_k), block_rows)
     if capacity_factor is not None:
-        capacity = expert_capacity(capacity_factor, num_rows, top_k, num_experts)
+        capacity = expert_capacity(capacity_factor, num_rows, top_k, num_experts, capacity_rounding)
         flat = experts.t().reshape(-1)  # (K·N,) slot-major: priority order
         pos, _, counts = counting_sort(flat, num_experts, write_order=False, block=block)
         rank = pos - (torch.cumsum(counts, 0) - counts)[flat]  # place among the expert's assignments

@@ -1,0 +1,343 @@
+"""The official code's conventions as options, each against a small transcription written here (float64, outputs and
+gradients): the official MH-MoE TopkGate + MOELayer (raw top-k gates, capacity k·ceil(S/E) with GShard priority,
+head/merge layers with bias), the MoH paper's eq. 9-10 straight-through estimator for the l2 router, and the official
+BitNet FFN (separate fc1/fc3 scales, one sub-layer norm before fc2). Sources: yushuiwx/MH-MoE (torchscale xmoe
+`topkgating`, `mhmoe_layer.MOELayer`, `FeedForwardNetwork`), the MoH paper §4.4, BitNet b1.58's training tips."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mhmoe import MHMoEConfig, MHMoEForCausalLM
+from mhmoe.models.mhmoe.bitnet import BitLinear, BitNetExperts, quantize_weight
+from mhmoe.models.mhmoe.configuration_mhmoe import OFFICIAL_ROUTING, conventions_fields
+from mhmoe.models.mhmoe.modeling_mhmoe import MHMoESparseMoeBlock
+from mhmoe.models.mhmoe.moh import MoHRouter
+from mhmoe.models.mhmoe import routing
+from mhmoe.models.mhmoe.ops.routing import routing_triton
+from mhmoe.models.mhmoe.ops.routing.routing_naive import expert_capacity, route
+
+
+def tiny(**kw):
+    base = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, moe_heads=2, num_experts=3, num_experts_per_tok=2,
+                moe_intermediate_size=8, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    base.update(kw)
+    return MHMoEConfig(**base)
+
+
+# ---- the official MH-MoE layer, transcribed -------------------------------------------------------------------
+
+
+def official_topk_gate(sub_tokens, router_weight, top_k):
+    """TopkGate / topkgating: softmax, top-k, capacity k·ceil(S/E); the r-th choices are placed after all (r-1)-th
+    ones of the same expert (cumsum - 1 + earlier ranks' counts); gates are raw unless
+    normalize_gate_prob_before_dropping (not passed by the official decoder). Returns per rank (expert, kept, gate)."""
+    gates = torch.softmax((sub_tokens @ router_weight.t()).float(), dim=1).to(sub_tokens.dtype)  # use_fp32 (default)
+    num_tokens, num_experts = gates.shape
+    capacity = top_k * math.ceil(num_tokens / num_experts)
+    indices = torch.topk(gates, top_k, dim=1).indices
+    ranks, earlier = [], torch.zeros(num_experts, dtype=torch.long)
+    for r in range(top_k):
+        mask = F.one_hot(indices[:, r], num_experts)
+        locations = ((torch.cumsum(mask, 0) - 1 + earlier) * mask).sum(1)
+        earlier = earlier + mask.sum(0)
+        ranks.append((indices[:, r], locations < capacity, (gates * mask).sum(1)))
+    return ranks
+
+
+def official_ffn(x, fc1, fc3, fc2):
+    """FeedForwardNetwork with fc3 (gate, SiLU) and fc1 (up): fc2(fc1(x) · silu(fc3(x))), no bias."""
+    return (F.linear(x, fc1) * F.silu(F.linear(x, fc3))) @ fc2.t()
+
+
+def official_mhmoe_layer(x, block, top_k):
+    """MOELayer: multi_heads (Linear d->d, bias) -> (N·h, d/h) token-major -> gate -> experts -> concat -> out_proj."""
+    tokens = x.reshape(-1, x.shape[-1])
+    heads = block.moe_heads
+    projected = F.linear(tokens, block.head_proj.weight, block.head_proj.bias)
+    sub = projected.reshape(tokens.shape[0] * heads, -1)
+    inter = block.experts.intermediate_dim
+    out = torch.zeros_like(sub)
+    for expert_ids, kept, gate in official_topk_gate(sub, block.gate.weight, top_k):
+        for row in range(sub.shape[0]):
+            if kept[row]:
+                e = int(expert_ids[row])
+                w = block.experts.gate_up_proj[e]
+                out[row] = out[row] + gate[row] * official_ffn(sub[row], w[inter:], w[:inter],
+                                                               block.experts.down_proj[e])  # fmt: skip
+    merged = F.linear(out.reshape(tokens.shape), block.merge_proj.weight, block.merge_proj.bias)
+    return merged.reshape(x.shape)
+
+
+def _official_block(seed=0, **kw):
+    torch.manual_seed(seed)
+    config = tiny(**{**OFFICIAL_ROUTING, "moe_layer_bias": True, **kw})
+    block = MHMoESparseMoeBlock(config).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    return config, block
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_mhmoe_layer_matches_the_official_layer(top_k):
+    config, block = _official_block(num_experts_per_tok=top_k)
+    assert block.head_proj.bias is not None and block.merge_proj.bias is not None  # official nn.Linear(d, d, bias)
+    x = torch.randn(2, 4, config.hidden_size, dtype=torch.float64, requires_grad=True)  # S = 16 sub-tokens, E = 3
+    sub = F.linear(x.detach().reshape(8, 32), block.head_proj.weight, block.head_proj.bias).reshape(16, 16)
+    ranks = official_topk_gate(sub, block.gate.weight, top_k)
+    assert not all(bool(kept.all()) for _, kept, _ in ranks), "no assignment dropped: the capacity is not tested"
+    ours = block(x)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = official_mhmoe_layer(ref_x, block, top_k)
+    scale = float(ref.detach().abs().max())
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6 * scale)  # both routers softmax in fp32
+    grad = torch.randn_like(ours)
+    params = [p for p in block.parameters()]
+    ours_grads = torch.autograd.grad(ours, [x, *params], grad, allow_unused=True)
+    ref_grads = torch.autograd.grad(ref, [ref_x, *params], grad, allow_unused=True)
+    for name, a, b in zip(["x"] + [n for n, _ in block.named_parameters()], ours_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.detach().abs().max()), msg=name)
+
+
+def test_the_library_conventions_differ_from_the_official_layer():
+    """Each official option matters here: renormalised gates, Switch rounding or no bias give another output."""
+    config, block = _official_block()
+    x = torch.randn(2, 4, config.hidden_size, dtype=torch.float64)  # S = 16: Switch capacity 11, official 12
+    ref = official_mhmoe_layer(x, block, 2)
+    for field, library, official in (("norm_topk_prob", True, False), ("capacity_rounding", "switch", "official")):
+        setattr(block.gate, field, library)
+        assert not torch.allclose(block(x), ref), field
+        setattr(block.gate, field, official)
+    torch.testing.assert_close(block(x), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+    with torch.no_grad():
+        block.merge_proj.bias.zero_()
+    assert not torch.allclose(block(x), ref)
+
+
+def test_capacity_roundings():
+    # S = 10 sub-tokens, E = 3 experts, k = 2: Switch ceil(1.0·10·2/3) = 7, official 2·ceil(10/3) = 8
+    assert expert_capacity(1.0, 10, 2, 3) == 7
+    assert expert_capacity(1.0, 10, 2, 3, "official") == 8
+    assert expert_capacity(1.0, 12, 2, 3, "official") == expert_capacity(1.0, 12, 2, 3) == 8  # E divides S: equal
+    assert expert_capacity(1.0, 10, 1, 3, "official") == expert_capacity(1.0, 10, 1, 3) == 4  # k = 1: equal
+    with pytest.raises(ValueError, match="rounding"):
+        expert_capacity(1.0, 10, 2, 3, "floor")
+    torch.manual_seed(3)
+    logits = torch.randn(10, 3, dtype=torch.float64) * 3
+    weights, experts = route(logits, 2, False, 1.0, "official")
+    kept = experts < 3
+    for r, (expert_ids, ref_kept, gate) in enumerate(official_topk_gate(logits, torch.eye(3, dtype=torch.float64), 2)):
+        assert torch.equal(kept[:, r], ref_kept)
+        assert torch.equal(experts[:, r][ref_kept], expert_ids[ref_kept])
+        torch.testing.assert_close(weights[:, r].double(), (gate * ref_kept).double(), rtol=1e-6, atol=1e-7)
+
+
+def test_official_routing_fields_are_checked():
+    with pytest.raises(ValueError, match="capacity_rounding='official'.*capacity_factor is None"):
+        tiny(capacity_rounding="official")
+    with pytest.raises(ValueError, match="capacity_rounding must be one of"):
+        tiny(capacity_factor=1.0, capacity_rounding="floor")
+    with pytest.raises(ValueError, match="moe_layer_bias=True needs a head or merge layer"):
+        tiny(moe_heads=1, moe_layer_bias=True)
+
+
+# ---- the preset ------------------------------------------------------------------------------------------------
+
+
+def test_official_preset():
+    smoe = tiny(moe_heads=1, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=64)
+    official = MHMoEConfig.matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official")
+    library = MHMoEConfig.matched_to_smoe(smoe, 2, 2, round_experts_to=1)
+    sizes = ("num_experts", "moe_intermediate_size")
+    assert [getattr(official, n) for n in sizes] == [getattr(library, n) for n in sizes]  # the same parity solve
+    assert official.norm_topk_prob is False and official.capacity_factor == 1.0
+    assert official.capacity_rounding == "official" and official.moe_layer_bias is True
+    assert official.router_aux_loss_mode == "top1_sum"
+    assert (library.norm_topk_prob, library.capacity_factor, library.moe_layer_bias) == (True, None, False)
+    assert conventions_fields("official", smoe).get("moe_layer_bias") is None  # SMoE: no head/merge layer to bias
+    bitnet_smoe = tiny(moe_heads=1, moe_intermediate_size=64, linear_type="bitnet_b158")
+    bitnet = MHMoEConfig.matched_to_smoe(bitnet_smoe, 2, 2, round_experts_to=1, conventions="official")
+    assert (bitnet.bitnet_quantized_layers, bitnet.bitnet_ffn_norm) == ("official", "before_down")
+    # kwargs win over the preset
+    assert MHMoEConfig.matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official",
+                                       capacity_factor=2.0).capacity_factor == 2.0  # fmt: skip
+    with pytest.raises(ValueError, match="conventions must be one of"):
+        MHMoEConfig.matched_to_smoe(smoe, 2, 2, conventions="paper")
+
+
+# ---- MoH eq. 9-10 ------------------------------------------------------------------------------------------------
+
+
+def test_l2_router_scores_straight_through_is_eq_9_10():
+    """Forward: 0/1 gates; backward: ∂L/∂g_i^q = ∂L/∂g_i, g_i = softmax(‖q_i‖ / std_j ‖q_j‖) over routed heads."""
+    torch.manual_seed(0)
+    heads, shared, active, hd = 6, 2, 2, 4
+    queries = torch.randn(2, 3, heads, hd, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(2, 3, 8, dtype=torch.float64)
+    router = MoHRouter(8, heads, shared, active, "l2", "scores")
+    gates, _, index = router(hidden, queries)
+    hard = torch.zeros(2, 3, heads - shared, dtype=torch.float64).scatter(-1, index, 1.0)
+    torch.testing.assert_close(gates.double(), torch.cat([torch.ones(2, 3, shared, dtype=torch.float64), hard], -1))
+    upstream = torch.randn(2, 3, heads, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((gates.double() * upstream).sum(), queries)
+
+    ref_q = queries.detach().clone().requires_grad_()
+    norms = ref_q[..., shared:, :].pow(2).sum(-1).sqrt()
+    scores = torch.softmax(norms / norms.std(-1, keepdim=True), dim=-1)  # the paper's g_i, every routed head
+    (ref_grad,) = torch.autograd.grad((scores * upstream[..., shared:]).sum(), ref_q)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)  # the router computes in fp32
+
+    library = MoHRouter(8, heads, shared, active, "l2", True)
+    gates_lib, _, _ = library(hidden, queries)
+    torch.testing.assert_close(gates_lib, gates)  # same forward
+    (grad_lib,) = torch.autograd.grad((gates_lib.double() * upstream).sum(), queries)
+    assert (grad_lib - grad).abs().max() > 1e-3 * grad.abs().max()  # another estimator
+
+
+def test_scores_straight_through_needs_the_l2_router():
+    with pytest.raises(ValueError, match="'scores'.*needs moh_router='l2'"):
+        tiny(moh_shared_heads=2, moh_active_heads=1, moh_straight_through="scores")
+    with pytest.raises(ValueError, match="moh_straight_through must be"):
+        tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="l2", moh_straight_through="soft")
+    config = tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="l2", moh_straight_through="scores")
+    model = MHMoEForCausalLM(config)
+    model(torch.randint(0, 61, (1, 5)), labels=torch.randint(0, 61, (1, 5))).loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+# ---- BitNet ------------------------------------------------------------------------------------------------------
+
+
+def ref_weight_quant(w):
+    """Training tips: scale = 1 / mean|W| (clamped), RoundClip(W · scale, -1, 1) / scale; one matrix."""
+    scale = 1.0 / w.abs().mean().clamp(min=1e-5)
+    return (w * scale).round().clamp(-1, 1) / scale
+
+
+def ref_activation_quant(x):
+    scale = 127.0 / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    return (x * scale).round().clamp(-128, 127) / scale
+
+
+def ste(full, quantized):
+    return full + (quantized - full).detach()
+
+
+def official_bitnet_ffn(x, fc1, fc3, fc2, down_gain, eps, input_gain=None):
+    """The official FFN with BitLinear projections: fc1 (up) and fc3 (gate) each their own scale; the sub-layer norm
+    (RMSNorm with gain) only before fc2; `input_gain`: this library's extra norm before gate/up."""
+    if input_gain is not None:
+        x = input_gain * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    xq = ste(x, ref_activation_quant(x))
+    up = xq @ ste(fc1, ref_weight_quant(fc1)).t()
+    gate = F.silu(xq @ ste(fc3, ref_weight_quant(fc3)).t())
+    h = up * gate
+    h = down_gain * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+    return ste(h, ref_activation_quant(h)) @ ste(fc2, ref_weight_quant(fc2)).t()
+
+
+@pytest.mark.parametrize("ffn_norm", ["before_down", "every_projection"])
+def test_bitnet_experts_match_the_official_ffn(ffn_norm):
+    torch.manual_seed(1)
+    config = tiny(linear_type="bitnet_b158", bitnet_quantized_layers="official", bitnet_ffn_norm=ffn_norm)
+    experts = BitNetExperts(config).double()
+    inter = experts.intermediate_dim
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.3)
+        experts.gate_up_proj[:, inter:] *= 4.0  # up's scale is not gate's: one shared scale would show
+        experts.down_proj.normal_(0, 0.3)
+        experts.down_norm.uniform_(0.5, 1.5)
+        if experts.gate_up_norm is not None:
+            experts.gate_up_norm.uniform_(0.5, 1.5)
+    assert (experts.gate_up_norm is None) == (ffn_norm == "before_down")
+    x = torch.randn(7, experts.hidden_dim, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 3, (7, 2))
+    index[:, 1] = (index[:, 0] + 1) % 3
+    weights = torch.rand(7, 2, dtype=torch.float64)
+    ours = experts(x, index, weights)
+
+    ref_x = x.detach().clone().requires_grad_()
+    rows = []
+    for n in range(7):
+        row = 0
+        for slot in range(2):
+            e = int(index[n, slot])
+            w = experts.gate_up_proj[e]
+            gain = None if experts.gate_up_norm is None else experts.gate_up_norm[e]
+            row = row + weights[n, slot] * official_bitnet_ffn(ref_x[n : n + 1], w[inter:], w[:inter],
+                                                               experts.down_proj[e], experts.down_norm[e],
+                                                               experts.eps, gain)[0]  # fmt: skip
+        rows.append(row)
+    ref = torch.stack(rows)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # quantisers compute in fp32
+    grad = torch.randn_like(ours)
+    params = [p for p in experts.parameters()]
+    for a, b in zip(torch.autograd.grad(ours, [x, *params], grad), torch.autograd.grad(ref, [ref_x, *params], grad)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_gate_up_has_one_scale_per_projection():
+    torch.manual_seed(2)
+    w = torch.randn(3, 2 * 8, 16)
+    w[:, 8:] *= 10.0
+    ternary, scale = quantize_weight(w, parts=2)
+    assert scale.shape == (3, 2)
+    torch.testing.assert_close(scale, torch.stack([w[:, :8].abs().mean((1, 2)), w[:, 8:].abs().mean((1, 2))], -1))
+    gate_alone, _ = quantize_weight(w[:, :8])
+    assert torch.equal(ternary[:, :8], gate_alone)  # the gate half ignores up's magnitude
+
+
+MODULE_TYPES = {  # bitnet_quantized_layers -> quantised (attention, dense MLP, head/merge, experts)
+    "all": (True, True, True, True),
+    "official": (True, True, False, True),
+    "ffn_only": (False, True, False, True),
+    "experts": (False, False, False, True),
+}
+
+
+@pytest.mark.parametrize("layers", list(MODULE_TYPES))
+def test_which_projections_each_bitnet_setting_quantises(layers):
+    model = MHMoEForCausalLM(tiny(linear_type="bitnet_b158", bitnet_quantized_layers=layers, decoder_sparse_step=2,
+                                  shared_expert_intermediate_size=8))  # fmt: skip
+    dense, moe = model.model.layers
+    attention, mlp, head, experts = MODULE_TYPES[layers]
+    assert isinstance(dense.self_attn.q_proj, BitLinear) == attention
+    assert isinstance(dense.mlp.up_proj, BitLinear) == mlp
+    assert isinstance(moe.mlp.shared_expert.down_proj, BitLinear) == mlp
+    assert isinstance(moe.mlp.head_proj, BitLinear) == head and isinstance(moe.mlp.merge_proj, BitLinear) == head
+    assert isinstance(moe.mlp.experts, BitNetExperts) == experts
+    assert type(moe.mlp.gate.weight) is nn.Parameter and not isinstance(moe.mlp.gate, BitLinear)  # routers: never
+
+
+def test_before_down_drops_the_ffn_input_norms_only():
+    model = MHMoEForCausalLM(tiny(linear_type="bitnet_b158", bitnet_quantized_layers="official", decoder_sparse_step=2,
+                                  bitnet_ffn_norm="before_down"))  # fmt: skip
+    dense, moe = model.model.layers
+    assert dense.mlp.gate_proj.input_norm is None and dense.mlp.up_proj.input_norm is None
+    assert dense.mlp.down_proj.input_norm is not None and dense.self_attn.q_proj.input_norm is not None
+    assert moe.mlp.experts.gate_up_norm is None
+    out = model(torch.randint(0, 61, (1, 6)), labels=torch.randint(0, 61, (1, 6)))
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    with pytest.raises(ValueError, match="bitnet_ffn_norm must be one of"):
+        tiny(bitnet_ffn_norm="none")
+
+
+@pytest.mark.skipif(not routing_triton.HAS_TRITON, reason="triton is not installed")
+def test_official_rounding_through_the_dispatch_and_the_kernel(monkeypatch):
+    """`routing.route` passes the rounding to both backends (kernel under TRITON_INTERPRET on CPU, tests/conftest.py)."""
+    torch.manual_seed(5)
+    logits = torch.randn(10, 3) * 3  # S = 10, E = 3, k = 2: official capacity 8, Switch 7
+    reference = route(logits, 2, False, 1.0, "official")
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("MHMOE_ROUTING_BACKEND", backend)
+        weights, experts = routing.route(logits, 2, False, 1.0, capacity_rounding="official")
+        assert torch.equal(experts, reference[1]), backend
+        torch.testing.assert_close(weights, reference[0])
+    switch = routing.route(logits, 2, False, 1.0)[1]
+    assert (switch == 3).sum() > (reference[1] == 3).sum()  # the smaller Switch capacity drops more here
