@@ -5,6 +5,7 @@ K = num_experts_per_tok, S = N·K assignments, I = moe_intermediate_size. Expert
 v5 MoE models: `gate_up_proj` (E, 2I, W) and `down_proj` (E, W, I). Expert id E marks a dropped assignment.
 """
 
+import contextlib
 import functools
 import os
 import threading
@@ -39,8 +40,32 @@ def _kernel_accepts(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def grouped_mm_path(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> str:
+    """Which implementation `_grouped_mm` runs for these operands (after `a` is cast to `b`'s dtype):
+
+    - "kernel": torch's grouped GEMM (where `_kernel_accepts` them: bf16 on CUDA SM80+; fp32/bf16/fp16 on CPU);
+    - "tiled": on CUDA for anything else (fp32, so TF32 when enabled): groups cut into tiles of `GROUPED_MM_TILE`
+      rows, one batched matmul over the tiles; no host sync (shapes bound by S/tile + E, not by the routing);
+    - "loop": one matmul per non-empty group (reads the offsets on the host): CPU operands the kernel refuses, or an
+      `out` buffer given (torch's kernel cannot write into one; only the CPU buffer pool passes one).
+    """
+    return choose_grouped_mm_path(a.device.type, out is None and _kernel_accepts(a, b), out is not None)
+
+
+def choose_grouped_mm_path(device_type: str, kernel_takes_them: bool, into_buffer: bool) -> str:
+    """The rule of `grouped_mm_path`, on plain facts: never the host-syncing loop on CUDA."""
+    if kernel_takes_them and not into_buffer:
+        return "kernel"
+    if device_type == "cuda" and not into_buffer:
+        return "tiled"
+    return "loop"
+
+
+GROUPED_MM_TILE = 128  # rows per tile of the "tiled" path
+
+
 def _grouped_mm(
-    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None, path: str | None = None
 ) -> torch.Tensor:
     """Grouped GEMM over row groups ending at `offsets` (E,) int32.
 
@@ -48,14 +73,17 @@ def _grouped_mm(
         (torch's kernel leaves them uninitialised; callers pass only kept rows).
     a (in, S) @ b (S, out) -> (E, in, out): per group e, a[:, group] @ b[group] (a weight gradient); 0 for an
         empty group.
-    torch's kernel where it takes the operands (any strides that are 16-byte multiples, so transposed views of the
-    3-D expert weights go in without a copy); otherwise, or when `out` (S, out) is given (torch's kernel cannot write
-    into a given buffer), one matmul per non-empty group.
+    `path` (default `grouped_mm_path`): torch's kernel where it takes the operands (any strides that are 16-byte
+    multiples, so transposed views of the 3-D expert weights go in without a copy); on CUDA otherwise the tiled batched
+    matmul (no host sync); on CPU otherwise, or when `out` (S, out) is given, one matmul per non-empty group.
     """
     if a.dtype != b.dtype:
         a = a.to(b.dtype)
-    if out is None and _kernel_accepts(a, b):
+    path = path or grouped_mm_path(a, b, out)
+    if path == "kernel":
         return _GROUPED_MM(a, b, offs=offsets)
+    if path == "tiled":
+        return _tiled_grouped_mm(a, b, offsets, GROUPED_MM_TILE)
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
     if b.dim() == 3:
@@ -69,6 +97,59 @@ def _grouped_mm(
         if end > start:
             torch.mm(a[:, start:end], b[start:end], out=out[expert])
     return out
+
+
+def _tiles(offsets: torch.Tensor, num_rows: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's rows cut into tiles of `tile` rows, on the device, with a static number of tiles T = S // tile + E
+    (an upper bound of Σ ceil(count_e / tile)): (expert of each tile (T,), E past the used tiles; row of each tile slot
+    (T, tile); whether that slot is a real row (T, tile))."""
+    num_experts = offsets.shape[0]
+    ends = offsets.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles_per_group = (ends - starts + tile - 1) // tile  # (E,)
+    tile_ends = torch.cumsum(tiles_per_group, 0)  # (E,)
+    num_tiles = num_rows // tile + num_experts
+    index = torch.arange(num_tiles, device=offsets.device)
+    expert = torch.searchsorted(tile_ends, index, right=True)  # (T,) E for unused tiles
+    safe = expert.clamp(max=num_experts - 1)
+    first_tile = tile_ends.index_select(0, safe) - tiles_per_group.index_select(0, safe)
+    row_start = starts.index_select(0, safe) + (index - first_tile) * tile  # (T,)
+    rows = row_start[:, None] + torch.arange(tile, device=offsets.device)  # (T, tile)
+    valid = (rows < ends.index_select(0, safe)[:, None]) & (expert < num_experts)[:, None]
+    return expert, rows.masked_fill(~valid, 0), valid
+
+
+def _tiled_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, tile: int) -> torch.Tensor:
+    """`_grouped_mm` as batched matmuls over tiles of rows (`_tiles`): shapes never depend on the routing, so nothing
+    waits for the device. Costs up to E·tile padded rows and a (T, in, out) gather of the weights per call."""
+    num_experts = offsets.shape[0]
+    if b.dim() == 3:  # (S, in) @ (E, in, out)
+        num_rows = a.shape[0]
+        expert, rows, valid = _tiles(offsets, num_rows, tile)
+        lhs = a.index_select(0, rows.reshape(-1)).view(*rows.shape, a.shape[1]) * valid[..., None]  # (T, tile, in)
+        weights = b.index_select(0, expert.clamp(max=num_experts - 1))  # (T, in, out)
+        products = torch.bmm(lhs, weights)  # (T, tile, out)
+        target = rows.masked_fill(~valid, num_rows).reshape(-1)  # padded slots land on a spare row
+        out = a.new_zeros(num_rows + 1, b.shape[-1])
+        out.index_copy_(0, target, products.reshape(-1, b.shape[-1]))
+        return out[:num_rows]
+    num_rows = a.shape[1]  # (in, S) @ (S, out) -> (E, in, out)
+    expert, rows, valid = _tiles(offsets, num_rows, tile)
+    flat = rows.reshape(-1)
+    lhs = (a.t().index_select(0, flat).view(*rows.shape, a.shape[0]) * valid[..., None]).transpose(1, 2)
+    rhs = b.index_select(0, flat).view(*rows.shape, b.shape[1]) * valid[..., None]  # (T, tile, out)
+    per_tile = torch.bmm(lhs, rhs)  # (T, in, out)
+    out = a.new_zeros(num_experts + 1, a.shape[0], b.shape[1])
+    out.index_add_(0, expert, per_tile)
+    return out[:num_experts]
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on `device`'s type right now, or None outside autocast."""
+    device_type = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else None
+    if device_type is None or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 class BufferPool:
@@ -334,12 +415,19 @@ def grouped_experts_forward(
     slot_pos = order.new_zeros(num_slots) if num_kept < num_slots else order.new_empty(num_slots)
     slot_pos.index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
     weights = (self.gate_up_proj, self.down_proj)
+    compute = autocast_dtype(hidden_states.device)
+    if compute is not None and weights[0].dtype != compute:
+        # under autocast: the operands cast once (differentiably: the fp32 master weights get fp32 gradients), then
+        # the grouped GEMMs run in the autocast dtype (torch's kernel for bf16), with autocast off inside
+        weights = tuple(w.to(compute) for w in weights)
+        hidden_states = hidden_states.to(compute)
     args = (hidden_states, top_k_weights, *weights, self.act_fn, order, offsets, slot_pos, dropped)
-    if _tracing():  # torch.compile / torch.export: differentiable ops, autograd derives the backward
-        return _traced_experts_forward(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
-        return _GroupedExperts.apply(*args)
-    return _experts_forward(*args, for_backward=False)[0]
+    with torch.autocast(hidden_states.device.type, enabled=False) if compute is not None else contextlib.nullcontext():
+        if _tracing():  # torch.compile / torch.export: differentiable ops, autograd derives the backward
+            return _traced_experts_forward(*args)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
+            return _GroupedExperts.apply(*args)
+        return _experts_forward(*args, for_backward=False)[0]
 
 
 def _tracing() -> bool:
