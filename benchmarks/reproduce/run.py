@@ -112,9 +112,10 @@ class Deadline:
         return per_step * scale["steps"] * 1.25, f"probe: {per_step * 1000:.1f} ms/step"
 
 
-def probe_step_seconds(config, scale: dict, mixed_precision: str = "no", steps: int = 3) -> float:
+def probe_step_seconds(config, scale: dict, mixed_precision: str = "no", steps: int = 3, stats: dict | None = None) -> float:
     """Median seconds of one training step (forward, backward, AdamW) of `config` at the scale's batch, after a
-    warm-up step, on the default device."""
+    warm-up step, on the default device (random token ids: no data needed). `stats`, when given, receives the peak
+    CUDA memory of the timed steps."""
     import torch
 
     from mhmoe import MHMoEForCausalLM
@@ -136,8 +137,33 @@ def probe_step_seconds(config, scale: dict, mixed_precision: str = "no", steps: 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
+        if device.type == "cuda" and len(times) == 1:
+            torch.cuda.reset_peak_memory_stats(device)
+    if stats is not None and device.type == "cuda":
+        stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     del model, optimizer
     return statistics.median(times[1:])
+
+
+def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out: Path, mixed_precision: str) -> Path:
+    """Training throughput of the selected cells (`probe_step_seconds` over `steps` steps, random ids), written to
+    out/probe_<table>_<scale>.json with the provenance of the machine."""
+    scale = tables.SCALES[scale_name]
+    tokens = scale["batch"] * scale["block"]
+    result = {"table": name, "scale_name": scale_name, "steps": steps, "tokens_per_step": tokens,
+              "mixed_precision": mixed_precision, **harness.git_state(), "device": harness.device_name(),
+              "versions": harness.versions(), "started_utc": harness.utc_now(), "cells": {}}  # fmt: skip
+    path = out / f"probe_{name}_{scale_name}.json"
+    for cell, config in select_cells(name, scale, wanted).items():
+        stats: dict = {}
+        seconds = probe_step_seconds(config, scale, mixed_precision, steps, stats)
+        result["cells"][cell] = {"ms_per_step": 1e3 * seconds, "tokens_per_second": tokens / seconds,
+                                 "run_seconds_estimate": seconds * scale["steps"], **stats}  # fmt: skip
+        print(f"probe {name} | {cell}: {1e3 * seconds:.1f} ms/step, {tokens / seconds:,.0f} tokens/s, a full run "
+              f"({scale['steps']} steps) ~{seconds * scale['steps'] / 60:.1f} min", flush=True)  # fmt: skip
+        result["finished_utc"] = harness.utc_now()
+        harness.atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+    return path
 
 
 def run_cells(name: str, scale_name: str, seeds: list[int], out: Path, wanted: list[str] | None = None,
@@ -274,6 +300,9 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                         help="build the table from the run files in DIR... (no training); written to --out, "
                         "default the first DIR")  # fmt: skip
+    parser.add_argument("--probe", type=int, default=None, metavar="STEPS",
+                        help="only measure training tokens/s of the selected cells over STEPS steps (random ids) into "
+                        "--out/probe_<table>_<scale>.json")  # fmt: skip
     parser.add_argument("--list", action="store_true", help="list the tables and exit")
     parser.add_argument("--cards", action="store_true", help="regenerate the tables, plots and model cards from the "
                         "committed results JSON (no training)")  # fmt: skip
@@ -293,10 +322,13 @@ def main(argv=None) -> int:
             parser.error("--merge builds the tables of tables.py; moh_fig2 writes its results in one run")
         merge(args.table, args.merge, args.out or args.merge[0])
         return 0
-    if len(args.seeds) < 2 and not args.quick and not args.cells:
-        parser.error("use at least 2 seeds per cell (--seeds 0 1), or pick --cells for a partial run")
     scale = "quick" if args.quick else args.scale
     mixed_precision = args.mixed_precision or ("bf16" if scale == "gpu" else "no")
+    if args.probe:
+        probe(args.table, scale, args.cells, args.probe, args.out or harness.RESULTS, mixed_precision)
+        return 0
+    if len(args.seeds) < 2 and not args.quick and not args.cells:
+        parser.error("use at least 2 seeds per cell (--seeds 0 1), or pick --cells for a partial run")
     deadline = Deadline(args.deadline)
     with tempfile.TemporaryDirectory(prefix="mhmoe-reproduce-") as tmp:
         out = args.out or (Path(tmp) / "results" if args.quick else harness.RESULTS)

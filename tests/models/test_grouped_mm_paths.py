@@ -182,3 +182,34 @@ def test_bitnet_grouped_linear_under_autocast_and_tiled():
     (tiled_grad,) = torch.autograd.grad(tiled.sum(), weight)  # the tiled path is differentiable as it stands
     torch.testing.assert_close(tiled, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tiled_grad, ref_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_models_import_and_run_without_transformers_tensor_parallel_styles():
+    """An older Transformers (the GPU image's) lacks `transformers.distributed.parallel_utils`: the models still import
+    and run; only the MoH head router's TP style is not registered. Fresh interpreter, the name removed first."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import json, sys
+import transformers.distributed.parallel_utils as parallel_utils
+import transformers.distributed.tensor_parallel, transformers.modeling_utils  # Transformers' own users, loaded first
+del parallel_utils.ALL_PARALLEL_STYLES  # as in a Transformers without it: `from ... import` it raises ImportError
+import torch
+from mhmoe import MHMoEConfig, MHMoEForCausalLM
+from mhmoe.models.mhmoe import moh_parallel
+config = MHMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_heads=2, moh_shared_heads=2,
+                     moh_active_heads=1)
+loss = MHMoEForCausalLM(config)(input_ids=torch.tensor([[1, 5, 9, 2]]), labels=torch.tensor([[1, 5, 9, 2]])).loss
+print(json.dumps({"styles": moh_parallel.ALL_PARALLEL_STYLES is None, "loss": float(loss)}))
+"""
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["styles"] and result["loss"] > 0
