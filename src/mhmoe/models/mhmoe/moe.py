@@ -307,6 +307,10 @@ def _experts_forward(
     )  # (S_kept, W)
     if not for_backward:
         BUFFER_POOL.give(buffer, rows)  # dead: act(gate)·up and the rows have been read
+    elif rows.data_ptr() != hidden_states.data_ptr():
+        # not kept for the backward, which gathers the rows again and recomputes act(gate)·up: of the (S, W + 3I)
+        # per-assignment intermediates only gate_up (S, 2I) stays alive until the backward
+        BUFFER_POOL.give(rows, hidden)
 
     slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
     BUFFER_POOL.give(expert_out)
@@ -315,7 +319,7 @@ def _experts_forward(
     if not for_backward:
         BUFFER_POOL.give(slots)
         return out.to(hidden_states.dtype), ()
-    return out.to(hidden_states.dtype), (rows, gate_up, hidden, slots, source_rows)
+    return out.to(hidden_states.dtype), (gate_up, slots)
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -326,26 +330,29 @@ class _GroupedExperts(torch.autograd.Function):
     experts are fine-grained (the S = N·K rows of width 2I outweigh a coarse SMoE's): the backward writes the gate/up
     gradient into one (S, 2I) buffer (no concatenation of two halves), gets the expert weight gradients from the
     grouped GEMM directly in the parameters' (E, 2I, W) / (E, W, I) layout (no transposed copy in AccumulateGrad), sums
-    the input gradient by gathering each row's K slots (no scatter-add), recomputes act(gate) instead of keeping it,
-    and, when the graph is freed afterwards, reuses the dead forward buffers instead of allocating new ones.
+    the input gradient by gathering each row's K slots (no scatter-add), and, when the graph is freed afterwards,
+    reuses the dead forward buffers instead of allocating new ones.
+
+    Memory: of the per-assignment intermediates (gathered rows (S, W), gate/up (S, 2I), act(gate)·up (S, I)) only
+    gate/up is kept for the backward, which gathers the rows again and recomputes act(gate)·up (elementwise, and one
+    gather); with h·k sub-token assignments (MH-MoE) these dominate the layer's saved memory (benchmarks/memory.py).
     """
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped):
-        out, saved = _experts_forward(
+        out, (gate_up, slots) = _experts_forward(
             hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped, True
         )
-        *saved, source_rows = saved
-        ctx.save_for_backward(*saved, top_k_weights, gate_up_proj, down_proj)
-        ctx.index = (order, offsets, source_rows, slot_pos, dropped)
-        ctx.act_fn, ctx.hidden_dtype = act_fn, hidden_states.dtype
+        ctx.save_for_backward(gate_up, slots, hidden_states, top_k_weights, gate_up_proj, down_proj)
+        ctx.index = (order, offsets, slot_pos, dropped)
+        ctx.act_fn = act_fn
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        rows, gate_up, hidden, slots, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
-        order, offsets, source_rows, slot_pos, dropped = ctx.index
+        gate_up, slots, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        order, offsets, slot_pos, dropped = ctx.index
         need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         num_rows, top_k = top_k_weights.shape
         inter = down_proj.shape[-1]
@@ -357,38 +364,40 @@ class _GroupedExperts(torch.autograd.Function):
             grad_weights = grad_weights.to(top_k_weights.dtype)
         grad_x = grad_gate_up_proj = grad_down = None
         if need_x or need_gate_up or need_down:
-            dtype = hidden.dtype
+            dtype = gate_up.dtype
+            num_kept = gate_up.shape[0]
+            source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
             weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)
             grad_expert_out = _select_rows(grad_out.to(dtype), source_rows).mul_(weights_sorted)  # (S_kept, W)
-            if need_down:
-                grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
-            buffer = BUFFER_POOL.take(grad_expert_out.shape[0], inter, grad_expert_out)
-            grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets, out=buffer)  # (S_kept, I)
             gate, up = gate_up[:, :inter], gate_up[:, inter:]
-            # d gate_up = [act'(gate)·up·d hidden | act(gate)·d hidden], the activation recomputed. Fresh (S, 2I) and
-            # (S, I) buffers cost page faults on CPU at this size, so when the graph is freed afterwards the gradient
-            # goes into gate_up's own buffer and d act into hidden's (both dead once read).
+            hidden = None  # act(gate)·up, recomputed (the forward did not keep it) into a buffer of this backward's
+            if need_down:
+                hidden = _activation(ctx.act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, gate_up))
+                hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
+                grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
+            buffer = BUFFER_POOL.take(num_kept, inter, grad_expert_out)
+            grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets, out=buffer)  # (S_kept, I)
+            # d gate_up = [act'(gate)·up·d hidden | act(gate)·d hidden], the activation recomputed. A fresh (S, 2I)
+            # buffer costs page faults on CPU at this size, so when the graph is freed afterwards the gradient goes
+            # into gate_up's own buffer (dead once read); d act goes into the recomputed hidden's buffer.
             overwrite = _may_overwrite_saved_tensors()
-            if overwrite:
-                grad_gate_up = gate_up
-                grad_act = torch.mul(grad_hidden, up, out=hidden)  # before `up` is overwritten
-                _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
-            else:
-                grad_gate_up = torch.empty_like(gate_up)  # (S_kept, 2I)
-                _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
-                grad_act = grad_hidden.mul_(up)
+            grad_gate_up = gate_up if overwrite else torch.empty_like(gate_up)  # (S_kept, 2I)
+            grad_act = grad_hidden * up if hidden is None else torch.mul(grad_hidden, up, out=hidden)  # before `up`
+            _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)  # may overwrite `up`
             _activation_backward(ctx.act_fn, gate, grad_act, grad_gate_up[:, :inter])
             if need_gate_up:
+                rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # (S_kept, W), gathered again
                 grad_gate_up_proj = _grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
+                BUFFER_POOL.give(rows)
             if need_x:
                 pooled = BUFFER_POOL.take(*grad_expert_out.shape, grad_expert_out)
                 grad_sorted = _grouped_mm(grad_gate_up, gate_up_proj, offsets, out=pooled)  # (S_kept, W)
                 grad_slots = _gather_slots(grad_sorted, slot_pos, dropped)  # (N·K, W)
-                grad_x = _sum_slots(grad_slots, top_k).to(ctx.hidden_dtype)
+                grad_x = _sum_slots(grad_slots, top_k).to(hidden_states.dtype)
                 BUFFER_POOL.give(grad_sorted, grad_slots if grad_x.data_ptr() != grad_slots.data_ptr() else None)
-            BUFFER_POOL.give(grad_hidden, grad_expert_out)
+            BUFFER_POOL.give(grad_hidden, grad_expert_out, grad_act)
             if overwrite:  # the graph no longer needs its saved buffers
-                BUFFER_POOL.give(rows, gate_up, hidden, slots)
+                BUFFER_POOL.give(gate_up, slots)
         return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
