@@ -134,7 +134,7 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
         except Exception as error:  # a failing kernel is a result, not the end of the benchmark
             results.append({"check": name, "ok": False, "error": f"{type(error).__name__}: {error}"[:500]})
 
-    rows, experts, top_k, width, inter = (64, 8, 3, 16, 32) if smoke else (4096, 96, 3, 256, 512)
+    rows, experts, top_k, width, inter = (64, 12, 3, 16, 32) if smoke else (4096, 96, 3, 256, 512)  # E: no power of 2
     g = torch.Generator(device="cpu").manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         tag = str(dtype).removeprefix("torch.")
