@@ -212,6 +212,29 @@ def run_cells(name: str, scale_name: str, seeds: list[int], out: Path, wanted: l
     return True
 
 
+def legacy_runs(folder: Path, name: str) -> list[dict]:
+    """Run records from the one-piece results JSON of earlier versions (`reproduce_<table>_<scale>.json` without
+    `merged_from`, e.g. the committed benchmarks/results): each run with its cell's config and parity, the table's
+    data, and the provenance it recorded (commit, device, versions)."""
+    records = []
+    for path in sorted(folder.glob(f"reproduce_{name}_*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("table") != name or "merged_from" in data or "cells" not in data:
+            continue
+        provenance = {"commit": data.get("commit"), "device": data.get("device"), "from": path.name,
+                      "versions": {k: data.get(k) for k in ("torch", "transformers", "mhmoe") if k in data}}  # fmt: skip
+        for cell, entry in data["cells"].items():
+            for run in entry["runs"]:
+                run = {**run, "provenance": {**provenance, **run.get("provenance", {})}}
+                records.append({"format": RUN_FORMAT, "table": name, "scale_name": data["scale_name"],
+                                "scale": data["scale"], "cell": cell, "data": data["data"], "config": entry["config"],
+                                "parity": entry["parity"], "run": run})  # fmt: skip
+    return records
+
+
 def merge(name: str, folders: list[Path], out: Path) -> list[Path]:
     """The table JSON, Markdown, plot and cards of `name` from the run files in `folders` (one table per scale found;
     a (cell, seed) present in several folders is taken from the first). Cells in table order, seeds in order."""
@@ -222,6 +245,8 @@ def merge(name: str, folders: list[Path], out: Path) -> list[Path]:
             record = read_run(path)
             if record is None or record["table"] != name:
                 continue
+            records.setdefault(record["scale_name"], {}).setdefault((record["cell"], record["run"]["seed"]), record)
+        for record in legacy_runs(folder, name):  # tables written in one piece before run files existed
             records.setdefault(record["scale_name"], {}).setdefault((record["cell"], record["run"]["seed"]), record)
     if not records:
         raise SystemExit(f"error: no finished runs of {name} under {', '.join(str(f / 'runs') for f in folders)}")

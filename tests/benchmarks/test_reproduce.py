@@ -199,3 +199,15 @@ def test_quick_throughput_columns(tmp_path):
         assert all(r["train_tokens_per_second"] > 0 and r["inference_tokens_per_second"] > 0 for r in cell["runs"])
     table = (tmp_path / "reproduce_lory_comparison_quick.md").read_text()
     assert "train tokens/s | inference tokens/s |" in table and table == harness.markdown_table(data)
+
+
+def test_merge_reads_the_committed_one_piece_tables(tmp_path):
+    """--merge takes the results JSON written before run files existed (the committed tables): same cells, runs and
+    summary as the committed file."""
+    committed = json.loads((REPO / "benchmarks" / "results" / "reproduce_mhmoe_table1_cpu.json").read_text())
+    assert run.main(["mhmoe_table1", "--merge", str(REPO / "benchmarks" / "results"), "--out", str(tmp_path)]) == 0
+    merged = json.loads((tmp_path / "reproduce_mhmoe_table1_cpu.json").read_text())
+    assert list(merged["cells"]) == list(committed["cells"])
+    for cell, entry in committed["cells"].items():
+        assert [r["eval"] for r in merged["cells"][cell]["runs"]] == [r["eval"] for r in entry["runs"]]
+        assert merged["cells"][cell]["summary"] == entry["summary"]
