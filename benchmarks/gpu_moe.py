@@ -18,8 +18,8 @@ at its time limit still leaves what it measured:
   gemm     the h=3 experts in TFLOP/s (torch grouped GEMM and the Triton experts, forward) against a dense bf16 GEMM
            of the same FLOPs
 
-Every timing: interleaved rounds (the candidates take turns, the order rotating each round), two warm-up rounds, medians;
-ratios are medians of per-round ratios. Device, commit (and dirty flag) and versions head the file.
+Every timing: interleaved rounds (the candidates take turns, the order rotating each round), two warm-up rounds,
+medians; ratios are medians of per-round ratios. Device, commit (and dirty flag) and versions head the file.
 
 Usage:
   python benchmarks/gpu_moe.py [--out DIR] [--hidden 768 1536] [--tokens 8192 32768] [--repeats 20] [--sections ...]
@@ -249,8 +249,8 @@ def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
     from mhmoe.models.mhmoe.ops.experts import experts_triton
 
     if hidden % 3 or hidden % 64:
-        raise SystemExit(f"error: --hidden {hidden}: the h=3 block needs a width divisible by 3 and the attention heads "
-                         "of 64 (e.g. 768, 1536)")  # fmt: skip
+        raise SystemExit(f"error: --hidden {hidden}: the h=3 block needs a width divisible by 3 and the "
+                         "attention heads of 64 (e.g. 768, 1536)")  # fmt: skip
     inter = smoe_intermediate(hidden)
     mixtral = MixtralConfig(hidden_size=hidden, num_local_experts=8, num_experts_per_tok=1, intermediate_size=inter)
     mixtral._experts_implementation = "grouped_mm"
@@ -338,8 +338,8 @@ def time_model(repeats, device, smoke) -> dict:
             base_memory = torch.cuda.memory_allocated()
             step()
             torch.cuda.synchronize()
-            peaks[name] = {"peak_bytes": torch.cuda.max_memory_allocated(),
-                           "peak_above_weights_and_optimizer_bytes": torch.cuda.max_memory_allocated() - base_memory}  # fmt: skip
+            peak = torch.cuda.max_memory_allocated()
+            peaks[name] = {"peak_bytes": peak, "peak_above_weights_and_optimizer_bytes": peak - base_memory}
         steps[name] = step
     timings = interleaved(steps, repeats, device, "smoe")
     results = {}
@@ -348,8 +348,8 @@ def time_model(repeats, device, smoke) -> dict:
                          **peaks.get(name, {})}  # fmt: skip
     if peaks:
         for name in results:
-            results[name]["activation_peak_vs_smoe"] = (results[name]["peak_above_weights_and_optimizer_bytes"]
-                                                        / results["smoe"]["peak_above_weights_and_optimizer_bytes"])  # fmt: skip
+            key = "peak_above_weights_and_optimizer_bytes"
+            results[name]["activation_peak_vs_smoe"] = results[name][key] / results["smoe"][key]
     return {"hidden": hidden, "layers": layers, "batch": batch, "seq": seq, "precision": f"autocast {dtype}",
             "models": results}  # fmt: skip
 
@@ -469,8 +469,9 @@ def write_json(path: Path, data: dict) -> None:
 
 def markdown(result: dict) -> str:
     """The tables of one run (whatever sections it holds)."""
+    dirty = " (dirty)" if result.get("dirty") else ""
     lines = [f"**{result['device']}**, torch {result['torch']}, triton {result['triton']}, transformers "
-             f"{result['transformers']}, commit {result['commit']}{' (dirty)' if result.get('dirty') else ''}"]  # fmt: skip
+             f"{result['transformers']}, commit {result['commit']}{dirty}"]  # fmt: skip
     checks = result.get("checks")
     if checks is not None:
         failed = [c for c in checks if not c.get("ok")]
@@ -501,7 +502,8 @@ def markdown(result: dict) -> str:
             lines += [f"| {name} | {us:.1f} |" for name, us in section["us"].items()]
     if result.get("gemm"):
         gemm = result["gemm"]
-        lines += ["", f"| h=3 experts forward, {gemm['tokens']} tokens | ms | TFLOP/s | vs dense |", "| --- | --- | --- | --- |"]
+        lines += ["", f"| h=3 experts forward, {gemm['tokens']} tokens | ms | TFLOP/s | vs dense |",
+                  "| --- | --- | --- | --- |"]  # fmt: skip
         for name, cells in gemm.items():
             if isinstance(cells, dict):
                 vs = f"{cells['vs_dense']:.0%}" if "vs_dense" in cells else "-"

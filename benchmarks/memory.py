@@ -86,7 +86,8 @@ def measure(name: str, args) -> dict:
     return {"model": name, "parameters": sum(p.numel() for p in model.parameters()), "resident_before": before,
             "step_peak": peak - before, "total_peak": peak, "saved_for_backward": saved["bytes"],
             "moe_heads": config.moe_heads, "num_experts": config.num_experts,
-            "experts_per_token": config.num_experts_per_tok, "moe_intermediate_size": config.moe_intermediate_size}  # fmt: skip
+            "experts_per_token": config.num_experts_per_tok,
+            "moe_intermediate_size": config.moe_intermediate_size}  # fmt: skip
 
 
 def main(argv=None) -> int:

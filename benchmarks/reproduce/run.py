@@ -112,7 +112,9 @@ class Deadline:
         return per_step * scale["steps"] * 1.25, f"probe: {per_step * 1000:.1f} ms/step"
 
 
-def probe_step_seconds(config, scale: dict, mixed_precision: str = "no", steps: int = 3, stats: dict | None = None) -> float:
+def probe_step_seconds(
+    config, scale: dict, mixed_precision: str = "no", steps: int = 3, stats: dict | None = None
+) -> float:
     """Median seconds of one training step (forward, backward, AdamW) of `config` at the scale's batch, after a
     warm-up step, on the default device (random token ids: no data needed). `stats`, when given, receives the peak
     CUDA memory of the timed steps."""
@@ -167,7 +169,8 @@ def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out:
 
 
 def run_cells(name: str, scale_name: str, seeds: list[int], out: Path, wanted: list[str] | None = None,
-              deadline: Deadline | None = None, mixed_precision: str = "no", eval_every: int | None = None) -> bool:  # fmt: skip
+              deadline: Deadline | None = None, mixed_precision: str = "no",
+              eval_every: int | None = None) -> bool:  # fmt: skip
     """Train every selected (cell, seed) not yet in `out`, writing each run file as it finishes. Returns False when the
     deadline stopped it before every run was done."""
     _, title = tables.TABLES[name]
@@ -224,8 +227,9 @@ def legacy_runs(folder: Path, name: str) -> list[dict]:
             continue
         if data.get("table") != name or "merged_from" in data or "cells" not in data:
             continue
+        versions = {k: data[k] for k in ("torch", "transformers", "mhmoe") if k in data}
         provenance = {"commit": data.get("commit"), "device": data.get("device"), "from": path.name,
-                      "versions": {k: data.get(k) for k in ("torch", "transformers", "mhmoe") if k in data}}  # fmt: skip
+                      "versions": versions}  # fmt: skip
         for cell, entry in data["cells"].items():
             for run in entry["runs"]:
                 run = {**run, "provenance": {**provenance, **run.get("provenance", {})}}
@@ -254,8 +258,11 @@ def merge(name: str, folders: list[Path], out: Path) -> list[Path]:
     for scale_name, runs in sorted(records.items()):
         order = list(tables.TABLES[name][0](tables.SCALES[scale_name]))
         cells = {}
-        for (cell, _), record in sorted(runs.items(), key=lambda item: (order.index(item[0][0])
-                                                                        if item[0][0] in order else len(order), item[0][1])):  # fmt: skip
+        def position(item):
+            (cell, seed), _ = item
+            return (order.index(cell) if cell in order else len(order), seed)
+
+        for (cell, _), record in sorted(runs.items(), key=position):
             entry = cells.setdefault(cell, {"config": record["config"], "parity": record["parity"], "runs": []})
             entry["runs"].append(record["run"])
         first = next(iter(runs.values()))
@@ -314,7 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", choices=[s for s in tables.SCALES if s != "quick"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="CI smoke run: tiny models, a few steps")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--cells", nargs="+", default=None, help="only these cells (ids such as smoe mhmoe_h3, or names)")
+    parser.add_argument("--cells", nargs="+", default=None,
+                        help="only these cells (ids such as smoe mhmoe_h3, or names)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results)")
     parser.add_argument("--deadline", type=float, default=None, metavar="MINUTES",
                         help="start no run that would not finish within MINUTES of the command's start")

@@ -58,7 +58,8 @@ def test_chunked_runs_resume_merge_and_stop_at_a_deadline(tmp_path, capsys):
     assert prov["corpus"]["train_sha256"] == harness.file_sha256(out / "cache" / "train-subset.jsonl")
     assert prov["started_utc"] <= prov["finished_utc"]
     assert [p["step"] for p in record["run"]["eval"]] == [3, 6]
-    cache = sorted(p.name.split("-")[0] for p in (out / "cache").iterdir() if p.name.startswith(("tokenizer", "blocks")))
+    cached = (p.name for p in (out / "cache").iterdir())
+    cache = sorted(name.split("-")[0] for name in cached if name.startswith(("tokenizer", "blocks")))
     assert cache == ["blocks", "blocks", "tokenizer"]  # train and validation packed once, one tokenizer
     mtimes = {f: f.stat().st_mtime_ns for f in files}
     capsys.readouterr()
