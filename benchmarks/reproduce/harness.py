@@ -220,6 +220,7 @@ def run_cell(config, seed: int, scale: dict, files: tuple[str, str], tokenizer, 
     its provenance (`run["provenance"]`)."""
     steps = scale["steps"]
     enable_tf32()
+    reset_kernel_fallbacks()  # each run's record is its own (and kernels that failed before are tried again)
     torch.manual_seed(seed)
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     model = MHMoEForCausalLM(config)
@@ -327,24 +328,37 @@ def device_name(device: torch.device | None = None) -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def kernel_fallbacks() -> list | None:
-    """HOOK for the kernels' failure record (issue 23, point 3): what the ops report about kernels that failed and fell
-    back to the PyTorch reference in this process. Reads `fallback_record()` / `FALLBACKS` from the routing dispatch
-    module or the ops package when they exist; None when no such record is exposed (then only the warnings caught
-    during the run and routing's automatic-choice flag say whether a fallback happened)."""
+def kernel_fallbacks() -> dict | None:
+    """HOOK for the kernels' failure record (issue 23, point 3): {kernel: reason} for the kernels that failed and fell
+    back to their PyTorch reference since the last reset. Reads `routing.kernel_fallbacks()` (the same as
+    `ops.kernel_fallbacks.fallbacks()`) when the ops expose it; None when they do not (then only the warnings and log
+    records caught during the run and routing's automatic-choice flag say whether a fallback happened)."""
     import importlib
 
-    for module_name in ("mhmoe.models.mhmoe.routing", "mhmoe.models.mhmoe.ops", "mhmoe.models.mhmoe.ops.fallbacks"):
+    for module_name in ("mhmoe.models.mhmoe.routing", "mhmoe.models.mhmoe.ops.kernel_fallbacks"):
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        for attribute in ("fallback_record", "kernel_fallbacks", "FALLBACKS"):
+        for attribute in ("kernel_fallbacks", "fallbacks"):
             record = getattr(module, attribute, None)
             if record is not None:
                 record = record() if callable(record) else record
                 return json.loads(json.dumps(record, default=str))
     return None
+
+
+def reset_kernel_fallbacks() -> None:
+    """HOOK: forget the kernels' failure record before a run, where the ops offer `reset_fallbacks()`."""
+    import importlib
+
+    try:
+        module = importlib.import_module("mhmoe.models.mhmoe.ops.kernel_fallbacks")
+    except ImportError:
+        return
+    reset = getattr(module, "reset_fallbacks", None)
+    if reset is not None:
+        reset()
 
 
 def kernel_provenance(config, device: torch.device, caught=()) -> dict:
