@@ -214,3 +214,31 @@ print(json.dumps({"styles": moh_parallel.ALL_PARALLEL_STYLES is None, "loss": fl
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["styles"] and result["loss"] > 0
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep-gate_up", "recompute-gate_up"])
+def test_experts_keep_at_most_gate_up_and_match_eager(monkeypatch, recompute):
+    """The backward recomputes the gathered rows, act(gate)·up and the routing weights' gradient (no expert outputs
+    kept); with RECOMPUTE_GATE_UP not even gate/up. Gradients equal the eager loop's either way."""
+    monkeypatch.setattr(moe, "RECOMPUTE_GATE_UP", recompute)
+    experts = _experts()
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(40, 16, generator=g)
+    index = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(40)])
+    index[0, 1] = 6  # one dropped assignment (capacity sentinel)
+    weights = torch.rand(40, 3, generator=g).masked_fill(index == 6, 0.0)
+    grad_out = torch.randn(40, 16, generator=g)
+    results = []
+    for forward in (moe.eager_experts_forward, moe.grouped_experts_forward):
+        experts.zero_grad(set_to_none=True)
+        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = forward(experts, x, index, w)
+        if forward is moe.grouped_experts_forward:
+            inter = experts.gate_up_proj.shape[1]
+            big = [t for t in out.grad_fn.saved_tensors if t is not None and t.dim() == 2 and t.shape[-1] == inter]
+            assert len(big) == (0 if recompute else 1)  # (S, 2I) gate/up, or nothing
+        out.backward(grad_out)
+        results.append((out, x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad))
+    for want, have in zip(*results):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    assert results[1][2][0, 1] == 0  # the dropped slot's weight gets no gradient

@@ -316,10 +316,18 @@ def _experts_forward(
     BUFFER_POOL.give(expert_out)
     acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
     out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
+    BUFFER_POOL.give(slots)  # the backward gets d routing weights without them (see _GroupedExperts)
     if not for_backward:
-        BUFFER_POOL.give(slots)
         return out.to(hidden_states.dtype), ()
-    return out.to(hidden_states.dtype), (gate_up, slots)
+    if RECOMPUTE_GATE_UP:
+        BUFFER_POOL.give(buffer if buffer is not None else gate_up)
+        return out.to(hidden_states.dtype), (None,)
+    return out.to(hidden_states.dtype), (gate_up,)
+
+
+# Keep nothing of the experts' intermediates for the backward, not even gate/up (S, 2I): the backward recomputes it
+# with one more grouped GEMM (~22% more expert FLOPs in training) for the least memory. MHMOE_RECOMPUTE_GATE_UP=1.
+RECOMPUTE_GATE_UP = os.environ.get("MHMOE_RECOMPUTE_GATE_UP", "0") == "1"
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -333,17 +341,19 @@ class _GroupedExperts(torch.autograd.Function):
     the input gradient by gathering each row's K slots (no scatter-add), and, when the graph is freed afterwards,
     reuses the dead forward buffers instead of allocating new ones.
 
-    Memory: of the per-assignment intermediates (gathered rows (S, W), gate/up (S, 2I), act(gate)·up (S, I)) only
-    gate/up is kept for the backward, which gathers the rows again and recomputes act(gate)·up (elementwise, and one
-    gather); with h·k sub-token assignments (MH-MoE) these dominate the layer's saved memory (benchmarks/memory.py).
+    Memory: of the per-assignment intermediates (gathered rows (S, W), gate/up (S, 2I), act(gate)·up (S, I), expert
+    outputs (S, W)) only gate/up is kept for the backward, which gathers the rows again, recomputes act(gate)·up
+    (elementwise) and gets the routing weights' gradient from it (<d out · down, act·up>, no expert output needed);
+    with h·k sub-token assignments (MH-MoE) these dominate the layer's saved memory (benchmarks/memory.py).
+    `RECOMPUTE_GATE_UP` keeps not even gate/up (one more grouped GEMM in the backward).
     """
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped):
-        out, (gate_up, slots) = _experts_forward(
+        out, (gate_up,) = _experts_forward(
             hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped, True
         )
-        ctx.save_for_backward(gate_up, slots, hidden_states, top_k_weights, gate_up_proj, down_proj)
+        ctx.save_for_backward(gate_up, hidden_states, top_k_weights, gate_up_proj, down_proj)
         ctx.index = (order, offsets, slot_pos, dropped)
         ctx.act_fn = act_fn
         return out
@@ -351,53 +361,67 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        gate_up, slots, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        gate_up, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
         order, offsets, slot_pos, dropped = ctx.index
         need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         num_rows, top_k = top_k_weights.shape
         inter = down_proj.shape[-1]
-
-        grad_weights = None
-        if need_weights:  # d weight[n, k] = <d out[n], expert output in slot (n, k)>; 0 for dropped slots
-            acc = _accumulation_dtype(slots, top_k_weights)
-            grad_weights = torch.bmm(slots.to(acc), grad_out.to(acc).unsqueeze(-1)).view(num_rows, top_k)
-            grad_weights = grad_weights.to(top_k_weights.dtype)
-        grad_x = grad_gate_up_proj = grad_down = None
-        if need_x or need_gate_up or need_down:
-            dtype = gate_up.dtype
-            num_kept = gate_up.shape[0]
-            source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
-            weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)
-            grad_expert_out = _select_rows(grad_out.to(dtype), source_rows).mul_(weights_sorted)  # (S_kept, W)
-            gate, up = gate_up[:, :inter], gate_up[:, inter:]
-            hidden = None  # act(gate)·up, recomputed (the forward did not keep it) into a buffer of this backward's
-            if need_down:
-                hidden = _activation(ctx.act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, gate_up))
-                hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
-                grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
-            buffer = BUFFER_POOL.take(num_kept, inter, grad_expert_out)
-            grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets, out=buffer)  # (S_kept, I)
+        grad_x = grad_weights = grad_gate_up_proj = grad_down = None
+        if not (need_x or need_weights or need_gate_up or need_down):
+            return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
+        source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
+        rows = None
+        overwrite = _may_overwrite_saved_tensors()
+        if gate_up is None:  # RECOMPUTE_GATE_UP: nothing was kept; a buffer of this backward's, free to overwrite
+            rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
+            buffer = BUFFER_POOL.take(rows.shape[0], 2 * inter, rows)
+            gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets, out=buffer)  # (S_kept, 2I)
+            overwrite = True
+        dtype = gate_up.dtype
+        num_kept = gate_up.shape[0]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)  # (S_kept, 1)
+        grad_sorted = _select_rows(grad_out.to(dtype), source_rows)  # (S_kept, W) d expert output, unweighted
+        buffer = BUFFER_POOL.take(num_kept, inter, grad_sorted)
+        grad_hidden = _grouped_mm(grad_sorted, down_proj, offsets, out=buffer)  # (S_kept, I), unweighted
+        hidden = None  # act(gate)·up, recomputed (the forward did not keep it) into a buffer of this backward's
+        if need_down or need_weights:
+            hidden = _activation(ctx.act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, gate_up))
+            hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
+        if need_weights:
+            # d weight[n, k] = <d out[n], expert output of slot (n, k)> = <d out[n] · down[e], act·up> (the expert
+            # output itself is not kept); 0 for dropped slots
+            per_assignment = torch.bmm(grad_hidden.unsqueeze(1), hidden.unsqueeze(2)).view(-1)  # (S_kept,)
+            per_assignment.masked_fill_(dropped.index_select(0, order), 0.0)  # rows never computed: undefined
+            grad_weights = top_k_weights.new_zeros(num_rows * top_k)
+            grad_weights.index_copy_(0, order, per_assignment.to(grad_weights.dtype))
+            grad_weights = grad_weights.view(num_rows, top_k)
+        grad_expert_out = grad_sorted.mul_(weights_sorted)  # (S_kept, W) weighted
+        grad_hidden.mul_(weights_sorted)  # (S_kept, I) weighted: d (act·up)
+        if need_down:
+            grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
+        if need_x or need_gate_up:
             # d gate_up = [act'(gate)·up·d hidden | act(gate)·d hidden], the activation recomputed. A fresh (S, 2I)
             # buffer costs page faults on CPU at this size, so when the graph is freed afterwards the gradient goes
             # into gate_up's own buffer (dead once read); d act goes into the recomputed hidden's buffer.
-            overwrite = _may_overwrite_saved_tensors()
             grad_gate_up = gate_up if overwrite else torch.empty_like(gate_up)  # (S_kept, 2I)
             grad_act = grad_hidden * up if hidden is None else torch.mul(grad_hidden, up, out=hidden)  # before `up`
             _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)  # may overwrite `up`
             _activation_backward(ctx.act_fn, gate, grad_act, grad_gate_up[:, :inter])
             if need_gate_up:
-                rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # (S_kept, W), gathered again
+                if rows is None:
+                    rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # gathered again
                 grad_gate_up_proj = _grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
-                BUFFER_POOL.give(rows)
             if need_x:
                 pooled = BUFFER_POOL.take(*grad_expert_out.shape, grad_expert_out)
-                grad_sorted = _grouped_mm(grad_gate_up, gate_up_proj, offsets, out=pooled)  # (S_kept, W)
-                grad_slots = _gather_slots(grad_sorted, slot_pos, dropped)  # (N·K, W)
+                grad_rows = _grouped_mm(grad_gate_up, gate_up_proj, offsets, out=pooled)  # (S_kept, W)
+                grad_slots = _gather_slots(grad_rows, slot_pos, dropped)  # (N·K, W)
                 grad_x = _sum_slots(grad_slots, top_k).to(hidden_states.dtype)
-                BUFFER_POOL.give(grad_sorted, grad_slots if grad_x.data_ptr() != grad_slots.data_ptr() else None)
-            BUFFER_POOL.give(grad_hidden, grad_expert_out, grad_act)
-            if overwrite:  # the graph no longer needs its saved buffers
-                BUFFER_POOL.give(gate_up, slots)
+                BUFFER_POOL.give(grad_rows, grad_slots if grad_x.data_ptr() != grad_slots.data_ptr() else None)
+            BUFFER_POOL.give(grad_act)
+        BUFFER_POOL.give(rows, grad_hidden, grad_expert_out, hidden)
+        if overwrite:  # the graph no longer needs its saved buffer
+            BUFFER_POOL.give(gate_up)
         return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
