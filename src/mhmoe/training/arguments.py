@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
-from ..hub.checkpoint_files import read_model_type, weight_files
-from .data import read_files
+# Light on purpose: the command line parses these arguments before torch and Transformers are imported (cli.py).
 
 
 class TrainingError(ValueError):
     """A problem with the arguments, the model or the data, found before training starts."""
+
+
+class TrainingStopped(TrainingError):
+    """Training started and was stopped (e.g. by repeated non-finite losses); what it saved so far stays."""
 
 
 @dataclass
@@ -87,7 +91,16 @@ class TrainArguments:
     save_steps: int = field(default=0, metadata={"help": "Accelerator.save_state every N steps (0: never)."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint-N directory, or 'latest' (the newest in --output_dir)."}
+        default=None, metadata={"help": "A checkpoint-N directory, or 'latest' (the newest complete one in "
+                                        "--output_dir; damaged newer ones are skipped and named)."}  # fmt: skip
+    )
+    resume_without_rng_state: bool = field(
+        default=False, metadata={"help": "Resume even if the checkpoint's RNG state files do not load (random draws "
+                                         "such as router jitter then differ from the interrupted run)."}  # fmt: skip
+    )
+    max_nonfinite_steps: int = field(
+        default=3,
+        metadata={"help": "Stop with an error after this many steps in a row with a NaN/inf loss (0: never)."},
     )
     overwrite_output_dir: bool = field(
         default=False,
@@ -129,10 +142,26 @@ def supported_model_types() -> list[str]:
     return [t for t in ("mhmoe", "moh_llama", *DENSE_PARENT_TYPES) if t in CONFIG_MAPPING]
 
 
+def check_required(args: TrainArguments, model_given: bool = False) -> None:
+    names = ("output_dir", "train_file") if model_given else ("model_name_or_path", "output_dir", "train_file")
+    missing = [f"--{name}" for name in names if not getattr(args, name)]
+    if missing:
+        raise TrainingError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required "
+                            "(see mhmoe-train --help)")  # fmt: skip
+
+
+FLOAT_ARGUMENTS = ("learning_rate", "min_learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+                   "max_grad_norm", "warmup_ratio", "num_train_epochs", "validation_split_percentage", "lora_dropout")
+
+
 def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
-    for name in ("output_dir", "train_file") if model_given else ("model_name_or_path", "output_dir", "train_file"):
-        if not getattr(args, name):
-            raise TrainingError(f"--{name} is required")
+    check_required(args, model_given)
+    not_finite = [f"--{name} {getattr(args, name)}" for name in FLOAT_ARGUMENTS
+                  if not math.isfinite(getattr(args, name))]  # fmt: skip
+    if not_finite:  # NaN passes every comparison below (nan <= 0 is False) and would train on NaN
+        raise TrainingError(f"{', '.join(not_finite)}: must be a finite number")
+    if args.max_nonfinite_steps < 0:
+        raise TrainingError(f"--max_nonfinite_steps must be >= 0 (0: never stop), got {args.max_nonfinite_steps}")
     if isinstance(args.train_file, str):
         args.train_file = [args.train_file]
     if isinstance(args.validation_file, str):
@@ -186,6 +215,8 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
 
 
 def _read(paths: list[str], text_field: str) -> list[str]:
+    from .data import read_files
+
     try:
         return read_files(paths, text_field)
     except (OSError, ValueError) as e:
@@ -212,8 +243,11 @@ def _parse_overrides(text: str | None) -> dict:
 
 
 def load_config(args: TrainArguments):
-    """(config, from_scratch). Refuses unknown model types with the list of supported ones."""
+    """(config, from_scratch). Refuses unknown model types with the list of supported ones, unknown config keys by
+    name, values of the wrong type and invalid combinations in one line each, and damaged weight files."""
     from transformers import AutoConfig
+
+    from ..hub.checkpoint_files import read_model_type, weight_files
 
     path = args.model_name_or_path
     from_scratch = os.path.isfile(path)
@@ -221,18 +255,21 @@ def load_config(args: TrainArguments):
         try:
             with open(path) as f:
                 fields = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise TrainingError(f"{path}: not a valid config JSON ({e})") from None
-        model_type = fields.pop("model_type", None) if isinstance(fields, dict) else None
+        if not isinstance(fields, dict):
+            raise TrainingError(f"{path}: a config JSON is an object of config fields, not a {type(fields).__name__}")
+        model_type = fields.pop("model_type", None)
     else:
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise TrainingError(f"{path} is not a checkpoint directory (no config.json)")
         model_type = read_model_type(config_file, TrainingError)
         try:
-            weight_files(path, TrainingError)  # safetensors only; pickles are refused, never unpickled
+            shards, _ = weight_files(path, TrainingError)  # safetensors only; pickles are refused, never unpickled
         except TrainingError as e:
             raise TrainingError(f"--model_name_or_path: {e}") from None
+        _check_weight_files(path, shards)
     supported = supported_model_types()
     if model_type not in supported:
         raise TrainingError(
@@ -243,14 +280,58 @@ def load_config(args: TrainArguments):
     unknown = sorted(key for key in overrides if not hasattr(template, key))
     if unknown:  # a config takes any key silently: a typo would train with the default and save the typo
         raise TrainingError(f"--config_overrides: {', '.join(unknown)} is not a {model_type} config field")
+    if from_scratch:
+        unknown = sorted(key for key in fields if not hasattr(template, key))
+        if unknown:
+            raise TrainingError(f"{path}: {_unknown_keys(unknown, template)} not a {model_type} config field; fix the "
+                                "name or remove it (a config keeps unknown keys silently and trains with the default)")
     try:
         if from_scratch:
             config = AutoConfig.for_model(model_type, **{**fields, **overrides})
         else:
             config = AutoConfig.from_pretrained(path, **overrides)
-    except (TypeError, ValueError) as e:
-        raise TrainingError(f"invalid config {path}: {e}") from None
+    except Exception as e:  # ValueError/TypeError, huggingface_hub's StrictDataclass*Error (not ValueErrors)
+        if not isinstance(e, (TypeError, ValueError)) and type(e).__module__.split(".")[0] != "huggingface_hub":
+            raise
+        where = f"{path} with --config_overrides" if overrides else path
+        raise TrainingError(f"invalid config {where}: {_one_line(e)}") from None
     return config, from_scratch
+
+
+def _unknown_keys(keys: list[str], template) -> str:
+    import difflib
+
+    fields = [f.name for f in dataclasses.fields(template)] if dataclasses.is_dataclass(template) else []
+    named = []
+    for key in keys:
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
+        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(named) + (" is" if len(keys) == 1 else " are")
+
+
+def _one_line(error: Exception) -> str:
+    """An exception's message on one line (huggingface_hub's validation errors span several, with the cause last)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    cause = getattr(error, "__cause__", None)
+    if cause is not None and str(cause).strip() and str(cause).strip() not in " ".join(lines):
+        lines.append(str(cause).strip().splitlines()[0])
+    return " ".join(lines) or type(error).__name__
+
+
+def _check_weight_files(path: str, shards: list[str]) -> None:
+    """Each safetensors file reads back whole (a truncated or empty download would fail deep inside from_pretrained)."""
+    from ..hub.checkpoint_files import read_header
+
+    for shard in shards:
+        file = os.path.join(path, shard)
+        try:
+            header, start = read_header(file, TrainingError)
+        except TrainingError as e:
+            raise TrainingError(f"--model_name_or_path: {e}") from None
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if os.path.getsize(file) < start + end:
+            raise TrainingError(f"--model_name_or_path: {file} is truncated ({os.path.getsize(file)} bytes, its header "
+                                f"describes {start + end}); download or save it again")  # fmt: skip
 
 
 def _coerce_args(args) -> TrainArguments:
@@ -265,5 +346,5 @@ def _coerce_args(args) -> TrainArguments:
     return TrainArguments(**args)
 
 
-__all__ = ["DENSE_PARENT_TYPES", "TrainArguments", "TrainingError", "check_arguments", "load_config",
-           "supported_model_types"]  # fmt: skip
+__all__ = ["DENSE_PARENT_TYPES", "TrainArguments", "TrainingError", "TrainingStopped", "check_arguments",
+           "check_required", "load_config", "supported_model_types"]  # fmt: skip

@@ -2,7 +2,12 @@
 resumed with --resume_from_checkpoint (a folder, or "latest").
 
 A checkpoint is `Accelerator.save_state` (model, optimizer, scheduler, RNG states) plus the tokenizer and the state file
-`train_state.json`, written last: a folder without it is incomplete (a crash while saving) and never resumed.
+`train_state.json`. Complete or absent: everything is written into a hidden `.checkpoint-N.tmp` folder, every file is
+flushed to disk, `train_state.json` is written last (itself through a temporary file and a rename: the completion
+marker), and only then is the folder renamed to `checkpoint-N`. A kill at any moment leaves either the previous
+checkpoints alone or the new one complete; the next run removes the hidden leftovers. `latest` takes the newest
+checkpoint whose state file reads back and says which newer ones it skipped; an RNG state file that does not load is
+refused by name (`--resume_without_rng_state` goes on without it).
 """
 
 from __future__ import annotations
@@ -12,47 +17,106 @@ import json
 import os
 import re
 import shutil
+import sys
 
 from .arguments import TrainArguments, TrainingError
-from .metrics import PLOT_FILE, _read_metrics, plot_metrics
+from .metrics import PLOT_FILE, plot_metrics
 from .state import TrainRun
 
 STATE_FILE = "train_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
+TEMPORARY_SUFFIX = ".tmp"  # `.checkpoint-N.tmp`: a checkpoint being written (hidden: never listed as a checkpoint)
+RNG_STATE_FILE = "random_states_{}.pkl"  # Accelerate's RNG_STATE_NAME, one per process
 # settings that decide which parameters train: a checkpoint resumes only with the same ones
 PARAMETER_SETTINGS = ("lora", "lora_r", "lora_target_modules", "lora_experts")
 
 
+def _warn(message: str) -> None:
+    print(f"mhmoe-train: warning: {message}", file=sys.stderr, flush=True)
+
+
+def read_state(path: str) -> dict:
+    """The state file of checkpoint folder `path`; raises `TrainingError` saying why the checkpoint is not complete."""
+    state_path = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(state_path):
+        raise TrainingError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        size = os.path.getsize(state_path)
+        what = "is empty" if size == 0 else f"is not valid JSON ({e})"
+        raise TrainingError(f"{path} is not a complete checkpoint ({STATE_FILE} {what})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise TrainingError(f"{path} is not a complete checkpoint ({STATE_FILE} has no step)")
+    return state
+
+
 def list_checkpoints(directory: str, complete: bool = True) -> list[tuple[int, str]]:
-    """(step, path) of the checkpoint-N folders, oldest first; `complete`: only those whose state file was written."""
+    """(step, path) of the checkpoint-N folders, oldest first; `complete`: only those whose state file reads back."""
     if not os.path.isdir(directory):
         return []
     found = []
     for name in os.listdir(directory):
         match = re.fullmatch(CHECKPOINT_PREFIX + r"(\d+)", name)
         path = os.path.join(directory, name)
-        if match and os.path.isdir(path) and (not complete or os.path.isfile(os.path.join(path, STATE_FILE))):
+        if match and os.path.isdir(path):
+            if complete:
+                try:
+                    read_state(path)
+                except TrainingError:
+                    continue
             found.append((int(match.group(1)), path))
     return sorted(found)
 
 
 def resolve_checkpoint(checkpoint: str, output_dir: str) -> str:
     if checkpoint == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise TrainingError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}")
-        return found[-1][1]
-    if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-        raise TrainingError(f"--resume_from_checkpoint {checkpoint!r} is not a complete checkpoint (no {STATE_FILE})")
+        skipped = []
+        for _, path in reversed(list_checkpoints(output_dir, complete=False)):
+            try:
+                read_state(path)
+            except TrainingError as e:
+                skipped.append(str(e))
+                continue
+            for reason in skipped:
+                _warn(f"--resume_from_checkpoint latest: skipping {reason}")
+            return path
+        detail = f" ({'; '.join(skipped)})" if skipped else ""
+        raise TrainingError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}{detail}")
+    read_state(checkpoint)
     return checkpoint
+
+
+def check_rng_states(path: str, processes: int, allow_missing: bool) -> None:
+    """Every process's RNG state file of checkpoint `path` loads (as Accelerate loads it: `weights_only`); Accelerate
+    itself would skip an unreadable one silently, and the resumed run would draw other random numbers."""
+    from accelerate.utils.other import load
+
+    for index in range(processes):
+        file = os.path.join(path, RNG_STATE_FILE.format(index))
+        try:
+            states = load(file)
+            if not isinstance(states, dict) or "torch_manual_seed" not in states:
+                raise ValueError("no torch RNG state in it")
+        except Exception as e:  # missing, truncated (EOFError, RuntimeError, UnpicklingError) or not a state dict
+            if allow_missing:
+                _warn(f"{file} does not load ({type(e).__name__}); resuming without it as --resume_without_rng_state "
+                      "asks (random draws such as router jitter will differ from the interrupted run)")  # fmt: skip
+                continue
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TrainingError(
+                f"the RNG state {file} does not load ({first[:200]}): the checkpoint is damaged; resume from another "
+                "checkpoint, or pass --resume_without_rng_state to go on with fresh random states"
+            ) from None
 
 
 def check_resume(args: TrainArguments) -> None:
     """--resume_from_checkpoint names a complete checkpoint (resolved in place: "latest" becomes its folder) saved with
-    the same trained parameters."""
+    the same trained parameters, whose RNG states load."""
     args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    with open(os.path.join(args.resume_from_checkpoint, STATE_FILE)) as f:
-        saved = json.load(f).get("args", {})
+    state = read_state(args.resume_from_checkpoint)
+    saved = state.get("args", {})
     changed = [f"--{key} {saved[key]!r} -> {getattr(args, key)!r}" for key in PARAMETER_SETTINGS
                if key in saved and saved[key] != getattr(args, key)]  # fmt: skip
     if changed:  # the saved optimizer state belongs to another set of trained parameters
@@ -60,34 +124,109 @@ def check_resume(args: TrainArguments) -> None:
             f"{args.resume_from_checkpoint} was saved with other trained parameters ({'; '.join(changed)}): "
             "resume with the same settings, or start a new run"
         )
+    check_rng_states(args.resume_from_checkpoint, int(state.get("num_processes", 1)), args.resume_without_rng_state)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file under `path` and the folders' entries to disk."""
+    from ..hub.checkpoint_files import fsync
+
+    for root, _, files in os.walk(path):
+        for name in files:
+            fsync(os.path.join(root, name))
+        fsync(root)
+
+
+def write_json_atomic(path: str, data, indent: int | None = 2) -> None:
+    """Write JSON to `path` through a temporary file beside it, flushed and renamed: the file is whole or absent."""
+    temporary = f"{path}{TEMPORARY_SUFFIX}-{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(data, f, indent=indent)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _fsync_dir(path: str) -> None:
+    from ..hub.checkpoint_files import fsync
+
+    fsync(path)
+
+
+def remove_dir_atomic(path: str) -> None:
+    """Rename a folder to a hidden temporary name, then delete it: a kill midway never leaves a half-deleted
+    `checkpoint-N` that still looks like a checkpoint."""
+    parent, name = os.path.split(os.path.abspath(path))
+    doomed = os.path.join(parent, f".{name}{TEMPORARY_SUFFIX}-delete")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Remove what killed runs left mid-write in `directory` (hidden `.checkpoint-N.tmp*` folders, `*.tmp-PID`
+    files); returns their names. Only call it while holding the output-folder lock."""
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        checkpoint_leftover = name.startswith("." + CHECKPOINT_PREFIX) and TEMPORARY_SUFFIX in name
+        file_leftover = re.search(re.escape(TEMPORARY_SUFFIX) + r"-\d+$", name) and os.path.isfile(path)
+        if checkpoint_leftover and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+        elif file_leftover:
+            os.remove(path)
+            removed.append(name)
+    return removed
 
 
 def save_checkpoint(run: TrainRun, step: int) -> None:
-    """`Accelerator.save_state` + tokenizer + the state file (written last: it marks the checkpoint complete)."""
-    args = run.args
-    path = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{step}")
-    run.accelerator.save_state(path)
+    """`Accelerator.save_state` + tokenizer + the state file into a hidden temporary folder, flushed, then renamed to
+    `checkpoint-{step}` (see the module docstring)."""
+    args, accelerator = run.args, run.accelerator
+    final = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{step}")
+    temporary = os.path.join(args.output_dir, f".{CHECKPOINT_PREFIX}{step}{TEMPORARY_SUFFIX}")
     if run.is_main:
-        run.tokenizer.save_pretrained(path)
+        shutil.rmtree(temporary, ignore_errors=True)
+        os.makedirs(temporary)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(temporary)
+    accelerator.wait_for_everyone()  # every process's files are written
+    if run.is_main:
+        run.tokenizer.save_pretrained(temporary)
+        fsync_tree(temporary)
         state = {"step": step, "total_steps": run.total_steps, "global_batch_blocks": run.global_blocks,
                  "block_size": run.block_size, "seed": args.seed, "num_train_blocks": len(run.train_blocks),
                  "num_processes": run.world, "args": dataclasses.asdict(args)}  # fmt: skip
-        with open(os.path.join(path, STATE_FILE), "w") as f:
-            json.dump(state, f, indent=2)
+        write_json_atomic(os.path.join(temporary, STATE_FILE), state)  # the completion marker, last
+        if os.path.isdir(final):  # a checkpoint of the same step from before a resume: replaced whole
+            remove_dir_atomic(final)
+        os.replace(temporary, final)
+        _fsync_dir(args.output_dir)
         if args.save_total_limit:
-            for _, old in list_checkpoints(args.output_dir)[: -args.save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+            for _, old in list_checkpoints(args.output_dir, complete=False)[: -args.save_total_limit]:
+                remove_dir_atomic(old)
         if args.plot:
             plot_metrics(run.metrics_path, os.path.join(args.output_dir, PLOT_FILE))
-    run.accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# resuming
 
 
 def resume(run: TrainRun) -> None:
     """Load a checkpoint's state (model, optimizer, scheduler, RNG) and keep the metrics up to its step."""
     args = run.args
     if args.resume_from_checkpoint:
-        with open(os.path.join(args.resume_from_checkpoint, STATE_FILE)) as f:
-            saved = json.load(f)
+        saved = read_state(args.resume_from_checkpoint)
         for key, now in (("global_batch_blocks", run.global_blocks), ("block_size", run.block_size),
                          ("seed", args.seed), ("num_train_blocks", len(run.train_blocks))):  # fmt: skip
             if saved.get(key) != now:
@@ -97,15 +236,42 @@ def resume(run: TrainRun) -> None:
                 )
         run.accelerator.load_state(args.resume_from_checkpoint)
         run.start_step = saved["step"]
-        if run.start_step >= run.total_steps:
+        if run.start_step > run.total_steps:
             raise TrainingError(
-                f"{args.resume_from_checkpoint} is at step {run.start_step} >= total steps {run.total_steps}"
+                f"{args.resume_from_checkpoint} is at step {run.start_step}, past the {run.total_steps} steps of this "
+                "run: pass a --max_steps of at least that step, or resume from an earlier checkpoint"
             )
+        saved_total = saved.get("total_steps")
+        if saved_total is not None and saved_total != run.total_steps:
+            _continue_schedule(run, saved_total)
     if run.is_main:  # keep the metrics up to the resumed step; drop those of steps that will be redone
-        kept = _read_metrics(run.metrics_path) if run.start_step else []
-        with open(run.metrics_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept if r.get("step", 0) <= run.start_step)
+        from .metrics import keep_metrics_up_to
+
+        keep_metrics_up_to(run.metrics_path, run.start_step)
+    run.accelerator.wait_for_everyone()
 
 
-__all__ = ["CHECKPOINT_PREFIX", "PARAMETER_SETTINGS", "STATE_FILE", "check_resume", "list_checkpoints",
-           "resolve_checkpoint", "resume", "save_checkpoint"]  # fmt: skip
+def _continue_schedule(run: TrainRun, saved_total: int) -> None:
+    """The run length changed on resume: the optimizer's learning rate is the old schedule's at the checkpoint (0 at
+    the end of a cosine); set it to the new schedule's value at this step, so the next update uses the new schedule
+    instead of the old rate and a jump one step later."""
+    scheduler = getattr(run.scheduler, "scheduler", run.scheduler)  # Accelerate's wrapper -> the LambdaLR
+    old = [group["lr"] for group in scheduler.optimizer.param_groups]
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is not None:
+        new = [base * rate(scheduler.last_epoch) for rate, base in zip(lambdas, scheduler.base_lrs)]
+        for group, lr in zip(scheduler.optimizer.param_groups, new):
+            group["lr"] = lr
+        scheduler._last_lr = list(new)
+    else:
+        new = old
+    run.accelerator.print(
+        f"warning: {run.args.resume_from_checkpoint} was saved by a run of {saved_total} steps, this run has "
+        f"{run.total_steps}: the learning-rate schedule (warmup and decay) now follows {run.total_steps} steps; at "
+        f"step {run.start_step} the rate goes from {old[0]:.3g} to {new[0]:.3g}"
+    )
+
+
+__all__ = ["CHECKPOINT_PREFIX", "PARAMETER_SETTINGS", "STATE_FILE", "check_resume", "list_checkpoints", "read_state",
+           "remove_stale_temporaries", "resolve_checkpoint", "resume", "save_checkpoint",
+           "write_json_atomic"]  # fmt: skip

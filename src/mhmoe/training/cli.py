@@ -1,30 +1,33 @@
 """mhmoe-train: pre-train or fine-tune MHMoE / MoH-Llama causal LMs with Accelerate (and PEFT LoRA).
 
-The command line of the training loop (`mhmoe-train`, `python -m mhmoe.training`); see `loop.py`.
+The command line of the training loop (`mhmoe-train`, `python -m mhmoe.training`); see `loop.py`. The flags are
+`TrainArguments`' fields, parsed before torch and Transformers are imported, so a usage error prints at once.
 """
 
 from __future__ import annotations
 
-import torch
-
-from .arguments import TrainArguments, TrainingError
-from .loop import train
+from .._plumbing.arguments import dataclass_parser, parse_into
+from .arguments import TrainArguments, TrainingError, TrainingStopped, check_required
 
 
 def build_parser():
-    from transformers import HfArgumentParser
-
-    return HfArgumentParser(TrainArguments, prog="mhmoe-train", description=__doc__.split("\n\n")[0])
+    return dataclass_parser(TrainArguments, prog="mhmoe-train", description=__doc__.split("\n\n")[0])
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point (`mhmoe-train`); input errors exit with status 2 and a one-line message."""
+    """Console entry point (`mhmoe-train`); usage and input errors exit with status 2 and a one-line message, a run
+    stopped by non-finite losses with status 1."""
     parser = build_parser()
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    args = parse_into(parser, TrainArguments, argv)
     try:
+        check_required(args)
+        from .loop import train
+
         train(args)
     except TrainingError as e:
-        parser.exit(2, f"mhmoe-train: error: {e}\n")
+        parser.exit(1 if isinstance(e, TrainingStopped) else 2, f"mhmoe-train: error: {e}\n")
+    import torch
+
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

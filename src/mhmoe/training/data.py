@@ -81,7 +81,10 @@ def read_files(paths: Sequence[str], text_field: str = "text") -> list[str]:
 def train_tokenizer(documents: Iterable[str], vocab_size: int, model_max_length: int):
     """A byte-level BPE tokenizer trained on `documents` (`<unk>`=0, `<s>`=1, `</s>`=2, like Llama's ids).
 
-    Returns a Transformers fast tokenizer that `save_pretrained` / `AutoTokenizer.from_pretrained` round-trip.
+    Returns a Transformers fast tokenizer that `save_pretrained` / `AutoTokenizer.from_pretrained` round-trip. Its pad
+    token is `<unk>` (id 0; byte-level BPE never emits it), so padding (batched generation, Trainer's
+    `DataCollatorForLanguageModeling`) works out of the box; not `</s>`: the collator masks pad ids out of the labels,
+    and a pad equal to EOS would stop the model from learning to end documents.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -104,6 +107,7 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, model_max_length:
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
+        pad_token="<unk>",
         model_max_length=model_max_length,
     )
 

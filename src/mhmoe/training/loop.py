@@ -19,6 +19,7 @@ save `outputs.py`, metrics and the loss plot `metrics.py`, the command line `cli
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -26,11 +27,21 @@ from typing import Any
 
 import torch
 
-from .arguments import TrainingError, _coerce_args, _read, check_arguments, load_config, supported_model_types
+from .arguments import (
+    TrainingError,
+    TrainingStopped,
+    _coerce_args,
+    _read,
+    check_arguments,
+    check_required,
+    load_config,
+    supported_model_types,
+)
 from .checkpoints import resume, save_checkpoint
+from .lock import OutputDirLock, OutputDirLocked
 from .metrics import _loss_fields, _token_nll_sum
 from .metrics import validate as _evaluate  # looked up at call time: tests interrupt a run here
-from .outputs import check_output_dir, prepare_output_dir, save_final
+from .outputs import check_output_contents, check_output_dir, check_output_location, prepare_output_dir, save_final
 from .setup import build_data, build_model, build_optimizer, setup_accelerator, setup_tokenizer
 from .state import TrainResult, TrainRun
 
@@ -44,19 +55,49 @@ def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) ->
     `reference_eval(model) -> context manager`: before the first step (of a fresh run), validate once inside it and log
     the result as `reference_eval_loss` / `reference_eval_ppl` at step 0 (`mhmoe.convert` uses it to measure the
     dense parent: the converted MoH model with every head active).
+
+    The output folder is locked for the run (`lock.py`): a second run on it raises `OutputDirLocked`. Training stopped
+    by repeated non-finite losses raises `TrainingStopped` (the checkpoints written so far stay).
     """
     args = _coerce_args(args)
-    created = not os.path.exists(args.output_dir)
-    try:
+    check_required(args, model_given=model is not None)
+    created = _first_missing_folder(args.output_dir)  # what this run creates, removed again on an input problem
+    lock = None
+    try:  # the checks of check_before_training, with the lock taken before the folder's contents are judged
+        check_arguments(args, model is not None)
+        check_output_location(args, model is not None)
+        lock = _lock_output_dir(args.output_dir)
+        check_output_contents(args)
         return _train(args, model, tokenizer, on_log, reference_eval)
-    except TrainingError:
-        if created:  # an input problem stopped it before training: leave nothing behind
-            shutil.rmtree(args.output_dir, ignore_errors=True)
+    except TrainingError as e:
+        if created and not isinstance(e, (OutputDirLocked, TrainingStopped)):
+            shutil.rmtree(created, ignore_errors=True)  # an input problem stopped it: leave nothing behind
         raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _first_missing_folder(path: str) -> str | None:
+    """The outermost folder of `path` that does not exist yet (None: `path` exists)."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _lock_output_dir(output_dir: str):
+    """The output folder's lock, taken by the main process (RANK 0, or a run without a launcher)."""
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    os.makedirs(output_dir, exist_ok=True)
+    return OutputDirLock(output_dir).acquire()
 
 
 def _train(args, model, tokenizer, on_log, reference_eval) -> TrainResult:
-    check_before_training(args, model_given=model is not None)
     if model is None:
         config, from_scratch = load_config(args)
     else:
@@ -104,6 +145,7 @@ def train_loop(run: TrainRun, reference_eval=None) -> dict | None:
         evaluate_before_training(run, reference_eval)
     run.model.train()
     start_time = time.time()
+    nonfinite: list[int] = []  # the steps of the current streak of non-finite losses
     for step in range(run.start_step, total):
         means, grad_norm, lr_used = train_step(run, step)
         done = step + 1
@@ -118,6 +160,7 @@ def train_loop(run: TrainRun, reference_eval=None) -> dict | None:
             run.log(record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", lm=f"{record['lm_loss']:.4f}")
         progress.update(1)
+        nonfinite = _check_finite(run, done, float(means[0]), nonfinite)  # after the step's record is written
         if run.val_blocks is not None and args.eval_steps > 0 and done % args.eval_steps == 0 and done != total:
             run.log(evaluate(run, done))
             run.model.train()
@@ -130,6 +173,21 @@ def train_loop(run: TrainRun, reference_eval=None) -> dict | None:
     run.log(final_eval)
     run.accelerator.print(f"validation: loss {final_eval['eval_loss']:.4f}, perplexity {final_eval['eval_ppl']:.2f}")
     return final_eval
+
+
+def _check_finite(run: TrainRun, done: int, loss: float, streak: list[int]) -> list[int]:
+    """Count consecutive steps whose (all-process mean) loss is NaN or infinite; stop after --max_nonfinite_steps."""
+    if math.isfinite(loss):
+        return []
+    streak = [*streak, done]
+    limit = run.args.max_nonfinite_steps
+    if limit and len(streak) >= limit:
+        raise TrainingStopped(
+            f"training stopped: the loss was {loss} at {len(streak)} steps in a row (steps {streak[0]}-{streak[-1]}); "
+            "the weights, the data or the learning rate are broken (check --model_name_or_path, lower "
+            "--learning_rate, or use --mixed_precision no); --max_nonfinite_steps sets the limit (0: never stop)"
+        )
+    return streak
 
 
 def _print_run(run: TrainRun) -> None:
@@ -223,5 +281,5 @@ def evaluate_before_training(run: TrainRun, reference_eval=None) -> None:
         run.accelerator.print(f"validation before training: perplexity {run.history[-1]['eval_ppl']:.2f}")
 
 
-__all__ = ["TrainResult", "TrainRun", "TrainingError", "check_before_training", "evaluate", "forward_backward_step",
-           "train", "train_loop", "train_step"]  # fmt: skip
+__all__ = ["TrainResult", "TrainRun", "TrainingError", "TrainingStopped", "check_before_training", "evaluate",
+           "forward_backward_step", "train", "train_loop", "train_step"]  # fmt: skip

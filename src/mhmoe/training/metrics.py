@@ -49,10 +49,36 @@ def load_summary(fractions: list[list[float]]) -> dict:
 
 
 def _read_metrics(path: str) -> list[dict]:
+    """The records of metrics.jsonl; a last line cut short by a kill mid-write is left out."""
     if not os.path.isfile(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f.read().split("\n") if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}: not valid JSON") from None
+    return records
+
+
+def keep_metrics_up_to(path: str, step: int) -> None:
+    """On resume: keep the records up to `step` (those of steps to be redone go), without ever leaving a shorter or
+    missing log behind: the kept records go to a temporary file that replaces metrics.jsonl in one rename."""
+    if not os.path.isfile(path):
+        if step == 0:
+            return
+        records = []
+    else:
+        records = [r for r in _read_metrics(path) if step and r.get("step", 0) <= step]
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> None:

@@ -5,7 +5,6 @@ summary)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 
@@ -13,7 +12,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from ..hub.checkpoint_files import overlapping
 from .arguments import TrainArguments, TrainingError
-from .checkpoints import check_resume, list_checkpoints
+from .checkpoints import check_resume, list_checkpoints, remove_stale_temporaries, write_json_atomic
 from .metrics import METRICS_FILE, PLOT_FILE, plot_metrics
 from .state import TrainRun
 
@@ -25,6 +24,12 @@ RUN_OUTPUTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "adapter_model.safete
 
 def check_output_dir(args: TrainArguments, model_given: bool) -> None:
     """The output directory is writable, is not the model, and holds no earlier run unless resuming or overwriting."""
+    check_output_location(args, model_given)
+    check_output_contents(args)
+
+
+def check_output_location(args: TrainArguments, model_given: bool) -> None:
+    """Before anything is created there (the lock file): writable, and not the model being trained."""
     _check_writable(args.output_dir)
     if not model_given and os.path.isdir(args.model_name_or_path) and (
         os.path.realpath(args.model_name_or_path) == os.path.realpath(args.output_dir)
@@ -34,6 +39,10 @@ def check_output_dir(args: TrainArguments, model_given: bool) -> None:
             f"--output_dir {args.output_dir!r} would replace or delete the model being trained "
             f"({args.model_name_or_path}); choose another --output_dir"
         )
+
+
+def check_output_contents(args: TrainArguments) -> None:
+    """With the folder's lock held: the checkpoint to resume, or no earlier run unless overwriting."""
     if args.resume_from_checkpoint:
         check_resume(args)
     elif not args.overwrite_output_dir:
@@ -75,6 +84,9 @@ def prepare_output_dir(run: TrainRun) -> None:
     args = run.args
     if run.is_main:
         os.makedirs(args.output_dir, exist_ok=True)
+        removed = remove_stale_temporaries(args.output_dir)  # this run holds the folder's lock: they are no one's
+        if removed:
+            run.accelerator.print(f"removed what interrupted runs left half-written: {', '.join(removed)}")
         if args.overwrite_output_dir and not args.resume_from_checkpoint:
             _remove_run_outputs(args.output_dir)
     run.accelerator.wait_for_everyone()
@@ -105,10 +117,10 @@ def save_final(run: TrainRun, final_eval: dict | None):
                    "mixed_precision": accelerator.mixed_precision, "global_batch_blocks": run.global_blocks,
                    "block_size": run.block_size, "trainable_parameters": run.trainable, "parameters": run.total_params,
                    "final_eval": final_eval, "args": dataclasses.asdict(args)}  # fmt: skip
-        with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json_atomic(os.path.join(args.output_dir, SUMMARY_FILE), summary)  # written last: the run finished
     accelerator.wait_for_everyone()
     return unwrapped
 
 
-__all__ = ["RUN_OUTPUTS", "SUMMARY_FILE", "check_output_dir", "prepare_output_dir", "save_final"]
+__all__ = ["RUN_OUTPUTS", "SUMMARY_FILE", "check_output_contents", "check_output_dir", "check_output_location",
+           "prepare_output_dir", "save_final"]  # fmt: skip

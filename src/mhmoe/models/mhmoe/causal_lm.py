@@ -4,6 +4,7 @@ patches: base model → LM head → LM loss + router losses (`losses.add_router_
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
 """
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,7 @@ class MHMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
-@can_return_tuple
-def causal_lm_forward(
+def _causal_lm_forward(
     self,
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -87,4 +87,21 @@ def causal_lm_forward(
     return output_class(**{name: value for name, value in fields.items() if name in names})
 
 
-__all__ = ["MHMoECausalLMOutputWithPast", "MoHCausalLMOutputWithPast", "causal_lm_forward"]
+def causal_lm_forward_returning(output_class: type):
+    """The causal-LM forward annotated `-> output_class`, for a model class whose `causal_lm_output_class` it is.
+
+    Transformers reads `forward.__annotations__["return"]` (e.g. its MoE tests look for `router_logits` in the output
+    class), so each model class gets its own copy of the function with its own output class as the annotation."""
+    inner = _causal_lm_forward
+    forward = types.FunctionType(inner.__code__, inner.__globals__, inner.__name__, inner.__defaults__,
+                                 inner.__closure__)  # fmt: skip
+    forward.__kwdefaults__ = inner.__kwdefaults__
+    forward.__doc__, forward.__qualname__, forward.__module__ = inner.__doc__, inner.__qualname__, inner.__module__
+    forward.__annotations__ = {**inner.__annotations__, "return": output_class}
+    return can_return_tuple(forward)  # functools.wraps: the wrapper carries the same annotations
+
+
+causal_lm_forward = causal_lm_forward_returning(MoHCausalLMOutputWithPast)  # MoH-Llama and the patched families
+
+__all__ = ["MHMoECausalLMOutputWithPast", "MoHCausalLMOutputWithPast", "causal_lm_forward",
+           "causal_lm_forward_returning"]  # fmt: skip

@@ -9,6 +9,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 from .parity import matched_moe_settings
+from .plans import ConfigPlan, mhmoe_has_module
 
 AUX_LOSS_MODES = ("per_layer", "mixtral", "top1_sum")
 NORM_TOPK_PROB = (True, False, "always")
@@ -78,7 +79,8 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values"]
     # Parallel plans (Transformers' `DistributedConfig(tp_size=..., ep_size=...)`), Mixtral's plus MH-MoE's own layers.
     # The expert router (`mlp.gate`) is replicated, as in Mixtral; so are the norms. See docs/training.md.
-    base_model_tp_plan = {
+    # A config instance gives only the rules for the modules its model has (plans.py); the class, every rule.
+    base_model_tp_plan = ConfigPlan({
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
@@ -95,18 +97,18 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",  # each rank: a slice of every expert's inner width
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
-    }
+    }, mhmoe_has_module)  # fmt: skip
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
         "norm": (["hidden_states"], ["hidden_states"]),
     }
     # Whole experts per rank; sub-tokens (B·T·h rows of width d/h) are what is dispatched to them.
-    base_model_ep_plan = {
+    base_model_ep_plan = ConfigPlan({
         "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
         "layers.*.mlp.experts.down_proj": "grouped_gemm",
         "layers.*.mlp.experts": "ep_dispatch_experts",
-    }
+    }, mhmoe_has_module)  # fmt: skip
 
     vocab_size: int = 32000
     hidden_size: int = 768
@@ -164,6 +166,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
         misnamed = [f"{name} (use {MISNAMED_FIELDS[name]})" for name in kwargs if name in MISNAMED_FIELDS]
         if misnamed:
             raise ValueError(f"Invalid MHMoEConfig: unknown argument(s) {', '.join(misnamed)}.")
+        warn_misspelt_fields(type(self), kwargs)
         if self.head_dim is None and self.num_attention_heads > 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
@@ -254,6 +257,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
                             f"{self.routing_backend!r}")  # fmt: skip
         problems += moh_config_problems(self)
         problems += check_variant_problems(self)
+        problems += head_problems(self)
         if problems:
             raise ValueError("Invalid MHMoEConfig: " + "; ".join(problems) + ".")
 
@@ -445,6 +449,38 @@ def refuse_auto_class_registration(cls: type) -> None:
             "`mhmoe-export SRC_DIR OUT_DIR` instead: it writes the code and the auto_map for AutoConfig, AutoModel and "
             "AutoModelForCausalLM (and `push_to_hub=` uploads the folder)"
         )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checks added for issue 22 (kept together here; the field checks above are unchanged)
+
+
+def head_problems(config) -> list[str]:
+    """LlamaConfig's check: with the derived head_dim (hidden_size // num_attention_heads) the heads must cover
+    hidden_size exactly. An explicit head_dim of another width is allowed (as in Mistral and Qwen3)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    if heads >= 1 and hidden % heads and config.head_dim == hidden // heads:
+        return [f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); choose "
+                "num_attention_heads among the divisors of hidden_size, or set head_dim explicitly"]  # fmt: skip
+    return []
+
+
+def warn_misspelt_fields(config_class: type, kwargs: dict) -> None:
+    """A config takes unknown keyword arguments silently (Transformers keeps them as attributes): warn by name about
+    those that look like a misspelt field (`num_expert` for `num_experts`), which would otherwise train with the
+    field's default."""
+    import difflib
+
+    from transformers.utils import logging
+
+    fields = [field.name for field in dataclasses.fields(config_class)]
+    for name in kwargs:
+        close = difflib.get_close_matches(name, fields, n=1, cutoff=0.85)
+        if close and not hasattr(PreTrainedConfig, name):
+            logging.get_logger(__name__).warning(
+                f"{config_class.__name__}: unknown argument {name!r} is not a config field (did you mean "
+                f"{close[0]!r}?); it is kept as an attribute and {close[0]} keeps its value"
+            )
 
 
 __all__ = ["MHMoEConfig", "moh_config_problems", "refuse_auto_class_registration"]

@@ -26,7 +26,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .bitnet import BitNetExperts, is_quantized, make_linear
 from .configuration_mhmoe import MHMoEConfig
-from .causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward  # noqa: F401  (re-exported)
+from .causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward, causal_lm_forward_returning  # noqa: F401
 from .lory import LoryExperts, LoryRouter, MHLoryBlock
 from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward
 from .moh import MoHRouter, add_head_router, attention_forward
@@ -238,6 +238,13 @@ class MHMoEPreTrainedModel(SelfContainedSaveMixin, PreTrainedModel):
             module.reset_parameters(std)
 
 
+@dataclass
+class MHMoEModelOutputWithPast(MoeModelOutputWithPast):
+    """Mixtral's output plus the MoH head-router logits, one (B, T, R) tensor per MoH layer (`output_router_logits`)."""
+
+    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
 class MHMoEModel(MHMoEPreTrainedModel):
     def __init__(self, config: MHMoEConfig):
         config.check_combinations()  # again: fields may have been set after the config was built
@@ -262,7 +269,7 @@ class MHMoEModel(MHMoEPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> "MHMoEModelOutputWithPast":
+    ) -> MHMoEModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if use_cache and past_key_values is None:
@@ -297,13 +304,6 @@ class MHMoEModel(MHMoEPreTrainedModel):
         return MHMoEModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 
-@dataclass
-class MHMoEModelOutputWithPast(MoeModelOutputWithPast):
-    """Mixtral's output plus the MoH head-router logits, one (B, T, R) tensor per MoH layer (`output_router_logits`)."""
-
-    moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
 class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -317,7 +317,8 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
         self.post_init()
 
     causal_lm_output_class = MHMoECausalLMOutputWithPast
-    forward = causal_lm_forward  # base model -> LM head -> LM + router losses (causal_lm.py)
+    # base model -> LM head -> LM + router losses (causal_lm.py), annotated `-> MHMoECausalLMOutputWithPast`
+    forward = causal_lm_forward_returning(MHMoECausalLMOutputWithPast)
 
 
 __all__ = ["MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel"]

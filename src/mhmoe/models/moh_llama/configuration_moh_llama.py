@@ -5,6 +5,7 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 
 # One source of truth for the moh_* validation (a later export step copies it next to this file).
 from ..mhmoe.configuration_mhmoe import OverridesBeforeChecks, moh_config_problems, refuse_auto_class_registration
+from ..mhmoe.plans import ConfigPlan, moh_has_module
 
 
 @strict
@@ -21,8 +22,11 @@ class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
     """
 
     model_type = "moh_llama"
-    # Llama's plan plus the MoH head router, which gathers the (B, T, H) head scores across ranks (moh_parallel.py)
-    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "layers.*.self_attn.head_router": "moh_head_router"}
+    # Llama's plan plus the MoH head router, which gathers the (B, T, H) head scores across ranks (moh_parallel.py);
+    # a config without MoH gives no head-router rule (plans.py)
+    base_model_tp_plan = ConfigPlan(
+        {**LlamaConfig.base_model_tp_plan, "layers.*.self_attn.head_router": "moh_head_router"}, moh_has_module
+    )
 
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None

@@ -1,0 +1,119 @@
+"""Fault injection: `mhmoe-train` SIGKILLed at random moments (mid-step, mid-checkpoint, mid-final-save), resumed each
+time with `--resume_from_checkpoint latest`, ends with exactly the weights and loss curve of an uninterrupted run, and
+leaves no half-written folder or temporary file behind."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import mhmoe
+
+STEPS = 12
+
+
+def _command(config_json, tokenizer_dir, corpus, out, *extra):
+    return [sys.executable, "-m", "mhmoe.training", "--model_name_or_path", config_json,
+            "--tokenizer_name_or_path", tokenizer_dir, "--train_file", corpus["tiny"], "--output_dir", str(out),
+            "--block_size", "16", "--per_device_train_batch_size", "2", "--learning_rate", "3e-3",
+            "--warmup_steps", "1", "--max_steps", str(STEPS), "--save_steps", "1", "--save_total_limit", "2",
+            "--config_overrides", "router_jitter_noise=0.2", "--seed", "0", "--disable_tqdm", "--no_plot",
+            *extra]  # fmt: skip
+
+
+def _env():
+    src = os.path.dirname(os.path.dirname(os.path.abspath(mhmoe.__file__)))
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
+                PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+
+
+def _losses(out):
+    with open(out / "metrics.jsonl") as f:
+        return [(r["step"], r["loss"], r["lr"]) for r in map(json.loads, f) if "loss" in r]
+
+
+def _start(command, env):
+    """Start a run and return once it prints its summary line, right before the first step (imports and setup take
+    seconds, the 12 tiny steps with their checkpoints well under one)."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:
+        if line.startswith(b"mhmoe-train: "):
+            break
+    return proc, time.time()
+
+
+def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, config_json, tokenizer_dir):
+    from safetensors.torch import load_file
+
+    env = _env()
+    reference = tmp_path / "reference"
+    proc, started = _start(_command(config_json, tokenizer_dir, corpus, reference), env)
+    while not (reference / "train_summary.json").exists() and proc.poll() is None:
+        time.sleep(0.005)
+    training_seconds = time.time() - started  # the steps, checkpoints and final save: the window the kills aim at
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
+
+    out, rng, kills, resumes, moments = tmp_path / "run", random.Random(0), 0, 0, []
+    while kills < 3:
+        done = max((int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")), default=0)
+        resume = done > 0
+        proc, started = _start(_command(config_json, tokenizer_dir, corpus, out,
+                                        *(["--resume_from_checkpoint", "latest"] if resume else [])), env)  # fmt: skip
+        resumes += resume
+        time.sleep(rng.uniform(0, 0.9 * training_seconds * (STEPS - done + 1) / STEPS))  # within what is left
+        if proc.poll() is not None:  # finished before the kill
+            assert proc.returncode == 0, proc.stderr.read()[-3000:]
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        moments.append(sorted(p.name for p in out.iterdir()))
+        if (out / "train_summary.json").exists():
+            break
+    if not (out / "train_summary.json").exists():
+        final = subprocess.run(_command(config_json, tokenizer_dir, corpus, out, "--resume_from_checkpoint", "latest"),
+                               env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert final.returncode == 0, final.stderr[-3000:]
+        resumes += 1
+    assert kills >= 1 and resumes >= 1, moments
+
+    assert _losses(out) == _losses(reference)  # every step once, same losses and learning rates, exactly
+    assert [s for s, _, _ in _losses(out)] == list(range(1, STEPS + 1))
+    expected, got = load_file(reference / "model.safetensors"), load_file(out / "model.safetensors")
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    leftovers = [p.name for p in out.iterdir() if ".tmp" in p.name]
+    assert not leftovers, leftovers
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{STEPS - 1}", f"checkpoint-{STEPS}"]
+
+
+@pytest.mark.parametrize("moment", ["state file", "final save"])
+def test_kill_at_exact_moments(tmp_path, corpus, config_json, tokenizer_dir, moment, capsys):
+    """The two moments the field report named, made exact (in process): a checkpoint whose state file is empty (a kill
+    during its write by an older version) is skipped by name; a run killed after its last checkpoint, before the final
+    save, finishes that save on resume."""
+    from tests.training.test_loop import _args, _records, train
+
+    common = dict(model_name_or_path=config_json, tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]],
+                  max_steps=4, save_steps=2, config_overrides="router_jitter_noise=0.2")  # fmt: skip
+    out = tmp_path / "run"
+    train(_args(out, **common))
+    weights = (out / "model.safetensors").read_bytes()
+    if moment == "state file":
+        (out / "checkpoint-4" / "train_state.json").write_text("")
+    (out / "model.safetensors").unlink()
+    (out / "train_summary.json").unlink()
+    capsys.readouterr()
+    train(_args(out, resume_from_checkpoint="latest", **common))
+    if moment == "state file":
+        assert (f"skipping {out / 'checkpoint-4'} is not a complete checkpoint (train_state.json is empty)"
+                in capsys.readouterr().err)  # fmt: skip
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]
