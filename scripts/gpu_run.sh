@@ -8,9 +8,9 @@
 # (`bash scripts/get_corpus.sh`). About 30 MB in all; `setup` prints the size.
 #
 #   setup      the image's Python and torch (CUDA) are used as they are; every carried wheel whose package the image
-#              lacks, or has older, goes into .gpu_site/ (pip --no-index --no-deps --target: nothing outside this folder
-#              changes); the project runs from src/ (PYTHONPATH), so no build step. Checks that mhmoe imports with
-#              Transformers >= 5.23, then that torch sees a CUDA GPU: without one it stops here, exit 3.
+#              lacks or has older (Transformers: at another version), goes into .gpu_site/ (pip --no-index --no-deps --target: nothing outside this folder
+#              changes); the project runs from src/ (PYTHONPATH), so no build step. Checks that mhmoe imports with a
+#              Transformers in pyproject.toml's range, then that torch sees a CUDA GPU: without one it stops here, exit 3.
 #   probe      100 training steps of the gpu-scale SMoE and MH-MoE h=3 (bf16, random ids): tokens/s, peak memory
 #   bench      benchmarks/gpu_moe.py: the kernel checks first, then the speed sections (under 8 minutes on an H100)
 #   reproduce  Table 1 cells at the gpu scale (bf16), one file per (cell, seed), until DEADLINE_MINUTES (default 9)
@@ -66,7 +66,8 @@ for wheel in sorted(folder.glob("*.whl")):
         have = metadata.version(re.sub(r"[-_.]+", "-", name))
     except metadata.PackageNotFoundError:
         have = None
-    if force or have is None or Version(have) < Version(version):
+    exact = name.lower() == "transformers"  # the project's range is narrow (pyproject.toml): the carried one exactly
+    if force or have is None or Version(have) < Version(version) or (exact and Version(have) != Version(version)):
         print(wheel)
 PYEOF
 )
@@ -76,18 +77,20 @@ PYEOF
             "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --upgrade \
                 --target "$SITE" $wanted
         else
-            log "the image already has every carried wheel's package at that version or newer"
+            log "the image already has every carried wheel's package (at that version or newer)"
         fi
     else
         log "no .gpu_wheels/ carried: using the image's packages as they are"
     fi
-    "$PY" - <<'PYEOF' 2>&1 | tee -a "$OUT/gpu_run.log"
-import sys
-from packaging.version import Version
+    "$PY" - "$ROOT/pyproject.toml" <<'PYEOF' 2>&1 | tee -a "$OUT/gpu_run.log"
+import re, sys
+from packaging.specifiers import SpecifierSet
 import torch, transformers
-if Version(transformers.__version__) < Version("5.23"):
-    sys.exit(f"gpu_run: error: Transformers {transformers.__version__} is older than the 5.23 this project needs, and "
-             "no newer wheel was carried: run `bash scripts/gpu_wheels.sh` where there is network and carry .gpu_wheels")
+wanted = SpecifierSet(re.search(r'"transformers([^"]*)"', open(sys.argv[1]).read()).group(1))  # pyproject's range
+if transformers.__version__ not in wanted:
+    sys.exit(f"gpu_run: error: Transformers {transformers.__version__} is not in the range this project needs "
+             f"({wanted}), and no such wheel was carried: run `bash scripts/gpu_wheels.sh` where there is network "
+             "and carry .gpu_wheels")
 import mhmoe
 from mhmoe import MHMoEForCausalLM  # noqa: F401  (the model layer imports)
 print(f"gpu_run: mhmoe {mhmoe.__version__} from {mhmoe.__file__}; torch {torch.__version__} (CUDA build "
