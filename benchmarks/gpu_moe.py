@@ -12,7 +12,8 @@ at its time limit still leaves what it measured:
            the same FLOPs, and the h=3 block on the Triton experts (`ours_h3_triton`)
   model    a whole training step (forward, backward, AdamW) of MH-MoE h=3 and SMoE (and dense) at equal activated
            FLOPs, bf16 autocast with fp32 master weights as the reproduction trains: tokens/s and peak memory
-           (`torch.cuda.max_memory_allocated`)
+           (`torch.cuda.max_memory_allocated`); h=3 also with `moe.RECOMPUTE_GATE_UP` (gate/up recomputed in the
+           backward: less memory, one more grouped GEMM)
   routing  16,384 rows × 96 experts, top-3: the Triton routing kernels against the PyTorch reference, in µs
   head_router  the MoH l2 head-router kernel against its reference (16,384 tokens × 32 heads × 64), in µs
   gemm     the h=3 experts in TFLOP/s (torch grouped GEMM and the Triton experts, forward) against a dense bf16 GEMM
@@ -309,13 +310,16 @@ def time_model(repeats, device, smoke) -> dict:
     """Training step (forward, backward, AdamW) of MH-MoE h=3, SMoE and dense at equal activated FLOPs, bf16 autocast
     with fp32 weights (the reproduction's setting): tokens/s and peak memory; interleaved rounds."""
     from mhmoe import MHMoEConfig, MHMoEForCausalLM
+    from mhmoe.models.mhmoe import moe
 
+    default_recompute = moe.RECOMPUTE_GATE_UP
     hidden, layers, batch, seq = (96, 2, 2, 32) if smoke else (768, 4, 8, 2048)
     base = dict(vocab_size=256 if smoke else 32000, hidden_size=hidden, num_attention_heads=max(1, hidden // 64),
                 num_hidden_layers=layers, intermediate_size=smoe_intermediate(hidden), max_position_embeddings=seq,
                 decoder_sparse_step=1)  # fmt: skip
     smoe = MHMoEConfig(**base, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=smoe_intermediate(hidden))
-    configs = {"smoe": smoe, "mhmoe_h3": MHMoEConfig.matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3),
+    h3 = MHMoEConfig.matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3)
+    configs = {"smoe": smoe, "mhmoe_h3": h3, "mhmoe_h3_recompute_gate_up": h3,
                "dense": MHMoEConfig(**{**base, "decoder_sparse_step": 0})}  # fmt: skip
     ids = torch.randint(0, base["vocab_size"], (batch, seq), device=device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -324,10 +328,14 @@ def time_model(repeats, device, smoke) -> dict:
         model = MHMoEForCausalLM(config).to(device).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step(model=model, optimizer=optimizer):
-            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
+        def step(model=model, optimizer=optimizer, recompute=name.endswith("recompute_gate_up")):
+            moe.RECOMPUTE_GATE_UP = recompute  # the experts keep gate/up for the backward, or recompute it
+            try:
+                with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+            finally:
+                moe.RECOMPUTE_GATE_UP = default_recompute
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

@@ -27,9 +27,13 @@ def test_default_widths_are_valid_for_h3():
 
 
 def test_smoke_run_writes_each_section(tmp_path):
-    assert gpu_moe.main(["--smoke", "--out", str(tmp_path), "--sections", "checks", "routing", "gemm"]) == 0
+    assert gpu_moe.main(["--smoke", "--out", str(tmp_path), "--sections", "checks", "routing", "gemm", "model"]) == 0
     data = json.loads((tmp_path / "gpu_moe.json").read_text())
-    assert set(data["section_seconds"]) == {"checks", "routing", "gemm"}
+    assert set(data["section_seconds"]) == {"checks", "routing", "gemm", "model"}
+    assert set(data["model"]["models"]) == {"smoe", "mhmoe_h3", "mhmoe_h3_recompute_gate_up", "dense"}
+    from mhmoe.models.mhmoe import moe
+
+    assert moe.RECOMPUTE_GATE_UP is False  # the benchmark's toggle is put back
     assert {"device", "commit", "dirty", "torch", "transformers", "triton"} <= set(data)
     names = [c["check"] for c in data["checks"]]
     assert "moe grouped_mm tiled float32" in names and "moe grouped_mm kernel float32" in names
