@@ -8,8 +8,9 @@ Every quantised projection computes y = W_q · Q_8(RMSNorm(x)):
 - straight-through estimator: the forward uses W_q and Q_8(x), the backward treats both roundings as identity, so the
   gradients reach the full-precision latent weights, which the optimiser updates.
 For the 3-D expert weights (E, out, in) each expert matrix has its own scale and its own norm gain; the experts run
-as two grouped GEMMs over the tokens sorted by expert (`torch.nn.functional.grouped_mm`, one matmul per expert only
-where the kernel refuses the operands), like the unquantised grouped path.
+as two grouped GEMMs over the tokens sorted by expert (`torch.nn.functional.grouped_mm`; where the kernel refuses the
+operands, a tiled batched matmul without host sync on CUDA, one matmul per expert on CPU), like the unquantised
+grouped path.
 
 Inference uses the same quantised weights (cached per weight version when no gradient is taken). `bitnet_packed=True`
 models hold the weights as int8 ternary values plus one fp32 scale per matrix (`weight` / `weight_scale`,
