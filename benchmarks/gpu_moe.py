@@ -1,52 +1,64 @@
-"""GPU speed of the MoE layers, a whole-model training step and the routing kernel, bf16 on CUDA (issue #13).
+"""GPU checks and speed of the MoE layers, a whole-model training step and the routing kernels, on CUDA (issue #23).
 
-One run per configuration, every number a ratio to a reference measured in the same run:
+Sections, in this order, each written to `--out DIR/gpu_moe.json` (atomically) the moment it finishes, so a run killed
+at its time limit still leaves what it measured:
 
-  blocks   d ∈ {768, 2048}, tokens ∈ {8k, 32k}, fwd and fwd+bwd, times relative to Transformers' Mixtral block
-           (`grouped_mm`, E=8 k=1 f≈8d/3): our SMoE block (same shapes), MH-MoE h=2 and h=3 (`matched_to_smoe`:
-           same activated FLOPs and parameters), a dense SwiGLU MLP of the same FLOPs, and on CUDA the h=3 block on the
-           Triton experts kernels (`ours_h3_triton`: `triton_experts_forward`, registered as "mhmoe_triton")
-  model    training-step tokens/s (forward, backward, AdamW step) of MH-MoE h=3, SMoE and dense models, d=768
-  routing  16k sub-tokens × 96 experts, top-3: the Triton kernels (`routing_triton.route` + `sort_by_expert`) against
-           the PyTorch reference, in µs
-  gemm     the h=3 block's expert GEMMs (`grouped_experts_forward`, forward) in TFLOP/s against one dense bf16 GEMM
+  checks   every kernel against its PyTorch reference, forward and backward, bf16 and fp32: the routing kernels
+           (route, sort_by_expert; NaN logits give in-range ids), the MoH head-router kernel, the Triton experts
+           (outputs and every gradient) and moe.py's grouped GEMM paths (torch's kernel, the tiled no-host-sync path);
+           max abs / relative errors and pass/fail at the dtype's tolerance (fp32 tl.dot runs as TF32: 1e-2 relative)
+  blocks   fwd and fwd+bwd times of MoE blocks relative to Transformers' Mixtral block (`grouped_mm`, E=8 k=1
+           f≈8d/3), bf16: our SMoE block (same shapes), MH-MoE h=2 and h=3 (`matched_to_smoe`), a dense SwiGLU MLP of
+           the same FLOPs, and the h=3 block on the Triton experts (`ours_h3_triton`)
+  model    a whole training step (forward, backward, AdamW) of MH-MoE h=3 and SMoE (and dense) at equal activated
+           FLOPs, bf16 autocast with fp32 master weights as the reproduction trains: tokens/s and peak memory
+           (`torch.cuda.max_memory_allocated`); h=3 also with `moe.RECOMPUTE_GATE_UP` (gate/up recomputed in the
+           backward: less memory, one more grouped GEMM)
+  routing  16,384 rows × 96 experts, top-3: the Triton routing kernels against the PyTorch reference, in µs
+  head_router  the MoH l2 head-router kernel against its reference (16,384 tokens × 32 heads × 64), in µs
+  gemm     the h=3 experts in TFLOP/s (torch grouped GEMM and the Triton experts, forward) against a dense bf16 GEMM
            of the same FLOPs
 
+Every timing: interleaved rounds (the candidates take turns, the order rotating each round), two warm-up rounds,
+medians; ratios are medians of per-round ratios. Device, commit (and dirty flag) and versions head the file.
+
 Usage:
-  python benchmarks/gpu_moe.py [--hidden 768 2048] [--tokens 8192 32768] [--repeats 20]
-      writes benchmarks/results/gpu_moe-<device>-<commit>.json and prints the tables
+  python benchmarks/gpu_moe.py [--out DIR] [--hidden 768 1536] [--tokens 8192 32768] [--repeats 20] [--sections ...]
+      writes DIR/gpu_moe.json (default DIR: benchmarks/results/gpu_moe-<device>-<commit>/) and prints the tables
   python benchmarks/gpu_moe.py --table
-      rewrites the table in benchmarks/README.md from every benchmarks/results/gpu_moe-*.json
-  python benchmarks/gpu_moe.py --smoke
-      tiny shapes on CPU in fp32 with the torch routing backend: checks that the script runs, records nothing
+      rewrites the table in benchmarks/README.md from every benchmarks/results/gpu_moe*/gpu_moe.json
+  python benchmarks/gpu_moe.py --smoke [--out DIR]
+      tiny shapes on CPU (the checks under TRITON_INTERPRET=1 when set): checks that the script runs
 Without CUDA (and without --smoke / --table) it prints that no GPU is available and exits 0.
 """
+
+from __future__ import annotations
 
 import argparse
 import copy
 import json
+import math
+import os
 import platform
 import re
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers.integrations.moe import ExpertsInterface
-from transformers.models.mixtral.configuration_mixtral import MixtralConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-from mhmoe import MHMoEConfig, MHMoEForCausalLM
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEMLP, MHMoESparseMoeBlock
-from mhmoe.models.mhmoe.moe import grouped_experts_forward
-from mhmoe.models.mhmoe.ops.experts import experts_triton
-from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE / "README.md"
 TABLE_START, TABLE_END = "<!-- gpu_moe table start -->", "<!-- gpu_moe table end -->"
+SECTIONS = ("checks", "blocks", "model", "routing", "head_router", "gemm")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# timing
 
 
 def _timer(device: torch.device):
@@ -71,11 +83,175 @@ def _timer(device: torch.device):
     return timed
 
 
+def interleaved(candidates: dict, repeats: int, device: torch.device, reference: str | None = None) -> dict:
+    """{name: fn}: `repeats` rounds after two warm-up rounds, each round every candidate once, the order rotated by one
+    each round. Returns {name: {"ms": median, "ratio": median of per-round time / reference time}}."""
+    timed = _timer(device)
+    names = list(candidates)
+    times = {name: [] for name in names}
+    for round_index in range(repeats + 2):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            elapsed = timed(candidates[name])
+            if round_index >= 2:
+                times[name].append(elapsed)
+    out = {}
+    for name, values in times.items():
+        out[name] = {"ms": 1e3 * statistics.median(values)}
+        if reference is not None:
+            out[name]["ratio"] = statistics.median(a / b for a, b in zip(values, times[reference]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# checks
+
+
+def _errors(name: str, got, ref, tol: float) -> dict:
+    got, ref = got.detach().double(), ref.detach().double()
+    abs_err = (got - ref).abs().max().item() if got.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    rel = abs_err / scale if scale else abs_err
+    ok = bool(math.isfinite(abs_err) and rel <= tol)
+    return {"check": name, "max_abs_error": abs_err, "max_rel_error": rel, "tolerance": tol, "ok": ok}
+
+
+TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 3e-2}  # fp32 dots run as TF32 in the kernels (10-bit mantissa)
+
+
+def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
+    """Every kernel against its reference, forward and backward, bf16 and fp32 (see the module docstring)."""
+    from mhmoe.models.mhmoe import moe
+    from mhmoe.models.mhmoe.ops.experts import experts_naive, experts_triton
+    from mhmoe.models.mhmoe.ops.head_router import head_router_naive, head_router_triton
+    from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
+
+    results = []
+    kernels = routing_triton.HAS_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+    def attempt(name, fn):
+        try:
+            results.extend(fn())
+        except Exception as error:  # a failing kernel is a result, not the end of the benchmark
+            results.append({"check": name, "ok": False, "error": f"{type(error).__name__}: {error}"[:500]})
+
+    rows, experts, top_k, width, inter = (64, 12, 3, 16, 32) if smoke else (4096, 96, 3, 256, 512)  # E: no power of 2
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        tag = str(dtype).removeprefix("torch.")
+        logits = torch.randn(rows, experts, generator=g).to(device=device, dtype=dtype)
+
+        def routing_checks(logits=logits, tag=tag):
+            out = []
+            ref_w, ref_e = routing_naive.route(logits, top_k, True)
+            got_w, got_e = routing_triton.route(logits, top_k, True)
+            out.append(_errors(f"route weights {tag}", got_w, ref_w, 1e-5))
+            # ids: equal, or where they differ a tie (bf16 logits tie often): the same probabilities chosen
+            probs = torch.softmax(logits.float(), dim=-1)
+            same_choice = torch.equal(probs.gather(-1, got_e).sort(-1).values, probs.gather(-1, ref_e).sort(-1).values)
+            out.append({"check": f"route ids {tag}", "ok": bool(torch.equal(got_e, ref_e) or same_choice),
+                        "mismatches": int((got_e != ref_e).sum()), "ties_only": bool(same_choice)})  # fmt: skip
+            ref_o, ref_off = routing_naive.sort_by_expert(ref_e, experts)
+            got_o, got_off = routing_triton.sort_by_expert(ref_e, experts)
+            out.append({"check": f"sort_by_expert {tag}", "ok": bool(torch.equal(got_o, ref_o)
+                                                                     and torch.equal(got_off, ref_off))})  # fmt: skip
+            bad = logits.clone()
+            bad[::7, :3] = float("nan")
+            bad[1::7, 5] = float("inf")
+            _, ids = routing_triton.route(bad, top_k, True)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            out.append({"check": f"route NaN/inf logits {tag}: ids in range",
+                        "ok": bool(((ids >= 0) & (ids <= experts)).all())})  # fmt: skip
+            return out
+
+        if kernels:
+            attempt(f"routing {tag}", routing_checks)
+
+        def head_router_checks(dtype=dtype, tag=tag):
+            heads, head_dim = (8, 16) if smoke else (32, 64)
+            queries = torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype)
+            out = []
+            for straight_through in (False, True):
+                q_ref = queries.clone().requires_grad_()
+                q_got = queries.clone().requires_grad_()
+                ref = head_router_naive.l2_head_gates(q_ref, 2, heads // 2, straight_through)
+                got = head_router_triton.l2_head_gates_triton(q_got, 2, heads // 2, straight_through)
+                out.append(_errors(f"head router gates {tag} st={straight_through}", got[0], ref[0], TOLERANCE[dtype]))
+                if ref[0].requires_grad:
+                    grad = torch.randn_like(ref[0])
+                    (g_ref,) = torch.autograd.grad(ref[0], q_ref, grad)
+                    (g_got,) = torch.autograd.grad(got[0], q_got, grad)
+                    out.append(_errors(f"head router d queries {tag} st={straight_through}", g_got, g_ref,
+                                       TOLERANCE[dtype]))  # fmt: skip
+            return out
+
+        if kernels:
+            attempt(f"head router {tag}", head_router_checks)
+
+        weights_gu = (torch.randn(experts, 2 * inter, width, generator=g) * width**-0.5).to(device=device, dtype=dtype)
+        weights_dn = (torch.randn(experts, width, inter, generator=g) * inter**-0.5).to(device=device, dtype=dtype)
+        hidden = torch.randn(rows, width, generator=g).to(device=device, dtype=dtype)
+        route_w, route_e = routing_naive.route(logits.float(), top_k, True)
+        grad_out = torch.randn(rows, width, generator=g).to(device=device, dtype=dtype)
+
+        def run_experts(forward, hidden=hidden, route_w=route_w, route_e=route_e, grad_out=grad_out):
+            leaves = [t.detach().clone().requires_grad_() for t in (hidden, route_w, weights_gu, weights_dn)]
+            out = forward(*leaves)
+            grads = torch.autograd.grad(out, leaves, grad_out)
+            return out, grads
+
+        def experts_checks(dtype=dtype, tag=tag, route_e=route_e):
+            ref_out, ref_grads = run_experts(lambda x, w, gu, dn: experts_naive.experts_forward(
+                x.double(), route_e, w.double(), gu.double(), dn.double()))  # fmt: skip
+            order, offsets = routing_naive.sort_by_expert(route_e, experts)
+            got_out, got_grads = run_experts(lambda x, w, gu, dn: experts_triton.experts_forward(
+                x, route_e, w, gu, dn, order, offsets))  # fmt: skip
+            out = [_errors(f"triton experts out {tag}", got_out, ref_out, TOLERANCE[dtype])]
+            for label, got, ref in zip(("d rows", "d routing weights", "d gate_up_proj", "d down_proj"), got_grads,
+                                       ref_grads):  # fmt: skip
+                out.append(_errors(f"triton experts {label} {tag}", got, ref, TOLERANCE[dtype]))
+            return out
+
+        if kernels:
+            attempt(f"triton experts {tag}", experts_checks)
+
+        def grouped_mm_checks(dtype=dtype, tag=tag, route_e=route_e):
+            order, offsets = routing_naive.sort_by_expert(route_e, experts)
+            a = hidden.index_select(0, order // top_k)
+            b = weights_gu.transpose(1, 2)
+            ref = moe._grouped_mm(a.double().cpu(), b.double().cpu(), offsets.cpu(), path="loop")
+            out = []
+            for path in ("kernel", "tiled"):
+                if path == "kernel" and not moe._kernel_accepts(a, b):
+                    continue
+                got = moe._grouped_mm(a, b, offsets, path=path)
+                out.append(_errors(f"moe grouped_mm {path} {tag}", got.cpu(), ref, TOLERANCE[dtype]))
+            return out
+
+        attempt(f"grouped_mm {tag}", grouped_mm_checks)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# speed
+
+
 def smoe_intermediate(hidden: int) -> int:
     return 2048 if hidden == 768 else 128 * round(8 * hidden / 3 / 128)
 
 
 def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.models.mixtral.configuration_mixtral import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from mhmoe import MHMoEConfig
+    from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEMLP, MHMoESparseMoeBlock
+    from mhmoe.models.mhmoe.ops.experts import experts_triton
+
+    if hidden % 3 or hidden % 64:
+        raise SystemExit(f"error: --hidden {hidden}: the h=3 block needs a width divisible by 3 and the "
+                         "attention heads of 64 (e.g. 768, 1536)")  # fmt: skip
     inter = smoe_intermediate(hidden)
     mixtral = MixtralConfig(hidden_size=hidden, num_local_experts=8, num_experts_per_tok=1, intermediate_size=inter)
     mixtral._experts_implementation = "grouped_mm"
@@ -107,133 +283,244 @@ def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
 
 
 def time_blocks(blocks, tokens, hidden, repeats, dtype, device) -> dict:
-    timed = _timer(device)
     x = torch.randn(1, tokens, hidden, device=device, dtype=dtype)
     grad = torch.randn_like(x)
-    out = {}
-    for mode in ("fwd", "fwd+bwd"):
-        times = {name: [] for name in blocks}
-        for round_idx in range(repeats + 2):  # two warm-up rounds
-            names = list(blocks)
-            shift = round_idx % len(names)
-            for name in names[shift:] + names[:shift]:
-                block = blocks[name]
-                if mode == "fwd":
-                    with torch.no_grad():
-                        elapsed = timed(lambda: block(x))
-                else:
-                    inp = x.detach().requires_grad_()
-                    block.zero_grad(set_to_none=True)
-                    elapsed = timed(lambda: block(inp).backward(grad))
-                if round_idx >= 2:
-                    times[name].append(elapsed)
-        reference = times["hf_mixtral"]
-        out[mode] = {name: {"ms": 1e3 * statistics.median(t),
-                            "ratio": statistics.median(a / b for a, b in zip(t, reference))}
-                     for name, t in times.items()}  # fmt: skip
-    return out
+
+    def forward(block):
+        def run():
+            with torch.no_grad():
+                block(x)
+
+        return run
+
+    def forward_backward(block):
+        def run():
+            inp = x.detach().requires_grad_()
+            block.zero_grad(set_to_none=True)
+            out = block(inp)
+            (out[0] if isinstance(out, tuple) else out).backward(grad)
+
+        return run
+
+    return {mode: interleaved({name: make(block) for name, block in blocks.items()}, repeats, device, "hf_mixtral")
+            for mode, make in (("fwd", forward), ("fwd+bwd", forward_backward))}  # fmt: skip
 
 
-def time_model(repeats, dtype, device, smoke) -> dict:
-    """Training-step tokens/s, MH-MoE h=3 / SMoE / dense at equal activated FLOPs (d=768, 4 layers, 4 × 2048)."""
-    timed = _timer(device)
-    hidden, layers, batch, seq = (96, 2, 2, 32) if smoke else (768, 4, 4, 2048)
-    base = dict(vocab_size=32000 if not smoke else 256, hidden_size=hidden, num_attention_heads=max(1, hidden // 64),
-                num_hidden_layers=layers, intermediate_size=smoe_intermediate(hidden), max_position_embeddings=seq)
+def time_model(repeats, device, smoke) -> dict:
+    """Training step (forward, backward, AdamW) of MH-MoE h=3, SMoE and dense at equal activated FLOPs, bf16 autocast
+    with fp32 weights (the reproduction's setting): tokens/s and peak memory; interleaved rounds."""
+    from mhmoe import MHMoEConfig, MHMoEForCausalLM
+    from mhmoe.models.mhmoe import moe
+
+    default_recompute = moe.RECOMPUTE_GATE_UP
+    hidden, layers, batch, seq = (96, 2, 2, 32) if smoke else (768, 4, 8, 2048)
+    base = dict(vocab_size=256 if smoke else 32000, hidden_size=hidden, num_attention_heads=max(1, hidden // 64),
+                num_hidden_layers=layers, intermediate_size=smoe_intermediate(hidden), max_position_embeddings=seq,
+                decoder_sparse_step=1)  # fmt: skip
     smoe = MHMoEConfig(**base, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=smoe_intermediate(hidden))
-    configs = {"smoe": smoe, "mhmoe_h3": MHMoEConfig.matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3),
-               "dense": MHMoEConfig(**base, decoder_sparse_step=0)}  # fmt: skip
+    h3 = MHMoEConfig.matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3)
+    configs = {"smoe": smoe, "mhmoe_h3": h3, "mhmoe_h3_recompute_gate_up": h3,
+               "dense": MHMoEConfig(**{**base, "decoder_sparse_step": 0})}  # fmt: skip
     ids = torch.randint(0, base["vocab_size"], (batch, seq), device=device)
-    results = {}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    steps, peaks = {}, {}
     for name, config in configs.items():
-        model = MHMoEForCausalLM(config).to(device=device, dtype=dtype).train()
+        model = MHMoEForCausalLM(config).to(device).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step(model=model, optimizer=optimizer):
-            model(input_ids=ids, labels=ids).loss.backward()
+        def step(model=model, optimizer=optimizer, recompute=name.endswith("recompute_gate_up")):
+            moe.RECOMPUTE_GATE_UP = recompute  # the experts keep gate/up for the backward, or recompute it
+            try:
+                with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+            finally:
+                moe.RECOMPUTE_GATE_UP = default_recompute
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        times = [timed(step) for _ in range(repeats + 2)][2:]
-        results[name] = {"tokens_per_s": batch * seq / statistics.median(times)}
-        del model, optimizer
-    for name in results:
-        results[name]["ratio_to_smoe"] = results["smoe"]["tokens_per_s"] / results[name]["tokens_per_s"]
-    return results
+        step()  # the optimizer state exists from here on: the peak below is a steady-state step's
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base_memory = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            peaks[name] = {"peak_bytes": peak, "peak_above_weights_and_optimizer_bytes": peak - base_memory}
+        steps[name] = step
+    timings = interleaved(steps, repeats, device, "smoe")
+    results = {}
+    for name, timing in timings.items():
+        results[name] = {"tokens_per_s": batch * seq / (timing["ms"] / 1e3), "time_vs_smoe": timing["ratio"],
+                         **peaks.get(name, {})}  # fmt: skip
+    if peaks:
+        for name in results:
+            key = "peak_above_weights_and_optimizer_bytes"
+            results[name]["activation_peak_vs_smoe"] = results[name][key] / results["smoe"][key]
+    return {"hidden": hidden, "layers": layers, "batch": batch, "seq": seq, "precision": f"autocast {dtype}",
+            "models": results}  # fmt: skip
 
 
 def time_routing(repeats, device, smoke) -> dict:
+    from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
+
     rows, experts, top_k = (512, 96, 3) if smoke else (16384, 96, 3)
     logits = torch.randn(rows, experts, device=device)
-    timed = _timer(device)
-    runs = {"torch": (routing_naive.route, routing_naive.sort_by_expert)}
+    candidates = {"torch route": lambda: routing_naive.route(logits, top_k),
+                  "torch route+sort": lambda: routing_naive.sort_by_expert(routing_naive.route(logits, top_k)[1],
+                                                                           experts)}  # fmt: skip
     if device.type == "cuda" and routing_triton.HAS_TRITON:
-        runs["triton"] = (routing_triton.route, routing_triton.sort_by_expert)
-    out = {}
-    for name, (route, sort) in runs.items():
-        route_times, all_times = [], []
-        for _ in range(repeats * 5 + 5):
-            route_times.append(timed(lambda: route(logits, top_k)))
-            all_times.append(timed(lambda: sort(route(logits, top_k)[1], experts)))
-        out[name] = {"route_us": 1e6 * statistics.median(route_times[5:]),
-                     "route_and_sort_us": 1e6 * statistics.median(all_times[5:])}  # fmt: skip
-    return {"rows": rows, "experts": experts, "top_k": top_k, **out}
+        candidates["triton route"] = lambda: routing_triton.route(logits, top_k)
+        candidates["triton route+sort"] = lambda: routing_triton.sort_by_expert(
+            routing_triton.route(logits, top_k)[1], experts)  # fmt: skip
+    timings = interleaved(candidates, repeats * 5, device)
+    return {"rows": rows, "experts": experts, "top_k": top_k,
+            "us": {name: 1e3 * t["ms"] for name, t in timings.items()}}  # fmt: skip
+
+
+def time_head_router(repeats, device, smoke) -> dict:
+    from mhmoe.models.mhmoe.ops.head_router import head_router_naive, head_router_triton
+
+    tokens, heads, head_dim = (256, 8, 16) if smoke else (16384, 32, 64)
+    queries = torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16 if device.type == "cuda"
+                          else torch.float32)  # fmt: skip
+    candidates = {"torch": lambda: head_router_naive.l2_head_gates(queries, 2, heads // 2)}
+    if device.type == "cuda" and head_router_triton.HAS_TRITON:
+        candidates["triton"] = lambda: head_router_triton.l2_head_gates_triton(queries, 2, heads // 2)
+    timings = interleaved(candidates, repeats * 5, device)
+    return {"tokens": tokens, "heads": heads, "head_dim": head_dim,
+            "us": {name: 1e3 * t["ms"] for name, t in timings.items()}}  # fmt: skip
 
 
 def time_expert_gemms(block, tokens, repeats, dtype, device) -> dict:
-    """The h=3 block's expert computation (forward, no grad) in TFLOP/s against a dense GEMM of equal FLOPs."""
-    timed = _timer(device)
+    """The h=3 block's experts (forward, no grad) in TFLOP/s, torch's grouped GEMM path and the Triton experts, against
+    a dense GEMM of equal FLOPs; interleaved."""
+    from mhmoe.models.mhmoe.moe import grouped_experts_forward
+    from mhmoe.models.mhmoe.ops.experts import experts_triton
+    from mhmoe.models.mhmoe.routing import sort_by_expert
+
     experts, gate = block.experts, block.gate
     width = experts.hidden_dim
     rows = torch.randn(tokens * block.moe_heads, width, device=device, dtype=dtype)
     with torch.no_grad():
         _, weights, index = gate(rows)
-        flops = 2 * index.numel() * 3 * width * experts.intermediate_dim
-        grouped = [timed(lambda: grouped_experts_forward(experts, rows, index, weights)) for _ in range(repeats + 2)]
-        side = round((flops / 2) ** (1 / 3) / 64) * 64  # a cube GEMM of about the same FLOPs
-        a = torch.randn(side, side, device=device, dtype=dtype)
-        dense = [timed(lambda: a @ a) for _ in range(repeats + 2)]
-    grouped_tflops = flops / statistics.median(grouped[2:]) / 1e12
-    dense_tflops = 2 * side**3 / statistics.median(dense[2:]) / 1e12
-    return {"tokens": tokens, "expert_tflops": grouped_tflops, "dense_tflops": dense_tflops,
-            "ratio": grouped_tflops / dense_tflops}  # fmt: skip
+    flops = 2 * index.numel() * 3 * width * experts.intermediate_dim
+    side = max(64, round((flops / 2) ** (1 / 3) / 64) * 64)  # a cube GEMM of about the same FLOPs
+    a = torch.randn(side, side, device=device, dtype=dtype)
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+
+        return run
+
+    candidates = {"grouped_mm experts": no_grad(lambda: grouped_experts_forward(experts, rows, index, weights)),
+                  "dense GEMM": no_grad(lambda: a @ a)}  # fmt: skip
+    if device.type == "cuda" and experts_triton.HAS_TRITON:
+        order, offsets = sort_by_expert(index, experts.num_experts)
+        candidates["triton experts"] = no_grad(lambda: experts_triton.experts_forward(
+            rows, index, weights, experts.gate_up_proj, experts.down_proj, order, offsets))  # fmt: skip
+    timings = interleaved(candidates, repeats, device)
+    out = {"tokens": tokens, "flops": flops, "dense_side": side}
+    for name, timing in timings.items():
+        work = 2 * side**3 if name == "dense GEMM" else flops
+        out[name] = {"ms": timing["ms"], "tflops": work / (timing["ms"] / 1e3) / 1e12}
+    for name in out:
+        if isinstance(out[name], dict) and name != "dense GEMM":
+            out[name]["vs_dense"] = out[name]["tflops"] / out["dense GEMM"]["tflops"]
+    return out
 
 
-def _commit() -> str:
+# --------------------------------------------------------------------------------------------------------------------
+# provenance, output
+
+
+def provenance(device: torch.device) -> dict:
+    import transformers
+
+    import mhmoe
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
+        commit, dirty = git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        commit, dirty = "unknown", None
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+            "commit": commit, "dirty": dirty, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "triton": triton_version, "mhmoe": mhmoe.__version__,
+            "python": platform.python_version(), "started_utc": _utc()}  # fmt: skip
+
+
+def _utc() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def markdown(result: dict) -> str:
-    """The tables of one run (header line: device, versions, commit)."""
-    lines = [f"**{result['device']}**, torch {result['torch']}, triton {result['triton']}, commit {result['commit']}, "
-             f"{result['dtype']}", "",
-             "| d | tokens | mode | " + " | ".join(result["block_names"]) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in result["block_names"]) + " |"]  # fmt: skip
-    for run in result["blocks"]:
-        for mode, cells in run["times"].items():
-            row = [f"{cells[n]['ratio']:.2f}x ({cells[n]['ms']:.2f} ms)" for n in result["block_names"]]
-            lines.append(f"| {run['hidden']} | {run['tokens']} | {mode} | " + " | ".join(row) + " |")
-    lines += ["", "| model (training step) | tokens/s | time vs SMoE |", "| --- | --- | --- |"]
-    for name, cells in result["model"].items():
-        lines.append(f"| {name} | {cells['tokens_per_s']:,.0f} | {cells['ratio_to_smoe']:.2f}x |")
-    routing = result["routing"]
-    lines += ["", f"| routing, {routing['rows']} rows × {routing['experts']} experts, top-{routing['top_k']} | route "
-              "(µs) | route + sort (µs) |", "| --- | --- | --- |"]  # fmt: skip
-    for name in ("torch", "triton"):
-        if name in routing:
-            lines.append(f"| {name} | {routing[name]['route_us']:.1f} | {routing[name]['route_and_sort_us']:.1f} |")
-    gemm = result["gemm"]
-    lines += ["", f"Expert GEMMs (h=3 block, {gemm['tokens']} tokens, forward): {gemm['expert_tflops']:.1f} TFLOP/s, "
-              f"dense GEMM {gemm['dense_tflops']:.1f} TFLOP/s: {100 * gemm['ratio']:.0f}%."]  # fmt: skip
+    """The tables of one run (whatever sections it holds)."""
+    dirty = " (dirty)" if result.get("dirty") else ""
+    lines = [f"**{result['device']}**, torch {result['torch']}, triton {result['triton']}, transformers "
+             f"{result['transformers']}, commit {result['commit']}{dirty}"]  # fmt: skip
+    checks = result.get("checks")
+    if checks is not None:
+        failed = [c for c in checks if not c.get("ok")]
+        lines += ["", f"Kernel checks: {len(checks) - len(failed)} of {len(checks)} within tolerance."]
+        lines += [f"- FAILED {c['check']}: {c.get('error') or c.get('max_rel_error')}" for c in failed]
+    if result.get("blocks"):
+        names = list(result["blocks"][0]["times"]["fwd"])
+        lines += ["", "| d | tokens | mode | " + " | ".join(names) + " |",
+                  "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]  # fmt: skip
+        for run in result["blocks"]:
+            for mode, cells in run["times"].items():
+                row = [f"{cells[n]['ratio']:.2f}x ({cells[n]['ms']:.2f} ms)" for n in names]
+                lines.append(f"| {run['hidden']} | {run['tokens']} | {mode} | " + " | ".join(row) + " |")
+    if result.get("model"):
+        model = result["model"]
+        lines += ["", f"| training step, d={model['hidden']}, {model['batch']}×{model['seq']} tokens, "
+                  f"{model['precision']} | tokens/s | time vs SMoE | peak memory | activations vs SMoE |",
+                  "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        for name, cells in model["models"].items():
+            peak = f"{cells['peak_bytes'] / 2**30:.2f} GiB" if "peak_bytes" in cells else "-"
+            act = f"{cells['activation_peak_vs_smoe']:.2f}x" if "activation_peak_vs_smoe" in cells else "-"
+            lines.append(f"| {name} | {cells['tokens_per_s']:,.0f} | {cells['time_vs_smoe']:.2f}x | {peak} | {act} |")
+    for key, label in (("routing", "routing, {rows} rows × {experts} experts, top-{top_k}"),
+                       ("head_router", "MoH head router, {tokens} tokens × {heads} heads × {head_dim}")):  # fmt: skip
+        if result.get(key):
+            section = result[key]
+            lines += ["", f"| {label.format(**section)} | µs |", "| --- | --- |"]
+            lines += [f"| {name} | {us:.1f} |" for name, us in section["us"].items()]
+    if result.get("gemm"):
+        gemm = result["gemm"]
+        lines += ["", f"| h=3 experts forward, {gemm['tokens']} tokens | ms | TFLOP/s | vs dense |",
+                  "| --- | --- | --- | --- |"]  # fmt: skip
+        for name, cells in gemm.items():
+            if isinstance(cells, dict):
+                vs = f"{cells['vs_dense']:.0%}" if "vs_dense" in cells else "-"
+                lines.append(f"| {name} | {cells['ms']:.3f} | {cells['tflops']:.1f} | {vs} |")
     return "\n".join(lines)
 
 
 def write_table() -> None:
-    runs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("gpu_moe-*.json"))]
+    runs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("gpu_moe*/gpu_moe.json"))]
     body = "\n\n".join(markdown(r) for r in runs) if runs else "No GPU run has been recorded yet."
     text = README.read_text()
     pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
@@ -241,49 +528,83 @@ def write_table() -> None:
     print(body)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, nargs="+", default=[768, 2048])
+    parser.add_argument("--out", type=Path, default=None, help="folder for gpu_moe.json (written after every section)")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[768, 1536], help="block widths (divisible by 3·64)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--table", action="store_true", help="rewrite benchmarks/README.md's table from the JSON")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script itself; records nothing")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script itself")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.table:
         write_table()
-        return
+        return 0
     if not torch.cuda.is_available() and not args.smoke:
         print("no GPU available (torch.cuda.is_available() is False): nothing measured, nothing recorded")
-        return
+        return 0
+    for hidden in args.hidden:
+        if hidden % 192:
+            parser.error(f"--hidden {hidden}: needs a multiple of 192 (h=3 sub-tokens and 64-wide attention heads)")
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
-        args.hidden, args.tokens, args.repeats = [96], [64], 2
+        args.hidden, args.tokens, args.repeats = [192], [64], 2
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls as the reproduction runs them
     torch.manual_seed(0)
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "triton": getattr(routing_triton.triton, "__version__", None),
-              "commit": _commit(), "dtype": str(dtype).removeprefix("torch."), "blocks": []}  # fmt: skip
-    for hidden in args.hidden:
-        blocks = build_blocks(hidden, dtype, device)
-        result["block_names"] = list(blocks)
-        for tokens in args.tokens:
-            times = time_blocks(blocks, tokens, hidden, args.repeats, dtype, device)
-            result["blocks"].append({"hidden": hidden, "tokens": tokens, "times": times})
-        if hidden == args.hidden[0]:
+    result = provenance(device)
+    out = args.out
+    if out is None:
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", result["device"]).strip("-").lower()
+        out = (Path(tempfile.mkdtemp(prefix="gpu_moe-smoke-")) if args.smoke
+               else RESULTS / f"gpu_moe-{slug}-{result['commit']}")  # fmt: skip
+    path = out / "gpu_moe.json"
+
+    def save(section: str, started: float) -> None:
+        result.setdefault("section_seconds", {})[section] = round(time.time() - started, 1)
+        result["finished_utc"] = _utc()
+        write_json(path, result)
+        print(f"[{section}: {result['section_seconds'][section]} s, written to {path}]", flush=True)
+
+    for section in args.sections:
+        started = time.time()
+        if section == "checks":
+            result["checks"] = check_kernels(device, args.smoke)
+        elif section == "blocks":
+            result["blocks"] = []
+            for hidden in args.hidden:
+                blocks = build_blocks(hidden, dtype, device)
+                for tokens in args.tokens:
+                    times = time_blocks(blocks, tokens, hidden, args.repeats, dtype, device)
+                    result["blocks"].append({"hidden": hidden, "tokens": tokens, "times": times})
+                    save(section, started)  # a partial section is kept too
+                del blocks
+        elif section == "model":
+            result["model"] = time_model(max(3, args.repeats // 4), device, args.smoke)
+        elif section == "routing":
+            result["routing"] = time_routing(args.repeats, device, args.smoke)
+        elif section == "head_router":
+            result["head_router"] = time_head_router(args.repeats, device, args.smoke)
+        elif section == "gemm":
+            blocks = build_blocks(args.hidden[0], dtype, device)
             result["gemm"] = time_expert_gemms(blocks["ours_h3"], args.tokens[-1], args.repeats, dtype, device)
-        del blocks
-    result["model"] = time_model(max(3, args.repeats // 4), dtype, device, args.smoke)
-    result["routing"] = time_routing(args.repeats, device, args.smoke)
+            del blocks
+        save(section, started)
     print(markdown(result))
     if args.smoke:
-        print("(smoke run on CPU: nothing recorded)")
-        return
-    RESULTS.mkdir(exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", result["device"]).strip("-").lower()
-    path = RESULTS / f"gpu_moe-{slug}-{result['commit']}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}; `python benchmarks/gpu_moe.py --table` puts it into benchmarks/README.md")
+        print("(smoke run on CPU: tiny shapes, not a measurement)")
+    failed = [c["check"] for c in result.get("checks", []) if not c.get("ok")]
+    if failed:
+        print(f"kernel checks FAILED: {', '.join(failed)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

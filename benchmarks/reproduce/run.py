@@ -2,19 +2,30 @@
 """Reproduce the papers' tables in miniature, one command per table (results: benchmarks/results/reproduce_*.{json,md,png}).
 
     python benchmarks/reproduce/run.py mhmoe_table1 [--scale cpu|gpu] [--seeds 0 1] [--quick]
+    python benchmarks/reproduce/run.py mhmoe_table1 --cells smoe mhmoe_h3 --seeds 0 --out DIR [--deadline MINUTES]
+    python benchmarks/reproduce/run.py mhmoe_table1 --merge DIR [DIR ...] [--out RESULTS]
     python benchmarks/reproduce/run.py moh_fig2 [--quick]
     python benchmarks/reproduce/run.py --list
 
 Tables: see `tables.py` (cells and scales) and `harness.py` (data, training, results). `--quick` is the CI smoke run:
 tiny models, a few steps, the standard-library corpus, results under --out (default: a temporary directory).
+
+Chunked runs (a GPU window of 10-minute commands): every (cell, seed) is written to `DIR/runs/<table>_<scale>/` the
+moment it finishes (atomically, with its provenance), runs already there are skipped, and with `--deadline MINUTES` no
+run starts that would not finish in time (estimated from earlier runs of the cell on this device, else from a short
+throughput probe). After the runs, the table (JSON, Markdown, plot, cards) is built from every run file in DIR;
+`--merge DIR...` builds it from the run files of several folders without training.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -22,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import tables  # noqa: E402
 
+RUN_FORMAT = "mhmoe-reproduce-run/1"
 FIG2_SCALES = {
     "quick": dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
                   num_key_value_heads=4, block_size=32, batch_size=4, dense_steps=6, tune_steps=4, eval_steps=2),
@@ -37,25 +49,238 @@ FIG2_SCALES = {
 }  # fmt: skip
 
 
-def run_table(name: str, scale_name: str, seeds: list[int], out_dir: Path, workdir: Path) -> Path:
-    build, title = tables.TABLES[name]
+def cell_id(name: str) -> str:
+    """The command-line name of a cell: "MH-MoE h=3" -> mhmoe_h3, "Fine-grained SMoE" -> finegrained_smoe."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower().replace("-", "").replace("=", "")).strip("_")
+
+
+def select_cells(table: str, scale: dict, wanted: list[str] | None) -> dict:
+    """{cell name: config} of the table, in table order, restricted to `wanted` (ids or names); unknown names end the
+    command with the list of valid ones."""
+    build, _ = tables.TABLES[table]
+    cells = build(scale)
+    if not wanted:
+        return cells
+    by_id = {cell_id(name): name for name in cells}
+    unknown = [w for w in wanted if w not in by_id and w not in cells]
+    if unknown:
+        raise SystemExit(f"error: {table} has no cell {', '.join(map(repr, unknown))}; its cells: "
+                         f"{', '.join(f'{i} ({n})' for i, n in by_id.items())}")  # fmt: skip
+    names = {by_id.get(w, w) for w in wanted}
+    return {name: config for name, config in cells.items() if name in names}
+
+
+def run_path(out: Path, table: str, scale_name: str, name: str, seed: int) -> Path:
+    return out / "runs" / f"{table}_{scale_name}" / f"{cell_id(name)}_seed{seed}.json"
+
+
+def read_run(path: Path) -> dict | None:
+    """A finished run's file, or None when it is absent or not a complete run record (then it is run again)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("format") == RUN_FORMAT and "run" in record else None
+
+
+class Deadline:
+    """Whether a run of a cell can still finish before the deadline (minutes from the command's start)."""
+
+    def __init__(self, minutes: float | None, started: float | None = None):
+        self.started = time.time() if started is None else started
+        self.end = None if minutes is None else self.started + minutes * 60
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.time()
+
+    def estimate(self, out: Path, table: str, scale_name: str, name: str, config, scale: dict, device: str,
+                 mixed_precision: str) -> tuple[float, str]:  # fmt: skip
+        """(seconds one run of `name` takes, how it was estimated): the median of its finished runs on this device
+        and precision in this folder, else a throughput probe (3 training steps of the scale's batch after one
+        warm-up) times the steps, plus 25% for validation and setup."""
+        seconds = []
+        for path in sorted((out / "runs" / f"{table}_{scale_name}").glob(f"{cell_id(name)}_seed*.json")):
+            record = read_run(path)
+            prov = (record or {}).get("run", {}).get("provenance", {})
+            if record and prov.get("device") == device and prov.get("precision", {}).get("mixed_precision") == (
+                mixed_precision
+            ):
+                seconds.append(record["run"]["seconds"])
+        if seconds:
+            return statistics.median(seconds), f"median of {len(seconds)} finished run(s)"
+        per_step = probe_step_seconds(config, scale, mixed_precision)
+        return per_step * scale["steps"] * 1.25, f"probe: {per_step * 1000:.1f} ms/step"
+
+
+def probe_step_seconds(
+    config, scale: dict, mixed_precision: str = "no", steps: int = 3, stats: dict | None = None
+) -> float:
+    """Median seconds of one training step (forward, backward, AdamW) of `config` at the scale's batch, after a
+    warm-up step, on the default device (random token ids: no data needed). `stats`, when given, receives the peak
+    CUDA memory of the timed steps."""
+    import torch
+
+    from mhmoe import MHMoEForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    harness.enable_tf32()
+    model = MHMoEForCausalLM(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(3, scale["vocab"], (scale["batch"], scale["block"]), device=device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    times = []
+    for _ in range(steps + 1):
+        started = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+        if device.type == "cuda" and len(times) == 1:
+            torch.cuda.reset_peak_memory_stats(device)
+    if stats is not None and device.type == "cuda":
+        stats["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    del model, optimizer
+    return statistics.median(times[1:])
+
+
+def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out: Path, mixed_precision: str) -> Path:
+    """Training throughput of the selected cells (`probe_step_seconds` over `steps` steps, random ids), written to
+    out/probe_<table>_<scale>.json with the provenance of the machine."""
     scale = tables.SCALES[scale_name]
-    train_file, val_file, data_name = harness.data_files(scale_name, workdir)
-    tokenizer = harness.tokenizer_for(train_file, scale["vocab"], scale["block"], workdir)
-    cells = {}
-    for cell_name, config in build(scale).items():
-        cells[cell_name] = {"config": config.to_diff_dict(), "parity": harness.parity(config), "runs": []}
-        for seed in seeds:
-            run = harness.run_cell(config, seed, scale, (train_file, val_file), tokenizer, workdir,
-                                   throughput=name in tables.THROUGHPUT_TABLES)  # fmt: skip
-            cells[cell_name]["runs"].append(run)
-            final = run["eval"][-1]["ppl"] if run["eval"] else float("nan")
-            print(f"{name} | {cell_name} | seed {seed}: ppl {final:.2f} ({run['seconds']} s) | "
-                  f"params {cells[cell_name]['parity']['parameters']:,}", flush=True)
-    meta = {"data": data_name, "scale_name": scale_name, "scale": scale, "seeds": seeds, **harness.environment()}
-    path = harness.write_results(name, title, cells, meta, out_dir)
-    print(harness.markdown_table(json.loads(path.read_text())))
+    tokens = scale["batch"] * scale["block"]
+    result = {"table": name, "scale_name": scale_name, "steps": steps, "tokens_per_step": tokens,
+              "mixed_precision": mixed_precision, **harness.git_state(), "device": harness.device_name(),
+              "versions": harness.versions(), "started_utc": harness.utc_now(), "cells": {}}  # fmt: skip
+    path = out / f"probe_{name}_{scale_name}.json"
+    for cell, config in select_cells(name, scale, wanted).items():
+        stats: dict = {}
+        seconds = probe_step_seconds(config, scale, mixed_precision, steps, stats)
+        result["cells"][cell] = {"ms_per_step": 1e3 * seconds, "tokens_per_second": tokens / seconds,
+                                 "run_seconds_estimate": seconds * scale["steps"], **stats}  # fmt: skip
+        print(f"probe {name} | {cell}: {1e3 * seconds:.1f} ms/step, {tokens / seconds:,.0f} tokens/s, a full run "
+              f"({scale['steps']} steps) ~{seconds * scale['steps'] / 60:.1f} min", flush=True)  # fmt: skip
+        result["finished_utc"] = harness.utc_now()
+        harness.atomic_write_text(path, json.dumps(result, indent=2) + "\n")
     return path
+
+
+def run_cells(name: str, scale_name: str, seeds: list[int], out: Path, wanted: list[str] | None = None,
+              deadline: Deadline | None = None, mixed_precision: str = "no",
+              eval_every: int | None = None) -> bool:  # fmt: skip
+    """Train every selected (cell, seed) not yet in `out`, writing each run file as it finishes. Returns False when the
+    deadline stopped it before every run was done."""
+    _, title = tables.TABLES[name]
+    scale = tables.SCALES[scale_name]
+    deadline = deadline or Deadline(None)
+    cells = select_cells(name, scale, wanted)
+    todo = [(cell, seed) for cell in cells for seed in seeds
+            if read_run(run_path(out, name, scale_name, cell, seed)) is None]  # fmt: skip
+    for cell, seed in [(c, s) for c in cells for s in seeds if (c, s) not in todo]:
+        print(f"{name} | {cell} | seed {seed}: already in {run_path(out, name, scale_name, cell, seed)}, skipped")
+    if not todo:
+        return True
+    cache = out / "cache"
+    train_file, val_file, data_name = harness.data_files(scale_name, cache)
+    corpus = {"train_sha256": harness.file_sha256(train_file), "validation_sha256": harness.file_sha256(val_file)}
+    tokenizer = harness.tokenizer_for(train_file, scale["vocab"], scale["block"], cache)
+    device = harness.device_name()
+    eval_steps = eval_every or (scale["steps"] // 2 if scale_name == "quick" else max(1, scale["steps"] // 10))
+    for index, (cell, seed) in enumerate(todo):
+        config = cells[cell]
+        if deadline.end is not None:
+            needed, how = deadline.estimate(out, name, scale_name, cell, config, scale, device, mixed_precision)
+            if needed > deadline.left():
+                left = ", ".join(f"{c} seed {s}" for c, s in todo[index:])
+                print(f"deadline: not starting {cell} seed {seed}: it needs ~{needed:.0f} s ({how}) and "
+                      f"{max(0.0, deadline.left()):.0f} s are left. Not run: {left}. Rerun the same command to go on "
+                      f"(finished runs are skipped).", flush=True)  # fmt: skip
+                return False
+        git = harness.git_state()
+        run = harness.run_cell(config, seed, scale, (train_file, val_file), tokenizer, cache,
+                               throughput=name in tables.THROUGHPUT_TABLES, mixed_precision=mixed_precision,
+                               eval_steps=eval_steps)  # fmt: skip
+        run["provenance"] = {**git, **run["provenance"], "corpus": corpus}
+        record = {"format": RUN_FORMAT, "table": name, "title": title, "scale_name": scale_name, "scale": scale,
+                  "cell": cell, "cell_id": cell_id(cell), "data": data_name, "config": config.to_diff_dict(),
+                  "parity": harness.parity(config), "run": run}  # fmt: skip
+        path = run_path(out, name, scale_name, cell, seed)
+        harness.atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+        final = run["eval"][-1]["ppl"] if run["eval"] else float("nan")
+        print(f"{name} | {cell} | seed {seed}: ppl {final:.2f} ({run['seconds']} s) | "
+              f"params {record['parity']['parameters']:,} -> {path}", flush=True)
+    return True
+
+
+def legacy_runs(folder: Path, name: str) -> list[dict]:
+    """Run records from the one-piece results JSON of earlier versions (`reproduce_<table>_<scale>.json` without
+    `merged_from`, e.g. the committed benchmarks/results): each run with its cell's config and parity, the table's
+    data, and the provenance it recorded (commit, device, versions)."""
+    records = []
+    for path in sorted(folder.glob(f"reproduce_{name}_*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("table") != name or "merged_from" in data or "cells" not in data:
+            continue
+        versions = {k: data[k] for k in ("torch", "transformers", "mhmoe") if k in data}
+        provenance = {"commit": data.get("commit"), "device": data.get("device"), "from": path.name,
+                      "versions": versions}  # fmt: skip
+        for cell, entry in data["cells"].items():
+            for run in entry["runs"]:
+                run = {**run, "provenance": {**provenance, **run.get("provenance", {})}}
+                records.append({"format": RUN_FORMAT, "table": name, "scale_name": data["scale_name"],
+                                "scale": data["scale"], "cell": cell, "data": data["data"], "config": entry["config"],
+                                "parity": entry["parity"], "run": run})  # fmt: skip
+    return records
+
+
+def merge(name: str, folders: list[Path], out: Path) -> list[Path]:
+    """The table JSON, Markdown, plot and cards of `name` from the run files in `folders` (one table per scale found;
+    a (cell, seed) present in several folders is taken from the first). Cells in table order, seeds in order."""
+    _, title = tables.TABLES[name]
+    records: dict[str, dict] = {}  # scale -> {(cell, seed): record}
+    for folder in folders:
+        for path in sorted((folder / "runs").glob(f"{name}_*/*_seed*.json")):
+            record = read_run(path)
+            if record is None or record["table"] != name:
+                continue
+            records.setdefault(record["scale_name"], {}).setdefault((record["cell"], record["run"]["seed"]), record)
+        for record in legacy_runs(folder, name):  # tables written in one piece before run files existed
+            records.setdefault(record["scale_name"], {}).setdefault((record["cell"], record["run"]["seed"]), record)
+    if not records:
+        raise SystemExit(f"error: no finished runs of {name} under {', '.join(str(f / 'runs') for f in folders)}")
+    paths = []
+    for scale_name, runs in sorted(records.items()):
+        order = list(tables.TABLES[name][0](tables.SCALES[scale_name]))
+        cells = {}
+        def position(item):
+            (cell, seed), _ = item
+            return (order.index(cell) if cell in order else len(order), seed)
+
+        for (cell, _), record in sorted(runs.items(), key=position):
+            entry = cells.setdefault(cell, {"config": record["config"], "parity": record["parity"], "runs": []})
+            entry["runs"].append(record["run"])
+        first = next(iter(runs.values()))
+        seeds = sorted({seed for _, seed in runs})
+        provenances = [r["run"].get("provenance", {}) for r in runs.values()]
+        commits = sorted({f"{p.get('commit')}{'-dirty' if p.get('dirty') else ''}" for p in provenances})
+        devices = sorted({p.get("device", "?") for p in provenances})
+        data_names = sorted({r["data"] for r in runs.values()})
+        meta = {"data": "; ".join(data_names), "scale_name": scale_name, "scale": first["scale"], "seeds": seeds,
+                "commit": ", ".join(commits), "device": ", ".join(devices),
+                "torch": first["run"].get("provenance", {}).get("versions", {}).get("torch"),
+                "transformers": first["run"].get("provenance", {}).get("versions", {}).get("transformers"),
+                "mhmoe": first["run"].get("provenance", {}).get("versions", {}).get("mhmoe"),
+                "merged_from": [str(f) for f in folders]}  # fmt: skip
+        path = harness.write_results(name, title, cells, meta, out)
+        print(harness.markdown_table(json.loads(path.read_text())))
+        paths.append(path)
+    return paths
 
 
 def run_fig2(scale_name: str, seeds: list[int], out_dir: Path, workdir: Path) -> Path:
@@ -90,13 +315,27 @@ def run_fig2(scale_name: str, seeds: list[int], out_dir: Path, workdir: Path) ->
     return path
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("table", nargs="?", choices=[*tables.TABLES, "moh_fig2"])
     parser.add_argument("--scale", choices=[s for s in tables.SCALES if s != "quick"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="CI smoke run: tiny models, a few steps")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--cells", nargs="+", default=None,
+                        help="only these cells (ids such as smoe mhmoe_h3, or names)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results)")
+    parser.add_argument("--deadline", type=float, default=None, metavar="MINUTES",
+                        help="start no run that would not finish within MINUTES of the command's start")
+    parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None,
+                        help="training precision (default: bf16 at the gpu scale, else no)")
+    parser.add_argument("--eval_every", type=int, default=None, metavar="STEPS",
+                        help="validate every STEPS steps (default: a tenth of training; half with --quick)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
+                        help="build the table from the run files in DIR... (no training); written to --out, "
+                        "default the first DIR")  # fmt: skip
+    parser.add_argument("--probe", type=int, default=None, metavar="STEPS",
+                        help="only measure training tokens/s of the selected cells over STEPS steps (random ids) into "
+                        "--out/probe_<table>_<scale>.json")  # fmt: skip
     parser.add_argument("--list", action="store_true", help="list the tables and exit")
     parser.add_argument("--cards", action="store_true", help="regenerate the tables, plots and model cards from the "
                         "committed results JSON (no training)")  # fmt: skip
@@ -104,22 +343,38 @@ def main(argv=None) -> None:
     if args.cards:
         for path in sorted((args.out or harness.RESULTS).glob("reproduce_*.json")):
             harness.rewrite_outputs(path)
-        return
+        return 0
     if args.list or not args.table:
-        for name, (_, title) in tables.TABLES.items():
+        for name, (build, title) in tables.TABLES.items():
             print(f"{name:16s} {title}")
+            print(f"{'':16s} cells: {' '.join(cell_id(c) for c in build(tables.SCALES['quick']))}")
         print(f"{'moh_fig2':16s} MoH Fig. 2: dense LLaMA -> MoH recovery, continue-tuned, with a dense control")
-        return
-    if len(args.seeds) < 2 and not args.quick:
-        parser.error("use at least 2 seeds per cell (--seeds 0 1)")
+        return 0
+    if args.merge:
+        if args.table == "moh_fig2":
+            parser.error("--merge builds the tables of tables.py; moh_fig2 writes its results in one run")
+        merge(args.table, args.merge, args.out or args.merge[0])
+        return 0
     scale = "quick" if args.quick else args.scale
+    mixed_precision = args.mixed_precision or ("bf16" if scale == "gpu" else "no")
+    if args.probe:
+        probe(args.table, scale, args.cells, args.probe, args.out or harness.RESULTS, mixed_precision)
+        return 0
+    if len(args.seeds) < 2 and not args.quick and not args.cells:
+        parser.error("use at least 2 seeds per cell (--seeds 0 1), or pick --cells for a partial run")
+    deadline = Deadline(args.deadline)
     with tempfile.TemporaryDirectory(prefix="mhmoe-reproduce-") as tmp:
         out = args.out or (Path(tmp) / "results" if args.quick else harness.RESULTS)
         if args.table == "moh_fig2":
             run_fig2(scale, args.seeds, out, Path(tmp))
-        else:
-            run_table(args.table, scale, args.seeds, out, Path(tmp))
+            return 0
+        finished = run_cells(args.table, scale, args.seeds, out, args.cells, deadline, mixed_precision,
+                             args.eval_every)  # fmt: skip
+        merge(args.table, [out], out)
+        if not finished:
+            print("stopped at the deadline; the table above holds the runs finished so far")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -40,6 +40,76 @@ def test_quick_table_end_to_end(tmp_path):
     assert result.metric_value == pytest.approx(data["cells"]["MH-MoE h=3"]["summary"]["final"]["mean"], rel=1e-4)
 
 
+def test_chunked_runs_resume_merge_and_stop_at_a_deadline(tmp_path, capsys):
+    """One file per (cell, seed), written as it finishes with its provenance; a rerun skips what is there; --merge
+    builds the table from the files; a deadline that no run fits stops before training anything."""
+    out = tmp_path / "D"
+    args = ["mhmoe_table1", "--quick", "--cells", "smoe", "mhmoe_h3", "--seeds", "0", "--out", str(out)]
+    assert run.main(args) == 0
+    files = sorted((out / "runs" / "mhmoe_table1_quick").glob("*.json"))
+    assert [f.name for f in files] == ["mhmoe_h3_seed0.json", "smoe_seed0.json"]
+    record = json.loads(files[0].read_text())
+    assert record["cell"] == "MH-MoE h=3" and record["run"]["seed"] == 0
+    prov = record["run"]["provenance"]
+    assert set(prov) >= {"commit", "dirty", "started_utc", "finished_utc", "device", "precision", "routing_backend",
+                         "kernel_fallback", "versions", "corpus"}  # fmt: skip
+    assert prov["routing_backend"] == "torch" and prov["kernel_fallback"] is False  # CPU: the reference
+    assert prov["precision"]["mixed_precision"] == "no" and set(prov["versions"]) >= {"torch", "transformers", "triton"}
+    assert prov["corpus"]["train_sha256"] == harness.file_sha256(out / "cache" / "train-subset.jsonl")
+    assert prov["started_utc"] <= prov["finished_utc"]
+    assert [p["step"] for p in record["run"]["eval"]] == [3, 6]
+    cached = (p.name for p in (out / "cache").iterdir())
+    cache = sorted(name.split("-")[0] for name in cached if name.startswith(("tokenizer", "blocks")))
+    assert cache == ["blocks", "blocks", "tokenizer"]  # train and validation packed once, one tokenizer
+    mtimes = {f: f.stat().st_mtime_ns for f in files}
+    capsys.readouterr()
+
+    assert run.main(args + ["--seeds", "0"]) == 0  # rerun: nothing trained again
+    assert "already in" in capsys.readouterr().out
+    assert {f: f.stat().st_mtime_ns for f in files} == mtimes
+
+    table = out / "reproduce_mhmoe_table1_quick.json"
+    table.unlink()
+    assert run.main(["mhmoe_table1", "--merge", str(out)]) == 0
+    data = json.loads(table.read_text())
+    assert list(data["cells"]) == ["SMoE", "MH-MoE h=3"]  # table order
+    assert data["cells"]["MH-MoE h=3"]["runs"][0]["eval"] == record["run"]["eval"]
+    assert (out / "reproduce_mhmoe_table1_quick.md").read_text() == harness.markdown_table(data)
+    assert (out / "cards" / "mhmoe_table1_quick" / "mh-moe-h-3.md").is_file()
+
+    capsys.readouterr()
+    assert run.main(["mhmoe_table1", "--quick", "--cells", "dense", "--seeds", "0", "--out", str(out),
+                     "--deadline", "0.0001"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "deadline: not starting Dense seed 0" in printed and "Rerun the same command" in printed
+    assert not (out / "runs" / "mhmoe_table1_quick" / "dense_seed0.json").exists()
+
+
+def test_deadline_estimate_uses_finished_runs_of_the_cell(tmp_path):
+    scale = tables.SCALES["quick"]
+    config = tables.smoe(scale)
+    path = run.run_path(tmp_path, "mhmoe_table1", "quick", "SMoE", 0)
+    record = {"format": run.RUN_FORMAT, "run": {"seed": 0, "seconds": 42.0,
+              "provenance": {"device": "dev", "precision": {"mixed_precision": "bf16"}}}}  # fmt: skip
+    harness.atomic_write_text(path, json.dumps(record))
+    deadline = run.Deadline(10)
+    seconds, how = deadline.estimate(tmp_path, "mhmoe_table1", "quick", "SMoE", config, scale, "dev", "bf16")
+    assert seconds == 42.0 and "finished" in how
+    seconds, how = deadline.estimate(tmp_path, "mhmoe_table1", "quick", "SMoE", config, scale, "other", "bf16")
+    assert "probe" in how and 0 < seconds < 60  # another device: measured here instead
+    (path.parent / "broken_seed0.json").write_text("{")  # a half-written file is not a finished run
+    assert run.read_run(path.parent / "broken_seed0.json") is None
+
+
+def test_unknown_cells_and_the_gpu_scale_without_the_corpus_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="has no cell 'nope'.*smoe \\(SMoE\\)"):
+        run.select_cells("mhmoe_table1", tables.SCALES["quick"], ["nope"])
+    assert run.cell_id("MH-MoE h=3") == "mhmoe_h3" and run.cell_id("Fine-grained SMoE") == "finegrained_smoe"
+    monkeypatch.setattr(harness, "CORPUS", tmp_path / "no-corpus")
+    with pytest.raises(harness.CorpusMissing, match="scripts/get_corpus.sh.*carry data/corpus"):
+        harness.data_files("gpu", tmp_path / "cache")
+
+
 def test_quick_fig2_end_to_end(tmp_path):
     run.main(["moh_fig2", "--quick", "--seeds", "0", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "reproduce_moh_fig2_quick.json").read_text())
@@ -148,3 +218,15 @@ def test_quick_throughput_columns(tmp_path):
         assert all(r["train_tokens_per_second"] > 0 and r["inference_tokens_per_second"] > 0 for r in cell["runs"])
     table = (tmp_path / "reproduce_lory_comparison_quick.md").read_text()
     assert "train tokens/s | inference tokens/s |" in table and table == harness.markdown_table(data)
+
+
+def test_merge_reads_the_committed_one_piece_tables(tmp_path):
+    """--merge takes the results JSON written before run files existed (the committed tables): same cells, runs and
+    summary as the committed file."""
+    committed = json.loads((REPO / "benchmarks" / "results" / "reproduce_mhmoe_table1_cpu.json").read_text())
+    assert run.main(["mhmoe_table1", "--merge", str(REPO / "benchmarks" / "results"), "--out", str(tmp_path)]) == 0
+    merged = json.loads((tmp_path / "reproduce_mhmoe_table1_cpu.json").read_text())
+    assert list(merged["cells"]) == list(committed["cells"])
+    for cell, entry in committed["cells"].items():
+        assert [r["eval"] for r in merged["cells"][cell]["runs"]] == [r["eval"] for r in entry["runs"]]
+        assert merged["cells"][cell]["summary"] == entry["summary"]

@@ -12,9 +12,9 @@ Every quantised projection computes y = W_q · Q_8(RMSNorm(x)):
   gradients reach the full-precision latent weights, which the optimiser updates.
 For the 3-D expert weights (E, out, in) each expert matrix has its own scale and its own norm gain, and the fused
 gate/up matrix (E, 2I, W) one scale per half, (E, 2): gate and up are quantised as the separate projections they are
-(the official FFN's fc3/fc1, our dense MLP's gate_proj/up_proj). The experts run
-as two grouped GEMMs over the tokens sorted by expert (`torch.nn.functional.grouped_mm`, one matmul per expert only
-where the kernel refuses the operands), like the unquantised grouped path.
+(the official FFN's fc3/fc1, our dense MLP's gate_proj/up_proj). The experts run as two grouped GEMMs over the tokens
+sorted by expert (`torch.nn.functional.grouped_mm`; where the kernel refuses the operands, a tiled batched matmul
+without host sync on CUDA, one matmul per expert on CPU), like the unquantised grouped path.
 
 Inference uses the same quantised weights (cached per weight version when no gradient is taken). `bitnet_packed=True`
 models hold the weights as int8 ternary values plus one fp32 scale per matrix (`weight` / `weight_scale`,
@@ -34,7 +34,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .configuration_mhmoe import BITNET_QUANTIZED_LAYERS, LINEAR_TYPES
-from .moe import _GROUPED_MM, _kernel_accepts
+from .moe import GROUPED_MM_TILE, _GROUPED_MM, _kernel_accepts, _tiled_grouped_mm, autocast_dtype
 from .routing import sort_by_expert
 
 _SCALE_MIN = 1e-5  # clamp of the absmean / absmax scales (an all-zero matrix or token)
@@ -184,16 +184,24 @@ def ffn_input_norm(config) -> bool:
 
 
 def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """rows (S, in) sorted by expert, weight (E, out, in), offsets (E,) int32 group ends -> (S, out); differentiable."""
-    rhs = weight.transpose(1, 2)  # (E, in, out), a view
-    # the output and the gradients the backward makes need 16-byte rows too
-    rows_aligned = all(n * rows.element_size() % 16 == 0 for n in weight.shape[1:])
-    if _kernel_accepts(rows, rhs) and rows_aligned and rows.dtype == rhs.dtype and rows.shape[0] > 0:
-        return _GROUPED_MM(rows, rhs, offs=offsets)
-    ends = offsets.tolist()  # torch's kernel refuses these operands: one matmul per non-empty expert
-    starts = [0] + ends[:-1]
-    pieces = [rows[a:b] @ rhs[e] for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
-    return torch.cat(pieces) if pieces else rows.new_zeros(0, weight.shape[1])
+    """rows (S, in) sorted by expert, weight (E, out, in), offsets (E,) int32 group ends -> (S, out); differentiable.
+
+    Under autocast both operands are cast once to the autocast dtype (else to their common dtype), then torch's grouped
+    GEMM runs where it takes them; otherwise on CUDA the tiled batched matmul (`moe._tiled_grouped_mm`, no host sync),
+    on CPU one matmul per non-empty expert."""
+    compute = autocast_dtype(rows.device) or torch.promote_types(rows.dtype, weight.dtype)
+    rows, rhs = rows.to(compute), weight.transpose(1, 2).to(compute)  # rhs (E, in, out), a view when no cast
+    with torch.autocast(rows.device.type, enabled=False):
+        # the output and the gradients the backward makes need 16-byte rows too
+        rows_aligned = all(n * rows.element_size() % 16 == 0 for n in weight.shape[1:])
+        if _kernel_accepts(rows, rhs) and rows_aligned and rows.shape[0] > 0:
+            return _GROUPED_MM(rows, rhs, offs=offsets)
+        if rows.is_cuda:
+            return _tiled_grouped_mm(rows, rhs, offsets, GROUPED_MM_TILE)
+        ends = offsets.tolist()  # CPU operands torch's kernel refuses: one matmul per non-empty expert
+        starts = [0] + ends[:-1]
+        pieces = [rows[a:b] @ rhs[e] for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
+        return torch.cat(pieces) if pieces else rows.new_zeros(0, weight.shape[1])
 
 
 def _norm_quantize(rows: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:

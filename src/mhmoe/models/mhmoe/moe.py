@@ -5,6 +5,7 @@ K = num_experts_per_tok, S = N·K assignments, I = moe_intermediate_size. Expert
 v5 MoE models: `gate_up_proj` (E, 2I, W) and `down_proj` (E, W, I). Expert id E marks a dropped assignment.
 """
 
+import contextlib
 import functools
 import os
 import threading
@@ -39,8 +40,32 @@ def _kernel_accepts(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def grouped_mm_path(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> str:
+    """Which implementation `_grouped_mm` runs for these operands (after `a` is cast to `b`'s dtype):
+
+    - "kernel": torch's grouped GEMM (where `_kernel_accepts` them: bf16 on CUDA SM80+; fp32/bf16/fp16 on CPU);
+    - "tiled": on CUDA for anything else (fp32, so TF32 when enabled): groups cut into tiles of `GROUPED_MM_TILE`
+      rows, one batched matmul over the tiles; no host sync (shapes bound by S/tile + E, not by the routing);
+    - "loop": one matmul per non-empty group (reads the offsets on the host): CPU operands the kernel refuses, or an
+      `out` buffer given (torch's kernel cannot write into one; only the CPU buffer pool passes one).
+    """
+    return choose_grouped_mm_path(a.device.type, out is None and _kernel_accepts(a, b), out is not None)
+
+
+def choose_grouped_mm_path(device_type: str, kernel_takes_them: bool, into_buffer: bool) -> str:
+    """The rule of `grouped_mm_path`, on plain facts: never the host-syncing loop on CUDA."""
+    if kernel_takes_them and not into_buffer:
+        return "kernel"
+    if device_type == "cuda" and not into_buffer:
+        return "tiled"
+    return "loop"
+
+
+GROUPED_MM_TILE = 128  # rows per tile of the "tiled" path
+
+
 def _grouped_mm(
-    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None, path: str | None = None
 ) -> torch.Tensor:
     """Grouped GEMM over row groups ending at `offsets` (E,) int32.
 
@@ -48,14 +73,17 @@ def _grouped_mm(
         (torch's kernel leaves them uninitialised; callers pass only kept rows).
     a (in, S) @ b (S, out) -> (E, in, out): per group e, a[:, group] @ b[group] (a weight gradient); 0 for an
         empty group.
-    torch's kernel where it takes the operands (any strides that are 16-byte multiples, so transposed views of the
-    3-D expert weights go in without a copy); otherwise, or when `out` (S, out) is given (torch's kernel cannot write
-    into a given buffer), one matmul per non-empty group.
+    `path` (default `grouped_mm_path`): torch's kernel where it takes the operands (any strides that are 16-byte
+    multiples, so transposed views of the 3-D expert weights go in without a copy); on CUDA otherwise the tiled batched
+    matmul (no host sync); on CPU otherwise, or when `out` (S, out) is given, one matmul per non-empty group.
     """
     if a.dtype != b.dtype:
         a = a.to(b.dtype)
-    if out is None and _kernel_accepts(a, b):
+    path = path or grouped_mm_path(a, b, out)
+    if path == "kernel":
         return _GROUPED_MM(a, b, offs=offsets)
+    if path == "tiled":
+        return _tiled_grouped_mm(a, b, offsets, GROUPED_MM_TILE)
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
     if b.dim() == 3:
@@ -69,6 +97,59 @@ def _grouped_mm(
         if end > start:
             torch.mm(a[:, start:end], b[start:end], out=out[expert])
     return out
+
+
+def _tiles(offsets: torch.Tensor, num_rows: int, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's rows cut into tiles of `tile` rows, on the device, with a static number of tiles T = S // tile + E
+    (an upper bound of Σ ceil(count_e / tile)): (expert of each tile (T,), E past the used tiles; row of each tile slot
+    (T, tile); whether that slot is a real row (T, tile))."""
+    num_experts = offsets.shape[0]
+    ends = offsets.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles_per_group = (ends - starts + tile - 1) // tile  # (E,)
+    tile_ends = torch.cumsum(tiles_per_group, 0)  # (E,)
+    num_tiles = num_rows // tile + num_experts
+    index = torch.arange(num_tiles, device=offsets.device)
+    expert = torch.searchsorted(tile_ends, index, right=True)  # (T,) E for unused tiles
+    safe = expert.clamp(max=num_experts - 1)
+    first_tile = tile_ends.index_select(0, safe) - tiles_per_group.index_select(0, safe)
+    row_start = starts.index_select(0, safe) + (index - first_tile) * tile  # (T,)
+    rows = row_start[:, None] + torch.arange(tile, device=offsets.device)  # (T, tile)
+    valid = (rows < ends.index_select(0, safe)[:, None]) & (expert < num_experts)[:, None]
+    return expert, rows.masked_fill(~valid, 0), valid
+
+
+def _tiled_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, tile: int) -> torch.Tensor:
+    """`_grouped_mm` as batched matmuls over tiles of rows (`_tiles`): shapes never depend on the routing, so nothing
+    waits for the device. Costs up to E·tile padded rows and a (T, in, out) gather of the weights per call."""
+    num_experts = offsets.shape[0]
+    if b.dim() == 3:  # (S, in) @ (E, in, out)
+        num_rows = a.shape[0]
+        expert, rows, valid = _tiles(offsets, num_rows, tile)
+        lhs = a.index_select(0, rows.reshape(-1)).view(*rows.shape, a.shape[1]) * valid[..., None]  # (T, tile, in)
+        weights = b.index_select(0, expert.clamp(max=num_experts - 1))  # (T, in, out)
+        products = torch.bmm(lhs, weights)  # (T, tile, out)
+        target = rows.masked_fill(~valid, num_rows).reshape(-1)  # padded slots land on a spare row
+        out = a.new_zeros(num_rows + 1, b.shape[-1])
+        out.index_copy_(0, target, products.reshape(-1, b.shape[-1]))
+        return out[:num_rows]
+    num_rows = a.shape[1]  # (in, S) @ (S, out) -> (E, in, out)
+    expert, rows, valid = _tiles(offsets, num_rows, tile)
+    flat = rows.reshape(-1)
+    lhs = (a.t().index_select(0, flat).view(*rows.shape, a.shape[0]) * valid[..., None]).transpose(1, 2)
+    rhs = b.index_select(0, flat).view(*rows.shape, b.shape[1]) * valid[..., None]  # (T, tile, out)
+    per_tile = torch.bmm(lhs, rhs)  # (T, in, out)
+    out = a.new_zeros(num_experts + 1, a.shape[0], b.shape[1])
+    out.index_add_(0, expert, per_tile)
+    return out[:num_experts]
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on `device`'s type right now, or None outside autocast."""
+    device_type = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else None
+    if device_type is None or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 class BufferPool:
@@ -226,15 +307,27 @@ def _experts_forward(
     )  # (S_kept, W)
     if not for_backward:
         BUFFER_POOL.give(buffer, rows)  # dead: act(gate)·up and the rows have been read
+    elif rows.data_ptr() != hidden_states.data_ptr():
+        # not kept for the backward, which gathers the rows again and recomputes act(gate)·up: of the (S, W + 3I)
+        # per-assignment intermediates only gate_up (S, 2I) stays alive until the backward
+        BUFFER_POOL.give(rows, hidden)
 
     slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
     BUFFER_POOL.give(expert_out)
     acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
     out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
+    BUFFER_POOL.give(slots)  # the backward gets d routing weights without them (see _GroupedExperts)
     if not for_backward:
-        BUFFER_POOL.give(slots)
         return out.to(hidden_states.dtype), ()
-    return out.to(hidden_states.dtype), (rows, gate_up, hidden, slots, source_rows)
+    if RECOMPUTE_GATE_UP:
+        BUFFER_POOL.give(buffer if buffer is not None else gate_up)
+        return out.to(hidden_states.dtype), (None,)
+    return out.to(hidden_states.dtype), (gate_up,)
+
+
+# Keep nothing of the experts' intermediates for the backward, not even gate/up (S, 2I): the backward recomputes it
+# with one more grouped GEMM (~22% more expert FLOPs in training) for the least memory. MHMOE_RECOMPUTE_GATE_UP=1.
+RECOMPUTE_GATE_UP = os.environ.get("MHMOE_RECOMPUTE_GATE_UP", "0") == "1"
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -245,69 +338,90 @@ class _GroupedExperts(torch.autograd.Function):
     experts are fine-grained (the S = N·K rows of width 2I outweigh a coarse SMoE's): the backward writes the gate/up
     gradient into one (S, 2I) buffer (no concatenation of two halves), gets the expert weight gradients from the
     grouped GEMM directly in the parameters' (E, 2I, W) / (E, W, I) layout (no transposed copy in AccumulateGrad), sums
-    the input gradient by gathering each row's K slots (no scatter-add), recomputes act(gate) instead of keeping it,
-    and, when the graph is freed afterwards, reuses the dead forward buffers instead of allocating new ones.
+    the input gradient by gathering each row's K slots (no scatter-add), and, when the graph is freed afterwards,
+    reuses the dead forward buffers instead of allocating new ones.
+
+    Memory: of the per-assignment intermediates (gathered rows (S, W), gate/up (S, 2I), act(gate)·up (S, I), expert
+    outputs (S, W)) only gate/up is kept for the backward, which gathers the rows again, recomputes act(gate)·up
+    (elementwise) and gets the routing weights' gradient from it (<d out · down, act·up>, no expert output needed);
+    with h·k sub-token assignments (MH-MoE) these dominate the layer's saved memory (benchmarks/memory.py).
+    `RECOMPUTE_GATE_UP` keeps not even gate/up (one more grouped GEMM in the backward).
     """
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped):
-        out, saved = _experts_forward(
+        out, (gate_up,) = _experts_forward(
             hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped, True
         )
-        *saved, source_rows = saved
-        ctx.save_for_backward(*saved, top_k_weights, gate_up_proj, down_proj)
-        ctx.index = (order, offsets, source_rows, slot_pos, dropped)
-        ctx.act_fn, ctx.hidden_dtype = act_fn, hidden_states.dtype
+        ctx.save_for_backward(gate_up, hidden_states, top_k_weights, gate_up_proj, down_proj)
+        ctx.index = (order, offsets, slot_pos, dropped)
+        ctx.act_fn = act_fn
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        rows, gate_up, hidden, slots, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
-        order, offsets, source_rows, slot_pos, dropped = ctx.index
+        gate_up, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+        order, offsets, slot_pos, dropped = ctx.index
         need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         num_rows, top_k = top_k_weights.shape
         inter = down_proj.shape[-1]
-
-        grad_weights = None
-        if need_weights:  # d weight[n, k] = <d out[n], expert output in slot (n, k)>; 0 for dropped slots
-            acc = _accumulation_dtype(slots, top_k_weights)
-            grad_weights = torch.bmm(slots.to(acc), grad_out.to(acc).unsqueeze(-1)).view(num_rows, top_k)
-            grad_weights = grad_weights.to(top_k_weights.dtype)
-        grad_x = grad_gate_up_proj = grad_down = None
-        if need_x or need_gate_up or need_down:
-            dtype = hidden.dtype
-            weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)
-            grad_expert_out = _select_rows(grad_out.to(dtype), source_rows).mul_(weights_sorted)  # (S_kept, W)
-            if need_down:
-                grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
-            buffer = BUFFER_POOL.take(grad_expert_out.shape[0], inter, grad_expert_out)
-            grad_hidden = _grouped_mm(grad_expert_out, down_proj, offsets, out=buffer)  # (S_kept, I)
-            gate, up = gate_up[:, :inter], gate_up[:, inter:]
-            # d gate_up = [act'(gate)·up·d hidden | act(gate)·d hidden], the activation recomputed. Fresh (S, 2I) and
-            # (S, I) buffers cost page faults on CPU at this size, so when the graph is freed afterwards the gradient
-            # goes into gate_up's own buffer and d act into hidden's (both dead once read).
-            overwrite = _may_overwrite_saved_tensors()
-            if overwrite:
-                grad_gate_up = gate_up
-                grad_act = torch.mul(grad_hidden, up, out=hidden)  # before `up` is overwritten
-                _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
-            else:
-                grad_gate_up = torch.empty_like(gate_up)  # (S_kept, 2I)
-                _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)
-                grad_act = grad_hidden.mul_(up)
+        grad_x = grad_weights = grad_gate_up_proj = grad_down = None
+        if not (need_x or need_weights or need_gate_up or need_down):
+            return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
+        source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
+        rows = None
+        overwrite = _may_overwrite_saved_tensors()
+        if gate_up is None:  # RECOMPUTE_GATE_UP: nothing was kept; a buffer of this backward's, free to overwrite
+            rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
+            buffer = BUFFER_POOL.take(rows.shape[0], 2 * inter, rows)
+            gate_up = _grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets, out=buffer)  # (S_kept, 2I)
+            overwrite = True
+        dtype = gate_up.dtype
+        num_kept = gate_up.shape[0]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)  # (S_kept, 1)
+        grad_sorted = _select_rows(grad_out.to(dtype), source_rows)  # (S_kept, W) d expert output, unweighted
+        buffer = BUFFER_POOL.take(num_kept, inter, grad_sorted)
+        grad_hidden = _grouped_mm(grad_sorted, down_proj, offsets, out=buffer)  # (S_kept, I), unweighted
+        hidden = None  # act(gate)·up, recomputed (the forward did not keep it) into a buffer of this backward's
+        if need_down or need_weights:
+            hidden = _activation(ctx.act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, gate_up))
+            hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
+        if need_weights:
+            # d weight[n, k] = <d out[n], expert output of slot (n, k)> = <d out[n] · down[e], act·up> (the expert
+            # output itself is not kept); 0 for dropped slots
+            per_assignment = torch.bmm(grad_hidden.unsqueeze(1), hidden.unsqueeze(2)).view(-1)  # (S_kept,)
+            per_assignment.masked_fill_(dropped.index_select(0, order), 0.0)  # rows never computed: undefined
+            grad_weights = top_k_weights.new_zeros(num_rows * top_k)
+            grad_weights.index_copy_(0, order, per_assignment.to(grad_weights.dtype))
+            grad_weights = grad_weights.view(num_rows, top_k)
+        grad_expert_out = grad_sorted.mul_(weights_sorted)  # (S_kept, W) weighted
+        grad_hidden.mul_(weights_sorted)  # (S_kept, I) weighted: d (act·up)
+        if need_down:
+            grad_down = _grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
+        if need_x or need_gate_up:
+            # d gate_up = [act'(gate)·up·d hidden | act(gate)·d hidden], the activation recomputed. A fresh (S, 2I)
+            # buffer costs page faults on CPU at this size, so when the graph is freed afterwards the gradient goes
+            # into gate_up's own buffer (dead once read); d act goes into the recomputed hidden's buffer.
+            grad_gate_up = gate_up if overwrite else torch.empty_like(gate_up)  # (S_kept, 2I)
+            grad_act = grad_hidden * up if hidden is None else torch.mul(grad_hidden, up, out=hidden)  # before `up`
+            _activation(ctx.act_fn, gate, out=grad_gate_up[:, inter:]).mul_(grad_hidden)  # may overwrite `up`
             _activation_backward(ctx.act_fn, gate, grad_act, grad_gate_up[:, :inter])
             if need_gate_up:
+                if rows is None:
+                    rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # gathered again
                 grad_gate_up_proj = _grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
             if need_x:
                 pooled = BUFFER_POOL.take(*grad_expert_out.shape, grad_expert_out)
-                grad_sorted = _grouped_mm(grad_gate_up, gate_up_proj, offsets, out=pooled)  # (S_kept, W)
-                grad_slots = _gather_slots(grad_sorted, slot_pos, dropped)  # (N·K, W)
-                grad_x = _sum_slots(grad_slots, top_k).to(ctx.hidden_dtype)
-                BUFFER_POOL.give(grad_sorted, grad_slots if grad_x.data_ptr() != grad_slots.data_ptr() else None)
-            BUFFER_POOL.give(grad_hidden, grad_expert_out)
-            if overwrite:  # the graph no longer needs its saved buffers
-                BUFFER_POOL.give(rows, gate_up, hidden, slots)
+                grad_rows = _grouped_mm(grad_gate_up, gate_up_proj, offsets, out=pooled)  # (S_kept, W)
+                grad_slots = _gather_slots(grad_rows, slot_pos, dropped)  # (N·K, W)
+                grad_x = _sum_slots(grad_slots, top_k).to(hidden_states.dtype)
+                BUFFER_POOL.give(grad_rows, grad_slots if grad_x.data_ptr() != grad_slots.data_ptr() else None)
+            BUFFER_POOL.give(grad_act)
+        BUFFER_POOL.give(rows, grad_hidden, grad_expert_out, hidden)
+        if overwrite:  # the graph no longer needs its saved buffer
+            BUFFER_POOL.give(gate_up)
         return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
@@ -334,12 +448,19 @@ def grouped_experts_forward(
     slot_pos = order.new_zeros(num_slots) if num_kept < num_slots else order.new_empty(num_slots)
     slot_pos.index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
     weights = (self.gate_up_proj, self.down_proj)
+    compute = autocast_dtype(hidden_states.device)
+    if compute is not None and weights[0].dtype != compute:
+        # under autocast: the operands cast once (differentiably: the fp32 master weights get fp32 gradients), then
+        # the grouped GEMMs run in the autocast dtype (torch's kernel for bf16), with autocast off inside
+        weights = tuple(w.to(compute) for w in weights)
+        hidden_states = hidden_states.to(compute)
     args = (hidden_states, top_k_weights, *weights, self.act_fn, order, offsets, slot_pos, dropped)
-    if _tracing():  # torch.compile / torch.export: differentiable ops, autograd derives the backward
-        return _traced_experts_forward(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
-        return _GroupedExperts.apply(*args)
-    return _experts_forward(*args, for_backward=False)[0]
+    with torch.autocast(hidden_states.device.type, enabled=False) if compute is not None else contextlib.nullcontext():
+        if _tracing():  # torch.compile / torch.export: differentiable ops, autograd derives the backward
+            return _traced_experts_forward(*args)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
+            return _GroupedExperts.apply(*args)
+        return _experts_forward(*args, for_backward=False)[0]
 
 
 def _tracing() -> bool:

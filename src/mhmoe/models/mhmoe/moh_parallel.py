@@ -17,8 +17,14 @@ Shape legend: B batch, T tokens, H heads, h = H / tp heads on this rank. Runs on
 
 import torch
 import torch.distributed as dist
-from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+
+try:  # Transformers' tensor-parallel styles (5.x); without them the model works, only this TP style is missing
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+except ImportError:
+    ALL_PARALLEL_STYLES = None
+    TensorParallelLayer = object
 
 
 class _GatherHeads(torch.autograd.Function):
@@ -78,6 +84,7 @@ class MoHHeadRouterParallel(TensorParallelLayer):
         return module
 
 
-ALL_PARALLEL_STYLES.register("moh_head_router", MoHHeadRouterParallel())
+if ALL_PARALLEL_STYLES is not None:
+    ALL_PARALLEL_STYLES.register("moh_head_router", MoHHeadRouterParallel())
 
 __all__ = ["MoHHeadRouterParallel"]

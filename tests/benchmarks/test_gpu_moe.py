@@ -1,0 +1,41 @@
+"""benchmarks/gpu_moe.py off the GPU: exits 0 saying so; its smoke run writes every section it ran as it goes."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_moe  # noqa: E402
+
+
+@pytest.mark.skipif(gpu_moe.torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_exits_0_saying_so(tmp_path, capsys):
+    assert gpu_moe.main(["--out", str(tmp_path)]) == 0
+    assert "no GPU available" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing recorded
+
+
+def test_default_widths_are_valid_for_h3():
+    hidden = gpu_moe.build_parser().parse_args([]).hidden
+    assert hidden and all(h % 3 == 0 and (h // 3) % 64 == 0 for h in hidden)  # h=3 sub-tokens, 64-wide heads
+    with pytest.raises(SystemExit, match="divisible by 3"):
+        gpu_moe.build_blocks(2048, gpu_moe.torch.float32, gpu_moe.torch.device("cpu"))  # the old default
+
+
+def test_smoke_run_writes_each_section(tmp_path):
+    assert gpu_moe.main(["--smoke", "--out", str(tmp_path), "--sections", "checks", "routing", "gemm", "model"]) == 0
+    data = json.loads((tmp_path / "gpu_moe.json").read_text())
+    assert set(data["section_seconds"]) == {"checks", "routing", "gemm", "model"}
+    assert set(data["model"]["models"]) == {"smoe", "mhmoe_h3", "mhmoe_h3_recompute_gate_up", "dense"}
+    from mhmoe.models.mhmoe import moe
+
+    assert moe.RECOMPUTE_GATE_UP is False  # the benchmark's toggle is put back
+    assert {"device", "commit", "dirty", "torch", "transformers", "triton"} <= set(data)
+    names = [c["check"] for c in data["checks"]]
+    assert "moe grouped_mm tiled float32" in names and "moe grouped_mm kernel float32" in names
+    assert all(c["ok"] for c in data["checks"] if c["check"].startswith("moe grouped_mm"))
+    assert "torch route" in data["routing"]["us"] and data["gemm"]["grouped_mm experts"]["tflops"] > 0
