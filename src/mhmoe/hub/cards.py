@@ -182,12 +182,12 @@ def model_card(
         base_model=base_model, datasets=datasets, model_name=model_name, eval_results=eval_results or None,
     )  # fmt: skip
     repo = repo or model_name
-    load = "trust_remote_code=True" if remote_code else ""
+    load = ", trust_remote_code=True" if remote_code else ""
     usage = ("import mhmoe  # or, without mhmoe installed: trust_remote_code=True\n" if not remote_code else "") + (
         f'from transformers import AutoModelForCausalLM{", AutoTokenizer" if has_tokenizer else ""}\n\n'
-        f'model = AutoModelForCausalLM.from_pretrained("{repo}"{", " + load if load else ""})'
+        f'model = AutoModelForCausalLM.from_pretrained("{repo}"{load})'
         # the tokenizer too: AutoTokenizer reads config.json, whose auto_map would otherwise ask y/N on the terminal
-        + (f'\ntokenizer = AutoTokenizer.from_pretrained("{repo}"{", " + load if load else ""})' if has_tokenizer else "")
+        + (f'\ntokenizer = AutoTokenizer.from_pretrained("{repo}"{load})' if has_tokenizer else "")
     )
     summary = (f"A `{config.model_type}` model made with [mhmoe](https://pypi.org/project/mhmoe/)"
                + (": it loads with `trust_remote_code=True` on torch and transformers alone." if remote_code else "."))

@@ -342,22 +342,32 @@ def side_files(input_dir: str) -> tuple[list[str], list[str]]:
     return copy, notes
 
 
+def drop_code_references(source: str, target: str | None = None) -> list[str]:
+    """Write tokenizer_config.json `source` to `target` (default: in place) without the keys that make Transformers
+    import code named by the folder (`auto_map`); returns the keys dropped (nothing is written when none)."""
+    try:
+        with open(source, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    dropped = [key for key in _CODE_KEYS if config.pop(key, None) is not None]
+    if dropped:
+        with open(target or source, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+    return dropped
+
+
 def copy_side_file(input_dir: str, relative: str, output_dir: str) -> str | None:
     """Copy one file of `side_files`; tokenizer_config.json loses an `auto_map` (it would make Transformers import code
     named by the folder, which is never copied). Returns a note when something was dropped."""
     source, target = os.path.join(input_dir, relative), os.path.join(output_dir, relative)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if relative == "tokenizer_config.json":
-        try:
-            with open(source, encoding="utf-8") as f:
-                config = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            config = None
-        if isinstance(config, dict) and any(key in config for key in _CODE_KEYS):
-            dropped = [key for key in _CODE_KEYS if config.pop(key, None) is not None]
-            with open(target, "w", encoding="utf-8") as f:
-                json.dump(config, f, indent=2, ensure_ascii=False)
-                f.write("\n")
+        dropped = drop_code_references(source, target)
+        if dropped:
             return f"dropped {', '.join(dropped)} from tokenizer_config.json (custom tokenizer code is not copied)"
     shutil.copyfile(source, target)
     return None

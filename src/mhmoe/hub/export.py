@@ -25,8 +25,8 @@ import shutil
 from pathlib import Path
 
 from .checkpoint_files import (
-    CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_INDEX_NAME, check_writable, fsync, overlapping, recover_output_dir,
-    replace_dir, temporary_dir_next_to, weight_files,
+    CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_INDEX_NAME, check_writable, drop_code_references, fsync, overlapping,
+    recover_output_dir, replace_dir, temporary_dir_next_to, weight_files,
 )
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
 
@@ -85,8 +85,8 @@ def export_pretrained(
     `push_to_hub`: a Hub repo id ("user/name"); the finished folder is uploaded with `HfApi.upload_folder` (repo
     created if missing, `private` and `token` passed on). Not covered by the offline tests: it needs the network.
     `trust_remote_code`: passed to Transformers when reading the source's config and tokenizer (default False: code a
-    source folder names is never run). Raises `ExportError` for anything refused (nothing is written then), and for a failed upload (the exported folder
-    stays; the message gives the command that retries the upload).
+    source folder names is never run). Raises `ExportError` for anything refused (nothing is written then), and for a
+    failed upload (the exported folder stays; the message gives the command that retries the upload).
     """
     from transformers import AutoTokenizer, PreTrainedModel
 
@@ -116,6 +116,8 @@ def export_pretrained(
         _write_weights(temporary, model if weight_files is None else source_dir, config, weight_files)
         if tokenizer is not None:
             tokenizer.save_pretrained(temporary)
+            if (temporary / "tokenizer_config.json").is_file():  # no auto_map naming code that is not exported
+                drop_code_references(str(temporary / "tokenizer_config.json"))
         for name in RECORDS if source_dir is not None else ():
             if os.path.isfile(os.path.join(source_dir, name)):
                 shutil.copyfile(os.path.join(source_dir, name), temporary / name)

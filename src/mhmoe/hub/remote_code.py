@@ -154,7 +154,7 @@ def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: b
 
 
 def write_remote_code(folder: str | os.PathLike, config, model_card: bool = True, repo: str | None = None,
-                      has_tokenizer: bool | None = None, records_dir: str | os.PathLike | None = None) -> None:  # fmt: skip
+                      has_tokenizer: bool | None = None, records_dir: str | os.PathLike | None = None) -> None:
     """Make a saved checkpoint folder load with `trust_remote_code=True` without mhmoe: the flattened modeling code,
     `auto_map` in config.json (AutoConfig, AutoModel, AutoModelForCausalLM) and, with `model_card`, a README.md card
     (an existing README.md is kept). Called by `export_pretrained` and by `save_pretrained` / `push_to_hub` of mhmoe
