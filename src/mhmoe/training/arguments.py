@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass, field
 
 from ..hub.checkpoint_files import read_model_type, weight_files
-from .data import read_files
 
 
 class TrainingError(ValueError):
@@ -186,6 +185,8 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
 
 
 def _read(paths: list[str], text_field: str) -> list[str]:
+    from .data import read_files  # imports torch: not at module level, so that command lines parse first
+
     try:
         return read_files(paths, text_field)
     except (OSError, ValueError) as e:
