@@ -171,8 +171,8 @@ def test_planted_code_never_runs_even_when_answering_yes(tmp_path, tokenizer_dir
 
 def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_dir):
     """Like save_pretrained's folders: modeling code + auto_map (it loads with trust_remote_code=True where mhmoe
-    cannot be imported, computing what mhmoe's own class computes), and the converted card naming the base model (the folder's name, never its path); mhmoe-export of it keeps the card
-    kind, the base model and the conversion record."""
+    cannot be imported, computing what mhmoe's own class computes), and the converted card naming the base model (the
+    folder's name, never its path); mhmoe-export of it keeps the card kind, the base model and the conversion record."""
     from mhmoe import MoHLlamaForCausalLM
     from mhmoe.hub.export import export_pretrained
     from mhmoe.hub.remote_code import check_exported_code
