@@ -1,4 +1,6 @@
-"""`mhmoe-convert`'s own arguments (it also takes every continue-tuning flag of mhmoe-train: `continue_tune.py`)."""
+"""`mhmoe-convert`'s own arguments, and the continue-tuning flags it takes from mhmoe-train (its `TrainArguments` with
+the recipe's defaults, `_continue_tune_arguments_class`). Importing this module imports neither torch nor Transformers:
+the command line parses its arguments before those."""
 
 from __future__ import annotations
 

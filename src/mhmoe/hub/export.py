@@ -7,12 +7,16 @@
   (`linear_type="bitnet_b158"`) is written packed: int8 ternary weights and one fp32 scale per matrix
   (`bitnet_packed=True`, inference only, the same logits),
 - `config.json` with an `auto_map` naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`,
-- `generation_config.json`, the tokenizer (the one given, else the source directory's), a model card `README.md`,
+- `generation_config.json`, the tokenizer (the one given, else the source directory's; without an `auto_map` naming
+  code of the source folder), `moh_conversion.json` of a converted model, a model card `README.md` (the converted
+  card naming the base model for a converted model; the training from the source's `train_summary.json`),
 - the modeling code (`remote_code.py`: the model's files flattened into the folder, checked as Transformers' loader
   reads them).
 
 The folder is written to a temporary directory next to `save_directory` and renamed at the end: a failure leaves
-nothing behind (and an existing directory replaced with `overwrite=True` stays as it was). `push_to_hub="user/name"`
+nothing behind (and an existing directory replaced with `overwrite=True` stays as it was; a killed export's hidden
+folders are removed by the next one, `checkpoint_files.recover_output_dir`). The source's config and tokenizer are read
+with `trust_remote_code=False` unless asked otherwise. `push_to_hub="user/name"`
 then uploads the folder with `huggingface_hub.HfApi.upload_folder`; that needs the network and a token, so the offline
 test suite does not exercise it. `mhmoe-export SRC_DIR OUT_DIR [--overwrite] [--push_to_hub REPO]` is the CLI
 (`cli.py`).
