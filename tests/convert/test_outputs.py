@@ -237,10 +237,17 @@ def test_disk_full_while_writing_is_one_line(tmp_path):
     size = (weights // 4096 + 3) * 4096  # the weights and config fit, the modeling code (~100 KB) does not
     script = (f'{sys.executable} -m mhmoe.convert --input_dir "{source}" --output_dir "$MNT/out" --skip_logit_check '
               '--disable_tqdm; echo "status $?"; ls -A "$MNT"')  # fmt: skip
-    proc = _in_private_mount(script, tmp_path, str(size), read_only=False)
+    proc = _in_private_mount(script, tmp_path / "convert", str(size), read_only=False)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("mhmoe-convert: error: not enough disk space to write") and "/out" in line, line
     assert proc.stdout.strip().splitlines()[-1] == "status 2", proc.stdout  # and `ls -A` printed nothing after
+
+    convert(str(source), str(tmp_path / "moh"), verify_logits=False, progress=False)  # mhmoe-export, the same
+    script = f'{sys.executable} -m mhmoe.hub "{tmp_path / "moh"}" "$MNT/out"; echo "status $?"; ls -A "$MNT"'
+    proc = _in_private_mount(script, tmp_path / "export", str(size), read_only=False)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("mhmoe-export: error: not enough disk space to write") and "/out" in line, line
+    assert proc.stdout.strip().splitlines()[-1] == "status 2", proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------ fault injection
