@@ -194,8 +194,9 @@ def replace_dir(temporary: str, output_dir: str) -> None:
 
 
 def _process_gone(pid: int) -> bool:
-    """Whether process `pid` of this machine has ended (a zombie has)."""
-    if pid == os.getpid():
+    """Whether process `pid` of this machine has ended (a zombie has). Never on Windows, where os.kill(pid, 0) would
+    stop the process instead of probing it: nothing is cleaned up there."""
+    if pid == os.getpid() or os.name == "nt":
         return False
     try:
         os.kill(pid, 0)
@@ -263,7 +264,7 @@ def check_writable(output_dir: str, error: type[ValueError] = CheckpointError) -
     existing = os.path.dirname(os.path.abspath(output_dir))
     while not os.path.isdir(existing):
         existing = os.path.dirname(existing)
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+    if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
         raise error(f"cannot write {output_dir}: {existing} is on a read-only file system; choose another output "
                     "folder")  # fmt: skip
     if not os.access(existing, os.W_OK | os.X_OK):
