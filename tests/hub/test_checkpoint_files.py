@@ -242,3 +242,25 @@ def test_os_error_message_says_which_and_where(tmp_path):
     denied = os_error_message(PermissionError(errno.EACCES, "Permission denied", out), out)
     assert "permission denied" in denied and "disk space" not in denied
     assert os_error_message(OSError(errno.EIO, "I/O error"), out) is None
+
+
+def test_side_files_follow_links_only_inside_or_into_a_hub_cache(tmp_path):
+    """A Hugging Face cache snapshot links every file into its repo's blobs/: those are copied; a link anywhere else
+    out of the folder is not, nor code or other files. The card's base model is the cache's repo id."""
+    from mhmoe.hub.cards import base_model_name
+    from mhmoe.hub.checkpoint_files import side_files
+
+    repo = tmp_path / "hub" / "models--org--Tiny-Llama"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "generation_config.json", "config.json", "modeling_x.py"):
+        (repo / "blobs" / name.upper()).write_text("{}")
+        os.symlink(f"../../blobs/{name.upper()}", snapshot / name)
+    (tmp_path / "secret").write_text("key")
+    os.symlink(tmp_path / "secret", snapshot / "tokenizer_config.json")
+    copy, notes = side_files(str(snapshot))
+    assert copy == ["generation_config.json", "tokenizer.json"]
+    assert notes == ["not copied, symbolic links out of the folder: tokenizer_config.json",
+                     "not copied (not a weight, config, tokenizer or chat template file): modeling_x.py"]
+    assert base_model_name(str(snapshot)) == "org/Tiny-Llama" and base_model_name(str(tmp_path / "x" / "Mine")) == "Mine"
