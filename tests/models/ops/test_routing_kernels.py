@@ -18,6 +18,7 @@ from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
 from .spread_model import spread_model
 
 pytestmark = pytest.mark.skipif(not routing_triton.HAS_TRITON, reason="triton is not installed")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU-only kernel checks)")
 
 SHAPES = [  # (N, E, K): N not a multiple of the blocks used below
     (37, 1, 1), (37, 3, 1), (37, 3, 2), (50, 7, 3), (29, 40, 2), (45, 40, 8), (33, 96, 3), (21, 96, 8), (1, 3, 3),
@@ -52,6 +53,24 @@ def test_route_matches_reference(shape, norm):
     assert torch.equal(experts, ref_experts)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(50, 7, 3), (33, 96, 3), (45, 40, 8)], ids=["E7-K3", "E96-K3", "E40-K8"])
+def test_bf16_logits(shape):
+    """bf16 logits (a bf16 router): loaded as bf16, softmax and top-k in fp32 as the reference's `.float()`, so the
+    reference's fp32 weights at fp32 tolerance; the logits' gradient comes back in bf16, at bf16 tolerance. bf16
+    rounding makes ties common: the kernel takes the lowest tied id (a stable descending sort's order), `torch.topk`
+    any of them, so the experts are checked against the stable sort, the gradients where both chose alike."""
+    num_rows, num_experts, top_k = shape
+    logits = _logits(num_rows, num_experts, seed=13).bfloat16()
+    (weights, experts, grad), (ref_weights, ref_experts, ref_grad) = _both(logits, top_k)
+    assert weights.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    stable = torch.sort(torch.softmax(logits.float(), -1), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(experts, stable)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+    alike = (experts == ref_experts).all(-1)
+    assert alike.float().mean() > 0.5
+    torch.testing.assert_close(grad[alike], ref_grad[alike], rtol=1.6e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("capacity", [0.25, 0.5, 1.0, 2.0])
@@ -91,6 +110,54 @@ def test_ties_go_to_the_lowest_expert_id(top_k):
     assert torch.equal(experts, stable)
     ref_weights, _ = routing_naive.route(logits, top_k)
     torch.testing.assert_close(weights, ref_weights)
+
+
+def _poisoned_logits(num_rows=24, num_experts=11):
+    """Logits with NaN and ±inf in some rows. A NaN or +inf logit, or a row of -inf only, makes the row's softmax NaN
+    throughout (in the reference too); -inf next to finite logits is a probability of 0 and routes normally."""
+    logits = _logits(num_rows, num_experts, seed=9)
+    nan, inf = float("nan"), float("inf")
+    logits[1, 4] = nan
+    logits[3] = nan
+    logits[5, 0] = inf
+    logits[7, [2, 9]] = inf
+    logits[9] = -inf
+    logits[11, :5] = -inf  # finite row: experts 0-4 have probability 0
+    logits[13, 3] = -inf
+    logits[15, 6], logits[15, 7] = nan, -inf
+    logits[17, 10] = -inf
+    return logits
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy under the interpreter, on NaN
+@pytest.mark.parametrize("top_k", [1, 3, 6])
+@pytest.mark.parametrize("capacity", [None, 0.5])
+def test_nan_and_inf_logits_give_in_range_experts(top_k, capacity):
+    """An expert id past the experts would make the later kernels read and write out of bounds on a GPU (an
+    asynchronous illegal-address error, not an exception the fallback could catch). Rows whose softmax is NaN take
+    the lowest ids (distinct, in range) with NaN weights, where `torch.topk` in the reference takes distinct in-range
+    ids in an unspecified order (also NaN weights); every other row is the reference's, its gradient too."""
+    logits = _poisoned_logits()
+    num_rows, num_experts = logits.shape
+    (weights, experts, grad), (ref_weights, ref_experts, ref_grad) = _both(logits, top_k, capacity=capacity)
+    bad = torch.softmax(logits, -1).isnan().any(-1)
+    assert bad.tolist() == [i in (1, 3, 5, 7, 9, 15) for i in range(num_rows)]
+    assert ((experts >= 0) & (experts <= num_experts)).all()
+    kept = experts < num_experts
+    for row in range(num_rows):  # kept ids distinct within a row
+        assert len(set(experts[row][kept[row]].tolist())) == int(kept[row].sum())
+    if capacity is None:
+        assert kept.all() and (ref_experts < num_experts).all()
+        assert torch.equal(experts[bad], torch.arange(top_k).expand(int(bad.sum()), top_k))
+        assert torch.equal(experts[~bad], ref_experts[~bad])
+        torch.testing.assert_close(weights[~bad], ref_weights[~bad], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad[~bad], ref_grad[~bad], rtol=1e-5, atol=1e-6)
+        assert weights[bad].isnan().all() and ref_weights[bad].isnan().all()
+    else:  # the reference's NaN rows take other experts' places: only the contract holds
+        cap = routing_naive.expert_capacity(capacity, num_rows, top_k, num_experts)
+        assert int(torch.bincount(experts[kept], minlength=num_experts).max()) <= cap
+    order, offsets = routing_triton.sort_by_expert(experts, num_experts, block=16)
+    assert int(offsets[-1]) == int(kept.sum()) and sorted(order.tolist()) == list(range(experts.numel()))
 
 
 @pytest.mark.parametrize("num_bins", [1, 2, 8, 41, 97])
@@ -180,6 +247,44 @@ def test_backend_switch(monkeypatch):
         MHMoEConfig(routing_backend="cuda")
 
 
+def test_a_failing_kernel_is_logged_once_recorded_and_replaced(monkeypatch, caplog):
+    """The automatic choice (CUDA tensors; simulated here) runs the reference when a kernel raises, logs the reason
+    once at WARNING, records it in `fallbacks()` and keeps every routing op on PyTorch until `reset_fallbacks()`; a
+    forced backend raises instead."""
+    from mhmoe.models.mhmoe.ops import fallbacks, reset_fallbacks
+
+    def broken(*args):
+        calls.append("triton")
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    calls = []
+    monkeypatch.setattr(routing, "triton_route", broken)
+    monkeypatch.setattr(routing.torch.Tensor, "is_cuda", property(lambda self: True))  # the automatic choice
+    monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
+    reset_fallbacks()
+    logits = _logits(9, 5)
+    try:
+        with caplog.at_level("WARNING", logger="mhmoe.models.mhmoe.ops.kernel_fallbacks"):
+            for _ in range(3):
+                weights, experts = routing.route(logits, 2)
+        ref_weights, ref_experts = routing_naive.route(logits, 2)
+        assert torch.equal(experts, ref_experts) and torch.equal(weights, ref_weights)
+        assert calls == ["triton"]  # then PyTorch: the failure switched the automatic choice
+        assert routing.routing_backend(logits) == ("torch", False)
+        reason = "RuntimeError: no kernel image is available for execution on the device"
+        assert fallbacks() == {"routing.route": reason}
+        records = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(records) == 1 and reason in records[0].getMessage()
+        assert "routing.route" in records[0].getMessage() and routing.ROUTING_BACKEND_ENV in records[0].getMessage()
+        with pytest.raises(RuntimeError, match="no kernel image"):
+            routing.route(logits, 2, backend="triton")  # forced: the error is raised, not hidden
+        reset_fallbacks()
+        assert fallbacks() == {} and routing.routing_backend(logits) == ("triton", False)
+        assert fallbacks() is not fallbacks()  # a copy: callers cannot change the record
+    finally:
+        reset_fallbacks()
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatch):
     """A whole MH-MoE model (h=3, E=7, top-3) with routing_backend="triton" gives the torch path's logits, losses and
@@ -208,3 +313,34 @@ def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatc
     assert calls.count("triton_route") == 2 and calls.count("triton_sort_by_expert") == 2
     for have, want in zip(results[1], results[0]):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_route_and_sort_at_scale(dtype):
+    """On the GPU, at the benchmark's size (16,384 rows × 96 experts, top-3, with capacity): the reference's weights
+    and experts (ties by the stable order, bf16 making them common), the sort's permutation and offsets. No dot
+    products here: fp32 is fp32 on the GPU too."""
+    logits = _logits(16384, 96, seed=21).to(dtype).cuda()
+    for capacity in (None, 1.0):
+        weights, experts = routing_triton.route(logits, 3, capacity_factor=capacity)
+        ref_weights, ref_experts = routing_naive.route(logits.cpu(), 3, capacity_factor=capacity)
+        torch.cuda.synchronize()
+        if capacity is None:
+            stable = torch.sort(torch.softmax(logits.float().cpu(), -1), dim=-1, descending=True, stable=True)
+            assert torch.equal(experts.cpu(), stable.indices[:, :3])
+            torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-5, atol=1e-6)
+        order, offsets = routing_triton.sort_by_expert(experts, 96)
+        ref_order, ref_offsets = routing_naive.sort_by_expert(experts.cpu(), 96)
+        assert torch.equal(order.cpu(), ref_order) and torch.equal(offsets.cpu(), ref_offsets)
+
+
+@CUDA
+def test_cuda_nan_logits_stay_in_range():
+    """The GPU pitfall itself: NaN/inf logits through the kernels, then a synchronize (an out-of-range id would show
+    as an asynchronous illegal-address error here) and the ids checked."""
+    logits = _poisoned_logits(4099, 11).cuda()
+    weights, experts = routing_triton.route(logits, 3, capacity_factor=1.0)
+    order, offsets = routing_triton.sort_by_expert(experts, 11)
+    torch.cuda.synchronize()
+    assert ((experts >= 0) & (experts <= 11)).all() and int(offsets[-1]) == int((experts < 11).sum())

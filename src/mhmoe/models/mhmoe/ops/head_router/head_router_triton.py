@@ -1,8 +1,9 @@
 """The MoH "l2" head router in Triton: query norms, their std, softmax, top-K and the gates (shared heads on,
 straight-through optional) in one launch; the backward recomputes the PyTorch reference (`head_router_naive.py`) and
 differentiates it. `moh.MoHRouter` calls it (through `routing.l2_head_gates`) when the routing backend is triton.
-Tested against the reference under TRITON_INTERPRET=1; never run on a GPU here. Shape legend as in
-head_router_naive.py; BLOCK_* are powers of two (R, hd, K padded up).
+Tested against the reference under TRITON_INTERPRET=1 (fp32 and bf16 queries); never run on a GPU here. NaN or inf
+queries never give a head index out of range: a row with NaN logits takes the lowest routed heads, with NaN gates.
+Shape legend as in head_router_naive.py; BLOCK_* are powers of two (R, hd, K padded up).
 
 Imports without triton (exported checkpoints): the kernel is then a plain function, never launched.
 """
@@ -36,28 +37,36 @@ def _l2_head_gates_kernel(
     mean = tl.sum(norms, axis=1) / routed
     centred = tl.where(head_ok[None, :], norms - mean[:, None], 0.0)
     var = tl.sum(centred * centred, axis=1) / tl.maximum(routed - 1, 1)  # correction 1 (0 for a single head)
-    logits = norms / tl.maximum(tl.sqrt(var), std_min)[:, None]
+    logits = norms / tl.maximum(tl.sqrt(var), std_min, propagate_nan=tl.PropagateNan.ALL)[:, None]  # NaN as clamp_min
     out = rows[:, None].to(tl.int64) * routed + heads[None, :]
     tl.store(logits_ptr + out, logits, mask=row_ok[:, None] & head_ok[None, :])
 
     x = tl.where(head_ok[None, :], logits, float("-inf"))
     e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    probs = tl.where(head_ok[None, :], e / tl.sum(e, axis=1)[:, None], -1.0)
+    probs = e / tl.sum(e, axis=1)[:, None]
+    # selection key: a NaN probability (NaN or inf queries make the whole row NaN) ranks as 0, so such a row takes the
+    # lowest heads, distinct and in range, and its gates are NaN as the reference's; the index is clamped besides
+    key = tl.where(head_ok[None, :], tl.where(probs == probs, probs, 0.0), -1.0)
     kcols = tl.arange(0, BLOCK_K)
     index = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
     chosen = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # the selected heads' probabilities, 0 elsewhere
+    picked = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.int32)  # 1 on the selected heads
     total = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for j in tl.static_range(ACTIVE):
-        best = tl.max(probs, axis=1)
-        choice = tl.min(tl.where(probs == best[:, None], heads[None, :], BLOCK_R), axis=1)  # ties: the lowest head
+        best = tl.max(key, axis=1)
+        choice = tl.min(tl.where(key == best[:, None], heads[None, :], BLOCK_R), axis=1)  # ties: the lowest head
+        choice = tl.minimum(choice, routed - 1)
+        this = heads[None, :] == choice[:, None]
+        value = tl.sum(tl.where(this, probs, 0.0), axis=1)
         index = tl.where(kcols[None, :] == j, choice[:, None], index)
-        chosen = tl.where(heads[None, :] == choice[:, None], best[:, None], chosen)
-        total += best
-        probs = tl.where(heads[None, :] == choice[:, None], -1.0, probs)
-    if STRAIGHT:
-        gates = tl.where(chosen > 0, 1.0, 0.0)
+        chosen = tl.where(this, value[:, None], chosen)
+        picked = tl.where(this, 1, picked)
+        total += value
+        key = tl.where(this, -1.0, key)
+    if STRAIGHT:  # exactly 1 on the selected heads (NaN in a NaN row, as the reference's hard + (soft - soft))
+        gates = tl.where(picked > 0, tl.where(total == total, 1.0, float("nan"))[:, None], 0.0)
     else:
-        gates = chosen / total[:, None] * ACTIVE
+        gates = tl.where(picked > 0, chosen / total[:, None] * ACTIVE, 0.0)
     num_heads = shared + routed
     gate_rows = rows[:, None].to(tl.int64) * num_heads
     tl.store(gates_ptr + gate_rows + shared + heads[None, :], gates, mask=row_ok[:, None] & head_ok[None, :])

@@ -10,6 +10,10 @@ the (programs, B) table gives each (program, bin) its first place in the sorted 
 base plus the number of equal ids before it in the program's block (a cumulative sum over a one-hot (BLOCK, B)
 tile). Stable by construction: ties keep their input order.
 
+NaN or inf logits never give an expert id outside [0, E) (on a GPU such an id would make the later kernels read and
+write out of bounds, an asynchronous error no fallback can catch): a row whose softmax is NaN takes the lowest ids,
+with NaN weights. bf16/fp16 logits are loaded as they are and computed in fp32.
+
 This file must import without triton (exported checkpoints load on torch + transformers alone): the kernels are then
 plain functions that are never launched, and `HAS_TRITON` is False.
 """
@@ -30,7 +34,11 @@ def _softmax_topk_kernel(
     TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_N rows per program: (BLOCK_N, BLOCK_E) logits -> fp32 softmax -> K rounds of (max, lowest id at the max)
-    -> weights (N, K) fp32 (renormalised when RENORM) and experts (N, K) int64, in descending order."""
+    -> weights (N, K) fp32 (renormalised when RENORM) and experts (N, K) int64, in descending order.
+
+    NaN probabilities (a row with a NaN or +inf logit, or only -inf ones, is NaN throughout) rank as 0 in the
+    selection, so such a row takes the lowest ids, distinct and in [0, E), with NaN weights: an id past the experts
+    would make every later kernel read and write out of bounds. The ids are clamped to E - 1 besides."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_E)
@@ -41,17 +49,20 @@ def _softmax_topk_kernel(
     x = tl.where(col_ok[None, :], x, float("-inf"))  # padding columns: probability 0, never chosen
     e = tl.exp(x - tl.max(x, axis=1)[:, None])
     probs = e / tl.sum(e, axis=1)[:, None]
-    probs = tl.where(col_ok[None, :], probs, -1.0)
+    key = tl.where(col_ok[None, :], tl.where(probs == probs, probs, 0.0), -1.0)  # selection key: NaN -> 0
 
     kcols = tl.arange(0, BLOCK_K)
     values = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     index = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        choice = tl.min(tl.where(probs == best[:, None], cols[None, :], BLOCK_E), axis=1)  # ties: the lowest id
-        values = tl.where(kcols[None, :] == j, best[:, None], values)
+        best = tl.max(key, axis=1)
+        choice = tl.min(tl.where(key == best[:, None], cols[None, :], BLOCK_E), axis=1)  # ties: the lowest id
+        choice = tl.minimum(choice, num_experts - 1)  # never past the experts, whatever the logits
+        picked = cols[None, :] == choice[:, None]
+        value = tl.sum(tl.where(picked, probs, 0.0), axis=1)  # the probability itself (NaN stays NaN)
+        values = tl.where(kcols[None, :] == j, value[:, None], values)
         index = tl.where(kcols[None, :] == j, choice[:, None], index)
-        probs = tl.where(cols[None, :] == choice[:, None], -1.0, probs)
+        key = tl.where(picked, -1.0, key)
     if RENORM:
         values = values / tl.sum(values, axis=1)[:, None]  # padding columns hold 0
     out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
