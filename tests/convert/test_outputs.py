@@ -331,3 +331,19 @@ def test_random_kills_then_rerun_gives_the_uninterrupted_result(tmp_path, tokeni
         assert _snapshot(out) == reference
         assert sorted(p.name for p in parent.iterdir()) == ["moh"]
     assert stray_seen, "no kill landed inside the write: the test did not exercise the cleanup"
+
+
+def test_export_of_a_continue_tuned_model_names_base_and_training(tmp_path, tokenizer_dir, corpus):
+    """OUT of `mhmoe-convert --train_file`: the exported card is the converted one (base model from
+    OUT/converted/moh_conversion.json, kept in the export) with the Training section from train_summary.json."""
+    from mhmoe.hub.export import export_pretrained
+
+    source = _llama_dir(tmp_path / "Tiny-Llama", tokenizer_dir)
+    out = tmp_path / "tuned"
+    main(["--input_dir", str(source), "--output_dir", str(out), "--train_file", corpus["train"], "--block_size", "16",
+          "--per_device_train_batch_size", "2", "--max_steps", "1", "--disable_tqdm"])  # fmt: skip
+    export_pretrained(str(out), str(tmp_path / "exported"))
+    card = (tmp_path / "exported" / "README.md").read_text()
+    assert "base_model: Tiny-Llama" in card and "Trained with `mhmoe-train` for 1 step (" in card
+    record = (out / "converted" / "moh_conversion.json").read_bytes()
+    assert (tmp_path / "exported" / "moh_conversion.json").read_bytes() == record

@@ -101,7 +101,8 @@ def training_text(summary: dict) -> str:
     args = summary.get("args") or {}
     tokens = (summary.get("step") or 0) * (summary.get("global_batch_blocks") or 0) * (summary.get("block_size") or 0)
     files = [os.path.basename(str(f)) for f in args.get("train_file") or []]
-    parts = [f"Trained with `mhmoe-train` for {summary.get('step')} steps"
+    steps = summary.get("step")
+    parts = [f"Trained with `mhmoe-train` for {steps} step{'' if steps == 1 else 's'}"
              + (f" ({tokens:,} tokens, {summary['global_batch_blocks']} blocks of {summary['block_size']} per step)"
                 if tokens else "")
              + (f" on {', '.join(files)}" if files else "") + "."]  # fmt: skip
@@ -117,11 +118,16 @@ def training_text(summary: dict) -> str:
     return " ".join(parts)
 
 
+CONVERSION_RECORDS = ("moh_conversion.json", "converted/moh_conversion.json")  # converted; converted + continue-tuned
+
+
 def folder_records(folder) -> dict:
     """What a checkpoint folder records about how it was made, for its card: {"base_model": ..., "training": ...}
-    from moh_conversion.json (mhmoe-convert) and train_summary.json (mhmoe-train); unreadable records are skipped."""
+    from moh_conversion.json (mhmoe-convert; in converted/ after continue-tuning) and train_summary.json
+    (mhmoe-train); unreadable records are skipped."""
     found = {}
-    for name, key in (("moh_conversion.json", "base_model"), ("train_summary.json", "training")):
+    conversion = next((n for n in CONVERSION_RECORDS if os.path.isfile(os.path.join(folder, n))), CONVERSION_RECORDS[0])
+    for name, key in ((conversion, "base_model"), ("train_summary.json", "training")):
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 record = json.load(f)

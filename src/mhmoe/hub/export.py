@@ -32,10 +32,10 @@ from .checkpoint_files import (
     CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_INDEX_NAME, check_writable, drop_code_references, fsync, overlapping,
     recover_output_dir, replace_dir, temporary_dir_next_to, weight_files,
 )
+from .cards import CONVERSION_RECORDS
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
 
 
-RECORDS = ("moh_conversion.json",)  # kept in the export: how a converted model was made (its card names the base)
 
 
 def _source_dir(path: str, trust_remote_code: bool = False):
@@ -122,9 +122,11 @@ def export_pretrained(
             tokenizer.save_pretrained(temporary)
             if (temporary / "tokenizer_config.json").is_file():  # no auto_map naming code that is not exported
                 drop_code_references(str(temporary / "tokenizer_config.json"))
-        for name in RECORDS if source_dir is not None else ():
-            if os.path.isfile(os.path.join(source_dir, name)):
-                shutil.copyfile(os.path.join(source_dir, name), temporary / name)
+        if source_dir is not None:  # how a converted (and continue-tuned) model was made: its card names the base
+            record = next((os.path.join(source_dir, n) for n in CONVERSION_RECORDS
+                           if os.path.isfile(os.path.join(source_dir, n))), None)  # fmt: skip
+            if record is not None:
+                shutil.copyfile(record, temporary / "moh_conversion.json")
         repo = push_to_hub or os.path.basename(os.path.abspath(save_directory))
         write_remote_code(temporary, config, model_card=model_card, repo=repo, has_tokenizer=tokenizer is not None,
                           records_dir=source_dir)  # fmt: skip
