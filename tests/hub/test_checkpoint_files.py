@@ -161,7 +161,8 @@ def test_stale_folders_of_killed_writers_only(tmp_path):
     ]
     assert stale_dirs(str(tmp_path / "out")) == ([str(stale)], [])
     done = recover_output_dir(str(tmp_path / "out"))
-    assert len(done) == 1 and "removed" in done[0] and not stale.exists()
+    assert len(done) == 2 and done[0].startswith(f"removed {stale.name}") and not stale.exists()
+    assert done[1].startswith("left alone: .out.tmp-k3j4l5m6 (no owner in the name")  # named, not removed
     assert all(p.exists() for p in kept) and not (tmp_path / "out").exists()
 
 

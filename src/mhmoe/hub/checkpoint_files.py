@@ -253,9 +253,24 @@ def recover_output_dir(output_dir: str) -> list[str]:
         _remove(path)
         if not os.path.lexists(path):
             done.append(f"removed {os.path.basename(path)}, left by an interrupted writer")
+    unowned = _unowned_leftovers(output_dir)
+    if unowned:
+        done.append(f"left alone: {', '.join(unowned)} (no owner in the name: from an older mhmoe or another program; "
+                    "remove by hand if nothing is writing there)")  # fmt: skip
     for line in done:
         logger.warning("%s", line)
     return done
+
+
+def _unowned_leftovers(output_dir: str) -> list[str]:
+    """Hidden `.OUT.tmp-XXXXXXXX` / `.OUT.old-XXXXXXXX` folders without an owner in the name (earlier mhmoe versions
+    named them so): they cannot be proved stale, so they are only named."""
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    pattern = re.compile(rf"\.{re.escape(os.path.basename(os.path.abspath(output_dir)))}\.(tmp|old)-[a-z0-9_]{{8}}")
+    try:
+        return sorted(n for n in os.listdir(parent) if pattern.fullmatch(n))
+    except OSError:
+        return []
 
 
 def check_writable(output_dir: str, error: type[ValueError] = CheckpointError) -> None:
