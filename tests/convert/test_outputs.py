@@ -208,10 +208,11 @@ def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_di
 def _in_private_mount(script: str, tmp_path: Path, size: str, read_only: bool) -> subprocess.CompletedProcess:
     """Run `script` (shell, $MNT a fresh tmpfs of `size`) in a user + mount namespace: a real small or read-only file
     system without root. Skips where unprivileged namespaces are not available."""
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
-        pytest.skip("no user/mount namespaces here (unshare -rm)")
     mnt = tmp_path / "mnt"
     mnt.mkdir(parents=True)
+    probe = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs "{mnt}" && mount -o remount,ro "{mnt}"']
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("no user/mount namespaces with tmpfs here (unshare -rm)")
     remount = f'mount -o remount,ro "{mnt}"; ' if read_only else ""
     shell = f'set -e; mount -t tmpfs -o size={size} tmpfs "{mnt}"; {remount}export MNT="{mnt}"; set +e; {script}'
     return subprocess.run(["unshare", "-rm", "sh", "-c", shell], env=_env(), capture_output=True, text=True,
