@@ -10,7 +10,7 @@ from pathlib import Path
 
 from setuptools import find_namespace_packages, find_packages, setup
 
-DATA_FOLDERS = ("eval_tasks", "model_cards")  # top-level folders shipped as mhmoe/_data/<folder>/
+DATA_FOLDERS = ("eval_tasks", "model_cards", "examples")  # top-level folders shipped as mhmoe/_data/<folder>/
 
 ROOT = Path(__file__).resolve().parent
 packages = find_packages("src")

@@ -118,7 +118,7 @@ def test_sdist_and_wheel(installed):
     assert installed["wheel"].name == f"mhmoe-{mhmoe.__version__}-py3-none-any.whl"
     with zipfile.ZipFile(installed["wheel"]) as wheel:
         names = set(wheel.namelist())
-        for folder in ("eval_tasks", "model_cards"):
+        for folder in ("eval_tasks", "model_cards", "examples"):
             if not (ROOT / folder).is_dir():
                 continue
             expected = _data_files(ROOT / folder)
@@ -210,6 +210,7 @@ def test_console_scripts_from_the_wheel(installed):
     _check(["mhmoe-export", "demo/model", "exported"], env=env, cwd=work)
     card = (work / "exported" / "README.md").read_text()  # filled from the wheel's model_cards/mhmoe.md
     assert card.startswith("---\n") and "## Architecture" in card and "{{" not in card
+    assert "Trained with `mhmoe-train` for 20 steps" in card and "Not recorded" not in card  # train_summary.json
     blocked = work / "no_mhmoe"
     (blocked / "mhmoe").mkdir(parents=True)
     (blocked / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe must not be imported here (test)')\n")
@@ -268,3 +269,66 @@ def test_readme_python_snippets_from_the_wheel(installed):
         proc = _check([installed["python"], "-c", code], env=installed["env"], cwd=installed["work"])
         expected = [line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(")]
         assert proc.stdout.strip().splitlines() == expected, (index, code)
+
+
+_TINY_LLAMA = """
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64)
+LlamaForCausalLM(config).save_pretrained("llama")
+vocab = {**{f"w{i}": i for i in range(63)}, "[UNK]": 63}
+tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained("llama")
+"""
+
+
+def _card_usage(card: str) -> str:
+    """The Python block of a model card's Usage section."""
+    return card.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_converter_and_paper_cuts_from_the_wheel(installed):
+    """From the wheel, with only the core dependencies: the converter (`mhmoe-convert` and `python -m mhmoe.convert`)
+    writes a self-contained folder whose card's own usage snippet runs non-interactively where mhmoe cannot be
+    imported; mhmoe-export of it keeps the converted card (base_model) and the conversion record; a usage error is one
+    line; the Accelerate configs and the eval-tasks folder are found in the installed package."""
+    work, env = installed["work"] / "convert", installed["env"]
+    work.mkdir()
+    _check([installed["python"], "-c", _TINY_LLAMA], env=env, cwd=work)
+    proc = _check(["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"], env=env,
+                  cwd=work)  # fmt: skip
+    assert "all heads active: max |Δlogit| = 0 vs source -> OK" in proc.stdout, proc.stdout
+    proc = _check([installed["python"], "-m", "mhmoe.convert", "--help"], env=env, cwd=work)
+    assert "--input_dir" in proc.stdout
+    proc = _check(["mhmoe-convert", "--bogus"], env=env, cwd=work, returncode=2)
+    assert proc.stderr.strip() == "mhmoe-convert: error: unrecognized arguments: --bogus (see mhmoe-convert --help)"
+
+    card = (work / "moh" / "README.md").read_text()
+    assert "base_model: llama" in card and "Converted from the dense checkpoint `llama`" in card
+    usage = _card_usage(card)
+    assert 'AutoTokenizer.from_pretrained("moh", trust_remote_code=True)' in usage
+    blocked = work / "no_mhmoe"
+    (blocked / "mhmoe").mkdir(parents=True)
+    (blocked / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe must not be imported here (test)')\n")
+    check = usage + ("\nimport sys\nassert 'mhmoe' not in sys.modules\n"
+                     "print(type(model).__module__, tokenizer('w1 w2').input_ids)\n")
+    proc = _check([installed["python"], "-c", check], env={**env, "PYTHONPATH": str(blocked)}, cwd=work)
+    assert proc.stdout.split()[0].startswith("transformers_modules.") and proc.stdout.strip().endswith("[1, 2]")
+
+    _check(["mhmoe-export", "moh", "exported"], env=env, cwd=work)
+    card = (work / "exported" / "README.md").read_text()
+    assert "base_model: llama" in card and "Converted from the dense checkpoint" in card
+    record = (work / "moh" / "moh_conversion.json").read_bytes()
+    assert (work / "exported" / "moh_conversion.json").read_bytes() == record
+
+    site_data = installed["site"] / "mhmoe" / "_data"
+    code = "from mhmoe._plumbing.resources import data_dir; print(data_dir('examples'))"
+    examples = Path(_check([installed["python"], "-c", code], env=env, cwd=work).stdout.strip())
+    assert examples == site_data / "examples" and (examples / "accelerate" / "fsdp.yaml").is_file()
+    proc = _check(["mhmoe-eval", "--print_tasks_dir"], env=installed["env_extras"], cwd=work)
+    assert Path(proc.stdout.strip()) == site_data / "eval_tasks"

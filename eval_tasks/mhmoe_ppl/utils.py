@@ -11,6 +11,7 @@ encodes them: it is taken from the metadata `tokenizer`, else `pretrained` (both
 CLI), else from the `mhmoe` lm-eval model built in this process. Without any, the task reports word/byte metrics only.
 """
 
+import glob
 import logging
 import os
 import re
@@ -53,10 +54,21 @@ def _tokenizer(metadata: dict):
     return active_tokenizer()
 
 
-def _data_files(path: str) -> list[str]:
+def _data_files(path: str, task: str, key: str) -> list[str]:
+    """The files `path` names (comma-separated paths or globs); a missing, unmatched or empty one refused in words,
+    prefixed with the task name (mhmoe-eval prints such errors as one line)."""
     files = [p.strip() for p in path.split(",") if p.strip()]
     if not files:
-        raise ValueError("empty corpus path")
+        raise ValueError(f"{task}: {key} is empty; give the validation file's path")
+    for pattern in files:
+        matched = glob.glob(pattern) if glob.has_magic(pattern) else [pattern]
+        if not matched or not all(os.path.isfile(f) for f in matched):
+            missing = next((f for f in matched if not os.path.isfile(f)), pattern)
+            what = "is a directory, not a file" if os.path.isdir(missing) else "no such file"
+            raise ValueError(f"{task}: {key}={missing}: {what}")
+        empty = [f for f in matched if os.path.getsize(f) == 0]
+        if empty:
+            raise ValueError(f"{task}: {key}={empty[0]} is empty (0 bytes): no documents to evaluate")
     return files
 
 
@@ -83,8 +95,19 @@ def load_corpus(mhmoe_corpus: str, **metadata) -> datasets.DatasetDict:
             "(see eval_tasks/README.md)."
         )
     text_field = metadata.get(f"{mhmoe_corpus}_text_field") or DEFAULT_TEXT_FIELD.get(mhmoe_corpus, "text")
-    ds = _read(_data_files(str(path)), text_field)
+    task = f"mhmoe_ppl_{mhmoe_corpus}"
+    where = key if metadata.get(key) else env
+    files = _data_files(str(path), task, where)
+    try:
+        ds = _read(files, text_field)
+    except ValueError as e:
+        raise ValueError(f"{task}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - datasets' reader errors (DatasetGenerationError, ...): one line
+        cause = e.__cause__ or e
+        raise ValueError(f"{task}: cannot read {path} ({type(cause).__name__}: {cause})") from None
     ds = ds.filter(lambda doc: bool(doc["original"] and doc["original"].strip()))
+    if len(ds) == 0:
+        raise ValueError(f"{task}: {path} holds no non-empty documents in field {text_field!r}")
 
     tokenizer = _tokenizer(metadata)
     add_bos = _as_bool(metadata.get("add_bos_token"))

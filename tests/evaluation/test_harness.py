@@ -271,10 +271,13 @@ def test_peft_adapter(work, tmp_path):
 
 
 def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
-    """Missing checkpoints, an adapter given as the model, unknown tasks and a ppl task without data: exit 2 with the
-    reason in one line, no traceback."""
+    """Missing checkpoints, an adapter given as the model, unknown tasks, a ppl task without data or with a --metadata
+    path that is missing, empty or blank: exit 2 with the reason in one line, no traceback."""
     adapter = tmp_path / "adapter"
     adapter.mkdir()
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text('{"text": "  "}\n')
     (adapter / "adapter_config.json").write_text("{}")
     ckpt = str(work["ckpt"])
     cases = [
@@ -286,6 +289,14 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
          "is a LoRA adapter folder: use pretrained"),
         (["--model_args", f"pretrained={ckpt}", "--tasks", "no_such_task"], "Tasks not found: no_such_task"),
         (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4"], "mhmoe_ppl_c4: no data"),
+        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata",
+          json.dumps({"c4_path": str(tmp_path / "nope.jsonl")})], "mhmoe_ppl_c4: c4_path=.*nope.jsonl: no such file"),
+        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata",
+          json.dumps({"c4_path": str(empty)})], "mhmoe_ppl_c4: c4_path=.*empty.jsonl is empty \\(0 bytes\\)"),
+        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata",
+          json.dumps({"c4_path": " , "})], "mhmoe_ppl_c4: c4_path is empty"),
+        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata",
+          json.dumps({"c4_path": str(blank)})], "mhmoe_ppl_c4: .*blank.jsonl holds no non-empty documents"),
     ]  # fmt: skip
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:

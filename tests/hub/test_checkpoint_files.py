@@ -113,3 +113,155 @@ def test_read_model_type(tmp_path):
     for path in (broken, listed):
         with pytest.raises(CheckpointError, match=f"{path.name}: not a valid config JSON"):
             read_model_type(str(path))
+
+
+# ------------------------------------------------------------------ interrupted writers, read-only and full targets
+
+
+def test_file_names_are_transformers_own():
+    """checkpoint_files writes the names out (the command lines import it before Transformers); they must agree."""
+    import transformers.utils as tu
+
+    from mhmoe.hub import checkpoint_files as cf
+
+    assert (cf.SAFE_WEIGHTS_NAME, cf.SAFE_INDEX_NAME, cf.CONFIG_NAME, cf.GENERATION_CONFIG_NAME) == (
+        tu.SAFE_WEIGHTS_NAME, tu.SAFE_WEIGHTS_INDEX_NAME, tu.CONFIG_NAME, tu.GENERATION_CONFIG_NAME)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the id names no process now
+    return proc.pid
+
+
+def _folder(path, content="x"):
+    path.mkdir()
+    (path / "f.txt").write_text(content)
+    return path
+
+
+def test_stale_folders_of_killed_writers_only(tmp_path):
+    """Only hidden folders of this target that name this host and a process that has ended are removed; a running
+    writer's, another machine's, another target's, and an older mhmoe's (no owner in the name) stay."""
+    from mhmoe.hub.checkpoint_files import _owner_tag, recover_output_dir, stale_dirs
+
+    host = _owner_tag().split(".", 1)[1]
+    dead = _dead_pid()
+    other_host = "0" * 8 if host != "0" * 8 else "1" * 8
+    stale = _folder(tmp_path / f".out.tmp-{dead}.{host}-abc123_x")
+    kept = [
+        _folder(tmp_path / f".out.tmp-{os.getpid()}.{host}-running"),  # a writer that still runs
+        _folder(tmp_path / f".out.tmp-{dead}.{other_host}-elsewhere"),  # made on another machine
+        _folder(tmp_path / f".other.tmp-{dead}.{host}-another"),  # another target's
+        _folder(tmp_path / ".out.tmp-k3j4l5m6"),  # no owner in the name
+        _folder(tmp_path / f"out.tmp-{dead}.{host}-visible"),  # not hidden: not ours
+    ]
+    assert stale_dirs(str(tmp_path / "out")) == ([str(stale)], [])
+    done = recover_output_dir(str(tmp_path / "out"))
+    assert len(done) == 2 and done[0].startswith(f"removed {stale.name}") and not stale.exists()
+    assert done[1].startswith("left alone: .out.tmp-k3j4l5m6 (no owner in the name")  # named, not removed
+    assert all(p.exists() for p in kept) and not (tmp_path / "out").exists()
+
+
+def test_interrupted_replacement_is_restored(tmp_path):
+    """A writer killed between the two renames of the non-atomic replacement: the next one puts the old folder back
+    (and, when the new one made it into place, removes the old copy)."""
+    from mhmoe.hub.checkpoint_files import _owner_tag, recover_output_dir
+
+    host = _owner_tag().split(".", 1)[1]
+    dead = _dead_pid()
+    _folder(tmp_path / f".out.old-{dead}.{host}-aside", "old")
+    _folder(tmp_path / f".out.tmp-{dead}.{host}-new", "new")
+    done = recover_output_dir(str(tmp_path / "out"))
+    assert (tmp_path / "out" / "f.txt").read_text() == "old" and sorted(os.listdir(tmp_path)) == ["out"]
+    assert done[0].startswith(f"restored {tmp_path / 'out'}")
+
+    _folder(tmp_path / f".out.old-{dead}.{host}-aside2", "older")  # the new folder is in place: the old goes
+    recover_output_dir(str(tmp_path / "out"))
+    assert (tmp_path / "out" / "f.txt").read_text() == "old" and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+_KILLED_BETWEEN_RENAMES = """
+import os, sys
+import mhmoe.hub.checkpoint_files as cf
+cf._exchange = lambda a, b: False  # a file system without RENAME_EXCHANGE
+calls = []
+real_replace = os.replace
+def replace(a, b):
+    calls.append(1)
+    if len(calls) == 2:  # the old folder is aside, the new one not yet in place: killed here
+        os._exit(9)
+    real_replace(a, b)
+os.replace = replace
+temporary = cf.temporary_dir_next_to(sys.argv[1])
+open(os.path.join(temporary, "f.txt"), "w").write("new")
+cf.replace_dir(temporary, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_overwrite_never_loses_the_target(tmp_path, exchange, monkeypatch):
+    """replace_dir swaps in one step where it can; without RENAME_EXCHANGE a process killed between its two renames
+    leaves the old folder aside, and the next writer restores it."""
+    import subprocess
+    import sys
+
+    import mhmoe.hub.checkpoint_files as cf
+
+    out = _folder(tmp_path / "out", "old")
+    if exchange:
+        calls = []
+        real = cf._exchange
+        monkeypatch.setattr(cf, "_exchange", lambda a, b: calls.append(1) or real(a, b))
+        temporary = cf.temporary_dir_next_to(str(out))
+        (tmp_path / os.path.basename(temporary) / "f.txt").write_text("new")
+        cf.replace_dir(temporary, str(out))
+        assert calls and (out / "f.txt").read_text() == "new" and sorted(os.listdir(tmp_path)) == ["out"]
+        return
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_BETWEEN_RENAMES, str(out)], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert not out.exists() and len(os.listdir(tmp_path)) == 2  # .out.old-... and .out.tmp-... (the new one)
+    cf.recover_output_dir(str(out))
+    assert (out / "f.txt").read_text() == "old" and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_os_error_message_says_which_and_where(tmp_path):
+    import errno
+
+    from mhmoe.hub.checkpoint_files import os_error_message
+
+    out = str(tmp_path / "out")
+    full = os_error_message(OSError(errno.ENOSPC, "No space left on device"), out)
+    assert full.startswith(f"not enough disk space to write {out}")
+    ro = os_error_message(OSError(errno.EROFS, "Read-only file system", str(tmp_path / "x")), out)
+    assert "read-only file system" in ro and str(tmp_path / "x") in ro and "disk space" not in ro
+    denied = os_error_message(PermissionError(errno.EACCES, "Permission denied", out), out)
+    assert "permission denied" in denied and "disk space" not in denied
+    assert os_error_message(OSError(errno.EIO, "I/O error"), out) is None
+
+
+def test_side_files_follow_links_only_inside_or_into_a_hub_cache(tmp_path):
+    """A Hugging Face cache snapshot links every file into its repo's blobs/: those are copied; a link anywhere else
+    out of the folder is not, nor code or other files. The card's base model is the cache's repo id."""
+    from mhmoe.hub.cards import base_model_name
+    from mhmoe.hub.checkpoint_files import side_files
+
+    repo = tmp_path / "hub" / "models--org--Tiny-Llama"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "generation_config.json", "config.json", "modeling_x.py"):
+        (repo / "blobs" / name.upper()).write_text("{}")
+        os.symlink(f"../../blobs/{name.upper()}", snapshot / name)
+    (tmp_path / "secret").write_text("key")
+    os.symlink(tmp_path / "secret", snapshot / "tokenizer_config.json")
+    copy, notes = side_files(str(snapshot))
+    assert copy == ["generation_config.json", "tokenizer.json"]
+    assert notes == ["not copied, symbolic links out of the folder: tokenizer_config.json",
+                     "not copied (not a weight, config, tokenizer or chat template file): modeling_x.py"]
+    assert base_model_name(str(snapshot)) == "org/Tiny-Llama" and base_model_name(str(tmp_path / "x" / "Mine")) == "Mine"

@@ -359,3 +359,19 @@ def test_moh_llama_register_for_auto_class_points_to_the_export():
         with pytest.raises(ValueError, match="export_pretrained"):
             cls.register_for_auto_class()
     assert "_auto_class" not in MoHLlamaForCausalLM.__dict__ and "_auto_class" not in MoHLlamaConfig.__dict__
+
+
+def test_card_of_a_trained_model_reads_train_summary(checkpoint_dir, corpus, tmp_path):
+    """mhmoe-export of an mhmoe-train output: the card's Training section comes from its train_summary.json (steps,
+    tokens, data file names, never their paths), not "Not recorded."."""
+    from mhmoe.training import train
+
+    run = tmp_path / "run"
+    train(dict(model_name_or_path=checkpoint_dir, output_dir=str(run), train_file=[corpus["train"]], block_size=16,
+               per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3, disable_tqdm=True, plot=False))
+    assert (run / "train_summary.json").is_file()
+    export_pretrained(str(run), str(tmp_path / "exported"))
+    card = (tmp_path / "exported" / "README.md").read_text()
+    training = card.split("## Training", 1)[1].split("##", 1)[0]
+    assert "Trained with `mhmoe-train` for 2 steps (64 tokens, 2 blocks of 16 per step) on train.jsonl." in training
+    assert "Not recorded" not in card and str(corpus["root"]) not in card

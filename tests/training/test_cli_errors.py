@@ -1,5 +1,6 @@
 """mhmoe-train's bad command lines and bad model inputs: each one line `mhmoe-train: error: ...` with status 2 (no
-traceback), usage errors before torch or Transformers is imported, and the light parser equal to HfArgumentParser."""
+traceback), usage errors before torch or Transformers is imported, and the parser loaded without Transformers equal
+to HfArgumentParser imported from it."""
 
 import json
 import os
@@ -35,7 +36,7 @@ def _one_line_error(capsys, argv, status=2):
     ([], "--model_name_or_path, --output_dir, --train_file are required"),
     (["--model_name_or_path", "m", "--train_file", "t"], "--output_dir is required"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
-    (["--max_steps", "ten"], "argument --max_steps/--max-steps: expected an integer, got 'ten'"),
+    (["--max_steps", "ten"], "argument --max_steps/--max-steps: invalid int value: 'ten'"),
 ])  # fmt: skip
 def test_usage_errors_are_one_line_before_heavy_imports(argv, words):
     """In a fresh interpreter: the message, status 2, and neither torch nor transformers imported by then."""

@@ -1,5 +1,5 @@
 """Data folders the code reads at run time: `eval_tasks/` (lm-eval suites and their Python helpers) and
-`model_cards/` (model-card templates).
+`model_cards/` (model-card templates); and `examples/` (Accelerate configs), shipped for users.
 
 Each folder lives once in git, at the top of the repository. A wheel (or sdist) built by setup.py carries a copy at
 `mhmoe/_data/<name>/`; a checkout or an editable install reads the top-level folder in place. `data_dir(name)` returns
@@ -15,7 +15,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # src/mhmoe/_plumbing/resources.
 
 
 def data_dir(name: str) -> Path | None:
-    """The folder `name` ("eval_tasks", "model_cards") shipped with mhmoe: `mhmoe/_data/<name>` in an installed
+    """The folder `name` ("eval_tasks", "model_cards", "examples") shipped with mhmoe: `mhmoe/_data/<name>` in an installed
     wheel, `<repository>/<name>` from a checkout or an editable install; None when this installation has none."""
     if not name or Path(name).name != name:
         raise ValueError(f"data_dir takes a top-level folder name such as 'eval_tasks', not {name!r}")

@@ -1,10 +1,15 @@
-"""`mhmoe-convert`'s own arguments (it also takes every continue-tuning flag of mhmoe-train: `continue_tune.py`)."""
+"""`mhmoe-convert`'s own arguments, and the continue-tuning flags it takes from mhmoe-train (its `TrainArguments` with
+the recipe's defaults, `_continue_tune_arguments_class`). Importing this module imports neither torch nor Transformers:
+the command line parses its arguments before those."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
 
-from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, SHARED_HEADS_RATIO
+from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, CONTINUE_TUNING_DEFAULTS, SHARED_HEADS_RATIO
 
 
 @dataclass
@@ -34,6 +39,26 @@ class ConvertArguments:
                           "machine's memory); names, dtypes and shapes are still checked."},
     )
     probe_file: str | None = field(default=None, metadata={"help": "Text for the probe batch of the logit check."})
+
+
+_NOT_CONTINUE_TUNING = ("model_name_or_path", "output_dir", "overwrite_output_dir", "config_overrides",
+                        "tokenizer_vocab_size")  # fmt: skip
+
+
+@functools.cache
+def _continue_tune_arguments_class():
+    """mhmoe-train's TrainArguments without the model/output fields (set by the converter), paper defaults; built on
+    first use (it imports mhmoe.training)."""
+    from ..training.arguments import TrainArguments
+
+    hints = typing.get_type_hints(TrainArguments)
+    fields = []
+    for f in dataclasses.fields(TrainArguments):
+        if f.name in _NOT_CONTINUE_TUNING:
+            continue
+        default = CONTINUE_TUNING_DEFAULTS.get(f.name, f.default)
+        fields.append((f.name, hints[f.name], field(default=default, metadata=f.metadata)))
+    return dataclasses.make_dataclass("ContinueTuneArguments", fields)
 
 
 __all__ = ["ConvertArguments"]

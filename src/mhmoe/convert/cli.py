@@ -1,26 +1,25 @@
-"""`mhmoe-convert` / conversion/convert_llama_to_moh.py: the arguments and `main()`.
+"""`mhmoe-convert` / `python -m mhmoe.convert` / conversion/convert_llama_to_moh.py: the arguments and `main()`.
 
 Converts (write.py); with `--train_file` also continue-tunes (continue_tune.py), taking every continue-tuning flag of
-mhmoe-train with the recipe's defaults (recipe.py). Works under `accelerate launch` with several processes.
+mhmoe-train with the recipe's defaults (recipe.py). Works under `accelerate launch` with several processes. The
+arguments are parsed before torch and Transformers are imported (`mhmoe._plumbing.arguments`), so a usage error or
+`--help` prints at once.
 """
 
 from __future__ import annotations
 
 import os
 
-from .arguments import ConvertArguments
-from .continue_tune import _continue_tune_arguments_class, convert_and_continue_tune
+from .._plumbing.arguments import hf_argument_parser, parse_or_exit
+from .arguments import ConvertArguments, _continue_tune_arguments_class
 from .errors import ConversionError
 from .recipe import GATES, ROUTER, continue_tuning_words
-from .verify import read_probe
-from .write import convert
 
 
 def build_parser():
-    from transformers import HfArgumentParser
-
-    return HfArgumentParser(
+    return hf_argument_parser(
         (ConvertArguments, _continue_tune_arguments_class()),
+        prog="mhmoe-convert",
         description="Convert a dense LLaMA / Mistral / Qwen2 checkpoint into MoH-LLaMA (Mixture-of-Head attention, "
         f"{ROUTER} router, {GATES} gates); with --train_file, continue-tune it with mhmoe-train (paper stage-2 "
         f"defaults: {continue_tuning_words()}).",
@@ -29,13 +28,18 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point; refusals exit with status 2 and a one-line message, nothing left at --output_dir."""
-    from ..training.arguments import TrainingError
-
     parser = build_parser()
-    args, tune = parser.parse_args_into_dataclasses(args=argv)
+    args, tune = parse_or_exit(parser, argv)
+    if not args.input_dir or not args.output_dir:
+        parser.error("--input_dir and --output_dir are required")
+
+    from ..hub.checkpoint_files import os_error_message
+    from ..training.arguments import TrainingError
+    from .continue_tune import convert_and_continue_tune
+    from .verify import read_probe
+    from .write import convert
+
     try:
-        if not args.input_dir or not args.output_dir:
-            raise ConversionError("--input_dir and --output_dir are required")
         if tune.train_file:
             convert_and_continue_tune(args, tune, progress=not tune.disable_tqdm)
         else:
@@ -52,6 +56,11 @@ def main(argv: list[str] | None = None) -> None:
             print(report.format(), flush=True)
     except (ConversionError, TrainingError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except OSError as e:  # full disk, read-only file system, permissions: one line saying which and where
+        message = os_error_message(e, args.output_dir)
+        if message is None:
+            raise
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():

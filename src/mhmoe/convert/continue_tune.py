@@ -9,45 +9,22 @@ training tokens: recovery_curve.csv / .png, recovery_summary.json).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import shutil
-import typing
-from dataclasses import field
 
 from transformers.utils import CONFIG_NAME
 
 from ..hub.checkpoint_files import replace_dir, temporary_dir_next_to
-from .arguments import ConvertArguments
+from .arguments import ConvertArguments, _continue_tune_arguments_class
 from .errors import ConversionError
-from .recipe import CONTINUE_TUNING_DEFAULTS, head_split
+from .recipe import head_split
 from .verify import all_heads_active, read_probe
 from .write import check_paths, convert, output_state
 
 CONVERTED_SUBDIR = "converted"
 RECOVERY_CSV = "recovery_curve.csv"
 RECOVERY_PNG = "recovery_curve.png"
-_NOT_CONTINUE_TUNING = ("model_name_or_path", "output_dir", "overwrite_output_dir", "config_overrides",
-                        "tokenizer_vocab_size")  # fmt: skip
-
-
-@functools.cache
-def _continue_tune_arguments_class():
-    """mhmoe-train's TrainArguments without the model/output fields (set by the converter), paper defaults; built on
-    first use (it imports mhmoe.training)."""
-    from ..training.arguments import TrainArguments
-
-    hints = typing.get_type_hints(TrainArguments)
-    fields = []
-    for f in dataclasses.fields(TrainArguments):
-        if f.name in _NOT_CONTINUE_TUNING:
-            continue
-        default = CONTINUE_TUNING_DEFAULTS.get(f.name, f.default)
-        fields.append((f.name, hints[f.name], field(default=default, metadata=f.metadata)))
-    return dataclasses.make_dataclass("ContinueTuneArguments", fields)
-
-
 def continue_tune_arguments(**values):
     return _continue_tune_arguments_class()(**values)
 

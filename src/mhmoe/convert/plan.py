@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from transformers.utils import CONFIG_NAME
 
-from ..hub.checkpoint_files import PICKLE_SUFFIXES, SAFE_INDEX_NAME, read_header, read_model_type, weight_files
+from ..hub.checkpoint_files import SAFE_INDEX_NAME, read_header, read_model_type, side_files, weight_files
 from .errors import ConversionError
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, SHARED_HEADS_RATIO, head_split, moh_fields
 
@@ -99,7 +99,7 @@ def _source_config(input_dir: str):
             f"{', '.join(SOURCE_MODEL_TYPES)} (same attention: q/k/v/o projections, RoPE, GQA)"
         )
     try:
-        return AutoConfig.from_pretrained(input_dir), model_type
+        return AutoConfig.from_pretrained(input_dir, trust_remote_code=False), model_type
     except (OSError, TypeError, ValueError) as e:
         raise ConversionError(f"invalid {model_type} config {config_path}: {e}") from None
 
@@ -224,19 +224,10 @@ def _add_zero_biases(shards: list[ShardPlan]) -> None:
                 shard.tensors.append(TensorEntry(name, t.dtype, (t.shape[0],), added=True))
 
 
-def _files_to_copy(input_dir: str, shard_names: list[str]) -> tuple[list[str], list[str]]:
-    """(files copied as they are: tokenizer, generation config, ...; entries not copied)."""
-    weight_names = {SAFE_INDEX_NAME, *shard_names}
-    copy_files, skipped = [], []
-    for name in sorted(os.listdir(input_dir)):
-        path = os.path.join(input_dir, name)
-        if name in weight_names or name in (CONFIG_NAME, RECORD_NAME) or name.startswith("."):
-            continue
-        if os.path.isfile(path) and not name.endswith(PICKLE_SUFFIXES) and not name.endswith(".safetensors"):
-            copy_files.append(name)
-        else:
-            skipped.append(name + ("/" if os.path.isdir(path) else ""))
-    return copy_files, skipped
+def _files_to_copy(input_dir: str) -> tuple[list[str], list[str]]:
+    """(files copied beside the weights: generation config, tokenizer, chat template; notes on what is not copied).
+    Never code, never a symbolic link out of the folder (`hub.checkpoint_files.side_files`)."""
+    return side_files(input_dir)
 
 
 def plan_conversion(
@@ -269,8 +260,7 @@ def plan_conversion(
         _add_zero_biases(shards)
         notes.append(f"added {len(added_names)} zero o_proj biases (Qwen2 q/k/v biases -> Llama attention_bias=True)")
 
-    copy_files, skipped = _files_to_copy(input_dir, shard_names)
-    if skipped:
-        notes.append(f"not copied: {', '.join(skipped)}")
+    copy_files, copy_notes = _files_to_copy(input_dir)
+    notes += copy_notes
     return ConversionPlan(input_dir, model_type, source_config, config, shards, weight_map is not None, copy_files,
                           notes)  # fmt: skip

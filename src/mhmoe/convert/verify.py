@@ -57,7 +57,7 @@ def _probe_ids(directory: str, config, probe_text: str | None, rows: int = 2, le
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
         text = probe_text or _PROBE_TEXT
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if ids and max(ids) < config.vocab_size:
@@ -68,6 +68,19 @@ def _probe_ids(directory: str, config, probe_text: str | None, rows: int = 2, le
         pass
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, config.vocab_size, (rows, length), generator=generator), "random token ids"
+
+
+def _refuse_non_finite(model, source_dir: str) -> None:
+    """NaN or inf in the source's weights: said in words (the logit check would only find NaN differences)."""
+    import torch
+
+    bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise ConversionError(
+            f"the source checkpoint {source_dir} has NaN or inf values in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): a corrupt or diverged model; fix the source (with "
+            "--skip_logit_check it is converted unchecked, as it is)"
+        )
 
 
 def verify_conversion(source_dir: str, converted_dir: str, probe_text: str | None = None) -> dict:
@@ -88,7 +101,8 @@ def verify_conversion(source_dir: str, converted_dir: str, probe_text: str | Non
     def nll(logits, ids):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
 
-    source = AutoModelForCausalLM.from_pretrained(source_dir, dtype="auto").eval()
+    source = AutoModelForCausalLM.from_pretrained(source_dir, dtype="auto", trust_remote_code=False).eval()
+    _refuse_non_finite(source, source_dir)
     ids, probe_kind = _probe_ids(source_dir, source.config, probe_text)
     with torch.no_grad():
         reference = source(ids).logits.float()
@@ -116,6 +130,7 @@ def verify_conversion(source_dir: str, converted_dir: str, probe_text: str | Non
         "all_heads_max_abs_diff": diff,
         "all_heads_tolerance": tolerance,
         "all_heads_equal": diff <= tolerance,
+        "source_logits_finite": bool(torch.isfinite(reference).all()),
         "routed_max_abs_diff": (routed - reference).abs().max().item(),
         "routed_mean_abs_diff": (routed - reference).abs().mean().item(),
         "routed_top1_agreement": (routed.argmax(-1) == reference.argmax(-1)).float().mean().item(),
@@ -127,6 +142,16 @@ def verify_conversion(source_dir: str, converted_dir: str, probe_text: str | Non
 def verified(source_dir: str, converted_dir: str, probe_text: str | None = None) -> dict:
     """`verify_conversion`, refusing a converted model that with every head active is not its source."""
     verification = verify_conversion(source_dir, converted_dir, probe_text)
+    if not verification["source_logits_finite"]:
+        raise ConversionError(
+            f"verification failed: the source model's own logits on the probe are not finite (NaN or inf) in "
+            f"{verification['dtype']} although its weights are; check the source (or pass --skip_logit_check)"
+        )
+    if math.isnan(verification["all_heads_max_abs_diff"]):
+        raise ConversionError(
+            "verification failed: with every head active the converted model's logits are not finite (NaN) where the "
+            "source's are; the converted checkpoint does not compute its source"
+        )
     if not verification["all_heads_equal"]:
         raise ConversionError(
             f"verification failed: with every head active the converted model's logits differ from the "

@@ -5,8 +5,12 @@ recipe's router adds no parameters, so the weights are copied byte for byte, sha
 index), without building the model: memory stays far below one shard (`os.copy_file_range` where the kernel has it).
 Everything is checked before anything is written. The output is written to a temporary directory next to
 `output_dir`, its safetensors headers re-read and compared with the plan, every file flushed to disk, and the folder
-renamed at the end, so a failed or interrupted conversion leaves nothing; an existing non-empty `output_dir` is only
-replaced with `overwrite`.
+renamed at the end, so a failed or interrupted conversion leaves nothing at `output_dir` (and hidden folders that the
+next conversion to it removes: `hub.checkpoint_files.recover_output_dir`); an existing non-empty `output_dir` is only
+replaced with `overwrite`, and is never missing meanwhile. Besides the weights and config, only the generation config,
+tokenizer and chat template files are copied (`hub.checkpoint_files.side_files`: never code); the modeling code,
+`auto_map` and a model card are added as `save_pretrained` adds them, so the output loads with `trust_remote_code=True`
+where mhmoe is not installed.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..hub.checkpoint_files import SAFE_INDEX_NAME, fsync, overlapping, replace_dir, temporary_dir_next_to
+from ..hub.checkpoint_files import (
+    SAFE_INDEX_NAME, check_writable, copy_side_file, fsync, overlapping, recover_output_dir, replace_dir,
+    temporary_dir_next_to,
+)
 from .errors import ConversionError
 from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO
@@ -102,7 +109,9 @@ def _check_written(plan: ConversionPlan, directory: str) -> None:
 
 
 def output_state(output_dir: str, overwrite: bool) -> bool:
-    """True when output_dir exists (and may be replaced). Refuses a non-empty one without overwrite."""
+    """True when output_dir exists (and may be replaced). Refuses a non-empty one without overwrite. What an earlier,
+    killed conversion to output_dir left is cleaned up first (`recover_output_dir`)."""
+    recover_output_dir(output_dir)
     if os.path.lexists(output_dir) and not os.path.isdir(output_dir):
         raise ConversionError(f"--output_dir {output_dir} exists and is not a directory")
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
@@ -116,6 +125,7 @@ def check_paths(input_dir: str, output_dir: str) -> None:
 
 
 def _check_disk_space(plan: ConversionPlan, output_dir: str) -> None:
+    check_writable(output_dir, ConversionError)  # a read-only target is not a full disk
     existing = os.path.dirname(os.path.abspath(output_dir))
     while not os.path.isdir(existing):
         existing = os.path.dirname(existing)
@@ -149,15 +159,29 @@ def _write_checkpoint(plan: ConversionPlan, temporary: str, progress: bool) -> N
             json.dump(index, f, indent=2)
     plan.config.save_pretrained(temporary)
     for name in plan.copy_files:
-        shutil.copy2(os.path.join(plan.input_dir, name), os.path.join(temporary, name))
+        note = copy_side_file(plan.input_dir, name, temporary)
+        if note:
+            plan.notes.append(note)
     _check_written(plan, temporary)
 
 
+def _add_remote_code(temporary: str, output_dir: str) -> None:
+    """The modeling code, `auto_map` and the converted model card (base model from the conversion record), as
+    `save_pretrained` writes them: the folder loads with trust_remote_code=True without mhmoe."""
+    from ..hub.remote_code import write_remote_code
+    from ..models.moh_llama import MoHLlamaConfig
+
+    config = MoHLlamaConfig.from_pretrained(temporary)
+    write_remote_code(temporary, config, repo=os.path.basename(os.path.abspath(output_dir)))
+
+
 def _commit(temporary: str, output_dir: str, overwrite: bool) -> None:
-    """Flush the small files and the folder, then rename it into place."""
-    for name in os.listdir(temporary):
-        if not name.endswith(".safetensors"):  # small files; the shards are flushed already
-            fsync(os.path.join(temporary, name))
+    """Add the modeling code and card, flush the small files and the folder, then rename it into place."""
+    _add_remote_code(temporary, output_dir)
+    for folder, _, names in os.walk(temporary):
+        for name in names:
+            if not name.endswith(".safetensors"):  # small files; the shards are flushed already
+                fsync(os.path.join(folder, name))
     fsync(temporary)
     output_state(output_dir, overwrite)  # still allowed (nothing appeared meanwhile)
     replace_dir(temporary, output_dir)

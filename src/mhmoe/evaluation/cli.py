@@ -1,6 +1,10 @@
 """`mhmoe-eval` (and `python -m mhmoe.evaluation`): lm-eval's command line (`run`, `ls`, `validate`) with the `mhmoe`
 model registered, `eval_tasks/` on the include path, `--model mhmoe` by default, and the papers' table rows and the
-routing statistics added to the results (and printed)."""
+routing statistics added to the results (and printed).
+
+`mhmoe-eval --print_tasks_dir` prints the installed `eval_tasks/` folder, for plain lm-eval
+(`lm-eval run --include_path "$(mhmoe-eval --print_tasks_dir)" ...`). The arguments are parsed before the model and
+lm-eval's evaluator (torch, Transformers) are imported, so a usage error prints at once."""
 
 from __future__ import annotations
 
@@ -14,13 +18,14 @@ from .._plumbing.extras import require
 
 require("eval", "lm_eval", feature="mhmoe-eval")
 
-from .harness import ROUTING_KEY
 from .suites import EVAL_TASKS_ENV, _builtin_task_paths, add_paper_tables, eval_tasks_dir
 
 log = logging.getLogger(__name__)
 
 
 def _format_summary(results: dict) -> str:
+    from .harness import ROUTING_KEY
+
     lines = []
     for suite, tables in results.get("paper_tables", {}).items():
         for title, row in tables.items():
@@ -89,18 +94,29 @@ def _cli_patches(captured: list, suites_only: bool):
 
 def main(argv: list[str] | None = None) -> None:
     """`mhmoe-eval`: lm-eval's CLI (`run`, `ls`, `validate`) with mhmoe imported, `eval_tasks/` on the include path,
-    `--model mhmoe` by default, and the paper table rows and routing statistics in the results (and printed)."""
+    `--model mhmoe` by default, and the paper table rows and routing statistics in the results (and printed).
+    `--print_tasks_dir` (alone) prints the eval_tasks/ folder and exits."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--print_tasks_dir" in argv:
+        if argv != ["--print_tasks_dir"]:
+            _exit_with_error("--print_tasks_dir takes no other argument")
+        tasks_dir = eval_tasks_dir()
+        if tasks_dir is None:
+            _exit_with_error(f"this installation has no eval_tasks/ folder (set ${EVAL_TASKS_ENV})")
+        print(tasks_dir)
+        return
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
     setup_logging()
-    argv = list(sys.argv[1:] if argv is None else argv)
     saved_argv, sys.argv = sys.argv, ["mhmoe-eval", *argv]
     try:
         parser = HarnessCLI()
         args = parser.parse_args()  # reads sys.argv (and inserts `run` for the legacy form)
     finally:
         sys.argv = saved_argv
+    from . import harness  # noqa: F401 - registers the `mhmoe` lm-eval model (imports torch and Transformers)
+
     tasks_dir = eval_tasks_dir()
     if tasks_dir is None:
         log.warning("eval_tasks/ not found (set $%s): the mhmoe suites are unavailable", EVAL_TASKS_ENV)

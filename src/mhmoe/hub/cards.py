@@ -9,6 +9,8 @@ reproduction runs (benchmarks/reproduce) write it as README.md. Nothing here nee
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 TEMPLATES = {"mhmoe": "mhmoe.md", "moh_llama": "moh_llama.md", "converted": "converted.md"}
@@ -85,6 +87,61 @@ def parity_rows(config) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
+def base_model_name(input_dir: str) -> str:
+    """The name a converted model's card gives its dense parent: the Hub repo id of a Hugging Face cache snapshot
+    (`.../models--org--name/snapshots/REV` -> `org/name`), else the source folder's name (never the local path)."""
+    path = os.path.abspath(input_dir)
+    snapshots = os.path.dirname(path)
+    repo = os.path.basename(os.path.dirname(snapshots))
+    if os.path.basename(snapshots) == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return os.path.basename(path)
+
+
+def training_text(summary: dict) -> str:
+    """The card's Training section from mhmoe-train's train_summary.json (data file names, not their paths)."""
+    args = summary.get("args") or {}
+    tokens = (summary.get("step") or 0) * (summary.get("global_batch_blocks") or 0) * (summary.get("block_size") or 0)
+    files = [os.path.basename(str(f)) for f in args.get("train_file") or []]
+    steps = summary.get("step")
+    parts = [f"Trained with `mhmoe-train` for {steps} step{'' if steps == 1 else 's'}"
+             + (f" ({tokens:,} tokens, {summary['global_batch_blocks']} blocks of {summary['block_size']} per step)"
+                if tokens else "")
+             + (f" on {', '.join(files)}" if files else "") + "."]  # fmt: skip
+    if args.get("learning_rate") is not None:
+        parts.append(f"Learning rate {args['learning_rate']:g} ({args.get('lr_scheduler_type', 'schedule')}), "
+                     f"{summary.get('num_processes', 1)} process(es), mixed precision "
+                     f"{summary.get('mixed_precision', 'no')}.")  # fmt: skip
+    if args.get("lora"):
+        parts.append(f"LoRA (rank {args.get('lora_r')})" + (", merged." if args.get("merge_lora") else "."))
+    final = summary.get("final_eval") or {}
+    if final.get("eval_ppl") is not None:
+        parts.append(f"Final validation perplexity {final['eval_ppl']:.3f}.")
+    return " ".join(parts)
+
+
+CONVERSION_RECORDS = ("moh_conversion.json", "converted/moh_conversion.json")  # converted; converted + continue-tuned
+
+
+def folder_records(folder) -> dict:
+    """What a checkpoint folder records about how it was made, for its card: {"base_model": ..., "training": ...}
+    from moh_conversion.json (mhmoe-convert; in converted/ after continue-tuning) and train_summary.json
+    (mhmoe-train); unreadable records are skipped."""
+    found = {}
+    conversion = next((n for n in CONVERSION_RECORDS if os.path.isfile(os.path.join(folder, n))), CONVERSION_RECORDS[0])
+    for name, key in ((conversion, "base_model"), ("train_summary.json", "training")):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                record = json.load(f)
+            if key == "base_model" and record.get("input_dir"):
+                found[key] = base_model_name(record["input_dir"])
+            elif key == "training" and isinstance(record, dict):
+                found[key] = training_text(record)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue
+    return found
+
+
 def _table(rows) -> str:
     return "\n".join(f"| {a} | {b} |" for a, b in rows)
 
@@ -133,11 +190,12 @@ def model_card(
         base_model=base_model, datasets=datasets, model_name=model_name, eval_results=eval_results or None,
     )  # fmt: skip
     repo = repo or model_name
-    load = "trust_remote_code=True" if remote_code else ""
+    load = ", trust_remote_code=True" if remote_code else ""
     usage = ("import mhmoe  # or, without mhmoe installed: trust_remote_code=True\n" if not remote_code else "") + (
         f'from transformers import AutoModelForCausalLM{", AutoTokenizer" if has_tokenizer else ""}\n\n'
-        f'model = AutoModelForCausalLM.from_pretrained("{repo}"{", " + load if load else ""})'
-        + (f'\ntokenizer = AutoTokenizer.from_pretrained("{repo}")' if has_tokenizer else "")
+        f'model = AutoModelForCausalLM.from_pretrained("{repo}"{load})'
+        # the tokenizer too: AutoTokenizer reads config.json, whose auto_map would otherwise ask y/N on the terminal
+        + (f'\ntokenizer = AutoTokenizer.from_pretrained("{repo}"{load})' if has_tokenizer else "")
     )
     summary = (f"A `{config.model_type}` model made with [mhmoe](https://pypi.org/project/mhmoe/)"
                + (": it loads with `trust_remote_code=True` on torch and transformers alone." if remote_code else "."))
@@ -154,4 +212,5 @@ def model_card(
     )  # fmt: skip
 
 
-__all__ = ["architecture_rows", "model_card", "parity_rows", "templates_dir"]
+__all__ = ["architecture_rows", "base_model_name", "folder_records", "model_card", "parity_rows", "templates_dir",
+           "training_text"]  # fmt: skip

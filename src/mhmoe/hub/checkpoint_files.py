@@ -1,8 +1,15 @@
 """Checkpoint folders on disk, shared by the converter (`mhmoe.convert`) and the exporter (`mhmoe.hub.export`).
 
-Reading: the model type a config.json names, the safetensors weight files of a folder (one file, or shards named by an index) and their headers. Pickle
-checkpoints are refused, never unpickled. Writing: a folder is built in a temporary directory next to its target,
-flushed to disk and renamed into place at the end, so a failed or interrupted write leaves nothing behind.
+Reading: the model type a config.json names, the safetensors weight files of a folder (one file, or shards named by an
+index) and their headers, and the other files a checkpoint needs (`side_files`: generation config, tokenizer, chat
+template; never code, never a symbolic link out of the folder). Pickle checkpoints are refused, never unpickled.
+
+Writing: a folder is built in a temporary directory next to its target (`.OUT.tmp-PID.HOST-XXXX`), flushed to disk and
+renamed into place at the end (`replace_dir`: an existing target is swapped atomically where the kernel can, else moved
+aside as `.OUT.old-PID.HOST-XXXX` first). A writer killed meanwhile leaves those hidden folders; the next writer of the
+same target (`recover_output_dir`) restores the old target if it is missing and removes them, but only folders whose
+name says this host made them in a process that no longer runs. `check_writable` and `os_error_message` put read-only,
+permission and full-disk problems in one line.
 
 The readers raise `error` (the caller's own `ValueError` subclass, `CheckpointError` by default) with the reason in
 words.
@@ -10,14 +17,25 @@ words.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import struct
 import tempfile
 
-from transformers.utils import SAFE_WEIGHTS_NAME
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME as SAFE_INDEX_NAME
+# transformers.utils' names, written out: this module is imported by the command lines before they parse arguments
+# (importing transformers takes seconds); tests/hub/test_checkpoint_files.py checks they agree
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+logger = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _MAX_HEADER = 100 * 1024 * 1024
@@ -108,26 +126,264 @@ def fsync(path: str) -> None:
         os.close(fd)
 
 
+def _owner_tag() -> str:
+    """`PID.HOST`: the process writing, and a hash of this machine's name (a shared file system may have writers on
+    other machines, whose process ids mean nothing here)."""
+    host = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+    return f"{os.getpid()}.{host}"
+
+
+def _hidden_prefix(output_dir: str, kind: str) -> str:
+    return f".{os.path.basename(os.path.abspath(output_dir))}.{kind}-{_owner_tag()}-"
+
+
 def temporary_dir_next_to(output_dir: str) -> str:
-    """A new empty directory beside `output_dir` (same file system, so the final rename is atomic)."""
+    """A new empty directory beside `output_dir` (same file system, so the final rename is atomic), named
+    `.OUT.tmp-PID.HOST-XXXX` so that the next writer can tell it was left by a process that is gone."""
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
-    temporary = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.tmp-", dir=parent)
+    temporary = tempfile.mkdtemp(prefix=_hidden_prefix(output_dir, "tmp"), dir=parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(temporary, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
     return temporary
 
 
-def replace_dir(temporary: str, output_dir: str) -> None:
-    """Move the finished `temporary` to `output_dir`, replacing what is there (only the rename is not atomic when an
-    old directory exists: it is moved aside first and removed after)."""
-    if os.path.isdir(output_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.old-",
-                               dir=os.path.dirname(os.path.abspath(output_dir)))  # fmt: skip
-        os.rmdir(old)
-        os.replace(output_dir, old)
-        os.replace(temporary, output_dir)
-        shutil.rmtree(old, ignore_errors=True)
+def _exchange(a: str, b: str) -> bool:
+    """Swap the directories `a` and `b` in one step (Linux `renameat2(RENAME_EXCHANGE)`); False where the kernel, the
+    C library or the file system cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
     else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def replace_dir(temporary: str, output_dir: str) -> None:
+    """Move the finished `temporary` to `output_dir`, replacing what is there. An existing directory is swapped with
+    the new one in one step where the kernel can (`_exchange`), so `output_dir` is never missing; elsewhere it is moved
+    aside to `.OUT.old-PID.HOST-XXXX` first, and a crash between the two renames is undone by the next writer
+    (`recover_output_dir` puts the old folder back). The old contents are removed after."""
+    if not os.path.isdir(output_dir):
         os.replace(temporary, output_dir)
+        return
+    if _exchange(temporary, output_dir):
+        _remove(temporary)  # now the old folder; a crash here leaves a stale .tmp- folder the next writer removes
+        return
+    old = tempfile.mkdtemp(prefix=_hidden_prefix(output_dir, "old"), dir=os.path.dirname(os.path.abspath(output_dir)))
+    os.rmdir(old)
+    os.replace(output_dir, old)
+    os.replace(temporary, output_dir)
+    _remove(old)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process `pid` of this machine has ended (a zombie has). Never on Windows, where os.kill(pid, 0) would
+    stop the process instead of probing it: nothing is cleaned up there."""
+    if pid == os.getpid() or os.name == "nt":
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's: running
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
+def stale_dirs(output_dir: str) -> tuple[list[str], list[str]]:
+    """(temporary folders, moved-aside old folders) next to `output_dir` that writers of it on this machine left when
+    they were killed: named `.OUT.tmp-PID.HOST-XXXX` / `.OUT.old-PID.HOST-XXXX` with this host's hash and the id of a
+    process that has ended. Newest first."""
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    base = os.path.basename(os.path.abspath(output_dir))
+    host = _owner_tag().split(".", 1)[1]
+    pattern = re.compile(rf"\.{re.escape(base)}\.(tmp|old)-(\d+)\.{host}-\w+")
+    found: dict[str, list[tuple[float, str]]] = {"tmp": [], "old": []}
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return [], []
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match and _process_gone(int(match.group(2))):
+            path = os.path.join(parent, name)
+            try:
+                found[match.group(1)].append((os.lstat(path).st_mtime, path))
+            except FileNotFoundError:  # removed meanwhile by another writer
+                continue
+    return tuple([p for _, p in sorted(found[kind], reverse=True)] for kind in ("tmp", "old"))
+
+
+def recover_output_dir(output_dir: str) -> list[str]:
+    """Undo what killed writers of `output_dir` left (`stale_dirs`): the old folder put back if `output_dir` is
+    missing (a kill between the two renames of `replace_dir`), every other stale folder removed. Folders of running
+    processes, of other machines and of other programs are left alone. Returns what was done, in words."""
+    temporaries, olds = stale_dirs(output_dir)
+    done = []
+    if olds and not os.path.lexists(output_dir):
+        try:
+            os.rename(olds[0], output_dir)
+            done.append(f"restored {output_dir} from {os.path.basename(olds.pop(0))}, which an interrupted "
+                        "replacement had moved aside")  # fmt: skip
+        except FileNotFoundError:  # another writer restored it meanwhile
+            olds.pop(0)
+    for path in temporaries + olds:
+        _remove(path)
+        if not os.path.lexists(path):
+            done.append(f"removed {os.path.basename(path)}, left by an interrupted writer")
+    unowned = _unowned_leftovers(output_dir)
+    if unowned:
+        done.append(f"left alone: {', '.join(unowned)} (no owner in the name: from an older mhmoe or another program; "
+                    "remove by hand if nothing is writing there)")  # fmt: skip
+    for line in done:
+        logger.warning("%s", line)
+    return done
+
+
+def _unowned_leftovers(output_dir: str) -> list[str]:
+    """Hidden `.OUT.tmp-XXXXXXXX` / `.OUT.old-XXXXXXXX` folders without an owner in the name (earlier mhmoe versions
+    named them so): they cannot be proved stale, so they are only named."""
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    pattern = re.compile(rf"\.{re.escape(os.path.basename(os.path.abspath(output_dir)))}\.(tmp|old)-[a-z0-9_]{{8}}")
+    try:
+        return sorted(n for n in os.listdir(parent) if pattern.fullmatch(n))
+    except OSError:
+        return []
+
+
+def check_writable(output_dir: str, error: type[ValueError] = CheckpointError) -> None:
+    """Refuse, in one line, an `output_dir` that cannot be written: on a read-only file system, or in a folder this
+    user may not add to (where it and its temporary folder are made)."""
+    existing = os.path.dirname(os.path.abspath(output_dir))
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise error(f"cannot write {output_dir}: {existing} is on a read-only file system; choose another output "
+                    "folder")  # fmt: skip
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise error(f"cannot write {output_dir}: permission denied in {existing} (this user may not create files "
+                    "there); choose another output folder or fix its permissions")  # fmt: skip
+
+
+def os_error_message(e: OSError, output_dir: str) -> str | None:
+    """One line saying which problem an OSError met while writing `output_dir` is (full disk or quota, read-only file
+    system, permission) and where; None for other errors."""
+    where = e.filename if e.filename else output_dir
+    detail = f"{e.strerror or e} at {where}" if where != output_dir else f"{e.strerror or e}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"not enough disk space to write {output_dir} ({detail}); free some space or choose another folder"
+    if e.errno == errno.EROFS:
+        return f"cannot write {output_dir}: read-only file system ({detail}); choose another folder"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"cannot write {output_dir}: permission denied ({detail}); choose another folder or fix its permissions"
+    return None
+
+
+# ---------------------------------------------------------------------------------- the files beside the weights
+
+# what a checkpoint needs besides weights and config.json: copied from a source folder as they are (never code)
+SIDE_FILES = (
+    GENERATION_CONFIG_NAME, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt",
+    "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+SIDE_FOLDERS = {"additional_chat_templates": ".jinja"}  # folder: the suffix of the files copied from it
+_CODE_KEYS = ("auto_map",)  # tokenizer_config.json keys that make Transformers import code named by the folder
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
+
+
+def _allowed_link(path: str, input_dir: str) -> bool:
+    """A symbolic link that stays in the folder, or a Hugging Face cache snapshot's link into its repo's blobs/."""
+    if _inside(path, input_dir):
+        return True
+    snapshot = os.path.abspath(input_dir)
+    snapshots = os.path.dirname(snapshot)
+    return os.path.basename(snapshots) == "snapshots" and _inside(path, os.path.join(os.path.dirname(snapshots),
+                                                                                     "blobs"))  # fmt: skip
+
+
+def side_files(input_dir: str) -> tuple[list[str], list[str]]:
+    """(relative paths of the files to copy beside the weights, notes on what was not copied and why).
+
+    Only `SIDE_FILES` and the chat templates of `SIDE_FOLDERS`, as regular files (a symbolic link only when it stays in
+    the folder, or points into a Hugging Face cache's blobs/). Never code (`*.py`) or anything else."""
+    copy, links, other = [], [], []
+    for name in sorted(os.listdir(input_dir)):
+        path = os.path.join(input_dir, name)
+        candidates = []
+        if name in SIDE_FILES:
+            candidates = [name]
+        elif name in SIDE_FOLDERS and os.path.isdir(path) and not os.path.islink(path):
+            candidates = [f"{name}/{n}" for n in sorted(os.listdir(path)) if n.endswith(SIDE_FOLDERS[name])]
+        elif not name.startswith(".") and not name.endswith((".safetensors", *PICKLE_SUFFIXES)) and name not in (
+            CONFIG_NAME, SAFE_INDEX_NAME, "README.md"
+        ):
+            other.append(name + ("/" if os.path.isdir(path) else ""))
+        for relative in candidates:
+            full = os.path.join(input_dir, relative)
+            if os.path.islink(full) and not _allowed_link(full, input_dir):
+                links.append(relative)
+            elif os.path.isfile(full):
+                copy.append(relative)
+    notes = []
+    if links:
+        notes.append(f"not copied, symbolic links out of the folder: {', '.join(links)}")
+    if other:
+        notes.append(f"not copied (not a weight, config, tokenizer or chat template file): {', '.join(other)}")
+    return copy, notes
+
+
+def drop_code_references(source: str, target: str | None = None) -> list[str]:
+    """Write tokenizer_config.json `source` to `target` (default: in place) without the keys that make Transformers
+    import code named by the folder (`auto_map`); returns the keys dropped (nothing is written when none)."""
+    try:
+        with open(source, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    dropped = [key for key in _CODE_KEYS if config.pop(key, None) is not None]
+    if dropped:
+        with open(target or source, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+    return dropped
+
+
+def copy_side_file(input_dir: str, relative: str, output_dir: str) -> str | None:
+    """Copy one file of `side_files`; tokenizer_config.json loses an `auto_map` (it would make Transformers import code
+    named by the folder, which is never copied). Returns a note when something was dropped."""
+    source, target = os.path.join(input_dir, relative), os.path.join(output_dir, relative)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if relative == "tokenizer_config.json":
+        dropped = drop_code_references(source, target)
+        if dropped:
+            return f"dropped {', '.join(dropped)} from tokenizer_config.json (custom tokenizer code is not copied)"
+    shutil.copyfile(source, target)
+    return None

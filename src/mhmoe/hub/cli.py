@@ -1,14 +1,13 @@
-"""`mhmoe-export` (and `python -m mhmoe.hub`): export a checkpoint with its modeling code, optionally to the Hub."""
+"""`mhmoe-export` (and `python -m mhmoe.hub`): export a checkpoint with its modeling code, optionally to the Hub.
+
+The arguments are parsed before torch and Transformers are imported, so a usage error prints at once."""
 
 from __future__ import annotations
 
 import argparse
 
-from .export import ExportError, export_pretrained
 
-
-def main(argv: list[str] | None = None) -> None:
-    """`mhmoe-export SRC_DIR OUT_DIR [--overwrite] [--push_to_hub REPO]`; refusals exit with status 2 and a message."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mhmoe-export",
         description="Export an mhmoe checkpoint with its modeling code (loads with trust_remote_code=True without "
@@ -20,13 +19,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--push_to_hub", metavar="REPO", help="upload the exported folder to this Hub repo id")
     parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
     parser.add_argument("--no_model_card", action="store_true", help="do not write README.md")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="let Transformers run code that SRC_DIR's config or tokenizer names (off: never run)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`mhmoe-export SRC_DIR OUT_DIR [--overwrite] [--push_to_hub REPO]`; refusals exit with status 2 and a message."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+
+    from .checkpoint_files import os_error_message
+    from .export import ExportError, export_pretrained
+
     try:
         out = export_pretrained(args.src_dir, args.out_dir, overwrite=args.overwrite, model_card=not args.no_model_card,
-                                push_to_hub=args.push_to_hub, private=args.private or None)  # fmt: skip
+                                push_to_hub=args.push_to_hub, private=args.private or None,
+                                trust_remote_code=args.trust_remote_code)  # fmt: skip
     except ExportError as e:
         parser.exit(2, f"mhmoe-export: error: {e}\n")
+    except OSError as e:  # full disk, read-only file system, permissions: one line saying which and where
+        message = os_error_message(e, args.out_dir)
+        if message is None:
+            raise
+        parser.exit(2, f"mhmoe-export: error: {message}\n")
     print(f"exported {args.src_dir} -> {out}" + (f" (uploaded to {args.push_to_hub})" if args.push_to_hub else ""))
 
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]

@@ -7,12 +7,16 @@
   (`linear_type="bitnet_b158"`) is written packed: int8 ternary weights and one fp32 scale per matrix
   (`bitnet_packed=True`, inference only, the same logits),
 - `config.json` with an `auto_map` naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`,
-- `generation_config.json`, the tokenizer (the one given, else the source directory's), a model card `README.md`,
+- `generation_config.json`, the tokenizer (the one given, else the source directory's; without an `auto_map` naming
+  code of the source folder), `moh_conversion.json` of a converted model, a model card `README.md` (the converted
+  card naming the base model for a converted model; the training from the source's `train_summary.json`),
 - the modeling code (`remote_code.py`: the model's files flattened into the folder, checked as Transformers' loader
   reads them).
 
 The folder is written to a temporary directory next to `save_directory` and renamed at the end: a failure leaves
-nothing behind (and an existing directory replaced with `overwrite=True` stays as it was). `push_to_hub="user/name"`
+nothing behind (and an existing directory replaced with `overwrite=True` stays as it was; a killed export's hidden
+folders are removed by the next one, `checkpoint_files.recover_output_dir`). The source's config and tokenizer are read
+with `trust_remote_code=False` unless asked otherwise. `push_to_hub="user/name"`
 then uploads the folder with `huggingface_hub.HfApi.upload_folder`; that needs the network and a token, so the offline
 test suite does not exercise it. `mhmoe-export SRC_DIR OUT_DIR [--overwrite] [--push_to_hub REPO]` is the CLI
 (`cli.py`).
@@ -24,15 +28,17 @@ import os
 import shutil
 from pathlib import Path
 
-from transformers.utils import CONFIG_NAME, GENERATION_CONFIG_NAME
-
 from .checkpoint_files import (
-    SAFE_INDEX_NAME, fsync, overlapping, replace_dir, temporary_dir_next_to, weight_files,
+    CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_INDEX_NAME, check_writable, drop_code_references, fsync, overlapping,
+    recover_output_dir, replace_dir, temporary_dir_next_to, weight_files,
 )
+from .cards import CONVERSION_RECORDS
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
 
 
-def _source_dir(path: str):
+
+
+def _source_dir(path: str, trust_remote_code: bool = False):
     """(config, weight file names) of a checkpoint directory of an mhmoe model type."""
     from transformers import AutoConfig
 
@@ -41,7 +47,7 @@ def _source_dir(path: str):
     if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
         raise ExportError(f"source {path} is not a Transformers checkpoint: no {CONFIG_NAME}")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, TypeError, ValueError, KeyError) as e:
         raise ExportError(f"cannot read the config of {path}: {e}") from None
     auto_classes(config)
@@ -50,6 +56,7 @@ def _source_dir(path: str):
 
 
 def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) -> None:
+    recover_output_dir(save_directory)  # what an earlier, killed export to it left
     if os.path.lexists(save_directory) and not os.path.isdir(save_directory):
         raise ExportError(f"{save_directory} exists and is not a directory; choose another save directory")
     if os.path.isdir(save_directory) and os.listdir(save_directory) and not overwrite:
@@ -58,6 +65,7 @@ def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) 
     if source_dir is not None and overlapping(source_dir, save_directory):
         raise ExportError(f"save directory {save_directory} must not be the source {source_dir}, inside it, or "
                           "contain it; choose another directory")  # fmt: skip
+    check_writable(save_directory, ExportError)
 
 
 def export_pretrained(
@@ -70,6 +78,7 @@ def export_pretrained(
     private: bool | None = None,
     token: str | None = None,
     commit_message: str = "Upload model exported with mhmoe",
+    trust_remote_code: bool = False,
 ) -> Path:
     """Write `model` (an mhmoe `PreTrainedModel`, or the path of a checkpoint directory) with its modeling code to
     `save_directory`, so that `AutoModelForCausalLM.from_pretrained(save_directory, trust_remote_code=True)` works
@@ -79,8 +88,9 @@ def export_pretrained(
     `overwrite`: replace a non-empty `save_directory` (refused otherwise). `model_card`: write README.md.
     `push_to_hub`: a Hub repo id ("user/name"); the finished folder is uploaded with `HfApi.upload_folder` (repo
     created if missing, `private` and `token` passed on). Not covered by the offline tests: it needs the network.
-    Raises `ExportError` for anything refused (nothing is written then), and for a failed upload (the exported folder
-    stays; the message gives the command that retries the upload).
+    `trust_remote_code`: passed to Transformers when reading the source's config and tokenizer (default False: code a
+    source folder names is never run). Raises `ExportError` for anything refused (nothing is written then), and for a
+    failed upload (the exported folder stays; the message gives the command that retries the upload).
     """
     from transformers import AutoTokenizer, PreTrainedModel
 
@@ -92,7 +102,7 @@ def export_pretrained(
         raise ExportError(f"cannot export a {kind}: give an mhmoe PreTrainedModel or a checkpoint directory{hint}")
     _check_target(save_directory, overwrite, source_dir)
     if source_dir is not None:
-        config, weight_files = _source_dir(source_dir)
+        config, weight_files = _source_dir(source_dir, trust_remote_code)
         if tokenizer is None and any(os.path.isfile(os.path.join(source_dir, f)) for f in TOKENIZER_FILES):
             tokenizer = source_dir
     else:
@@ -101,7 +111,7 @@ def export_pretrained(
         model, weight_files = _bitnet_packed(model), None  # int8 ternary weights + scales, not the latent weights
         config = model.config
     if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
     classes = auto_classes(config)
     modeling_sources(classes.values())  # refuses code that cannot be exported before anything is written
 
@@ -110,10 +120,19 @@ def export_pretrained(
         _write_weights(temporary, model if weight_files is None else source_dir, config, weight_files)
         if tokenizer is not None:
             tokenizer.save_pretrained(temporary)
+            if (temporary / "tokenizer_config.json").is_file():  # no auto_map naming code that is not exported
+                drop_code_references(str(temporary / "tokenizer_config.json"))
+        if source_dir is not None:  # how a converted (and continue-tuned) model was made: its card names the base
+            record = next((os.path.join(source_dir, n) for n in CONVERSION_RECORDS
+                           if os.path.isfile(os.path.join(source_dir, n))), None)  # fmt: skip
+            if record is not None:
+                shutil.copyfile(record, temporary / "moh_conversion.json")
         repo = push_to_hub or os.path.basename(os.path.abspath(save_directory))
-        write_remote_code(temporary, config, model_card=model_card, repo=repo, has_tokenizer=tokenizer is not None)
-        for path in temporary.iterdir():
-            fsync(str(path))
+        write_remote_code(temporary, config, model_card=model_card, repo=repo, has_tokenizer=tokenizer is not None,
+                          records_dir=source_dir)  # fmt: skip
+        for path in temporary.rglob("*"):
+            if path.is_file():
+                fsync(str(path))
         fsync(str(temporary))
         _check_target(save_directory, overwrite, source_dir)  # nothing appeared meanwhile
         replace_dir(str(temporary), save_directory)

@@ -30,9 +30,7 @@ import re
 import sys
 from pathlib import Path
 
-from transformers.utils import CONFIG_NAME
-
-from .checkpoint_files import CheckpointError, read_header
+from .checkpoint_files import CONFIG_NAME, CheckpointError, read_header
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 ALLOWED_IMPORTS = frozenset({"torch", "transformers", "huggingface_hub"}) | frozenset(sys.stdlib_module_names)
@@ -143,22 +141,24 @@ def _parameter_count(folder: Path) -> int:
     return total
 
 
-def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: bool) -> str:
+def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: bool, records_dir=None) -> str:
     """The model card (README.md, template model_cards/*.md via `cards.py`): architecture from the config,
-    parameters from the exported weights, parity of one MoE layer."""
-    from .cards import model_card
+    parameters from the exported weights, parity of one MoE layer; the base model (converted models) and the training
+    from the records in `records_dir` (default: `folder`): moh_conversion.json, train_summary.json."""
+    from .cards import folder_records, model_card
 
+    records = folder_records(records_dir if records_dir is not None else folder)
     card = model_card(config, model_name=repo.rsplit("/", 1)[-1], parameters=_parameter_count(folder), repo=repo,
-                      has_tokenizer=has_tokenizer)  # fmt: skip
+                      has_tokenizer=has_tokenizer, **records)  # fmt: skip
     return str(card)
 
 
 def write_remote_code(folder: str | os.PathLike, config, model_card: bool = True, repo: str | None = None,
-                      has_tokenizer: bool | None = None) -> None:  # fmt: skip
+                      has_tokenizer: bool | None = None, records_dir: str | os.PathLike | None = None) -> None:
     """Make a saved checkpoint folder load with `trust_remote_code=True` without mhmoe: the flattened modeling code,
     `auto_map` in config.json (AutoConfig, AutoModel, AutoModelForCausalLM) and, with `model_card`, a README.md card
     (an existing README.md is kept). Called by `export_pretrained` and by `save_pretrained` / `push_to_hub` of mhmoe
-    models."""
+    models. `records_dir`: where the card reads moh_conversion.json / train_summary.json (default: `folder`)."""
     folder = Path(folder)
     classes = auto_classes(config)
     config_path = folder / CONFIG_NAME
@@ -171,7 +171,7 @@ def write_remote_code(folder: str | os.PathLike, config, model_card: bool = True
     if model_card and not (folder / "README.md").exists():
         if has_tokenizer is None:
             has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
-        card = render_model_card(config, classes, folder, repo or folder.resolve().name, has_tokenizer)
+        card = render_model_card(config, classes, folder, repo or folder.resolve().name, has_tokenizer, records_dir)
         (folder / "README.md").write_text(card, encoding="utf-8")
 
 

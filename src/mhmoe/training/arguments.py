@@ -215,7 +215,7 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
 
 
 def _read(paths: list[str], text_field: str) -> list[str]:
-    from .data import read_files
+    from .data import read_files  # imports torch: not at module level, so that command lines parse first
 
     try:
         return read_files(paths, text_field)

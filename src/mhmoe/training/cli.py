@@ -6,19 +6,19 @@ The command line of the training loop (`mhmoe-train`, `python -m mhmoe.training`
 
 from __future__ import annotations
 
-from .._plumbing.arguments import dataclass_parser, parse_into
+from .._plumbing.arguments import hf_argument_parser, parse_or_exit
 from .arguments import TrainArguments, TrainingError, TrainingStopped, check_required
 
 
 def build_parser():
-    return dataclass_parser(TrainArguments, prog="mhmoe-train", description=__doc__.split("\n\n")[0])
+    return hf_argument_parser(TrainArguments, prog="mhmoe-train", description=__doc__.split("\n\n")[0])
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (`mhmoe-train`); usage and input errors exit with status 2 and a one-line message, a run
     stopped by non-finite losses with status 1."""
     parser = build_parser()
-    args = parse_into(parser, TrainArguments, argv)
+    (args,) = parse_or_exit(parser, argv)
     try:
         check_required(args)
         from .loop import train
