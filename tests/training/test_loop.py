@@ -376,3 +376,20 @@ def test_ddp_two_processes_match_one(tmp_path, corpus, config_json, tokenizer_di
     weights_two, weights_one = load_file(two / "model.safetensors"), load_file(one / "model.safetensors")
     for key in weights_one:
         torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6)
+
+
+def test_output_folder_card_reads_its_train_summary(tmp_path, corpus, config_json):
+    """The training folder's own README.md is written after train_summary.json and the tokenizer: its Training section
+    is the summary's (as in an export of the folder), and its usage code loads the tokenizer."""
+    from mhmoe.hub.cards import training_text
+
+    out = tmp_path / "run"
+    train(_args(out, model_name_or_path=config_json, train_file=[corpus["train"]], tokenizer_vocab_size=300))
+    card = (out / "README.md").read_text()
+    summary = json.loads((out / "train_summary.json").read_text())
+    training = card.split("## Training", 1)[1].split("##", 1)[0]
+    assert training.strip() == training_text(summary)
+    assert "for 2 steps (64 tokens, 2 blocks of 16 per step) on train.jsonl." in training
+    assert "Not recorded" not in card and str(corpus["root"]) not in card
+    assert 'tokenizer = AutoTokenizer.from_pretrained("run", trust_remote_code=True)' in card
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]

@@ -112,6 +112,8 @@ def test_train_with_lora(tmp_path, corpus, checkpoint_dir):
     input_ids = torch.randint(0, 300, (2, 12))
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoint_dir), out).eval()
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    merged_card = (out / "merged" / "README.md").read_text()  # from the run's train_summary.json
+    assert "Trained with `mhmoe-train` for 3 steps" in merged_card and "LoRA (rank 4), merged." in merged_card
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids).logits, peft_model(input_ids).logits, rtol=1e-5, atol=1e-5)
 

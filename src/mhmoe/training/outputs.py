@@ -92,6 +92,25 @@ def prepare_output_dir(run: TrainRun) -> None:
     run.accelerator.wait_for_everyone()
 
 
+def _rewrite_card(folder: str, model, records_dir: str | None = None) -> None:
+    """The model card (README.md) an mhmoe model's `save_pretrained` wrote into `folder`, rendered again now that the
+    tokenizer and train_summary.json (in `records_dir`, default `folder`) are there; a PEFT adapter's card is left."""
+    card_path = os.path.join(folder, "README.md")
+    if not type(model).__module__.startswith("mhmoe.") or not os.path.isfile(card_path):
+        return
+    from pathlib import Path
+
+    from ..hub.remote_code import TOKENIZER_FILES, auto_classes, render_model_card
+
+    has_tokenizer = any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
+    card = render_model_card(model.config, auto_classes(model.config), Path(folder), Path(folder).resolve().name,
+                             has_tokenizer, records_dir)  # fmt: skip
+    temporary = f"{card_path}.tmp-{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as f:
+        f.write(card)
+    os.replace(temporary, card_path)
+
+
 def save_final(run: TrainRun, final_eval: dict | None):
     """The unwrapped model (full, or the adapter with --lora; merged too with --merge_lora), tokenizer, loss plot and
     run summary. Returns the unwrapped model."""
@@ -117,7 +136,12 @@ def save_final(run: TrainRun, final_eval: dict | None):
                    "mixed_precision": accelerator.mixed_precision, "global_batch_blocks": run.global_blocks,
                    "block_size": run.block_size, "trainable_parameters": run.trainable, "parameters": run.total_params,
                    "final_eval": final_eval, "args": dataclasses.asdict(args)}  # fmt: skip
-        write_json_atomic(os.path.join(args.output_dir, SUMMARY_FILE), summary)  # written last: the run finished
+        write_json_atomic(os.path.join(args.output_dir, SUMMARY_FILE), summary)  # the run finished
+        # save_pretrained wrote the card before the tokenizer and the summary existed: again, from both (atomically;
+        # a kill between the two leaves the finished run with the earlier card)
+        _rewrite_card(args.output_dir, unwrapped)
+        if args.lora and args.merge_lora:
+            _rewrite_card(os.path.join(args.output_dir, "merged"), merged, records_dir=args.output_dir)
     accelerator.wait_for_everyone()
     return unwrapped
 
