@@ -169,6 +169,22 @@ def test_planted_code_never_runs_even_when_answering_yes(tmp_path, tokenizer_dir
     assert "auto_map" not in json.loads((exported / "tokenizer_config.json").read_text())
 
 
+def test_conversion_record_names_a_hub_snapshot_by_its_repo_id(tmp_path, tokenizer_dir):
+    """A source in the Hugging Face cache (`models--org--name/snapshots/REV`): moh_conversion.json and the card name it
+    `org/name`, in the converted folder and in its export, and no local path is in either."""
+    from mhmoe.hub.export import export_pretrained
+
+    source = _llama_dir(tmp_path / "hub" / "models--org--Tiny-Llama" / "snapshots" / "0123abcd", tokenizer_dir)
+    out = tmp_path / "moh"
+    convert(str(source), str(out), verify_logits=False, progress=False)
+    export_pretrained(str(out), str(tmp_path / "exported"))
+    for folder in (out, tmp_path / "exported"):
+        record = (folder / "moh_conversion.json").read_text()
+        assert json.loads(record)["input_dir"] == "org/Tiny-Llama" and str(tmp_path) not in record
+        card = (folder / "README.md").read_text()
+        assert "base_model: org/Tiny-Llama" in card and str(tmp_path) not in card
+
+
 def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_dir):
     """Like save_pretrained's folders: modeling code + auto_map (it loads with trust_remote_code=True where mhmoe
     cannot be imported, computing what mhmoe's own class computes), and the converted card naming the base model (the
@@ -194,6 +210,9 @@ def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_di
     card = (exported / "README.md").read_text()
     assert "base_model: Tiny-Llama-3" in card and "Converted from the dense checkpoint" in card
     assert (exported / "moh_conversion.json").read_bytes() == (out / "moh_conversion.json").read_bytes()
+    record = json.loads((out / "moh_conversion.json").read_text())  # published with the model: names, not paths
+    assert (record["input_dir"], record["output_dir"]) == ("Tiny-Llama-3", "moh")
+    assert str(tmp_path) not in (out / "moh_conversion.json").read_text()
 
     ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
     remote = load_without_mhmoe({"converted": out}, ids, ids[:1, :4], tmp_path)

@@ -375,3 +375,21 @@ def test_card_of_a_trained_model_reads_train_summary(checkpoint_dir, corpus, tmp
     training = card.split("## Training", 1)[1].split("##", 1)[0]
     assert "Trained with `mhmoe-train` for 2 steps (64 tokens, 2 blocks of 16 per step) on train.jsonl." in training
     assert "Not recorded" not in card and str(corpus["root"]) not in card
+
+
+def test_export_drops_local_paths_of_an_older_conversion_record(checkpoint_dir, tmp_path):
+    """A moh_conversion.json from an older mhmoe-convert kept absolute local paths: the export, which is published,
+    names the folders instead; the card's base_model is the source folder's name."""
+    import json
+    import shutil
+
+    source = tmp_path / "converted"
+    shutil.copytree(checkpoint_dir, source)
+    dense = str(tmp_path / "private" / "Tiny-Llama")
+    (source / "moh_conversion.json").write_text(json.dumps({"input_dir": dense, "output_dir": str(source),
+                                                            "shared_heads": 2}))  # fmt: skip
+    export_pretrained(str(source), str(tmp_path / "exported"))
+    record = (tmp_path / "exported" / "moh_conversion.json").read_text()
+    assert json.loads(record) == {"input_dir": "Tiny-Llama", "output_dir": "converted", "shared_heads": 2}
+    card = (tmp_path / "exported" / "README.md").read_text()
+    assert "base_model: Tiny-Llama" in card and str(tmp_path) not in card + record

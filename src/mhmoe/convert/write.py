@@ -277,8 +277,10 @@ def convert(
         verification = verified(input_dir, temporary, probe_text) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
         record = dataclasses.asdict(report)
+        from ..hub.cards import public_paths
+
         record.update(shared_heads_ratio=shared_heads_ratio, active_heads_ratio=active_heads_ratio,
-                      input_dir=os.path.abspath(input_dir))  # fmt: skip
+                      **public_paths(input_dir, output_dir))  # names, not local paths: the record is published
         with open(os.path.join(temporary, RECORD_NAME), "w") as f:
             json.dump(record, f, indent=2)
         _commit(temporary, output_dir, overwrite)

@@ -98,6 +98,17 @@ def base_model_name(input_dir: str) -> str:
     return os.path.basename(path)
 
 
+def public_paths(input_dir: str, output_dir: str) -> dict:
+    """What moh_conversion.json keeps of its folders (it is published with the model): `input_dir` as the card's
+    `base_model` (`base_model_name`: a Hub repo id or the folder's name), `output_dir` as the folder's name."""
+    return {"input_dir": base_model_name(input_dir), "output_dir": os.path.basename(os.path.abspath(output_dir))}
+
+
+def _recorded_base_model(input_dir: str) -> str:
+    """A record's `input_dir`: a name as written by `public_paths`, or (older records) an absolute local path."""
+    return base_model_name(input_dir) if os.path.isabs(input_dir) else input_dir
+
+
 def training_text(summary: dict) -> str:
     """The card's Training section from mhmoe-train's train_summary.json (data file names, not their paths)."""
     args = summary.get("args") or {}
@@ -134,7 +145,7 @@ def folder_records(folder) -> dict:
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 record = json.load(f)
             if key == "base_model" and record.get("input_dir"):
-                found[key] = base_model_name(record["input_dir"])
+                found[key] = _recorded_base_model(record["input_dir"])
             elif key == "training" and isinstance(record, dict):
                 found[key] = training_text(record)
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -212,5 +223,5 @@ def model_card(
     )  # fmt: skip
 
 
-__all__ = ["architecture_rows", "base_model_name", "folder_records", "model_card", "parity_rows", "templates_dir",
-           "training_text"]  # fmt: skip
+__all__ = ["architecture_rows", "base_model_name", "folder_records", "model_card", "parity_rows", "public_paths",
+           "templates_dir", "training_text"]  # fmt: skip

@@ -8,8 +8,9 @@
   (`bitnet_packed=True`, inference only, the same logits),
 - `config.json` with an `auto_map` naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`,
 - `generation_config.json`, the tokenizer (the one given, else the source directory's; without an `auto_map` naming
-  code of the source folder), `moh_conversion.json` of a converted model, a model card `README.md` (the converted
-  card naming the base model for a converted model; the training from the source's `train_summary.json`),
+  code of the source folder), `moh_conversion.json` of a converted model (folder names, never local paths), a
+  model card `README.md` (the converted card naming the base model for a converted model; the training from the
+  source's `train_summary.json`),
 - the modeling code (`remote_code.py`: the model's files flattened into the folder, checked as Transformers' loader
   reads them).
 
@@ -32,7 +33,7 @@ from .checkpoint_files import (
     CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_INDEX_NAME, check_writable, drop_code_references, fsync, overlapping,
     recover_output_dir, replace_dir, temporary_dir_next_to, weight_files,
 )
-from .cards import CONVERSION_RECORDS
+from .cards import CONVERSION_RECORDS, public_paths
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
 
 
@@ -126,7 +127,7 @@ def export_pretrained(
             record = next((os.path.join(source_dir, n) for n in CONVERSION_RECORDS
                            if os.path.isfile(os.path.join(source_dir, n))), None)  # fmt: skip
             if record is not None:
-                shutil.copyfile(record, temporary / "moh_conversion.json")
+                _copy_conversion_record(record, temporary / "moh_conversion.json")
         repo = push_to_hub or os.path.basename(os.path.abspath(save_directory))
         write_remote_code(temporary, config, model_card=model_card, repo=repo, has_tokenizer=tokenizer is not None,
                           records_dir=source_dir)  # fmt: skip
@@ -152,6 +153,25 @@ def _bitnet_packed(model):
     if isinstance(model, (str, os.PathLike)):
         model = MHMoEForCausalLM.from_pretrained(model)
     return packed_model(model)
+
+
+def _copy_conversion_record(source: str, target: Path) -> None:
+    """moh_conversion.json as it is, except that a record from an older mhmoe-convert, which kept the absolute local
+    paths of its folders, gets their names instead (`cards.public_paths`): the export is published."""
+    import json
+
+    try:
+        with open(source, encoding="utf-8") as f:
+            record = json.load(f)
+        local = {k: v for k in ("input_dir", "output_dir") if isinstance(v := record.get(k), str) and os.path.isabs(v)}
+    except (ValueError, AttributeError):  # not a JSON object: copied as it is (the card skips it)
+        local = {}
+    if local:
+        names = public_paths(record.get("input_dir", ""), record.get("output_dir", ""))
+        record.update({k: names[k] for k in local})
+        target.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    else:
+        shutil.copyfile(source, target)
 
 
 def _write_weights(folder: Path, source, config, weight_files: list[str] | None) -> None:
