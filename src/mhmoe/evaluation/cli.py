@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     saved_argv, sys.argv = sys.argv, ["mhmoe-eval", *argv]
     try:
         parser = HarnessCLI()
+        _name_the_parsers(parser)
         args = parser.parse_args()  # reads sys.argv (and inserts `run` for the legacy form)
     finally:
         sys.argv = saved_argv
@@ -158,6 +159,26 @@ def main(argv: list[str] | None = None) -> None:
 
 
 _USER_ERRORS = ("Tasks not found", "mhmoe_ppl_")  # lm-eval's unknown tasks; the ppl tasks' missing data
+
+
+def _name_the_parsers(cli) -> None:
+    """lm-eval's parsers (the command's and each subcommand's) call themselves `lm-eval` and print their usage before
+    an error: here they are `mhmoe-eval` and a usage error is one line, `mhmoe-eval: error: MESSAGE (see ... --help)`,
+    exit status 2."""
+    main_parser, subparsers = getattr(cli, "_parser", None), getattr(cli, "_subparsers", None)
+    parsers = [("", main_parser), *((f" {n}", p) for n, p in getattr(subparsers, "choices", {}).items())]
+    for suffix, parser in parsers:
+        if parser is None:
+            continue
+        parser.prog = f"mhmoe-eval{suffix}"
+        if isinstance(parser.usage, str):
+            parser.usage = parser.usage.replace("lm-eval", "mhmoe-eval")
+
+        def one_line_error(message: str, prog=parser.prog) -> None:
+            print(f"mhmoe-eval: error: {message} (see {prog} --help)", file=sys.stderr)
+            raise SystemExit(2)
+
+        parser.error = one_line_error
 
 
 def _exit_with_error(message: str) -> None:
