@@ -47,7 +47,7 @@ def _env(**extra):
     ("mhmoe.convert.cli", [], "mhmoe-convert: error: --input_dir and --output_dir are required"),
     ("mhmoe.convert.cli", ["--max_steps", "x"], "mhmoe-convert: error: argument --max_steps/--max-steps: invalid int"),
     ("mhmoe.hub.cli", ["only_one"], "mhmoe-export: error: the following arguments are required: out_dir"),
-    ("mhmoe.evaluation.cli", ["--bogus"], "error: unrecognized arguments: --bogus"),
+    ("mhmoe.evaluation.cli", ["--bogus"], "mhmoe-eval: error: unrecognized arguments: --bogus"),
 ])  # fmt: skip
 def test_usage_errors_are_one_line_before_heavy_imports(module, argv, message):
     """A usage error ends with status 2 and one line, before torch or Transformers is imported (they take seconds:
