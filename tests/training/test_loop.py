@@ -393,3 +393,13 @@ def test_output_folder_card_reads_its_train_summary(tmp_path, corpus, config_jso
     assert "Not recorded" not in card and str(corpus["root"]) not in card
     assert 'tokenizer = AutoTokenizer.from_pretrained("run", trust_remote_code=True)' in card
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+
+    # --overwrite_output_dir: the earlier run's card is replaced; a README.md that mhmoe did not write is kept
+    train(_args(out, model_name_or_path=config_json, train_file=[corpus["train"]], tokenizer_vocab_size=300,
+                max_steps=3, overwrite_output_dir=True))  # fmt: skip
+    assert "for 3 steps (96 tokens," in (out / "README.md").read_text()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "README.md").write_text("# my notes\n")
+    train(_args(tmp_path / "mine", model_name_or_path=config_json, train_file=[corpus["train"]],
+                tokenizer_vocab_size=300))  # fmt: skip
+    assert (tmp_path / "mine" / "README.md").read_text() == "# my notes\n"

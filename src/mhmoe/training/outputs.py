@@ -92,11 +92,23 @@ def prepare_output_dir(run: TrainRun) -> None:
     run.accelerator.wait_for_everyone()
 
 
+def _is_mhmoe_card(path: str) -> bool:
+    """A README.md written by mhmoe's cards: YAML metadata whose tags include `mhmoe`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return False
+    metadata = text.split("---", 2)[1] if text.startswith("---") and text.count("---") >= 2 else ""
+    return "\n- mhmoe\n" in metadata
+
+
 def _rewrite_card(folder: str, model, records_dir: str | None = None) -> None:
-    """The model card (README.md) an mhmoe model's `save_pretrained` wrote into `folder`, rendered again now that the
-    tokenizer and train_summary.json (in `records_dir`, default `folder`) are there; a PEFT adapter's card is left."""
+    """The model card (README.md) an mhmoe model's `save_pretrained` wrote into `folder` (or an earlier, interrupted or
+    overwritten, save), rendered again now that the tokenizer and train_summary.json (in `records_dir`, default
+    `folder`) are there. A card that mhmoe did not write (a PEFT adapter's, the user's own) is kept."""
     card_path = os.path.join(folder, "README.md")
-    if not type(model).__module__.startswith("mhmoe.") or not os.path.isfile(card_path):
+    if not type(model).__module__.startswith("mhmoe.") or not _is_mhmoe_card(card_path):
         return
     from pathlib import Path
 
