@@ -141,13 +141,17 @@ def _parameter_count(folder: Path) -> int:
     return total
 
 
-def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: bool, records_dir=None) -> str:
+def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: bool, records_dir=None,
+                      training: str | None = None) -> str:
     """The model card (README.md, template model_cards/*.md via `cards.py`): architecture from the config,
     parameters from the exported weights, parity of one MoE layer; the base model (converted models) and the training
-    from the records in `records_dir` (default: `folder`): moh_conversion.json, train_summary.json."""
+    from the records in `records_dir` (default: `folder`): moh_conversion.json, train_summary.json (`training`, when
+    given, instead of the latter)."""
     from .cards import folder_records, model_card
 
     records = folder_records(records_dir if records_dir is not None else folder)
+    if training is not None:
+        records["training"] = training
     card = model_card(config, model_name=repo.rsplit("/", 1)[-1], parameters=_parameter_count(folder), repo=repo,
                       has_tokenizer=has_tokenizer, **records)  # fmt: skip
     return str(card)

@@ -103,10 +103,11 @@ def _is_mhmoe_card(path: str) -> bool:
     return "\n- mhmoe\n" in metadata
 
 
-def _rewrite_card(folder: str, model, records_dir: str | None = None) -> None:
+def _rewrite_card(folder: str, model, training: str, records_dir: str | None = None) -> None:
     """The model card (README.md) an mhmoe model's `save_pretrained` wrote into `folder` (or an earlier, interrupted or
-    overwritten, save), rendered again now that the tokenizer and train_summary.json (in `records_dir`, default
-    `folder`) are there. A card that mhmoe did not write (a PEFT adapter's, the user's own) is kept."""
+    overwritten, save), rendered again now that the tokenizer is there, with `training` (from the run's summary) as
+    its Training section and the conversion record in `records_dir` (default `folder`). A card that mhmoe did not
+    write (a PEFT adapter's, the user's own) is kept."""
     card_path = os.path.join(folder, "README.md")
     if not type(model).__module__.startswith("mhmoe.") or not _is_mhmoe_card(card_path):
         return
@@ -116,7 +117,7 @@ def _rewrite_card(folder: str, model, records_dir: str | None = None) -> None:
 
     has_tokenizer = any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
     card = render_model_card(model.config, auto_classes(model.config), Path(folder), Path(folder).resolve().name,
-                             has_tokenizer, records_dir)  # fmt: skip
+                             has_tokenizer, records_dir, training)  # fmt: skip
     temporary = f"{card_path}.tmp-{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as f:
         f.write(card)
@@ -148,12 +149,13 @@ def save_final(run: TrainRun, final_eval: dict | None):
                    "mixed_precision": accelerator.mixed_precision, "global_batch_blocks": run.global_blocks,
                    "block_size": run.block_size, "trainable_parameters": run.trainable, "parameters": run.total_params,
                    "final_eval": final_eval, "args": dataclasses.asdict(args)}  # fmt: skip
-        write_json_atomic(os.path.join(args.output_dir, SUMMARY_FILE), summary)  # the run finished
-        # save_pretrained wrote the card before the tokenizer and the summary existed: again, from both (atomically;
-        # a kill between the two leaves the finished run with the earlier card)
-        _rewrite_card(args.output_dir, unwrapped)
+        # save_pretrained wrote the card before the tokenizer and the summary existed: again, with both
+        from ..hub.cards import training_text
+
+        _rewrite_card(args.output_dir, unwrapped, training_text(summary))
         if args.lora and args.merge_lora:
-            _rewrite_card(os.path.join(args.output_dir, "merged"), merged, records_dir=args.output_dir)
+            _rewrite_card(os.path.join(args.output_dir, "merged"), merged, training_text(summary), args.output_dir)
+        write_json_atomic(os.path.join(args.output_dir, SUMMARY_FILE), summary)  # written last: the run finished
     accelerator.wait_for_everyone()
     return unwrapped
 
