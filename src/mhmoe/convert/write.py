@@ -24,6 +24,8 @@ from ..hub.checkpoint_files import SAFE_INDEX_NAME, fsync, overlapping, replace_
 from .errors import ConversionError
 from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO
+from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_heads, head_recipe
+from .heads import permute_checkpoint
 from .verify import verified
 
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -180,6 +182,7 @@ class ConversionReport:
     seconds: float
     notes: list[str]
     verification: dict | None = None
+    router: str = ROUTER
 
     @classmethod
     def of(cls, plan: ConversionPlan, input_dir: str, output_dir: str, seconds: float, verification: dict | None):
@@ -190,7 +193,7 @@ class ConversionReport:
             num_key_value_heads=config.num_key_value_heads, shared_heads=config.moh_shared_heads,
             routed_active_heads=config.moh_active_heads, shards=len(plan.shards),
             tensors=sum(len(s.tensors) for s in plan.shards), bytes=plan.total_bytes, seconds=seconds,
-            notes=plan.notes, verification=verification,
+            notes=plan.notes, verification=verification, router=config.moh_router,
         )  # fmt: skip
 
     @property
@@ -202,7 +205,7 @@ class ConversionReport:
         lines = [
             f"converted {self.source_model_type} -> moh_llama: {self.input_dir} -> {self.output_dir}",
             f"  heads per layer: {h} ({self.num_key_value_heads} key/value), {s} shared + {k} of {h - s} routed "
-            f"active = {self.active_heads}/{h} ({100 * self.active_heads / h:.1f}%); router {ROUTER}, {GATES}; "
+            f"active = {self.active_heads}/{h} ({100 * self.active_heads / h:.1f}%); router {self.router}, {GATES}; "
             f"{self.num_layers} layers",
             f"  weights: {self.tensors} tensors, {self.bytes / 1e6:,.1f} MB in {self.shards} shard(s), copied in "
             f"{self.seconds:.2f} s ({self.bytes / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)",
@@ -234,27 +237,42 @@ def convert(
     probe_text: str | None = None,
     moh_aux_loss_coef: float = AUX_LOSS_COEF,
     progress: bool = True,
+    gguf_file: str | None = None,
+    recipe: HeadRecipe | str = DEFAULT_RECIPE,
+    calibration_file: str | None = None,
+    calibration_tokens: int = CALIBRATION_TOKENS,
 ) -> ConversionReport:
-    """Convert `input_dir` (llama / mistral / qwen2, safetensors) into a moh_llama checkpoint at `output_dir`.
+    """Convert `input_dir` (llama / mistral / qwen2, safetensors; or `gguf_file` inside it) into a moh_llama
+    checkpoint at `output_dir`.
 
-    Raises `ConversionError` (nothing written at `output_dir`) for anything it refuses; see plan.py's docstring.
-    `verify_logits=False` skips loading the models (names, dtypes and shapes are still checked).
+    `recipe`: how shared heads and the routed-head score are chosen (calibrate.py; "paper": the first heads shared,
+    l2 router, weights copied byte for byte; a calibrated recipe measures the source on `calibration_file` and permutes
+    heads). Raises `ConversionError` (nothing written at `output_dir`) for anything it refuses; see plan.py's
+    docstring. `verify_logits=False` skips loading the models (names, dtypes and shapes are still checked).
     """
     start = time.time()
     check_paths(input_dir, output_dir)
     output_state(output_dir, overwrite)
+    recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
+    if gguf_file is not None:
+        return _convert_gguf(**{k: v for k, v in locals().items() if k != "start"})
     plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
     _check_disk_space(plan, output_dir)
+    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens)
 
     temporary = temporary_dir_next_to(output_dir)
     try:
         _write_checkpoint(plan, temporary, progress)
+        if choices.orders is not None:
+            config = plan.config
+            permute_checkpoint(temporary, [s.filename for s in plan.shards], choices.orders,
+                               config.num_key_value_heads, config.head_dim)  # fmt: skip
         copy_seconds = time.time() - start
         verification = verified(input_dir, temporary, probe_text) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
         record = dataclasses.asdict(report)
         record.update(shared_heads_ratio=shared_heads_ratio, active_heads_ratio=active_heads_ratio,
-                      input_dir=os.path.abspath(input_dir))  # fmt: skip
+                      input_dir=os.path.abspath(input_dir), **choices.record)  # fmt: skip
         with open(os.path.join(temporary, RECORD_NAME), "w") as f:
             json.dump(record, f, indent=2)
         _commit(temporary, output_dir, overwrite)
@@ -262,3 +280,32 @@ def convert(
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return report
+
+
+def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) -> ConversionReport:
+    """`convert` of a GGUF file: dequantised into a dense checkpoint in a temporary folder (gguf.py), converted from
+    there, the temporary folder removed."""
+    from .gguf import check_gguf_source, dequantise_gguf
+
+    check_gguf_source(input_dir, gguf_file)
+    dense = temporary_dir_next_to(output_dir)
+    try:
+        notes = dequantise_gguf(input_dir, gguf_file, dense)
+        report = convert(dense, output_dir, **options)
+        report.input_dir = os.path.join(input_dir, gguf_file)
+        report.notes[:0] = notes
+        _rewrite_record(output_dir, report, os.path.abspath(report.input_dir))
+    finally:
+        shutil.rmtree(dense, ignore_errors=True)
+    return report
+
+
+def _rewrite_record(output_dir: str, report: ConversionReport, source: str) -> None:
+    """moh_conversion.json names the GGUF file as its source (written atomically: temporary file + rename)."""
+    path = os.path.join(output_dir, RECORD_NAME)
+    with open(path) as f:
+        record = json.load(f)
+    record.update(input_dir=source, notes=report.notes)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=2)
+    os.replace(path + ".tmp", path)

@@ -12,7 +12,9 @@ from .parity import matched_moe_settings
 
 AUX_LOSS_MODES = ("per_layer", "mixtral", "top1_sum")
 NORM_TOPK_PROB = (True, False, "always")
-MOH_ROUTERS = ("learned", "l2")
+MOH_ROUTERS = ("learned", "l2", "l2_standardized", "l2_relative")
+# routers that read per-head query-norm statistics measured on calibration text (moh_head_norm_mean / _std)
+CALIBRATED_MOH_ROUTERS = ("l2_standardized", "l2_relative")
 ROUTING_BACKENDS = ("torch", "triton")
 # names other MoE configs use for our fields: refused instead of silently dropped (`top_k` also breaks save_pretrained)
 MISNAMED_FIELDS = {
@@ -374,7 +376,25 @@ def moh_config_problems(config) -> list[str]:
                 f"moh_shared_heads + moh_active_heads ({shared} + {active}) must be <= num_attention_heads ({heads}): "
                 f"the router picks moh_active_heads of the {heads - shared} routed heads"
             )
+    problems += _head_norm_problems(config)
     return problems
+
+
+def _head_norm_problems(config) -> list[str]:
+    """The calibrated routers' per-layer, per-head query-norm statistics: present, (layers × heads), std > 0."""
+    mean, std = getattr(config, "moh_head_norm_mean", None), getattr(config, "moh_head_norm_std", None)
+    if config.moh_router not in CALIBRATED_MOH_ROUTERS:
+        return []
+    if mean is None or std is None:
+        return [f"moh_router {config.moh_router!r} needs moh_head_norm_mean and moh_head_norm_std (per layer, per head "
+                "query-norm statistics, measured by mhmoe-convert --calibration_file)"]
+    shape = (getattr(config, "num_hidden_layers", None), config.num_attention_heads)
+    for name, rows in (("moh_head_norm_mean", mean), ("moh_head_norm_std", std)):
+        if len(rows) != shape[0] or any(len(row) != shape[1] for row in rows):
+            return [f"{name} must be a list of {shape[0]} layers × {shape[1]} heads"]
+    if any(not (value > 0 and math.isfinite(value)) for row in (*mean, *std) for value in row):
+        return ["moh_head_norm_mean and moh_head_norm_std must be finite and > 0"]
+    return []
 
 
 LINEAR_TYPES = ("linear", "bitnet_b158")  # bitnet.py
@@ -447,4 +467,4 @@ def refuse_auto_class_registration(cls: type) -> None:
         )
 
 
-__all__ = ["MHMoEConfig", "moh_config_problems", "refuse_auto_class_registration"]
+__all__ = ["CALIBRATED_MOH_ROUTERS", "MHMoEConfig", "moh_config_problems", "refuse_auto_class_registration"]
