@@ -1,7 +1,7 @@
 """Recovery by distillation: continue-tune the converted MoH model against its dense parent's logits.
 
-The parent is the converted model itself with MoH off (a frozen copy whose attention modules have no head router:
-plain Llama attention, which the converter verified equals the source), on the same device. `Distillation.attach(model)`
+The parent is the converted model itself with every head active (a frozen copy; with 0/1 gates that is the dense
+source, as the converter verified), on the same device. `Distillation.attach(model)`
 hooks the model's forward: in training mode the loss becomes
 
     loss = weight · T² · KL(softmax(parent / T) ‖ softmax(model / T)) + (1 − weight) · LM loss + (MoH balance loss)
@@ -20,11 +20,12 @@ from .errors import ConversionError
 
 
 def dense_parent(model):
-    """A frozen copy of a MoH model with every head router removed: the dense parent (eval mode, no gradients)."""
+    """A frozen copy of a MoH model with every routed head active: the dense parent (eval mode, no gradients)."""
     parent = copy.deepcopy(model)
     for module in parent.modules():
-        if getattr(module, "head_router", None) is not None:
-            module.head_router = None
+        router = getattr(module, "head_router", None)
+        if router is not None:
+            router.active_heads = router.routed_heads
     parent.eval()
     for param in parent.parameters():
         param.requires_grad_(False)

@@ -12,7 +12,7 @@ import os
 
 from .errors import ConversionError
 
-GGUF_MISSING = "reading a GGUF file needs the gguf package: pip install 'mhmoe[gguf]' (or pip install gguf)"
+GGUF_MISSING = 'reading a GGUF file needs gguf, which is not installed: pip install "mhmoe[gguf]"'
 
 
 def check_gguf_source(input_dir: str, gguf_file: str) -> str:

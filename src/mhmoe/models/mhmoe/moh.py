@@ -98,8 +98,10 @@ class MoHRouter(nn.Module):
         self.router = router
         self.straight_through = straight_through
         self.routed_weight = self.shared_weight = self.stage_weight = None
-        # calibrated routers: (2, H) mean and std of each head's query norm; a plain tensor, not in the state dict
-        self.head_norm_stats = None if head_norm_stats is None else torch.tensor(head_norm_stats, dtype=torch.float32)
+        # calibrated routers: mean and std of each head's query norm, plain lists (not in the state dict; models are
+        # built on the meta device when loaded), made a (2, H) tensor on the queries' device on first use
+        self.head_norm_stats = head_norm_stats
+        self._head_norm_tensor = None
         if router in CALIBRATED_MOH_ROUTERS and self.head_norm_stats is None:
             raise ValueError(f"moh_router {router!r} needs per-head query-norm statistics (head_norm_stats)")
         if router == "learned":
@@ -134,9 +136,9 @@ class MoHRouter(nn.Module):
 
     def calibrated_scores(self, norms: torch.Tensor) -> torch.Tensor:
         """(B, T, R) fp32 query norms of the routed heads -> the calibrated routers' (B, T, R) scores."""
-        stats = self.head_norm_stats
-        if stats.device != norms.device:
-            stats = self.head_norm_stats = stats.to(norms.device)
+        stats = self._head_norm_tensor
+        if stats is None or stats.device != norms.device:
+            stats = self._head_norm_tensor = torch.tensor(self.head_norm_stats, dtype=torch.float32, device=norms.device)
         mean, std = stats[0, self.shared_heads :], stats[1, self.shared_heads :]
         if self.router == "l2_relative":
             return norms / mean
