@@ -330,3 +330,28 @@ def test_convert_and_distill_cli(tmp_path, corpus, tokenizer_dir, capsys):
     with pytest.raises(SystemExit):
         main(["--input_dir", str(source), "--output_dir", str(tmp_path / "x"), "--distill"])
     assert "--distill continue-tunes" in capsys.readouterr().err
+
+
+def test_exported_card_names_the_recipe_and_the_calibration(tmp_path, tokenizer_dir):
+    """mhmoe-export of a calibrated conversion: the card's table gives the recipe, the calibration data's hash and the
+    shared heads; the exported folder (remote code) computes the converted model's logits with routing on."""
+    from transformers import AutoModelForCausalLM
+
+    from mhmoe.hub import export_pretrained
+    from mhmoe.models.moh_llama import MoHLlamaForCausalLM
+
+    source = _llama_dir(tmp_path / "src", tokenizer_dir)
+    out = tmp_path / "moh"
+    convert(str(source), str(out), 0.25, 0.625, recipe="calibrated", calibration_tokens=256, progress=False)
+    record = json.loads((out / "moh_conversion.json").read_text())
+    exported = export_pretrained(str(out), tmp_path / "exported")
+    card = (exported / "README.md").read_text()
+    assert "`calibrated`: shared heads `importance`, routed-head score `l2_standardized`" in card
+    assert record["calibration"]["sha256"][:16] in card and "pydoc_data.topics (default)" in card
+    assert f"0: {record['layers'][0]['shared_source_heads']}" in card
+    assert "per-head query-norm statistics" in card
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(7))
+    remote = AutoModelForCausalLM.from_pretrained(str(exported), trust_remote_code=True).eval()
+    ours = MoHLlamaForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(remote(ids).logits, ours(ids).logits, rtol=0, atol=0)

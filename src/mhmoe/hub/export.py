@@ -146,6 +146,8 @@ def _write_weights(folder: Path, source, config, weight_files: list[str] | None)
     for name in weight_files:
         shutil.copy2(os.path.join(source, name), folder / name)
     shutil.copy2(os.path.join(source, CONFIG_NAME), folder / CONFIG_NAME)
+    if os.path.isfile(os.path.join(source, "moh_conversion.json")):  # a converted model's record, for its card
+        shutil.copy2(os.path.join(source, "moh_conversion.json"), folder / "moh_conversion.json")
     generation = os.path.join(source, GENERATION_CONFIG_NAME)
     if os.path.isfile(generation):
         shutil.copy2(generation, folder / GENERATION_CONFIG_NAME)

@@ -148,8 +148,10 @@ def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: b
     parameters from the exported weights, parity of one MoE layer."""
     from .cards import model_card
 
+    record = folder / "moh_conversion.json"  # a converted model: its head recipe and calibration data
+    conversion = json.loads(record.read_text()) if record.is_file() else None
     card = model_card(config, model_name=repo.rsplit("/", 1)[-1], parameters=_parameter_count(folder), repo=repo,
-                      has_tokenizer=has_tokenizer)  # fmt: skip
+                      has_tokenizer=has_tokenizer, conversion=conversion)  # fmt: skip
     return str(card)
 
 
