@@ -188,7 +188,7 @@ def _load_source(source_dir: str):
         tokenizer = AutoTokenizer.from_pretrained(source_dir)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConversionError(f"calibration needs the source's tokenizer in {source_dir}: {type(e).__name__}") from None
-    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype="auto").eval()  # the checkpoint dtype
     return model, tokenizer
 
 
