@@ -355,3 +355,33 @@ def test_exported_card_names_the_recipe_and_the_calibration(tmp_path, tokenizer_
     ours = MoHLlamaForCausalLM.from_pretrained(str(out)).eval()
     with torch.no_grad():
         torch.testing.assert_close(remote(ids).logits, ours(ids).logits, rtol=0, atol=0)
+
+
+def test_measure_heads_against_a_direct_computation():
+    """Importance = mean over tokens of ‖o_proj restricted to head h (attention output of h)‖, query-norm mean/std:
+    recomputed here from the attention module's own inputs, head by head, without the Gram-matrix shortcut."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mhmoe.convert.calibrate import measure_heads
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    blocks = torch.randint(0, TINY["vocab_size"], (3, 10), generator=torch.Generator().manual_seed(8))
+    stats = measure_heads(model, blocks)
+    captured = {}
+    layer = model.model.layers[1].self_attn
+    h1 = layer.q_proj.register_forward_hook(lambda m, a, out: captured.setdefault("q", []).append(out))
+    h2 = layer.o_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("o", []).append(a[0]))
+    with torch.no_grad():
+        for row in blocks:
+            model(row[None])
+    h1.remove(), h2.remove()
+    q = torch.cat(captured["q"], 1).view(-1, 8, 4)
+    o = torch.cat(captured["o"], 1).view(-1, 8, 4)
+    norms = q.norm(dim=-1)
+    weight = layer.o_proj.weight
+    importance = [(o[:, h] @ weight[:, h * 4 : (h + 1) * 4].T).norm(dim=-1).mean().item() for h in range(8)]
+    assert stats.tokens == 30
+    assert stats.importance[1] == pytest.approx(importance, rel=1e-4)
+    assert stats.norm_mean[1] == pytest.approx(norms.mean(0).tolist(), rel=1e-5)
+    assert stats.norm_std[1] == pytest.approx(norms.std(0, correction=0).tolist(), rel=1e-3)

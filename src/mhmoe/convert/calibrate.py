@@ -143,12 +143,16 @@ def measure_heads(model, blocks) -> HeadStats:
 
         return hook
 
+    grams = {}
+
     def on_output(i):
         def hook(module, args):
-            x = args[0].detach().float().view(*args[0].shape[:-1], heads, head_dim)  # (B, T, H, hd)
-            w = module.weight.detach().float().view(-1, heads, head_dim)  # (d, H, hd)
-            contribution = torch.einsum("bthe,dhe->bthd", x, w).norm(dim=-1)  # (B, T, H)
-            sums[i][0] += contribution.sum(dim=(0, 1)).double()
+            x = args[0].detach().float().view(-1, heads, head_dim).transpose(0, 1)  # (H, B·T, hd)
+            if i not in grams:  # ‖W_h a‖² = aᵀ (W_hᵀ W_h) a: an (H, hd, hd) Gram matrix instead of (B·T, H, d) outputs
+                w = module.weight.detach().float().view(-1, heads, head_dim).transpose(0, 1)  # (H, d, hd)
+                grams[i] = w.transpose(1, 2) @ w
+            squared = (torch.bmm(x, grams[i]) * x).sum(-1).clamp_min(0)  # (H, B·T)
+            sums[i][0] += squared.sqrt().sum(dim=1).double()
 
         return hook
 
@@ -157,8 +161,8 @@ def measure_heads(model, blocks) -> HeadStats:
         hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(on_output(i)))
     try:
         with torch.no_grad():
-            for row in blocks:
-                model(row[None])
+            for start in range(0, len(blocks), 4):
+                model(blocks[start : start + 4].to(model.device))
     finally:
         for hook in hooks:
             hook.remove()
