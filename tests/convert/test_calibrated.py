@@ -123,11 +123,13 @@ def test_calibrated_conversion_end_to_end(tmp_path, tokenizer_dir, corpus):
     texts = [json.loads(line)["text"] for line in open(corpus["train"])]
     calibration.write_text("\n".join(json.dumps({"text": t}) for t in texts))
     out = tmp_path / "out"
-    report = convert(str(source), str(out), 0.25, 0.625, recipe="calibrated", calibration_file=str(calibration),
+    recipe = head_recipe("calibrated", router="l2_standardized")  # the calibrated recipe with its other router
+    report = convert(str(source), str(out), 0.25, 0.625, recipe=recipe, calibration_file=str(calibration),
                      calibration_tokens=512, progress=False)  # fmt: skip
     assert report.verification["all_heads_equal"] and report.router == "l2_standardized"
     record = json.loads((out / "moh_conversion.json").read_text())
-    assert record["recipe"] == {"name": "calibrated", "shared_heads": "importance", "router": "l2_standardized"}
+    assert record["recipe"] == {"name": "calibrated (shared heads importance, router l2_standardized)",
+                                "shared_heads": "importance", "router": "l2_standardized"}
     assert record["calibration"]["source"] == "calibration.jsonl" and len(record["calibration"]["sha256"]) == 64
     config = json.loads((out / "config.json").read_text())
     assert config["moh_router"] == "l2_standardized" and len(config["moh_head_norm_mean"]) == 2
@@ -146,8 +148,10 @@ def test_calibrated_conversion_end_to_end(tmp_path, tokenizer_dir, corpus):
 
 
 def test_recipe_paper_copies_bytes_and_recipe_flags(tmp_path, tokenizer_dir):
+    """--recipe paper copies the weights as they are; the default (auto) calibrates a source with a tokenizer and
+    falls back to paper, saying so, without one."""
     source = _llama_dir(tmp_path / "src", tokenizer_dir)
-    convert(str(source), str(tmp_path / "paper"), progress=False)
+    convert(str(source), str(tmp_path / "paper"), progress=False, recipe="paper")
     assert (tmp_path / "paper" / "model.safetensors").read_bytes()[-4096:] == \
         (source / "model.safetensors").read_bytes()[-4096:]  # fmt: skip
     record = json.loads((tmp_path / "paper" / "moh_conversion.json").read_text())
@@ -155,6 +159,15 @@ def test_recipe_paper_copies_bytes_and_recipe_flags(tmp_path, tokenizer_dir):
     assert head_recipe("paper", router="l2_relative").router == "l2_relative"
     with pytest.raises(ConversionError, match="--recipe must be one of"):
         head_recipe("best")
+    with pytest.raises(ConversionError, match="change a named recipe"):
+        head_recipe("auto", router="l2")
+    convert(str(source), str(tmp_path / "auto"), progress=False, calibration_tokens=128)
+    record = json.loads((tmp_path / "auto" / "moh_conversion.json").read_text())
+    assert record["recipe"] == {"name": "calibrated", "shared_heads": "importance", "router": "l2_relative"}
+    bare = _llama_dir(tmp_path / "bare")
+    report = convert(str(bare), str(tmp_path / "auto-bare"), progress=False)
+    record = json.loads((tmp_path / "auto-bare" / "moh_conversion.json").read_text())
+    assert record["recipe"]["name"] == "paper" and "calibration needs" in report.format()
 
 
 def test_read_calibration_refusals(tmp_path):
@@ -326,7 +339,7 @@ def test_convert_and_distill_cli(tmp_path, corpus, tokenizer_dir, capsys):
     assert record["temperature"] == 2.0 and record["weight"] == 0.7 and record["parent_forwards"] == 3
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("distill_kl_loss" in r for r in metrics)
-    assert json.loads((out / "converted" / "config.json").read_text())["moh_router"] == "l2_standardized"
+    assert json.loads((out / "converted" / "config.json").read_text())["moh_router"] == "l2_relative"
     with pytest.raises(SystemExit):
         main(["--input_dir", str(source), "--output_dir", str(tmp_path / "x"), "--distill"])
     assert "--distill continue-tunes" in capsys.readouterr().err
@@ -346,7 +359,7 @@ def test_exported_card_names_the_recipe_and_the_calibration(tmp_path, tokenizer_
     record = json.loads((out / "moh_conversion.json").read_text())
     exported = export_pretrained(str(out), tmp_path / "exported")
     card = (exported / "README.md").read_text()
-    assert "`calibrated`: shared heads `importance`, routed-head score `l2_standardized`" in card
+    assert "`calibrated`: shared heads `importance`, routed-head score `l2_relative`" in card
     assert record["calibration"]["sha256"][:16] in card and "pydoc_data.topics (default)" in card
     assert f"0: {record['layers'][0]['shared_source_heads']}" in card
     assert "per-head query-norm statistics" in card

@@ -43,9 +43,10 @@ class ConvertArguments:
     recipe: str = field(
         default=DEFAULT_RECIPE,
         metadata={"help": "How shared heads and the routed-head score are chosen: 'paper' (first heads shared, l2 "
-                          "router, weights copied as they are) or 'calibrated' (the most important heads shared, "
-                          "measured on --calibration_file, heads permuted; per-head standardised l2 router).",
-                  "choices": list(RECIPES)},
+                          "router, weights copied as they are), 'calibrated' (the heads that contribute most on "
+                          "--calibration_file shared, heads permuted within their key/value groups; l2_relative "
+                          "router: query norm over its calibration mean) or 'auto' (calibrated when the source has a "
+                          "tokenizer, else paper).", "choices": ["auto", *RECIPES]},
     )
     shared_heads: str | None = field(
         default=None,

@@ -1,6 +1,7 @@
 """Calibrated conversion: measure each head on calibration text, choose the shared heads and the routed-head score.
 
-`HeadRecipe` says how heads are chosen: `shared_heads` "first" (the paper: the first S heads of every layer) or
+`HeadRecipe` says how heads are chosen (the default, "auto", is "calibrated" when the source has a tokenizer, else
+"paper"): `shared_heads` "first" (the paper: the first S heads of every layer) or
 "importance" (the S heads that contribute most on calibration text, moved first by a GQA-respecting permutation:
 heads.py), and the router's score: "l2" (the paper's), "l2_standardized" (each head's query norm minus its calibration
 mean, over its calibration std) or "l2_relative" (query norm over its calibration mean). `RECIPES` names the presets;
@@ -41,15 +42,24 @@ class HeadRecipe:
 
 RECIPES = {
     "paper": HeadRecipe("paper", "first", "l2"),
-    "calibrated": HeadRecipe("calibrated", "importance", "l2_standardized"),
+    # measured best on SmolLM2-135M (benchmarks/results/moh_convert_real.md): ×1.38 the parent's perplexity zero-shot
+    # at 7/9 heads, against ×4.69 for "paper"; l2_standardized was ×1.40
+    "calibrated": HeadRecipe("calibrated", "importance", "l2_relative"),
 }
-DEFAULT_RECIPE = "paper"
+# "auto": "calibrated" when the source has a tokenizer (calibration needs one), else "paper"
+DEFAULT_RECIPE = "auto"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def head_recipe(name: str = DEFAULT_RECIPE, shared_heads: str | None = None, router: str | None = None) -> HeadRecipe:
     """A preset (`RECIPES`), with its shared-head choice or router replaced when given; refuses unknown names."""
-    if name not in RECIPES:
-        raise ConversionError(f"--recipe must be one of {', '.join(RECIPES)}, got {name!r}")
+    if name not in RECIPES and name != "auto":
+        raise ConversionError(f"--recipe must be one of auto, {', '.join(RECIPES)}, got {name!r}")
+    if name == "auto":
+        if shared_heads is not None or router is not None:
+            raise ConversionError("--shared_heads and --moh_router change a named recipe: give --recipe paper or "
+                                  "--recipe calibrated with them")  # fmt: skip
+        return HeadRecipe("auto", "auto", "auto")
     if shared_heads is not None and shared_heads not in SHARED_CHOICES:
         raise ConversionError(f"--shared_heads must be one of {', '.join(SHARED_CHOICES)}, got {shared_heads!r}")
     if router is not None and router not in ROUTER_CHOICES:
@@ -184,6 +194,15 @@ class HeadChoices:
     record: dict = field(default_factory=dict)
 
 
+def resolve_auto(plan) -> HeadRecipe:
+    """--recipe auto: "calibrated" when the source folder has a tokenizer, else "paper" (with a note on the plan)."""
+    if any(os.path.isfile(os.path.join(plan.input_dir, name)) for name in TOKENIZER_FILES):
+        return RECIPES["calibrated"]
+    plan.notes.append("recipe paper: the source has no tokenizer, which calibration needs (--recipe calibrated with a "
+                      "tokenizer in --input_dir measures the heads)")  # fmt: skip
+    return RECIPES["paper"]
+
+
 def _load_source(source_dir: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -203,6 +222,8 @@ def choose_heads(plan, recipe: HeadRecipe, calibration_file: str | None = None,
     from .heads import head_order, permute_rows
 
     config = plan.config
+    if recipe.name == "auto":
+        recipe = resolve_auto(plan)
     record = {"recipe": asdict(recipe)}
     if not recipe.needs_calibration:
         return HeadChoices(None, record)
