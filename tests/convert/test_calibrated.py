@@ -127,6 +127,8 @@ def test_calibrated_conversion_end_to_end(tmp_path, tokenizer_dir, corpus):
     report = convert(str(source), str(out), 0.25, 0.625, recipe=recipe, calibration_file=str(calibration),
                      calibration_tokens=512, progress=False)  # fmt: skip
     assert report.verification["all_heads_equal"] and report.router == "l2_standardized"
+    assert "recipe calibrated (shared heads importance, router l2_standardized), router l2_standardized" in \
+        report.format()  # fmt: skip
     record = json.loads((out / "moh_conversion.json").read_text())
     assert record["recipe"] == {"name": "calibrated (shared heads importance, router l2_standardized)",
                                 "shared_heads": "importance", "router": "l2_standardized"}

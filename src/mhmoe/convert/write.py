@@ -183,6 +183,7 @@ class ConversionReport:
     notes: list[str]
     verification: dict | None = None
     router: str = ROUTER
+    recipe: str = "paper"
 
     @classmethod
     def of(cls, plan: ConversionPlan, input_dir: str, output_dir: str, seconds: float, verification: dict | None):
@@ -205,7 +206,8 @@ class ConversionReport:
         lines = [
             f"converted {self.source_model_type} -> moh_llama: {self.input_dir} -> {self.output_dir}",
             f"  heads per layer: {h} ({self.num_key_value_heads} key/value), {s} shared + {k} of {h - s} routed "
-            f"active = {self.active_heads}/{h} ({100 * self.active_heads / h:.1f}%); router {self.router}, {GATES}; "
+            f"active = {self.active_heads}/{h} ({100 * self.active_heads / h:.1f}%); recipe {self.recipe}, router "
+            f"{self.router}, {GATES}; "
             f"{self.num_layers} layers",
             f"  weights: {self.tensors} tensors, {self.bytes / 1e6:,.1f} MB in {self.shards} shard(s), copied in "
             f"{self.seconds:.2f} s ({self.bytes / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)",
@@ -270,6 +272,7 @@ def convert(
         copy_seconds = time.time() - start
         verification = verified(input_dir, temporary, probe_text) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
+        report.recipe = choices.record["recipe"]["name"]
         record = dataclasses.asdict(report)
         record.update(shared_heads_ratio=shared_heads_ratio, active_heads_ratio=active_heads_ratio,
                       input_dir=os.path.abspath(input_dir), **choices.record)  # fmt: skip
