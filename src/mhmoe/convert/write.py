@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..hub.checkpoint_files import SAFE_INDEX_NAME, fsync, overlapping, replace_dir, temporary_dir_next_to
+from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_heads, head_recipe
 from .errors import ConversionError
+from .heads import permute_checkpoint
 from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO
-from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_heads, head_recipe
-from .heads import permute_checkpoint
 from .verify import verified
 
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -260,7 +260,11 @@ def convert(
         return _convert_gguf(**{k: v for k, v in locals().items() if k != "start"})
     plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
     _check_disk_space(plan, output_dir)
+    calibration_start = time.time()
     choices = choose_heads(plan, recipe, calibration_file, calibration_tokens)
+    if "calibration" in choices.record:
+        choices.record["calibration"]["seconds"] = round(time.time() - calibration_start, 3)
+    start += time.time() - calibration_start  # "copied in" counts the copy (and the permutation), not calibration
 
     temporary = temporary_dir_next_to(output_dir)
     try:
