@@ -271,7 +271,7 @@ def stage_tune(args, results: dict) -> None:
         label = "distilled" if distill else "LM loss only"
         out = Path(args.workdir) / ("tune-distill" if distill else "tune-lm")
         argv = ["--input_dir", source, "--output_dir", str(out), "--overwrite", "--shared_heads_ratio", repr(1 / 3),
-                "--active_heads_ratio", repr(7 / 9), "--shared_heads", shared, "--moh_router",
+                "--active_heads_ratio", repr(7 / 9), "--recipe", "calibrated", "--shared_heads", shared, "--moh_router",
                 router, "--train_file", str(data / "train.txt"), "--validation_file",
                 str(data / "validation.txt"), "--block_size", str(BLOCK), "--per_device_train_batch_size", "4",
                 "--per_device_eval_batch_size", "4", "--max_steps", str(args.tune_steps), "--eval_steps",
