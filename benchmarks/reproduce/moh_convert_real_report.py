@@ -26,7 +26,9 @@ def markdown(data: dict) -> str:
     out = ["# Converting a real LLaMA: SmolLM2-135M-Instruct (GGUF) -> MoH-LLaMA", ""]
     out += [f"Environment: {env.get('device')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
             f"mhmoe {env.get('mhmoe')}, commit {env.get('commit')}.", ""]  # fmt: skip
-    out += ["Commands:", ""] + [f"    {c}" for c in data.get("commands", {}).values()] + [""]
+    commits = data.get("stage_commits", {})
+    out += ["Commands (the commit each stage ran at):", ""]
+    out += [f"    {c}    # {commits.get(stage, '?')}" for stage, c in data.get("commands", {}).items()] + [""]
     parent = data.get("parent")
     if parent:
         cal = data["calibration"]
@@ -63,7 +65,10 @@ def markdown(data: dict) -> str:
     if "cli" in data:
         c = data["cli"]
         v = c["verification"]
+        r = c["recipe"]
         out += ["## The command line, end to end (GGUF in, calibrated recipe)", "", f"    {c['command']}", "",
+                f"Recipe at that commit: {r['name']} (shared heads {r['shared_heads']}, router {r['router']}; the "
+                "calibrated recipe's router became l2_relative after the zero-shot table measured it best).", "",
                 f"{c['seconds']} s on this machine, including dequantising the GGUF, calibration, writing and the logit "
                 f"check: all heads on, max |Δlogit| = {v['all_heads_max_abs_diff']:.3g} vs the dequantised source "
                 f"({'OK' if v['all_heads_equal'] else 'FAILED'}); routing on, probe perplexity "
@@ -73,9 +78,16 @@ def markdown(data: dict) -> str:
     if speed:
         out += ["## CPU decode speed (`generate`, greedy, 48 new tokens, best of 2; head skipping on)", "",
                 "| model | tokens/s |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in speed.items()] + [""]
+        out += ["Measured once on the 2 shared cores while other jobs ran: noisy. At this size (135M parameters, 9 "
+                "heads of 64, 49k vocabulary) skipping 2 of 9 heads' attention does not make decoding faster here; "
+                "the MoH models were slower than the parent.", ""]  # fmt: skip
     tune = data.get("tune")
     if tune:
-        out += ["## Continue-tuning on CPU (tiny: see the token counts)", ""]
+        out += ["## Continue-tuning on CPU (tiny: see the token counts)", "",
+                "Training text and held-out text are both Python documentation (disjoint topics): part of the "
+                "recovery is adaptation to that text, which the parent would gain from too (no dense control was run "
+                "here). The wall times differ mostly because other jobs shared the 2 cores (the LM-only run was "
+                "slowed); the distillation's own cost is its parent forwards, given below.", ""]  # fmt: skip
         for label, run in tune.items():
             s = run["summary"]
             curve = ", ".join(f"{p['tokens']:,}: {p['ppl']:.2f}" for p in run["curve"])
