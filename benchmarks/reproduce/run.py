@@ -5,6 +5,7 @@
     python benchmarks/reproduce/run.py mhmoe_table1 --cells smoe mhmoe_h3 --seeds 0 --out DIR [--deadline MINUTES]
     python benchmarks/reproduce/run.py mhmoe_table1 --merge DIR [DIR ...] [--out RESULTS]
     python benchmarks/reproduce/run.py moh_fig2 [--quick]
+    python benchmarks/reproduce/run.py moh_convert_real --stage zero_shot|cli|tune|report   (moh_convert_real.py)
     python benchmarks/reproduce/run.py --list
 
 Tables: see `tables.py` (cells and scales) and `harness.py` (data, training, results). `--quick` is the CI smoke run:
@@ -316,6 +317,11 @@ def run_fig2(scale_name: str, seeds: list[int], out_dir: Path, workdir: Path) ->
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["moh_convert_real"]:  # a real pretrained model, not a miniature table: its own script
+        import moh_convert_real
+
+        return moh_convert_real.main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("table", nargs="?", choices=[*tables.TABLES, "moh_fig2"])
     parser.add_argument("--scale", choices=[s for s in tables.SCALES if s != "quick"], default="cpu")
@@ -349,6 +355,7 @@ def main(argv=None) -> int:
             print(f"{name:16s} {title}")
             print(f"{'':16s} cells: {' '.join(cell_id(c) for c in build(tables.SCALES['quick']))}")
         print(f"{'moh_fig2':16s} MoH Fig. 2: dense LLaMA -> MoH recovery, continue-tuned, with a dense control")
+        print(f"{'moh_convert_real':16s} SmolLM2-135M-Instruct (GGUF) -> MoH: head recipes zero-shot, recovery")
         return 0
     if args.merge:
         if args.table == "moh_fig2":

@@ -13,6 +13,7 @@ EXTRAS = {
     "train": {"accelerate": "accelerate", "peft": "peft", "matplotlib": "matplotlib"},
     "eval": {"lm_eval": "lm-eval"},
     "triton": {"triton": "triton"},
+    "gguf": {"gguf": "gguf"},
 }
 
 

@@ -9,6 +9,7 @@ import functools
 import typing
 from dataclasses import dataclass, field
 
+from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, RECIPES, ROUTER_CHOICES, SHARED_CHOICES
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, CONTINUE_TUNING_DEFAULTS, SHARED_HEADS_RATIO
 
 
@@ -39,6 +40,59 @@ class ConvertArguments:
                           "machine's memory); names, dtypes and shapes are still checked."},
     )
     probe_file: str | None = field(default=None, metadata={"help": "Text for the probe batch of the logit check."})
+    gguf_file: str | None = field(
+        default=None,
+        metadata={"help": "Convert this GGUF file inside --input_dir (LLaMA family; dequantised to float32 through "
+                          "Transformers' GGUF support; needs pip install 'mhmoe[gguf]')."},
+    )
+    recipe: str = field(
+        default=DEFAULT_RECIPE,
+        metadata={"help": "How shared heads and the routed-head score are chosen: 'paper' (first heads shared, l2 "
+                          "router, weights copied as they are), 'calibrated' (the heads that contribute most on "
+                          "--calibration_file shared, heads permuted within their key/value groups; l2_relative "
+                          "router: query norm over its calibration mean) or 'auto' (calibrated when the source has a "
+                          "tokenizer, else paper).", "choices": ["auto", *RECIPES]},
+    )
+    shared_heads: str | None = field(
+        default=None,
+        metadata={"help": "Override the recipe's shared heads: 'first' or 'importance' (calibrated).",
+                  "choices": list(SHARED_CHOICES)},
+    )
+    moh_router: str | None = field(
+        default=None,
+        metadata={"help": "Override the recipe's routed-head score: 'l2' (the paper's), 'l2_standardized' or "
+                          "'l2_relative' (per-head calibration statistics).", "choices": list(ROUTER_CHOICES)},
+    )
+    calibration_file: str | None = field(
+        default=None,
+        metadata={"help": "Calibration text (plain text, or JSONL with a 'text' field) for calibrated recipes; "
+                          "default: Python's own documentation (pydoc_data.topics)."},
+    )
+    calibration_tokens: int = field(
+        default=CALIBRATION_TOKENS, metadata={"help": "Tokens of calibration text used (blocks of 256)."}
+    )
+    distill: bool = field(
+        default=False,
+        metadata={"help": "Continue-tune against the dense parent's logits (KL at --distill_temperature mixed with "
+                          "the LM loss by --distill_weight); the parent is a frozen copy on the same device."},
+    )
+    distill_temperature: float = field(default=2.0, metadata={"help": "Temperature T of the distillation KL."})
+    distill_weight: float = field(
+        default=0.5, metadata={"help": "loss = weight × T² × KL(parent || model) + (1 − weight) × LM loss."}
+    )
+
+    def conversion_options(self) -> dict:
+        """The keyword arguments of `convert` these arguments give (besides input and output folders)."""
+        from .calibrate import head_recipe
+        from .verify import read_probe
+
+        return dict(
+            shared_heads_ratio=self.shared_heads_ratio, active_heads_ratio=self.active_heads_ratio,
+            overwrite=self.overwrite, verify_logits=not self.skip_logit_check, probe_text=read_probe(self.probe_file),
+            moh_aux_loss_coef=self.moh_aux_loss_coef, gguf_file=self.gguf_file,
+            recipe=head_recipe(self.recipe, self.shared_heads, self.moh_router),
+            calibration_file=self.calibration_file, calibration_tokens=self.calibration_tokens,
+        )  # fmt: skip
 
 
 _NOT_CONTINUE_TUNING = ("model_name_or_path", "output_dir", "overwrite_output_dir", "config_overrides",

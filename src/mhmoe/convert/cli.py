@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> None:
     from ..hub.checkpoint_files import os_error_message
     from ..training.arguments import TrainingError
     from .continue_tune import convert_and_continue_tune
-    from .verify import read_probe
     from .write import convert
 
     try:
@@ -47,12 +46,10 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConversionError("--resume_from_checkpoint continues a continue-tuning run: give --train_file")
             if int(os.environ.get("RANK", "0")) > 0:  # launched with several processes: one converts
                 return
-            report = convert(
-                args.input_dir, args.output_dir, args.shared_heads_ratio, args.active_heads_ratio,
-                overwrite=args.overwrite, verify_logits=not args.skip_logit_check,
-                probe_text=read_probe(args.probe_file), moh_aux_loss_coef=args.moh_aux_loss_coef,
-                progress=not tune.disable_tqdm,
-            )  # fmt: skip
+            if args.distill:
+                raise ConversionError("--distill continue-tunes: give --train_file")
+            report = convert(args.input_dir, args.output_dir, progress=not tune.disable_tqdm,
+                             **args.conversion_options())  # fmt: skip
             print(report.format(), flush=True)
     except (ConversionError, TrainingError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 
 from transformers.utils import CONFIG_NAME
 
@@ -19,10 +20,11 @@ from ..hub.checkpoint_files import replace_dir, temporary_dir_next_to
 from .arguments import ConvertArguments, _continue_tune_arguments_class
 from .errors import ConversionError
 from .recipe import head_split
-from .verify import all_heads_active, read_probe
+from .verify import all_heads_active
 from .write import check_paths, convert, output_state
 
 CONVERTED_SUBDIR = "converted"
+DISTILL_RECORD = "distillation.json"
 RECOVERY_CSV = "recovery_curve.csv"
 RECOVERY_PNG = "recovery_curve.png"
 def continue_tune_arguments(**values):
@@ -58,14 +60,14 @@ def _convert_for_tuning(args: ConvertArguments, tune, progress: bool):
     # the training arguments are checked before the conversion, which may take long
     check_before_training(TrainArguments(model_name_or_path=converted, output_dir=out, **dataclasses.asdict(tune),
                                          overwrite_output_dir=args.overwrite), model_given=True)  # fmt: skip
+    if args.distill:  # its settings are checked before the conversion too
+        from .distill import Distillation
+
+        Distillation(args.distill_temperature, args.distill_weight)
     temporary = temporary_dir_next_to(out)
     try:
-        report = convert(
-            args.input_dir, os.path.join(temporary, CONVERTED_SUBDIR), args.shared_heads_ratio,
-            args.active_heads_ratio, verify_logits=not args.skip_logit_check,
-            probe_text=read_probe(args.probe_file), moh_aux_loss_coef=args.moh_aux_loss_coef,
-            progress=progress,
-        )  # fmt: skip
+        options = {**args.conversion_options(), "overwrite": False}
+        report = convert(args.input_dir, os.path.join(temporary, CONVERTED_SUBDIR), progress=progress, **options)
         report.output_dir = converted
         print(report.format(), flush=True)
         output_state(out, args.overwrite)
@@ -74,6 +76,22 @@ def _convert_for_tuning(args: ConvertArguments, tune, progress: bool):
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return report
+
+
+def _distilled_model(args: ConvertArguments, train_args):
+    """With --distill: the converted model (float32) with its dense parent's distillation hook (distill.py), and the
+    Distillation; else (None, None): mhmoe.training loads the model itself."""
+    if not args.distill:
+        return None, None
+    import torch
+
+    from ..models.moh_llama import MoHLlamaForCausalLM
+    from .distill import Distillation
+
+    distillation = Distillation(args.distill_temperature, args.distill_weight)
+    model = MoHLlamaForCausalLM.from_pretrained(train_args.model_name_or_path, dtype=torch.float32)
+    distillation.attach(model)
+    return model, distillation
 
 
 def _tune(args: ConvertArguments, tune, state):
@@ -88,13 +106,19 @@ def _tune(args: ConvertArguments, tune, state):
     if not validated:
         train_args.eval_at_start = False
         state.print("note: no --validation_file / --validation_split_percentage: no perplexity, no recovery curve")
+    model, distillation = _distilled_model(args, train_args)
+    started = time.time()
     try:
-        result = train(train_args, reference_eval=all_heads_active if validated else None)
+        result = train(train_args, model=model, reference_eval=all_heads_active if validated else None)
     except TrainingError:  # an input problem found before training (e.g. in the data): no half-done output
         if not tune.resume_from_checkpoint and state.is_main_process:
             shutil.rmtree(out, ignore_errors=True)
         raise
     summary = None
+    if distillation is not None and state.is_main_process:
+        record = {**distillation.record(), "train_seconds": round(time.time() - started, 3)}
+        with open(os.path.join(out, DISTILL_RECORD), "w") as f:
+            json.dump(record, f, indent=2)
     if state.is_main_process and validated:
         summary = recovery_curve(out)
         if summary is not None:

@@ -2,7 +2,7 @@
 
 No real LLaMA weights can be downloaded here, so the parent is trained here: a tiny dense `LlamaForCausalLM` learns the
 Python documentation topics that ship with the standard library (`pydoc_data.topics`; every 10th topic held out for
-validation) until it is far better than chance. It is then converted with `mhmoe.convert` (first half of the heads
+validation) until it is far better than chance. It is then converted with `mhmoe.convert`, the paper's recipe (first half of the heads
 shared, 75% of all heads active per token, l2 router, straight-through gates) and continue-tuned with `mhmoe.training`
 (warmup + cosine to a final LR, weight decay 0.1, clipping 1.0, MoH balance loss β=0.01). The claim checked: held-out
 perplexity of the MoH model <= 1.05 × the dense parent's.
@@ -125,7 +125,7 @@ def run_recovery_demo(
     moh_dir = os.path.join(workdir, "moh")
     outcome = convert_and_continue_tune(
         ConvertArguments(input_dir=dense_dir, output_dir=moh_dir, shared_heads_ratio=shared_heads_ratio,
-                         active_heads_ratio=active_heads_ratio, overwrite=True),
+                         active_heads_ratio=active_heads_ratio, overwrite=True, recipe="paper"),
         continue_tune_arguments(**tune), progress=progress,
     )  # fmt: skip
     recovery = outcome["recovery"]

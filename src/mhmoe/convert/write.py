@@ -28,7 +28,9 @@ from ..hub.checkpoint_files import (
     SAFE_INDEX_NAME, check_writable, copy_side_file, fsync, overlapping, recover_output_dir, replace_dir,
     temporary_dir_next_to,
 )
+from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_heads, head_recipe
 from .errors import ConversionError
+from .heads import permute_checkpoint
 from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO
 from .verify import verified
@@ -204,6 +206,8 @@ class ConversionReport:
     seconds: float
     notes: list[str]
     verification: dict | None = None
+    router: str = ROUTER
+    recipe: str = "paper"
 
     @classmethod
     def of(cls, plan: ConversionPlan, input_dir: str, output_dir: str, seconds: float, verification: dict | None):
@@ -214,7 +218,7 @@ class ConversionReport:
             num_key_value_heads=config.num_key_value_heads, shared_heads=config.moh_shared_heads,
             routed_active_heads=config.moh_active_heads, shards=len(plan.shards),
             tensors=sum(len(s.tensors) for s in plan.shards), bytes=plan.total_bytes, seconds=seconds,
-            notes=plan.notes, verification=verification,
+            notes=plan.notes, verification=verification, router=config.moh_router,
         )  # fmt: skip
 
     @property
@@ -226,7 +230,8 @@ class ConversionReport:
         lines = [
             f"converted {self.source_model_type} -> moh_llama: {self.input_dir} -> {self.output_dir}",
             f"  heads per layer: {h} ({self.num_key_value_heads} key/value), {s} shared + {k} of {h - s} routed "
-            f"active = {self.active_heads}/{h} ({100 * self.active_heads / h:.1f}%); router {ROUTER}, {GATES}; "
+            f"active = {self.active_heads}/{h} ({100 * self.active_heads / h:.1f}%); recipe {self.recipe}, router "
+            f"{self.router}, {GATES}; "
             f"{self.num_layers} layers",
             f"  weights: {self.tensors} tensors, {self.bytes / 1e6:,.1f} MB in {self.shards} shard(s), copied in "
             f"{self.seconds:.2f} s ({self.bytes / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)",
@@ -258,29 +263,53 @@ def convert(
     probe_text: str | None = None,
     moh_aux_loss_coef: float = AUX_LOSS_COEF,
     progress: bool = True,
+    gguf_file: str | None = None,
+    recipe: HeadRecipe | str = DEFAULT_RECIPE,
+    calibration_file: str | None = None,
+    calibration_tokens: int = CALIBRATION_TOKENS,
+    source_name: str | None = None,
 ) -> ConversionReport:
-    """Convert `input_dir` (llama / mistral / qwen2, safetensors) into a moh_llama checkpoint at `output_dir`.
+    """Convert `input_dir` (llama / mistral / qwen2, safetensors; or `gguf_file` inside it) into a moh_llama
+    checkpoint at `output_dir`.
 
-    Raises `ConversionError` (nothing written at `output_dir`) for anything it refuses; see plan.py's docstring.
-    `verify_logits=False` skips loading the models (names, dtypes and shapes are still checked).
+    `recipe`: how shared heads and the routed-head score are chosen (calibrate.py; "paper": the first heads shared,
+    l2 router, weights copied byte for byte; a calibrated recipe measures the source on `calibration_file` and permutes
+    heads). Raises `ConversionError` (nothing written at `output_dir`) for anything it refuses; see plan.py's
+    docstring. `verify_logits=False` skips loading the models (names, dtypes and shapes are still checked).
+    `source_name`: the source as moh_conversion.json and the card name it (default `input_dir`'s folder name or Hub
+    repo id; never a local path).
     """
     start = time.time()
     check_paths(input_dir, output_dir)
     output_state(output_dir, overwrite)
+    recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
+    if gguf_file is not None:
+        return _convert_gguf(**{k: v for k, v in locals().items() if k != "start"})
     plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
     _check_disk_space(plan, output_dir)
+    calibration_start = time.time()
+    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens)
+    if "calibration" in choices.record:
+        choices.record["calibration"]["seconds"] = round(time.time() - calibration_start, 3)
+    start += time.time() - calibration_start  # "copied in" counts the copy (and the permutation), not calibration
 
     temporary = temporary_dir_next_to(output_dir)
     try:
         _write_checkpoint(plan, temporary, progress)
+        if choices.orders is not None:
+            config = plan.config
+            permute_checkpoint(temporary, [s.filename for s in plan.shards], choices.orders,
+                               config.num_key_value_heads, config.head_dim)  # fmt: skip
         copy_seconds = time.time() - start
         verification = verified(input_dir, temporary, probe_text) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
+        report.recipe = choices.record["recipe"]["name"]
         record = dataclasses.asdict(report)
         from ..hub.cards import public_paths
 
+        # names, not local paths: the record is published with the model
         record.update(shared_heads_ratio=shared_heads_ratio, active_heads_ratio=active_heads_ratio,
-                      **public_paths(input_dir, output_dir))  # names, not local paths: the record is published
+                      **public_paths(source_name or input_dir, output_dir), **choices.record)  # fmt: skip
         with open(os.path.join(temporary, RECORD_NAME), "w") as f:
             json.dump(record, f, indent=2)
         _commit(temporary, output_dir, overwrite)
@@ -288,3 +317,33 @@ def convert(
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return report
+
+
+def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) -> ConversionReport:
+    """`convert` of a GGUF file: dequantised into a dense checkpoint in a temporary folder (gguf.py), converted from
+    there, the temporary folder removed."""
+    from .gguf import check_gguf_source, dequantise_gguf
+
+    check_gguf_source(input_dir, gguf_file)
+    dense = temporary_dir_next_to(output_dir)
+    try:
+        notes = dequantise_gguf(input_dir, gguf_file, dense)
+        options.pop("source_name", None)
+        report = convert(dense, output_dir, source_name=os.path.join(input_dir, gguf_file), **options)
+        report.input_dir = os.path.join(input_dir, gguf_file)
+        report.notes[:0] = notes
+        _rewrite_notes(output_dir, report)
+    finally:
+        shutil.rmtree(dense, ignore_errors=True)
+    return report
+
+
+def _rewrite_notes(output_dir: str, report: ConversionReport) -> None:
+    """moh_conversion.json gets the GGUF notes (written atomically: temporary file + rename)."""
+    path = os.path.join(output_dir, RECORD_NAME)
+    with open(path) as f:
+        record = json.load(f)
+    record.update(notes=report.notes)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=2)
+    os.replace(path + ".tmp", path)

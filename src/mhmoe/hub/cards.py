@@ -69,7 +69,28 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
         gates = ", straight-through 0/1 gates" if config.moh_straight_through else ""
         rows.append(("MoH attention", f"{shared} shared + {active} of {heads - shared} routed heads per token = "
                                       f"{100 * (shared + active) / heads:.1f}% of {heads} heads active; "
-                                      f"`{config.moh_router}` router{gates}"))  # fmt: skip
+                                      f"`{config.moh_router}` router{gates}"
+                                      + (" (per-head query-norm statistics from calibration text in config.json)"
+                                         if getattr(config, "moh_head_norm_mean", None) else "")))  # fmt: skip
+    return rows
+
+
+def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
+    """(label, text) rows from a converted model's moh_conversion.json: head recipe and calibration data."""
+    if not record or "recipe" not in record:
+        return []
+    recipe = record["recipe"]
+    rows = [("conversion recipe", f"`{recipe['name']}`: shared heads `{recipe['shared_heads']}`, routed-head score "
+                                  f"`{recipe['router']}` (mhmoe-convert)")]  # fmt: skip
+    calibration = record.get("calibration")
+    if calibration:
+        rows.append(("calibration", f"{calibration['source']}, {calibration['tokens']:,} tokens, sha256 "
+                                    f"`{calibration['sha256'][:16]}…`"))  # fmt: skip
+    layers = record.get("layers") or []
+    if layers and recipe["shared_heads"] != "first":
+        shown = "; ".join(f"{i}: {layer['shared_source_heads']}" for i, layer in enumerate(layers[:4]))
+        rows.append(("shared heads (source head ids, per layer)",
+                     shown + (f"; … ({len(layers)} layers in moh_conversion.json)" if len(layers) > 4 else "")))
     return rows
 
 
@@ -135,7 +156,7 @@ CONVERSION_RECORDS = ("moh_conversion.json", "converted/moh_conversion.json")  #
 
 
 def folder_records(folder) -> dict:
-    """What a checkpoint folder records about how it was made, for its card: {"base_model": ..., "training": ...}
+    """What a checkpoint folder records about how it was made, for its card: {"base_model", "conversion", "training"}
     from moh_conversion.json (mhmoe-convert; in converted/ after continue-tuning) and train_summary.json
     (mhmoe-train); unreadable records are skipped."""
     found = {}
@@ -146,6 +167,7 @@ def folder_records(folder) -> dict:
                 record = json.load(f)
             if key == "base_model" and record.get("input_dir"):
                 found[key] = _recorded_base_model(record["input_dir"])
+                found["conversion"] = record  # its head recipe and calibration data join the architecture table
             elif key == "training" and isinstance(record, dict):
                 found[key] = training_text(record)
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -171,6 +193,7 @@ def model_card(
     remote_code: bool = True,
     license: str = "apache-2.0",
     versions: dict | None = None,
+    conversion: dict | None = None,
 ):
     """A `huggingface_hub.ModelCard` for a model of `config`.
 
@@ -178,7 +201,8 @@ def model_card(
     "metric_name", "dataset_split", "task_type" (default "text-generation")), written to the `model-index`.
     `base_model`: the dense parent of a converted model (selects the `converted` template). `remote_code`: the folder
     carries its modeling code (`trust_remote_code=True` loads it without mhmoe). `versions`: {"mhmoe": ...,
-    "transformers": ...} the model was made with (default: the running ones)."""
+    "transformers": ...} the model was made with (default: the running ones). `conversion`: the converter's
+    moh_conversion.json record (its head recipe and calibration data join the architecture table)."""
     import transformers
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -216,12 +240,13 @@ def model_card(
     )  # fmt: skip
     return ModelCard.from_template(
         data, template_path=str(templates_dir() / TEMPLATES[kind]), model_name=model_name, summary=summary,
-        architecture_rows=_table(architecture_rows(config, parameters)), parity_rows=_table(parity_rows(config)),
+        architecture_rows=_table(architecture_rows(config, parameters) + conversion_rows(conversion)),
+        parity_rows=_table(parity_rows(config)),
         training=training or "Not recorded.", results_rows=results_rows, usage=usage, base_model=base_model,
         mhmoe_version=(versions or {}).get("mhmoe", __version__),
         transformers_version=(versions or {}).get("transformers", transformers.__version__),
     )  # fmt: skip
 
 
-__all__ = ["architecture_rows", "base_model_name", "folder_records", "model_card", "parity_rows", "public_paths",
-           "templates_dir", "training_text"]  # fmt: skip
+__all__ = ["architecture_rows", "base_model_name", "conversion_rows", "folder_records", "model_card", "parity_rows",
+           "public_paths", "templates_dir", "training_text"]  # fmt: skip

@@ -13,7 +13,9 @@ from .plans import ConfigPlan, mhmoe_has_module
 
 AUX_LOSS_MODES = ("per_layer", "mixtral", "top1_sum")
 NORM_TOPK_PROB = (True, False, "always")
-MOH_ROUTERS = ("learned", "l2")
+MOH_ROUTERS = ("learned", "l2", "l2_standardized", "l2_relative")
+# routers that read per-head query-norm statistics measured on calibration text (moh_head_norm_mean / _std)
+CALIBRATED_MOH_ROUTERS = ("l2_standardized", "l2_relative")
 MOH_STRAIGHT_THROUGH = (False, True, "scores")
 CAPACITY_ROUNDINGS = ("switch", "official")
 ROUTING_BACKENDS = ("torch", "triton")
@@ -75,9 +77,9 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     `moh_shared_heads` heads are always on and the router picks `moh_active_heads` of the remaining heads per token
     (`moh_router` "learned": the paper's two-stage router; "l2": parameter-free, from the pre-RoPE query norms).
     `moh_straight_through` makes the gates 0/1 in the forward pass (straight-through estimator): True backpropagates
-    the soft gates' gradient (top-K weights renormalised ×K, this library's); "scores" (l2 router only) backpropagates
-    into the raw softmax scores of all routed heads, the MoH paper's eq. 9-10 (the released MoH-LLaMA3 code is
-    inference-only and has no backward);
+    the soft gates' gradient (top-K weights renormalised ×K, this library's); "scores" (the parameter-free l2-family
+    routers) backpropagates into the raw softmax scores of all routed heads, the MoH paper's eq. 9-10 (the released
+    MoH-LLaMA3 code is inference-only and has no backward);
     `moh_aux_loss_coef` weights the head load-balancing loss. See `moh.py`.
 
     `linear_type="bitnet_b158"` is 1-bit MH-MoE: BitNet b1.58 projections (ternary weights, 8-bit activations).
@@ -426,9 +428,9 @@ def moh_config_problems(config) -> list[str]:
     if not any(straight is value or (isinstance(value, str) and straight == value) for value in MOH_STRAIGHT_THROUGH):
         problems.append(f"moh_straight_through must be False, True or 'scores' (the paper's eq. 9-10), got "
                         f"{straight!r}")  # fmt: skip
-    elif straight == "scores" and config.moh_router != "l2":
-        problems.append("moh_straight_through='scores' (eq. 9-10 on the l2 router's softmax scores) needs "
-                        "moh_router='l2'; use True with the learned router")  # fmt: skip
+    elif straight == "scores" and config.moh_router not in ("l2", *CALIBRATED_MOH_ROUTERS):
+        problems.append("moh_straight_through='scores' (eq. 9-10 on a parameter-free router's softmax scores) needs "
+                        "moh_router 'l2', 'l2_standardized' or 'l2_relative'; use True with the learned router")  # fmt: skip
     if (shared is None) != (active is None):
         problems.append(
             f"moh_shared_heads and moh_active_heads must be set together (both None = plain multi-head attention), "
@@ -449,7 +451,25 @@ def moh_config_problems(config) -> list[str]:
                 f"moh_shared_heads + moh_active_heads ({shared} + {active}) must be <= num_attention_heads ({heads}): "
                 f"the router picks moh_active_heads of the {heads - shared} routed heads"
             )
+    problems += _head_norm_problems(config)
     return problems
+
+
+def _head_norm_problems(config) -> list[str]:
+    """The calibrated routers' per-layer, per-head query-norm statistics: present, (layers × heads), std > 0."""
+    mean, std = getattr(config, "moh_head_norm_mean", None), getattr(config, "moh_head_norm_std", None)
+    if config.moh_router not in CALIBRATED_MOH_ROUTERS:
+        return []
+    if mean is None or std is None:
+        return [f"moh_router {config.moh_router!r} needs moh_head_norm_mean and moh_head_norm_std (per layer, per head "
+                "query-norm statistics, measured by mhmoe-convert --calibration_file)"]
+    shape = (getattr(config, "num_hidden_layers", None), config.num_attention_heads)
+    for name, rows in (("moh_head_norm_mean", mean), ("moh_head_norm_std", std)):
+        if len(rows) != shape[0] or any(len(row) != shape[1] for row in rows):
+            return [f"{name} must be a list of {shape[0]} layers × {shape[1]} heads"]
+    if any(not (value > 0 and math.isfinite(value)) for row in (*mean, *std) for value in row):
+        return ["moh_head_norm_mean and moh_head_norm_std must be finite and > 0"]
+    return []
 
 
 LINEAR_TYPES = ("linear", "bitnet_b158")  # bitnet.py
@@ -558,4 +578,5 @@ def warn_misspelt_fields(config_class: type, kwargs: dict) -> None:
             )
 
 
-__all__ = ["MHMoEConfig", "conventions_fields", "moh_config_problems", "refuse_auto_class_registration"]
+__all__ = ["CALIBRATED_MOH_ROUTERS", "MHMoEConfig", "conventions_fields", "moh_config_problems",
+           "refuse_auto_class_registration"]  # fmt: skip

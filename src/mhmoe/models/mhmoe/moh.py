@@ -14,6 +14,9 @@ Routers (`moh_router`):
 - "l2": parameter-free (continue-tuning, §4.4): per token the L2 norm of each routed head's pre-RoPE query, divided by
   the per-token std of those norms (clamped), softmax, top-K; shared gates are 1. Adds no parameters, so the state
   dict stays the dense model's.
+- "l2_standardized" / "l2_relative" (calibrated conversion, `mhmoe.convert`): each routed head's pre-RoPE query
+  norm n_h scored against its own statistics measured on calibration text (config `moh_head_norm_mean` μ_h and
+  `moh_head_norm_std` σ_h, per layer: plain lists, no parameters): (n_h - μ_h) / σ_h, or n_h / μ_h; softmax, top-K.
 `moh_straight_through`: forward gates are exactly 0/1 (selected or not), the backward is a straight-through estimator,
 so the router (or, for "l2", the query projection through the norms) keeps learning. True: the gradient of the soft
 gates (top-K weights renormalised ×K, zero on unselected heads; this library's). "scores" (l2 router): eq. 9-10 as
@@ -36,7 +39,7 @@ from transformers import initialization as init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-from .configuration_mhmoe import MOH_ROUTERS
+from .configuration_mhmoe import CALIBRATED_MOH_ROUTERS, MOH_ROUTERS
 from .routing import l2_head_gates, routing_backend
 L2_STD_MIN = 1e-6  # clamp of the per-token std in the "l2" router
 HEAD_SKIPPING_MAX_ROWS = 8  # head skipping loops over query rows: only for decoding-sized inputs (B·T rows)
@@ -85,6 +88,7 @@ class MoHRouter(nn.Module):
         active_heads: int,
         router: str = "learned",
         straight_through: bool = False,
+        head_norm_stats: tuple[list[float], list[float]] | None = None,
     ):
         super().__init__()
         if router not in MOH_ROUTERS:
@@ -96,6 +100,12 @@ class MoHRouter(nn.Module):
         self.router = router
         self.straight_through = straight_through
         self.routed_weight = self.shared_weight = self.stage_weight = None
+        # calibrated routers: mean and std of each head's query norm, plain lists (not in the state dict; models are
+        # built on the meta device when loaded), made a (2, H) tensor on the queries' device on first use
+        self.head_norm_stats = head_norm_stats
+        self._head_norm_tensor = None
+        if router in CALIBRATED_MOH_ROUTERS and self.head_norm_stats is None:
+            raise ValueError(f"moh_router {router!r} needs per-head query-norm statistics (head_norm_stats)")
         if router == "learned":
             self.routed_weight = nn.Parameter(torch.zeros(self.routed_heads, hidden_size))  # W_r
             if shared_heads > 1:  # softmax over a single shared head is 1: no W_s needed
@@ -104,7 +114,10 @@ class MoHRouter(nn.Module):
                 self.stage_weight = nn.Parameter(torch.zeros(2, hidden_size))  # W_h
 
     @classmethod
-    def from_config(cls, config) -> "MoHRouter":
+    def from_config(cls, config, layer_idx: int | None = None) -> "MoHRouter":
+        stats = None
+        if config.moh_router in CALIBRATED_MOH_ROUTERS:
+            stats = (config.moh_head_norm_mean[layer_idx], config.moh_head_norm_std[layer_idx])
         router = cls(
             config.hidden_size,
             config.num_attention_heads,
@@ -112,6 +125,7 @@ class MoHRouter(nn.Module):
             config.moh_active_heads,
             config.moh_router,
             config.moh_straight_through,
+            stats,
         )
         router.routing_backend = getattr(config, "routing_backend", None)  # "torch" | "triton" | None: by device
         return router
@@ -121,6 +135,16 @@ class MoHRouter(nn.Module):
         for param in (self.routed_weight, self.shared_weight, self.stage_weight):
             if param is not None:
                 init.zeros_(param)
+
+    def calibrated_scores(self, norms: torch.Tensor) -> torch.Tensor:
+        """(B, T, R) fp32 query norms of the routed heads -> the calibrated routers' (B, T, R) scores."""
+        stats = self._head_norm_tensor
+        if stats is None or stats.device != norms.device:
+            stats = self._head_norm_tensor = torch.tensor(self.head_norm_stats, dtype=torch.float32, device=norms.device)
+        mean, std = stats[0, self.shared_heads :], stats[1, self.shared_heads :]
+        if self.router == "l2_relative":
+            return norms / mean
+        return (norms - mean) / std
 
     def extra_repr(self) -> str:
         return (
@@ -141,6 +165,9 @@ class MoHRouter(nn.Module):
         if self.router == "learned":
             x = hidden_states.float()
             router_logits = F.linear(x, self.routed_weight.float())  # (B, T, R)
+        elif self.head_norm_stats is not None:
+            norms = head_norms if head_norms is not None else query_states.float().norm(dim=-1)
+            router_logits = self.calibrated_scores(norms[..., shared:])
         elif head_norms is not None:
             router_logits = l2_scores(head_norms[..., shared:])
         else:
@@ -171,7 +198,8 @@ def add_head_router(attention: nn.Module, config) -> nn.Module:
     if moh_enabled(config):
         weight = attention.q_proj.weight
         dtype = weight.dtype if weight.is_floating_point() else None  # packed BitNet q_proj: int8 ternary weights
-        router = MoHRouter.from_config(config).to(device=weight.device, dtype=dtype)
+        router = MoHRouter.from_config(config, getattr(attention, "layer_idx", None))
+        router = router.to(device=weight.device, dtype=dtype)
     attention.head_router = router
     attention.moh_head_skipping = True
     return attention

@@ -19,6 +19,9 @@ class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
     `MoHLlamaForCausalLM.from_pretrained(llama_dir, moh_shared_heads=16, moh_active_heads=8)`.
     `moh_router="learned"` adds the two-stage router of eq. 5-6 (zero-initialised: every gate starts at 1).
     `moh_aux_loss_coef` weights the head load-balancing loss (eq. 7) when `output_router_logits` is on.
+    `moh_router="l2_standardized"` / `"l2_relative"` score each routed head's query norm against its own calibration
+    statistics `moh_head_norm_mean` / `moh_head_norm_std` (per layer, per head: plain lists, no parameters), measured
+    by `mhmoe-convert --calibration_file`.
     """
 
     model_type = "moh_llama"
@@ -34,6 +37,8 @@ class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
     moh_straight_through: bool | str = True  # True | False | "scores" (eq. 9-10, l2 router): see MHMoEConfig
     moh_aux_loss_coef: float | int = 0.01
     output_router_logits: bool = False
+    moh_head_norm_mean: list | None = None
+    moh_head_norm_std: list | None = None
 
     def validate_architecture(self):
         super().validate_architecture()
