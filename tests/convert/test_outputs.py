@@ -279,7 +279,7 @@ def _converting_child(argv, started):
 
 
 def _snapshot(folder: Path) -> dict:
-    """Every file's bytes; the conversion record without its timing."""
+    """Every file's bytes; the conversion record without its timings (the whole run's and the calibration's)."""
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file():
@@ -287,6 +287,7 @@ def _snapshot(folder: Path) -> dict:
             if p.name == "moh_conversion.json":
                 record = json.loads(data)
                 record.pop("seconds")
+                record.get("calibration", {}).pop("seconds", None)
                 data = json.dumps(record, sort_keys=True).encode()
             files[str(p.relative_to(folder))] = data
     return files

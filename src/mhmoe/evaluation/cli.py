@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     from lm_eval.utils import setup_logging
 
     setup_logging()
+    for handler in logging.getLogger("lm_eval").handlers:  # lm-eval binds its handler once, to the stderr of the
+        if type(handler) is logging.StreamHandler:  # first call: follow today's (a second main() in one process)
+            handler.stream = sys.stderr  # not setStream: it flushes the old stream, which may be closed
     saved_argv, sys.argv = sys.argv, ["mhmoe-eval", *argv]
     try:
         parser = HarnessCLI()

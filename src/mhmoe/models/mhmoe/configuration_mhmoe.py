@@ -430,7 +430,8 @@ def moh_config_problems(config) -> list[str]:
                         f"{straight!r}")  # fmt: skip
     elif straight == "scores" and config.moh_router not in ("l2", *CALIBRATED_MOH_ROUTERS):
         problems.append("moh_straight_through='scores' (eq. 9-10 on a parameter-free router's softmax scores) needs "
-                        "moh_router 'l2', 'l2_standardized' or 'l2_relative'; use True with the learned router")  # fmt: skip
+                        "moh_router 'l2', 'l2_standardized' or 'l2_relative'; use True with the learned "
+                        "router")  # fmt: skip
     if (shared is None) != (active is None):
         problems.append(
             f"moh_shared_heads and moh_active_heads must be set together (both None = plain multi-head attention), "
