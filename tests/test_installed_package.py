@@ -11,6 +11,7 @@ symlinks to just those, on PYTHONPATH. Marked `installed` (about two minutes; pa
 import importlib.metadata
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -302,7 +303,9 @@ def test_converter_and_paper_cuts_from_the_wheel(installed):
     _check([installed["python"], "-c", _TINY_LLAMA], env=env, cwd=work)
     proc = _check(["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"], env=env,
                   cwd=work)  # fmt: skip
-    assert "all heads active: max |Δlogit| = 0 vs source -> OK" in proc.stdout, proc.stdout
+    # the default recipe calibrates and permutes heads: o_proj sums the heads in another order (float rounding only)
+    assert "recipe calibrated" in proc.stdout, proc.stdout
+    assert re.search(r"all heads active: max \|Δlogit\| = \S+ vs source -> OK", proc.stdout), proc.stdout
     proc = _check([installed["python"], "-m", "mhmoe.convert", "--help"], env=env, cwd=work)
     assert "--input_dir" in proc.stdout
     proc = _check(["mhmoe-convert", "--bogus"], env=env, cwd=work, returncode=2)
