@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..hub.checkpoint_files import (
     SAFE_INDEX_NAME, check_writable, copy_side_file, fsync, overlapping, recover_output_dir, replace_dir,
-    temporary_dir_next_to,
+    temporary_dir_next_to, write_json_atomic,
 )
 from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_heads, head_recipe
 from .errors import ConversionError
@@ -339,11 +339,9 @@ def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) ->
 
 
 def _rewrite_notes(output_dir: str, report: ConversionReport) -> None:
-    """moh_conversion.json gets the GGUF notes (written atomically: temporary file + rename)."""
+    """moh_conversion.json gets the GGUF notes (written atomically)."""
     path = os.path.join(output_dir, RECORD_NAME)
     with open(path) as f:
         record = json.load(f)
     record.update(notes=report.notes)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(path + ".tmp", path)
+    write_json_atomic(path, record)

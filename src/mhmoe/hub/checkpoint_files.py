@@ -126,6 +126,18 @@ def fsync(path: str) -> None:
         os.close(fd)
 
 
+def write_json_atomic(path: str, data, indent: int | None = 2) -> None:
+    """Write JSON to `path` through a temporary file beside it (`PATH.tmp-PID`), flushed and renamed, the folder
+    flushed too: the file is whole or absent."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(data, f, indent=indent)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    fsync(os.path.dirname(os.path.abspath(path)))
+
+
 def _owner_tag() -> str:
     """`PID.HOST`: the process writing, and a hash of this machine's name (a shared file system may have writers on
     other machines, whose process ids mean nothing here)."""

@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 
+from ..hub.checkpoint_files import fsync, write_json_atomic
 from .arguments import TrainArguments, TrainingError
 from .metrics import PLOT_FILE, plot_metrics
 from .state import TrainRun
@@ -133,29 +134,10 @@ def check_resume(args: TrainArguments) -> None:
 
 def fsync_tree(path: str) -> None:
     """Flush every file under `path` and the folders' entries to disk."""
-    from ..hub.checkpoint_files import fsync
-
     for root, _, files in os.walk(path):
         for name in files:
             fsync(os.path.join(root, name))
         fsync(root)
-
-
-def write_json_atomic(path: str, data, indent: int | None = 2) -> None:
-    """Write JSON to `path` through a temporary file beside it, flushed and renamed: the file is whole or absent."""
-    temporary = f"{path}{TEMPORARY_SUFFIX}-{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(data, f, indent=indent)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def _fsync_dir(path: str) -> None:
-    from ..hub.checkpoint_files import fsync
-
-    fsync(path)
 
 
 def remove_dir_atomic(path: str) -> None:
@@ -209,7 +191,7 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
         if os.path.isdir(final):  # a checkpoint of the same step from before a resume: replaced whole
             remove_dir_atomic(final)
         os.replace(temporary, final)
-        _fsync_dir(args.output_dir)
+        fsync(args.output_dir)
         if args.save_total_limit:
             for _, old in list_checkpoints(args.output_dir, complete=False)[: -args.save_total_limit]:
                 remove_dir_atomic(old)
