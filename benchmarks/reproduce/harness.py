@@ -574,9 +574,12 @@ def write_cards(data: dict, out_dir: Path) -> list[Path]:
         results = [{"dataset_name": "held-out documentation (reproduction validation split)", "dataset_type": "text",
                     "dataset_split": "validation", "metric_type": "perplexity", "metric_value": round(final["mean"], 4),
                     "metric_name": f"validation perplexity, mean of {seeds} seeds"}]  # fmt: skip
+        # the versions the runs used (older results record Transformers' only in each config), never the running ones
+        made_with = {"mhmoe": data.get("mhmoe"),
+                     "transformers": data.get("transformers") or cell["config"].get("transformers_version")}
         card = model_card(MHMoEConfig(**cell["config"]), model_name=f"mhmoe-reproduce-{_slug(name)}",
                           parameters=cell["parity"]["parameters"], results=results, training=training,
-                          remote_code=False, versions=data)  # fmt: skip
+                          remote_code=False, versions={k: v for k, v in made_with.items() if v})  # fmt: skip
         path = folder / f"{_slug(name)}.md"
         path.write_text(str(card) + "\n")
         paths.append(path)

@@ -172,8 +172,9 @@ def test_exported_folder(exported):
     assert json.loads((mhmoe_dir / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_mhmoe.MHMoEForCausalLM"
     )
-    assert check_exported_code(moh_dir) == ["causal_lm.py", "configuration_mhmoe.py", "configuration_moh_llama.py",
-                                            "head_router_naive.py", "head_router_triton.py", "kernel_fallbacks.py",
+    assert check_exported_code(moh_dir) == ["cache_naming.py", "causal_lm.py", "configuration_mhmoe.py",
+                                            "configuration_moh_llama.py", "head_router_naive.py",
+                                            "head_router_triton.py", "kernel_fallbacks.py",
                                             "losses.py", "modeling_moh_llama.py", "moh.py", "moh_parallel.py",
                                             "parity.py", "plans.py", "publish.py", "routing.py", "routing_naive.py",
                                             "routing_triton.py", "triton_compat.py"]  # fmt: skip

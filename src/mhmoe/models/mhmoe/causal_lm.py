@@ -13,6 +13,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
+from .cache_naming import CACHE, either_cache
 from .losses import add_router_losses
 from .moh import moh_enabled
 
@@ -40,18 +41,20 @@ def _causal_lm_forward(
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values: Cache | None = None,
+    cache: Cache | None = None,
     inputs_embeds: torch.Tensor | None = None,
     labels: torch.LongTensor | None = None,
     use_cache: bool | None = None,
     output_router_logits: bool | None = None,
     logits_to_keep: int | torch.Tensor = 0,
+    past_key_values: Cache | None = None,
     **kwargs: Unpack[TransformersKwargs],
 ):
     """Causal LM forward. With `output_router_logits` (argument or config) it returns the unweighted router losses the
     model has (MoE: `aux_loss`, `z_loss`; MoH: `moh_aux_loss`) and, when `labels` are given, adds them to the LM loss
     weighted by `router_aux_loss_coef`, `router_z_loss_coef` and `moh_aux_loss_coef`. The output class is the model
-    class's `causal_lm_output_class` (default `MoHCausalLMOutputWithPast`)."""
+    class's `causal_lm_output_class` (default `MoHCausalLMOutputWithPast`). The key/value cache comes as `cache` or as
+    `past_key_values` (its name before Transformers 5.24) and is returned under the installed version's name."""
     config = self.config
     if output_router_logits is None:
         output_router_logits = getattr(config, "output_router_logits", False)
@@ -63,9 +66,9 @@ def _causal_lm_forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
         inputs_embeds=inputs_embeds,
         use_cache=use_cache,
+        **{CACHE: either_cache(cache, past_key_values)},
         **kwargs,
     )
     slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -79,7 +82,7 @@ def _causal_lm_forward(
                                                                              else ()))  # fmt: skip
     output_class = getattr(self, "causal_lm_output_class", MoHCausalLMOutputWithPast)
     fields = {
-        "loss": loss, **router_losses, "logits": logits, "past_key_values": outputs.past_key_values,
+        "loss": loss, **router_losses, "logits": logits, CACHE: outputs.get(CACHE),
         "hidden_states": outputs.hidden_states, "attentions": outputs.attentions,
         "router_logits": router_logits[0], "moh_router_logits": router_logits[1],
     }  # fmt: skip

@@ -96,7 +96,7 @@ class MHMoEConfig(OverridesBeforeChecks, PreTrainedConfig):
     """
 
     model_type = "mhmoe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache, named "cache" from Transformers 5.24
     # Parallel plans (Transformers' `DistributedConfig(tp_size=..., ep_size=...)`), Mixtral's plus MH-MoE's own layers.
     # The expert router (`mlp.gate`) is replicated, as in Mixtral; so are the norms. See docs/training.md.
     # A config instance gives only the rules for the modules its model has (plans.py); the class, every rule.

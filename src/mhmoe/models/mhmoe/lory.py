@@ -21,7 +21,7 @@ Cost per segment and head: the merge reads E expert parameter sets (E·3·W·I m
 the segment pays one expert (3·W·I); `parity.moe_layer_cost` counts both.
 
 Decoding with the KV cache: the block keeps, per layer, the number of tokens seen, the running sum of the current
-segment's sub-tokens and the mean of the previous segment, next to the cache (`past_key_values._mhmoe_lory`), so a
+segment's sub-tokens and the mean of the previous segment, next to the key/value cache (`cache._mhmoe_lory`), so a
 token decoded alone gets the routing the full forward gives it. Beam search's reordering of the cache reorders this
 state too; a cache cropped or reused for another sequence no longer matches it and is refused in words. Padding tokens
 count in the segment means (the block sees no attention mask): train on packed blocks (as `mhmoe-train` does) and
@@ -112,11 +112,11 @@ class MHLoryBlock(nn.Module):
         self.merge_proj = merge_proj
         self.shared_expert = shared_expert
 
-    def forward(self, hidden_states: torch.Tensor, past_key_values=None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cache=None) -> torch.Tensor:
         batch_size, seq_len, hidden_dim = hidden_states.shape
         sub_tokens = self.head_proj(hidden_states) if self.head_proj is not None else hidden_states
         sub_tokens = sub_tokens.view(batch_size, seq_len, self.moe_heads, -1)  # (B, T, h, W)
-        seen, prev_mean, current_sum = self._state(past_key_values, sub_tokens)
+        seen, prev_mean, current_sum = self._state(cache, sub_tokens)
         length, outputs, start = self.segment_length, [], 0
         while start < seq_len:  # one merged expert per segment touched by this call
             in_segment = (seen + start) % length  # tokens of this segment seen before
@@ -128,8 +128,8 @@ class MHLoryBlock(nn.Module):
             if (seen + end) % length == 0:  # segment complete: its mean routes the next one
                 prev_mean, current_sum = current_sum / length, torch.zeros_like(current_sum)
             start = end
-        if past_key_values is not None:
-            past_key_values._mhmoe_lory[self.layer_idx] = (seen + seq_len, prev_mean, current_sum)
+        if cache is not None:
+            cache._mhmoe_lory[self.layer_idx] = (seen + seq_len, prev_mean, current_sum)
         out = torch.cat(outputs, dim=1).reshape(batch_size, seq_len, hidden_dim)  # concatenate the sub-tokens
         if self.merge_proj is not None:
             out = self.merge_proj(out)
@@ -137,18 +137,18 @@ class MHLoryBlock(nn.Module):
             out = out + self.shared_expert(hidden_states)
         return out
 
-    def _state(self, past_key_values, sub_tokens: torch.Tensor):
+    def _state(self, cache, sub_tokens: torch.Tensor):
         """(tokens seen before this call, previous segment's mean (B, h, W) fp32, current segment's sum so far)."""
         batch_size, seq_len, heads, width = sub_tokens.shape
         zeros = sub_tokens.new_zeros(batch_size, heads, width, dtype=torch.float32)
-        if past_key_values is None:
+        if cache is None:
             return 0, zeros, zeros
-        states = getattr(past_key_values, "_mhmoe_lory", None)
+        states = getattr(cache, "_mhmoe_lory", None)
         if states is None:
-            states = past_key_values._mhmoe_lory = {}
-            _follow_beam_reordering(past_key_values, states)
+            states = cache._mhmoe_lory = {}
+            _follow_beam_reordering(cache, states)
         seen, prev_mean, current_sum = states.get(self.layer_idx, (0, zeros, zeros))
-        cached = past_key_values.get_seq_length(self.layer_idx)  # attention already added this call's tokens
+        cached = cache.get_seq_length(self.layer_idx)  # attention already added this call's tokens
         if cached != seen + seq_len or prev_mean.shape[0] != batch_size:
             raise ValueError(
                 f"router_type='lory' keeps per-segment routing state next to the KV cache: layer {self.layer_idx} has "

@@ -25,6 +25,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .bitnet import BitNetExperts, ffn_input_norm, is_quantized, make_linear
+from .cache_naming import CACHE, CACHE_NAMES, either_cache
 from .configuration_mhmoe import MHMoEConfig
 from .causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward, causal_lm_forward_returning  # noqa: F401
 from .lory import LoryExperts, LoryRouter, MHLoryBlock
@@ -160,14 +161,16 @@ class MHMoEAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
+        past_key_values: Cache | None = None,  # the cache's name before Transformers 5.24 (cache_naming.py)
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )  # the backend (eager, sdpa, flex, flash, or one a user registered)
         return attention_forward(
-            self, hidden_states, position_embeddings, attention_mask, past_key_values, self.config.sliding_window,
+            self, hidden_states, position_embeddings, attention_mask, either_cache(cache, past_key_values),
+            self.config.sliding_window,
             attention_interface=attention_interface, **kwargs,
         )  # fmt: skip
 
@@ -192,20 +195,22 @@ class MHMoEDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
+        past_key_values: Cache | None = None,  # the cache's name before Transformers 5.24 (cache_naming.py)
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        cache = either_cache(cache, past_key_values)
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         hidden_states = residual + hidden_states
-        mlp_kwargs = {"past_key_values": past_key_values} if isinstance(self.mlp, MHLoryBlock) else {}
+        mlp_kwargs = {"cache": cache} if isinstance(self.mlp, MHLoryBlock) else {}
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), **mlp_kwargs)
 
 
@@ -214,7 +219,7 @@ class MHMoEPreTrainedModel(SelfContainedSaveMixin, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["MHMoEDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = list(CACHE_NAMES)
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -269,19 +274,21 @@ class MHMoEModel(MHMoEPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,  # the cache's name before Transformers 5.24 (cache_naming.py)
         **kwargs: Unpack[TransformersKwargs],
     ) -> MHMoEModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        cache = either_cache(cache, past_key_values)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
@@ -290,8 +297,8 @@ class MHMoEModel(MHMoEPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{CACHE: cache},
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -300,12 +307,12 @@ class MHMoEModel(MHMoEPreTrainedModel):
                 hidden_states,
                 attention_mask=causal_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
-        return MHMoEModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return MHMoEModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE: cache})
 
 
 class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):

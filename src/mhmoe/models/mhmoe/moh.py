@@ -39,6 +39,7 @@ from transformers import initialization as init
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
+from .cache_naming import either_cache
 from .configuration_mhmoe import CALIBRATED_MOH_ROUTERS, MOH_ROUTERS
 from .routing import l2_head_gates, routing_backend
 L2_STD_MIN = 1e-6  # clamp of the per-token std in the "l2" router
@@ -210,7 +211,7 @@ def attention_forward(
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None,
-    past_key_values=None,
+    cache=None,
     sliding_window: int | None = None,
     attention_interface: Callable | None = None,
     **kwargs,
@@ -233,8 +234,8 @@ def attention_forward(
 
     cos, sin = position_embeddings
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    if past_key_values is not None:  # every head's K/V is cached: a later token may select it
-        key_states, value_states = past_key_values.update(key_states, value_states, module.layer_idx)
+    if cache is not None:  # every head's K/V is cached: a later token may select it
+        key_states, value_states = cache.update(key_states, value_states, module.layer_idx)
 
     if gates is not None and _use_head_skipping(module, query_states, attention_mask, gates, kwargs):
         out = skipped_heads_attention(
@@ -268,15 +269,17 @@ class MoHAttentionMixin:
     """Put before a Llama-style attention class (Llama, Mistral, Qwen2) to route its heads; plain attention when the
     module has no head router."""
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
+                **kwargs):  # fmt: skip
+        cache = either_cache(cache, past_key_values)  # the model passes `past_key_values` before Transformers 5.24
         if getattr(self, "head_router", None) is None:
-            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         if hasattr(self, "sliding_window"):  # Qwen2: per layer
             sliding_window = self.sliding_window
         else:  # Mistral: from the config; Llama: none
             sliding_window = getattr(self.config, "sliding_window", None)
         return attention_forward(
-            self, hidden_states, position_embeddings, attention_mask, past_key_values, sliding_window, **kwargs
+            self, hidden_states, position_embeddings, attention_mask, cache, sliding_window, **kwargs
         )
 
 
