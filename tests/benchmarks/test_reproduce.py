@@ -11,6 +11,7 @@ from mhmoe import moe_layer_cost
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks" / "reproduce"))
 
+import compare  # noqa: E402
 import harness  # noqa: E402
 import make_splits  # noqa: E402
 import run  # noqa: E402
@@ -230,3 +231,17 @@ def test_merge_reads_the_committed_one_piece_tables(tmp_path):
     for cell, entry in committed["cells"].items():
         assert [r["eval"] for r in merged["cells"][cell]["runs"]] == [r["eval"] for r in entry["runs"]]
         assert merged["cells"][cell]["summary"] == entry["summary"]
+
+
+def test_comparison_puts_each_cell_beside_its_earlier_result():
+    def cell(*finals):
+        return {"runs": [{"eval": [{"step": 10, "tokens": 640, "ppl": p}]} for p in finals]}
+
+    old = {"commit": "aaa", "cells": {"SMoE": cell(200.0, 210.0)}}
+    new = {"commit": "bbb", "cells": {"SMoE": cell(190.0, 194.0), "MH-MoE h=2": cell(180.0, 181.0)}}
+    for data in (old, new):
+        for entry in data["cells"].values():
+            entry["summary"] = harness.summarise(entry)
+    assert compare.comparison(old, new).splitlines() == [
+        "| model | library conventions (aaa) | official preset (bbb) |", "| --- | --- | --- |",
+        "| SMoE | 205.00 (200.00–210.00) | 192.00 (190.00–194.00) |", "| MH-MoE h=2 | - | 180.50 (180.00–181.00) |"]
