@@ -141,13 +141,17 @@ def _parameter_count(folder: Path) -> int:
     return total
 
 
-def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: bool, records_dir=None,
+def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: bool | None = None, records_dir=None,
                       training: str | None = None) -> str:
     """The model card (README.md, template model_cards/*.md via `cards.py`): architecture from the config,
     parameters from the exported weights, parity of one MoE layer; the base model (converted models) and the training
     from the records in `records_dir` (default: `folder`): moh_conversion.json, train_summary.json (`training`, when
-    given, instead of the latter)."""
+    given, instead of the latter). `has_tokenizer`: whether the usage snippet loads a tokenizer (default: whether
+    `folder` has one)."""
     from .cards import folder_records, model_card
+
+    if has_tokenizer is None:
+        has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
 
     records = folder_records(records_dir if records_dir is not None else folder)
     if training is not None:
@@ -173,8 +177,6 @@ def write_remote_code(folder: str | os.PathLike, config, model_card: bool = True
         (folder / name).write_text(text, encoding="utf-8")
     check_exported_code(folder)
     if model_card and not (folder / "README.md").exists():
-        if has_tokenizer is None:
-            has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
         card = render_model_card(config, classes, folder, repo or folder.resolve().name, has_tokenizer, records_dir)
         (folder / "README.md").write_text(card, encoding="utf-8")
 

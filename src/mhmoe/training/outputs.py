@@ -113,11 +113,10 @@ def _rewrite_card(folder: str, model, training: str, records_dir: str | None = N
         return
     from pathlib import Path
 
-    from ..hub.remote_code import TOKENIZER_FILES, auto_classes, render_model_card
+    from ..hub.remote_code import auto_classes, render_model_card
 
-    has_tokenizer = any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
     card = render_model_card(model.config, auto_classes(model.config), Path(folder), Path(folder).resolve().name,
-                             has_tokenizer, records_dir, training)  # fmt: skip
+                             records_dir=records_dir, training=training)  # fmt: skip
     temporary = f"{card_path}.tmp-{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as f:
         f.write(card)
