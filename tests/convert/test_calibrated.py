@@ -259,6 +259,7 @@ def test_gguf_input_converts_and_verifies(tmp_path, tokenizer_dir, capsys):
     assert "dequantised tiny.gguf (GGUF)" in printed and "-> OK" in printed
     record = json.loads((out / "moh_conversion.json").read_text())
     assert record["input_dir"].endswith("tiny.gguf") and record["verification"]["all_heads_equal"]
+    assert "dequantised tiny.gguf" in record["notes"][0]  # the GGUF notes are in the record written with the folder
     assert (out / "tokenizer.json").is_file() and not _leftovers(tmp_path, "out")
     moh = MoHLlamaForCausalLM.from_pretrained(str(out)).eval()
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))

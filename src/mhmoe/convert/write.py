@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..hub.checkpoint_files import (
     SAFE_INDEX_NAME, check_writable, copy_side_file, fsync, overlapping, recover_output_dir, replace_dir,
-    temporary_dir_next_to, write_json_atomic,
+    temporary_dir_next_to,
 )
 from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_heads, head_recipe
 from .errors import ConversionError
@@ -268,6 +268,7 @@ def convert(
     calibration_file: str | None = None,
     calibration_tokens: int = CALIBRATION_TOKENS,
     source_name: str | None = None,
+    source_notes: list[str] | None = None,
 ) -> ConversionReport:
     """Convert `input_dir` (llama / mistral / qwen2, safetensors; or `gguf_file` inside it) into a moh_llama
     checkpoint at `output_dir`.
@@ -277,7 +278,8 @@ def convert(
     heads). Raises `ConversionError` (nothing written at `output_dir`) for anything it refuses; see plan.py's
     docstring. `verify_logits=False` skips loading the models (names, dtypes and shapes are still checked).
     `source_name`: the source as moh_conversion.json and the card name it (default `input_dir`'s folder name or Hub
-    repo id; never a local path).
+    repo id; never a local path). `source_notes`: how the source was read (GGUF dequantisation), first among the
+    report's and moh_conversion.json's notes.
     """
     start = time.time()
     check_paths(input_dir, output_dir)
@@ -286,6 +288,7 @@ def convert(
     if gguf_file is not None:
         return _convert_gguf(**{k: v for k, v in locals().items() if k != "start"})
     plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
+    plan.notes[:0] = source_notes or []
     _check_disk_space(plan, output_dir)
     calibration_start = time.time()
     choices = choose_heads(plan, recipe, calibration_file, calibration_tokens)
@@ -328,20 +331,12 @@ def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) ->
     dense = temporary_dir_next_to(output_dir)
     try:
         notes = dequantise_gguf(input_dir, gguf_file, dense)
-        options.pop("source_name", None)
-        report = convert(dense, output_dir, source_name=os.path.join(input_dir, gguf_file), **options)
+        for own in ("source_name", "source_notes"):  # given here
+            options.pop(own, None)
+        report = convert(dense, output_dir, source_name=os.path.join(input_dir, gguf_file), source_notes=notes,
+                         **options)  # fmt: skip
         report.input_dir = os.path.join(input_dir, gguf_file)
-        report.notes[:0] = notes
-        _rewrite_notes(output_dir, report)
     finally:
         shutil.rmtree(dense, ignore_errors=True)
     return report
 
-
-def _rewrite_notes(output_dir: str, report: ConversionReport) -> None:
-    """moh_conversion.json gets the GGUF notes (written atomically)."""
-    path = os.path.join(output_dir, RECORD_NAME)
-    with open(path) as f:
-        record = json.load(f)
-    record.update(notes=report.notes)
-    write_json_atomic(path, record)
