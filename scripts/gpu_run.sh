@@ -30,8 +30,9 @@ OUT="${OUT:-$ROOT/outputs/gpu_run}"
 PY="${GPU_RUN_PYTHON:-python3}"
 SITE="$ROOT/.gpu_site"
 WORK="$ROOT/outputs/gpu_reproduce"
-CELLS="${CELLS:-smoe mhmoe_h3 finegrained_smoe mhmoe_h2 dense}"
-SEEDS="${SEEDS:-0 1}"
+CELLS="${CELLS:-smoe mhmoe_h3}"
+SEEDS="${SEEDS:-0}"
+SCALE="${SCALE:-gpu_slice}"
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -108,14 +109,18 @@ the reproduction need a GPU machine."
 }
 
 probe() {
-    log "probe: 100 training steps each of the gpu-scale SMoE and MH-MoE h=3 (bf16)"
-    timeout 540 "$PY" benchmarks/reproduce/run.py mhmoe_table1 --scale gpu --probe 100 --cells smoe mhmoe_h3 \
-        --out "$OUT" 2>&1 | tee "$OUT/probe.log"
+    log "probe: ${PROBE_STEPS:-20} training steps each of the gpu-scale SMoE and MH-MoE h=3 (bf16)"
+    timeout 240 "$PY" benchmarks/reproduce/run.py mhmoe_table1 --scale gpu --probe "${PROBE_STEPS:-20}" \
+        --cells smoe mhmoe_h3 --out "$OUT" 2>&1 | tee "$OUT/probe.log"
+    cp "$OUT"/probe_*.json "$WORK/" 2>/dev/null || true  # kept on a warm machine: sizes the next command's slice
 }
 
 bench() {
-    log "bench: benchmarks/gpu_moe.py (kernel checks first), each section written to $OUT/gpu_moe/ as it ends"
-    timeout 570 "$PY" benchmarks/gpu_moe.py --out "$OUT/gpu_moe" 2>&1 | tee "$OUT/gpu_moe.log" || \
+    # the cheap sections first, the block timings (the longest) last: a run cut at its limit keeps the rest
+    local seconds="${BENCH_SECONDS:-270}"
+    log "bench: benchmarks/gpu_moe.py (kernel checks first, at most $seconds s), each section written to $OUT/gpu_moe/"
+    timeout "$seconds" "$PY" benchmarks/gpu_moe.py --out "$OUT/gpu_moe" --repeats "${BENCH_REPEATS:-10}" \
+        --sections checks routing head_router gemm model blocks 2>&1 | tee "$OUT/gpu_moe.log" || \
         log "bench stopped early (exit ${PIPESTATUS[0]}): the sections written so far are in $OUT/gpu_moe/"
 }
 
@@ -124,10 +129,25 @@ reproduce() {
         log "reproduce: skipped: data/corpus/ was not carried (bash scripts/get_corpus.sh, then carry data/corpus)"
         return 0
     fi
-    local minutes="${DEADLINE_MINUTES:-9}"
-    log "reproduce: Table 1 cells ($CELLS) seeds ($SEEDS) at the gpu scale, bf16, deadline $minutes min"
+    local minutes="${DEADLINE_MINUTES:-3.5}"
+    log "reproduce: Table 1 cells ($CELLS) seeds ($SEEDS) at the $SCALE scale, bf16, deadline $minutes min"
+    local steps="${SLICE_STEPS:-}"
+    if [ -z "$steps" ] && [ -f "$WORK/probe_mhmoe_table1_gpu.json" ]; then
+        # every (cell, seed) of the slice fits the deadline, less a minute for the tokenizer and the data, at the
+        # probe's step times plus the harness's 25% for validation
+        # shellcheck disable=SC2086
+        steps=$("$PY" - "$WORK/probe_mhmoe_table1_gpu.json" "$minutes" $SEEDS <<'PYEOF'
+import json, sys
+probe, minutes, seeds = json.load(open(sys.argv[1])), float(sys.argv[2]), len(sys.argv[3:])
+per_step = seeds * sum(cell["ms_per_step"] for cell in probe["cells"].values()) / 1e3 * 1.25
+print(max(100, min(3000, int((minutes * 60 - 60) / per_step) // 50 * 50)))
+PYEOF
+)
+        log "reproduce: $steps steps per run, sized from the probe"
+    fi
     # shellcheck disable=SC2086
-    "$PY" benchmarks/reproduce/run.py mhmoe_table1 --scale gpu --cells $CELLS --seeds $SEEDS --out "$WORK" \
+    "$PY" benchmarks/reproduce/run.py mhmoe_table1 --scale "$SCALE" --cells $CELLS --seeds $SEEDS --out "$WORK" \
+        ${steps:+--steps "$steps"} \
         --deadline "$minutes" 2>&1 | tee -a "$OUT/reproduce.log"
 }
 
@@ -137,11 +157,11 @@ merge() {
 }
 
 copy_back() {
+    # what comes back lies at most one folder under $OUT: run files flat in $OUT/runs/, the merged table beside them
     if [ -d "$WORK/runs" ]; then
-        mkdir -p "$OUT/reproduce"
-        cp -r "$WORK/runs" "$OUT/reproduce/"
-        cp "$WORK"/reproduce_* "$OUT/reproduce/" 2>/dev/null || true
-        cp -r "$WORK/cards" "$OUT/reproduce/" 2>/dev/null || true
+        mkdir -p "$OUT/runs"
+        find "$WORK/runs" -name '*_seed*.json' -exec cp {} "$OUT/runs/" \;
+        cp "$WORK"/reproduce_*.json "$WORK"/reproduce_*.md "$OUT/runs/" 2>/dev/null || true
     fi
 }
 trap copy_back EXIT

@@ -39,8 +39,9 @@ CORPUS = REPO / "data" / "corpus"
 RESULTS = REPO / "benchmarks" / "results"
 
 
-VALIDATION_CHARS = {"quick": 20_000, "cpu": 120_000, "cpu_long": 120_000, "gpu": 4_000_000}  # evaluated per point
-TRAIN_CHARS = {"quick": None, "cpu": 6_000_000, "cpu_long": 6_000_000, "gpu": None}  # None: the whole split
+VALIDATION_CHARS = {"quick": 20_000, "cpu": 120_000, "cpu_long": 120_000, "gpu": 4_000_000,
+                    "gpu_slice": 1_000_000}  # evaluated per point
+TRAIN_CHARS = {"quick": None, "cpu": 6_000_000, "cpu_long": 6_000_000, "gpu": None, "gpu_slice": None}  # None: all
 
 
 class CorpusMissing(SystemExit):
@@ -55,7 +56,7 @@ def data_files(scale_name: str, workdir: Path) -> tuple[str, str, str]:
     if scale_name != "quick" and (CORPUS / "train.jsonl").is_file() and (CORPUS / "validation.jsonl").is_file():
         name = "Debian documentation sources (python3.11-doc, linux-doc-6.1), split by document"
         train_file, val_file = str(CORPUS / "train.jsonl"), str(CORPUS / "validation.jsonl")
-    elif scale_name == "gpu":
+    elif scale_name.startswith("gpu"):
         raise CorpusMissing(
             f"error: the gpu scale needs the corpus at {CORPUS}/{{train,validation}}.jsonl and it is not there (the "
             "pydoc_data fallback is too small to measure anything at this scale): run `bash scripts/get_corpus.sh` on "

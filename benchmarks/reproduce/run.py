@@ -171,11 +171,12 @@ def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out:
 
 def run_cells(name: str, scale_name: str, seeds: list[int], out: Path, wanted: list[str] | None = None,
               deadline: Deadline | None = None, mixed_precision: str = "no",
-              eval_every: int | None = None) -> bool:  # fmt: skip
-    """Train every selected (cell, seed) not yet in `out`, writing each run file as it finishes. Returns False when the
-    deadline stopped it before every run was done."""
+              eval_every: int | None = None, steps: int | None = None) -> bool:  # fmt: skip
+    """Train every selected (cell, seed) not yet in `out`, writing each run file as it finishes (`steps` overrides the
+    scale's training steps; each run file records the scale it ran). Returns False when the deadline stopped it before
+    every run was done."""
     _, title = tables.TABLES[name]
-    scale = tables.SCALES[scale_name]
+    scale = dict(tables.SCALES[scale_name], **({"steps": steps} if steps else {}))
     deadline = deadline or Deadline(None)
     cells = select_cells(name, scale, wanted)
     todo = [(cell, seed) for cell in cells for seed in seeds
@@ -336,6 +337,8 @@ def main(argv=None) -> int:
                         help="training precision (default: bf16 at the gpu scale, else no)")
     parser.add_argument("--eval_every", type=int, default=None, metavar="STEPS",
                         help="validate every STEPS steps (default: a tenth of training; half with --quick)")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="train N steps instead of the scale's (recorded in each run file's scale)")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                         help="build the table from the run files in DIR... (no training); written to --out, "
                         "default the first DIR")  # fmt: skip
@@ -363,7 +366,7 @@ def main(argv=None) -> int:
         merge(args.table, args.merge, args.out or args.merge[0])
         return 0
     scale = "quick" if args.quick else args.scale
-    mixed_precision = args.mixed_precision or ("bf16" if scale == "gpu" else "no")
+    mixed_precision = args.mixed_precision or ("bf16" if scale.startswith("gpu") else "no")
     if args.probe:
         probe(args.table, scale, args.cells, args.probe, args.out or harness.RESULTS, mixed_precision)
         return 0
@@ -376,7 +379,7 @@ def main(argv=None) -> int:
             run_fig2(scale, args.seeds, out, Path(tmp))
             return 0
         finished = run_cells(args.table, scale, args.seeds, out, args.cells, deadline, mixed_precision,
-                             args.eval_every)  # fmt: skip
+                             args.eval_every, args.steps)  # fmt: skip
         merge(args.table, [out], out)
         if not finished:
             print("stopped at the deadline; the table above holds the runs finished so far")
