@@ -27,10 +27,10 @@ SCALES = {
                      batch=8, steps=1500, vocab=2048, lr=2e-3),
     "gpu": dict(hidden_size=576, num_hidden_layers=8, num_attention_heads=8, smoe_intermediate=1536, block=512,
                 batch=32, steps=3000, vocab=8192, lr=1e-3),
-    # the gpu scale's models and batch, trained for fewer steps: SMoE vs MH-MoE h=3 (seed 0) fit one 4-minute command
-    # of a 15-minute GPU window (scripts/gpu_run.sh reproduce)
+    # the gpu scale's models and batch, 1550 steps (what one 5-minute command fit for SMoE and MH-MoE h=3 on an H200;
+    # scripts/gpu_run.sh reproduce sizes --steps from the probe unless SLICE_STEPS is set)
     "gpu_slice": dict(hidden_size=576, num_hidden_layers=8, num_attention_heads=8, smoe_intermediate=1536, block=512,
-                      batch=32, steps=1000, vocab=8192, lr=1e-3),
+                      batch=32, steps=1550, vocab=8192, lr=1e-3),
 }  # fmt: skip
 
 ROUTER = dict(router_aux_loss_mode="top1_sum", router_aux_loss_coef=0.01, output_router_logits=True)
