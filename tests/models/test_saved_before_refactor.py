@@ -1,0 +1,51 @@
+"""Checkpoints saved before the model layer was reorganised (commit 17c8c52, issue #30) load through the Auto classes
+and give the logits they gave then, bit for bit; exported with their modeling code, they give them where mhmoe is not
+installed. The folders and logits were written by tests/fixtures/saved_before_refactor/make_fixture.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import mhmoe  # noqa: F401  (registers the model types with the Auto classes)
+from tests.fixtures.remote_code import load_without_mhmoe
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "saved_before_refactor"
+SAVED = load_file(str(FIXTURE / "logits.safetensors"))
+NAMES = sorted(name for name in SAVED if name != "input_ids")
+
+
+def test_the_fixture_covers_every_variant():
+    model_types = {json.loads((FIXTURE / name / "config.json").read_text())["model_type"] for name in NAMES}
+    assert model_types == {"mhmoe", "moh_llama"}
+    assert set(NAMES) == {"bitnet_moh_l2", "lory_per_head", "mhmoe_moh_learned", "moh_llama_l2", "moh_llama_relative",
+                          "smoe_capacity"}  # fmt: skip
+    assert json.loads((FIXTURE / "versions.json").read_text())["source"] == "commit 17c8c52"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_before_loads_with_identical_logits(name):
+    folder = FIXTURE / name
+    config = AutoConfig.from_pretrained(folder)
+    assert config.to_dict()["model_type"] == json.loads((folder / "config.json").read_text())["model_type"]
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert type(model).__module__.startswith("mhmoe.models.")
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    with torch.no_grad():
+        logits = model.eval()(SAVED["input_ids"]).logits
+    assert torch.equal(logits, SAVED[name]), (logits - SAVED[name]).abs().max()
+
+
+def test_saved_before_exports_and_loads_without_mhmoe(tmp_path):
+    from mhmoe.hub import export_pretrained
+
+    folders = {}
+    for name in NAMES:
+        folders[name] = tmp_path / name
+        export_pretrained(str(FIXTURE / name), str(folders[name]))
+    remote = load_without_mhmoe(folders, SAVED["input_ids"], SAVED["input_ids"][:1, :4], tmp_path)
+    for name in NAMES:
+        torch.testing.assert_close(remote[name + ".logits"], SAVED[name], rtol=0, atol=0)
