@@ -11,7 +11,7 @@ and prints the held-out perplexity after continue-tuning. Under the team's CPU l
 
     flock /work/team/heavy.lock python benchmarks/convert_straight_through.py --seeds 0
 
-(about 2-3 minutes per run on the shared 2-core CPU; conversion/README.md has the measured output)
+(about 2-3 minutes per run on the shared 2-core CPU; docs/conversion.md has the measured output)
 """
 
 import argparse

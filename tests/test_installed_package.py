@@ -143,7 +143,7 @@ from mhmoe._plumbing.resources import data_dir
 {TINY_MODELS}
 optional = sorted(m for m in {OPTIONAL!r} if m in sys.modules)
 try:
-    import mhmoe.evaluation.harness
+    import mhmoe.evaluation.lm_eval_model
     evaluate_error = None
 except MissingExtraError as e:
     evaluate_error = str(e)

@@ -133,7 +133,7 @@ def cached_packing(cache_dir: Path, tokenizer):
     memoised in `cache_dir` as safetensors keyed by (documents, tokenizer, block size), so the runs of one output folder
     tokenize the corpus once. Only the name the training's setup module looks up is replaced, for the duration of the
     block; if that module no longer has it, nothing is cached (and nothing breaks)."""
-    import mhmoe.training.setup as setup_module
+    import mhmoe.training.prepare as setup_module
     from safetensors.torch import load_file, save_file
 
     original = getattr(setup_module, "tokenize_and_pack", None)

@@ -48,7 +48,7 @@ def _tokenizer(metadata: dict):
         except Exception as err:  # noqa: BLE001 - fall back to the in-process model's tokenizer
             log.warning("mhmoe_ppl: could not load tokenizer %r for token counts (%s)", name, err)
     try:
-        from mhmoe.evaluation.harness import active_tokenizer
+        from mhmoe.evaluation.lm_eval_model import active_tokenizer
     except ImportError:
         return None
     return active_tokenizer()

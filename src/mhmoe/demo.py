@@ -20,7 +20,7 @@ from .evaluation.analysis import expert_load, head_load, plot_load
 from .models.mhmoe.configuration_mhmoe import MHMoEConfig
 from .training.data import read_files, tokenize_and_pack
 from .training.loop import train
-from .training.setup import reset_accelerate_state
+from .training.prepare import reset_accelerate_state
 
 PROMPT = 'The "if" statement is used'
 
@@ -76,7 +76,7 @@ def generate_sample(model, tokenizer, prompt: str = PROMPT, max_new_tokens: int 
 
 def lm_eval_perplexity(model_dir: Path, val_file: str, block_size: int, limit: int | None) -> dict:
     """lm-eval's rolling log-likelihood on the held-out topics (`mhmoe_ppl_wikipedia` on a local file)."""
-    from .evaluation.harness import ROUTING_KEY, MHMoELM
+    from .evaluation.lm_eval_model import ROUTING_KEY, MHMoELM
     from .evaluation.suites import simple_evaluate, task_manager
 
     lm = MHMoELM(pretrained=str(model_dir), batch_size=8, max_length=block_size, device="cpu")

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mhmoe
-import mhmoe.convert.write as conversion
+import mhmoe.convert.conversion as conversion
 from mhmoe.convert import ConversionError, convert, head_split, main
 
 from tests.fixtures.training import free_port, fresh_accelerate_state
@@ -454,7 +454,7 @@ def test_two_processes(tmp_path, corpus, tokenizer_dir):
     main process ends both processes (none waits forever)."""
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     out = tmp_path / "ddp"
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "conversion", "convert_llama_to_moh.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "convert_llama_to_moh.py")
     src = os.path.join(os.path.dirname(mhmoe.__file__), "..")
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")]))  # fmt: skip

@@ -306,7 +306,7 @@ def test_random_kills_then_rerun_gives_the_uninterrupted_result(tmp_path, tokeni
     argv = ["--input_dir", str(source), "--output_dir", str(out), "--disable_tqdm", "--overwrite"]
     ctx = multiprocessing.get_context("forkserver")  # children forked from a process that imported everything once
     ctx.set_forkserver_preload(["torch", "transformers", "mhmoe", "mhmoe.convert.cli", "mhmoe.convert.continue_tune",
-                                "mhmoe.convert.write", "mhmoe.convert.verify", "mhmoe.hub.remote_code",
+                                "mhmoe.convert.conversion", "mhmoe.convert.verify", "mhmoe.hub.remote_code",
                                 "mhmoe.models.moh_llama.modeling_moh_llama", "transformers.models.llama.modeling_llama",
                                 __name__])  # fmt: skip
 

@@ -225,7 +225,7 @@ def test_lm_eval_hf_trust_remote_code(exported, name):
     """Plain `lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` with mhmoe blocked gives the
     perplexities the `mhmoe` model computes in-process on the same folder."""
     pytest.importorskip("lm_eval")
-    from mhmoe.evaluation import harness, suites
+    from mhmoe.evaluation import lm_eval_model, suites
 
     root, folder = exported["root"], exported["dirs"][name]
     metadata = _ppl_metadata(root)
@@ -240,7 +240,7 @@ def test_lm_eval_hf_trust_remote_code(exported, name):
     assert results["config"]["model"] == "hf" and results["config"]["model_args"]["trust_remote_code"] is True
     got = results["results"]["mhmoe_ppl_c4"]
 
-    lm = harness.MHMoELM(pretrained=str(folder), device="cpu", batch_size=4, max_length=512)
+    lm = lm_eval_model.MHMoELM(pretrained=str(folder), device="cpu", batch_size=4, max_length=512)
     tm = suites.task_manager(["mhmoe_ppl"], metadata=metadata)
     expected = suites.simple_evaluate(model=lm, tasks=["mhmoe_ppl_c4"], task_manager=tm, bootstrap_iters=0)
     expected = expected["results"]["mhmoe_ppl_c4"]
@@ -256,15 +256,15 @@ def test_lm_eval_moh_llama_routing_statistics(exported):
     pytest.importorskip("lm_eval")
     import lm_eval
 
-    from mhmoe.evaluation import harness, suites
+    from mhmoe.evaluation import lm_eval_model, suites
 
     metadata = _ppl_metadata(exported["root"])
-    lm = harness.MHMoELM(pretrained=str(exported["dirs"]["moh_llama"]), device="cpu", batch_size=4, max_length=512)
+    lm = lm_eval_model.MHMoELM(pretrained=str(exported["dirs"]["moh_llama"]), device="cpu", batch_size=4, max_length=512)
     assert type(lm.model) is MoHLlamaForCausalLM  # mhmoe's own class, not the exported copy
     tm = suites.task_manager(["mhmoe_ppl"], metadata=metadata)
     results = lm_eval.simple_evaluate(model=lm, tasks=["mhmoe_ppl_c4"], task_manager=tm, bootstrap_iters=0)
     assert results["results"]["mhmoe_ppl_c4"]["token_perplexity,none"] > 1.0
-    stats = results["config"][harness.ROUTING_KEY]
+    stats = results["config"][lm_eval_model.ROUTING_KEY]
     assert stats["moe_layers"] == 0 and stats["moh_layers"] == MOH_LLAMA["num_hidden_layers"]
     assert stats["activated_heads_pct"] == pytest.approx(MOH_LLAMA_ACTIVE_PCT)
     for layer in stats["moh_per_layer"].values():

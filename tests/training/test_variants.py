@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import mhmoe.training.setup as training_setup
+import mhmoe.training.prepare as training_setup
 from mhmoe.training.data import read_files, tokenize_and_pack
 from mhmoe.training import TrainArguments
 from mhmoe.training import train as _train

@@ -1,4 +1,4 @@
-"""`mhmoe-convert` / `python -m mhmoe.convert` / conversion/convert_llama_to_moh.py: the arguments and `main()`.
+"""`mhmoe-convert` / `python -m mhmoe.convert` / scripts/convert_llama_to_moh.py: the arguments and `main()`.
 
 Converts (write.py); with `--train_file` also continue-tunes (continue_tune.py), taking every continue-tuning flag of
 mhmoe-train with the recipe's defaults (recipe.py). Works under `accelerate launch` with several processes. The
@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.input_dir or not args.output_dir:
         parser.error("--input_dir and --output_dir are required")
 
-    from ..hub.checkpoint_files import os_error_message
+    from .._plumbing.checkpoint_files import os_error_message
     from ..training.arguments import TrainingError
     from .continue_tune import convert_and_continue_tune
-    from .write import convert
+    from .conversion import convert
 
     try:
         if tune.train_file:

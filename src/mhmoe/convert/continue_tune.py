@@ -16,12 +16,12 @@ import time
 
 from transformers.utils import CONFIG_NAME
 
-from ..hub.checkpoint_files import replace_dir, temporary_dir_next_to
+from .._plumbing.checkpoint_files import replace_dir, temporary_dir_next_to
 from .arguments import ConvertArguments, _continue_tune_arguments_class
 from .errors import ConversionError
 from .recipe import head_split
 from .verify import all_heads_active
-from .write import check_paths, convert, output_state
+from .conversion import check_paths, convert, output_state
 
 CONVERTED_SUBDIR = "converted"
 DISTILL_RECORD = "distillation.json"

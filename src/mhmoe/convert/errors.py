@@ -1,6 +1,6 @@
 """The converter's one exception type."""
 
-from ..hub.checkpoint_files import CheckpointError
+from .._plumbing.checkpoint_files import CheckpointError
 
 
 class ConversionError(CheckpointError):

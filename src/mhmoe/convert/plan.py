@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from transformers.utils import CONFIG_NAME
 
-from ..hub.checkpoint_files import SAFE_INDEX_NAME, read_header, read_model_type, side_files, weight_files
+from .._plumbing.checkpoint_files import SAFE_INDEX_NAME, read_header, read_model_type, side_files, weight_files
 from .errors import ConversionError
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, SHARED_HEADS_RATIO, head_split, moh_fields
 
@@ -226,7 +226,7 @@ def _add_zero_biases(shards: list[ShardPlan]) -> None:
 
 def _files_to_copy(input_dir: str) -> tuple[list[str], list[str]]:
     """(files copied beside the weights: generation config, tokenizer, chat template; notes on what is not copied).
-    Never code, never a symbolic link out of the folder (`hub.checkpoint_files.side_files`)."""
+    Never code, never a symbolic link out of the folder (`_plumbing.checkpoint_files.side_files`)."""
     return side_files(input_dir)
 
 

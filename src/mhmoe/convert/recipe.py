@@ -9,7 +9,7 @@ Change the converter's recipe here; plan.py, write.py, continue_tune.py and cli.
   parameters, so the dense weights are copied unchanged, and with every head on the model is the dense parent.
   `STRAIGHT_THROUGH = "scores"`: the paper's eq. 9-10 as written (the gradient of the raw softmax scores of every
   routed head); it recovered at least as well as the soft top-K gates' gradient (`True`) on a tiny model
-  (benchmarks/convert_straight_through.py, conversion/README.md).
+  (benchmarks/convert_straight_through.py, docs/conversion.md).
 * MoH load-balance loss β = `AUX_LOSS_COEF` (eq. 7).
 * Continue-tuning (the paper's second stage): AdamW, warmup 50 iterations, cosine 2e-5 -> 1e-6, weight decay 0.1,
   gradient clipping 1.0; the dense parent's perplexity is measured at step 0.
@@ -22,7 +22,7 @@ from .errors import ConversionError
 SHARED_HEADS_RATIO = 0.5
 ACTIVE_HEADS_RATIO = 0.75
 ROUTER = "l2"
-STRAIGHT_THROUGH = "scores"  # eq. 9-10; True: the soft top-K gates' gradient (measured in conversion/README.md)
+STRAIGHT_THROUGH = "scores"  # eq. 9-10; True: the soft top-K gates' gradient (measured in docs/conversion.md)
 GATES = "straight-through" if STRAIGHT_THROUGH else "soft"  # in words, for reports and --help
 AUX_LOSS_COEF = 0.01
 

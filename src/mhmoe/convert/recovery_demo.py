@@ -11,7 +11,7 @@ Control (on by default): the dense parent continue-tuned with exactly the same d
 control improves as much, the "recovery" partly reflects extra training of an unconverged parent; the report prints
 both.
 
-`run_recovery_demo(workdir, ...)` returns the numbers; `python conversion/demo_recovery.py` prints them.
+`run_recovery_demo(workdir, ...)` returns the numbers; `python scripts/demo_recovery.py` prints them.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def run_recovery_demo(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..training.data import read_files, train_tokenizer
-    from ..training.setup import reset_accelerate_state
+    from ..training.prepare import reset_accelerate_state
     from .arguments import ConvertArguments
     from .continue_tune import continue_tune_arguments, convert_and_continue_tune
 
@@ -159,7 +159,7 @@ def run_recovery_demo(
 def _continue_dense(tune: dict, dense_dir: str, output_dir: str) -> float:
     """The control: the dense parent trained with the continue-tuning settings; its held-out perplexity."""
     from ..training.loop import train
-    from ..training.setup import reset_accelerate_state
+    from ..training.prepare import reset_accelerate_state
 
     reset_accelerate_state()
     continued = train(dict(tune, model_name_or_path=dense_dir, output_dir=output_dir, eval_at_start=False,
@@ -170,7 +170,7 @@ def _continue_dense(tune: dict, dense_dir: str, output_dir: str) -> float:
 def _train_dense_parent(model, tokenizer, common: dict, output_dir: str, steps: int, lr: float) -> float:
     """Train the dense parent with `mhmoe.training` (warmup, cosine to lr/10); return its held-out perplexity."""
     from ..training.loop import train
-    from ..training.setup import reset_accelerate_state
+    from ..training.prepare import reset_accelerate_state
 
     reset_accelerate_state()
     dense = train(dict(common, output_dir=output_dir, max_steps=steps, learning_rate=lr,

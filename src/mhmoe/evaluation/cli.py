@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def _format_summary(results: dict) -> str:
-    from .harness import ROUTING_KEY
+    from .lm_eval_model import ROUTING_KEY
 
     lines = []
     for suite, tables in results.get("paper_tables", {}).items():
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args()  # reads sys.argv (and inserts `run` for the legacy form)
     finally:
         sys.argv = saved_argv
-    from . import harness  # noqa: F401 - registers the `mhmoe` lm-eval model (imports torch and Transformers)
+    from . import lm_eval_model  # noqa: F401 - registers the `mhmoe` lm-eval model (imports torch and Transformers)
 
     tasks_dir = eval_tasks_dir()
     if tasks_dir is None:

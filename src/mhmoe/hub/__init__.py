@@ -2,8 +2,8 @@
 
 `export.py` writes a self-contained folder (`export_pretrained`, `mhmoe-export` in `cli.py`) and uploads it;
 `remote_code.py` adds the modeling code and `auto_map` that `trust_remote_code=True` loads (also called by the models'
-own `save_pretrained`); `cards.py` fills the model-card templates; `checkpoint_files.py` reads and writes checkpoint
-folders safely (safetensors only, atomic writes), for the converter and the trainer too.
+own `save_pretrained`); `cards.py` fills the model-card templates. Checkpoint folders are read and written safely
+(safetensors only, atomic writes) by `mhmoe._plumbing.checkpoint_files`, for the converter and the trainer too.
 """
 
 from typing import TYPE_CHECKING

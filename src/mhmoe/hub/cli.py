@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
 
-    from .checkpoint_files import os_error_message
+    from .._plumbing.checkpoint_files import os_error_message
     from .export import ExportError, export_pretrained
 
     try:

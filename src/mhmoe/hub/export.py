@@ -29,7 +29,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpoint_files import (
+from .._plumbing.checkpoint_files import (
     CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_INDEX_NAME, check_writable, drop_code_references, fsync, overlapping,
     recover_output_dir, replace_dir, temporary_dir_next_to, weight_files,
 )

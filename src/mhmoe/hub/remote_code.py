@@ -30,7 +30,7 @@ import re
 import sys
 from pathlib import Path
 
-from .checkpoint_files import CONFIG_NAME, CheckpointError, read_header
+from .._plumbing.checkpoint_files import CONFIG_NAME, CheckpointError, read_header
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 ALLOWED_IMPORTS = frozenset({"torch", "transformers", "huggingface_hub"}) | frozenset(sys.stdlib_module_names)

@@ -1,6 +1,6 @@
 """Training: the one training loop (`train`, `mhmoe-train`) with Accelerate and PEFT, cut into named stages.
 
-`loop.py` is the loop and the order of its stages; `setup.py` the setup stages, `state.py` what they share,
+`loop.py` is the loop and the order of its stages; `prepare.py` the setup stages, `state.py` what they share,
 `checkpoints.py` checkpoints and resuming, `outputs.py` the output folder and the final save, `arguments.py` the
 arguments and their checks, `metrics.py` metrics and the loss plot, `data.py` text files, tokenizer and packed blocks,
 `peft.py` LoRA (attention and the 3-D expert weights), `cli.py` the command line.
@@ -13,7 +13,7 @@ from .._plumbing.lazy import lazy_exports
 __getattr__, __dir__ = lazy_exports(__name__, {
     **dict.fromkeys(("TrainArguments", "TrainingError"), ".arguments"),
     **dict.fromkeys(("TrainResult", "train"), ".loop"),
-    "reset_accelerate_state": ".setup",
+    "reset_accelerate_state": ".prepare",
     "main": ".cli",
 })  # fmt: skip
 
@@ -21,6 +21,6 @@ if TYPE_CHECKING:
     from .arguments import TrainArguments, TrainingError
     from .cli import main
     from .loop import TrainResult, train
-    from .setup import reset_accelerate_state
+    from .prepare import reset_accelerate_state
 
 __all__ = ["TrainArguments", "TrainResult", "TrainingError", "main", "reset_accelerate_state", "train"]

@@ -247,7 +247,7 @@ def load_config(args: TrainArguments):
     name, values of the wrong type and invalid combinations in one line each, and damaged weight files."""
     from transformers import AutoConfig
 
-    from ..hub.checkpoint_files import read_model_type, weight_files
+    from .._plumbing.checkpoint_files import read_model_type, weight_files
 
     path = args.model_name_or_path
     from_scratch = os.path.isfile(path)
@@ -320,7 +320,7 @@ def _one_line(error: Exception) -> str:
 
 def _check_weight_files(path: str, shards: list[str]) -> None:
     """Each safetensors file reads back whole (a truncated or empty download would fail deep inside from_pretrained)."""
-    from ..hub.checkpoint_files import read_header
+    from .._plumbing.checkpoint_files import read_header
 
     for shard in shards:
         file = os.path.join(path, shard)

@@ -19,7 +19,7 @@ import re
 import shutil
 import sys
 
-from ..hub.checkpoint_files import fsync, write_json_atomic
+from .._plumbing.checkpoint_files import fsync, write_json_atomic
 from .arguments import TrainArguments, TrainingError
 from .metrics import PLOT_FILE, plot_metrics
 from .state import TrainRun

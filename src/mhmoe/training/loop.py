@@ -13,7 +13,7 @@ Stages (torchtitan-style: `train` → `train_step` → `forward_backward_step`),
 `setup_accelerator` → `setup_tokenizer` → `build_data` → `build_model` → `build_optimizer` → `prepare_output_dir`
 → `resume` → `train_loop` (`train_step` per optimizer step, `evaluate` and `save_checkpoint` on their schedules)
 → `save_final`. Where each part lives in this package: arguments and their checks `arguments.py`, the setup stages
-`setup.py`, what the stages share `state.py`, checkpoints and resuming `checkpoints.py`, the output folder and the final
+`prepare.py`, what the stages share `state.py`, checkpoints and resuming `checkpoints.py`, the output folder and the final
 save `outputs.py`, metrics and the loss plot `metrics.py`, the command line `cli.py`.
 """
 
@@ -42,7 +42,7 @@ from .lock import OutputDirLock, OutputDirLocked
 from .metrics import _loss_fields, _token_nll_sum
 from .metrics import validate as _evaluate  # looked up at call time: tests interrupt a run here
 from .outputs import check_output_contents, check_output_dir, check_output_location, prepare_output_dir, save_final
-from .setup import build_data, build_model, build_optimizer, setup_accelerator, setup_tokenizer
+from .prepare import build_data, build_model, build_optimizer, setup_accelerator, setup_tokenizer
 from .state import TrainResult, TrainRun
 
 

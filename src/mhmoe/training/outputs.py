@@ -10,7 +10,7 @@ import shutil
 
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from ..hub.checkpoint_files import overlapping
+from .._plumbing.checkpoint_files import overlapping
 from .arguments import TrainArguments, TrainingError
 from .checkpoints import check_resume, list_checkpoints, remove_stale_temporaries, write_json_atomic
 from .metrics import METRICS_FILE, PLOT_FILE, plot_metrics

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mhmoe.hub.checkpoint_files import (
+from mhmoe._plumbing.checkpoint_files import (
     SAFE_INDEX_NAME, CheckpointError, overlapping, read_header, replace_dir, temporary_dir_next_to, weight_files,
 )
 
@@ -101,7 +101,7 @@ def test_temporary_dir_then_replace(tmp_path, existing):
 
 
 def test_read_model_type(tmp_path):
-    from mhmoe.hub.checkpoint_files import read_model_type
+    from mhmoe._plumbing.checkpoint_files import read_model_type
 
     good, none, broken, listed = (tmp_path / name for name in ("good.json", "none.json", "broken.json", "list.json"))
     good.write_text('{"model_type": "llama", "hidden_size": 8}')
@@ -122,7 +122,7 @@ def test_file_names_are_transformers_own():
     """checkpoint_files writes the names out (the command lines import it before Transformers); they must agree."""
     import transformers.utils as tu
 
-    from mhmoe.hub import checkpoint_files as cf
+    from mhmoe._plumbing import checkpoint_files as cf
 
     assert (cf.SAFE_WEIGHTS_NAME, cf.SAFE_INDEX_NAME, cf.CONFIG_NAME, cf.GENERATION_CONFIG_NAME) == (
         tu.SAFE_WEIGHTS_NAME, tu.SAFE_WEIGHTS_INDEX_NAME, tu.CONFIG_NAME, tu.GENERATION_CONFIG_NAME)
@@ -146,7 +146,7 @@ def _folder(path, content="x"):
 def test_stale_folders_of_killed_writers_only(tmp_path):
     """Only hidden folders of this target that name this host and a process that has ended are removed; a running
     writer's, another machine's, another target's, and an older mhmoe's (no owner in the name) stay."""
-    from mhmoe.hub.checkpoint_files import _owner_tag, recover_output_dir, stale_dirs
+    from mhmoe._plumbing.checkpoint_files import _owner_tag, recover_output_dir, stale_dirs
 
     host = _owner_tag().split(".", 1)[1]
     dead = _dead_pid()
@@ -169,7 +169,7 @@ def test_stale_folders_of_killed_writers_only(tmp_path):
 def test_interrupted_replacement_is_restored(tmp_path):
     """A writer killed between the two renames of the non-atomic replacement: the next one puts the old folder back
     (and, when the new one made it into place, removes the old copy)."""
-    from mhmoe.hub.checkpoint_files import _owner_tag, recover_output_dir
+    from mhmoe._plumbing.checkpoint_files import _owner_tag, recover_output_dir
 
     host = _owner_tag().split(".", 1)[1]
     dead = _dead_pid()
@@ -186,7 +186,7 @@ def test_interrupted_replacement_is_restored(tmp_path):
 
 _KILLED_BETWEEN_RENAMES = """
 import os, sys
-import mhmoe.hub.checkpoint_files as cf
+import mhmoe._plumbing.checkpoint_files as cf
 cf._exchange = lambda a, b: False  # a file system without RENAME_EXCHANGE
 calls = []
 real_replace = os.replace
@@ -209,7 +209,7 @@ def test_overwrite_never_loses_the_target(tmp_path, exchange, monkeypatch):
     import subprocess
     import sys
 
-    import mhmoe.hub.checkpoint_files as cf
+    import mhmoe._plumbing.checkpoint_files as cf
 
     out = _folder(tmp_path / "out", "old")
     if exchange:
@@ -233,7 +233,7 @@ def test_overwrite_never_loses_the_target(tmp_path, exchange, monkeypatch):
 def test_os_error_message_says_which_and_where(tmp_path):
     import errno
 
-    from mhmoe.hub.checkpoint_files import os_error_message
+    from mhmoe._plumbing.checkpoint_files import os_error_message
 
     out = str(tmp_path / "out")
     full = os_error_message(OSError(errno.ENOSPC, "No space left on device"), out)
@@ -249,7 +249,7 @@ def test_side_files_follow_links_only_inside_or_into_a_hub_cache(tmp_path):
     """A Hugging Face cache snapshot links every file into its repo's blobs/: those are copied; a link anywhere else
     out of the folder is not, nor code or other files. The card's base model is the cache's repo id."""
     from mhmoe.hub.cards import base_model_name
-    from mhmoe.hub.checkpoint_files import side_files
+    from mhmoe._plumbing.checkpoint_files import side_files
 
     repo = tmp_path / "hub" / "models--org--Tiny-Llama"
     snapshot = repo / "snapshots" / "0123abcd"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the LLaMA -> MoH converter on a synthetic multi-GB checkpoint: throughput vs a plain copy, peak memory.
 
-    PYTHONPATH=src python benchmarks/convert.py [--layers 22] [--shard_mb 500] [--repeats 2] [--dir /tmp]
+    PYTHONPATH=src python benchmarks/convert_throughput.py [--layers 22] [--shard_mb 500] [--repeats 2] [--dir /tmp]
 
 Writes a random LLaMA checkpoint shaped like TinyLlama-1.1B (hidden 2048, 22 layers, 32 heads, 4 key/value heads,
 intermediate 5632, vocab 32000; bf16, ~2.2 GB in `--shard_mb` shards + index) into a temporary directory, then

@@ -6,9 +6,9 @@ index), without building the model: memory stays far below one shard (`os.copy_f
 Everything is checked before anything is written. The output is written to a temporary directory next to
 `output_dir`, its safetensors headers re-read and compared with the plan, every file flushed to disk, and the folder
 renamed at the end, so a failed or interrupted conversion leaves nothing at `output_dir` (and hidden folders that the
-next conversion to it removes: `hub.checkpoint_files.recover_output_dir`); an existing non-empty `output_dir` is only
+next conversion to it removes: `_plumbing.checkpoint_files.recover_output_dir`); an existing non-empty `output_dir` is only
 replaced with `overwrite`, and is never missing meanwhile. Besides the weights and config, only the generation config,
-tokenizer and chat template files are copied (`hub.checkpoint_files.side_files`: never code); the modeling code,
+tokenizer and chat template files are copied (`_plumbing.checkpoint_files.side_files`: never code); the modeling code,
 `auto_map` and a model card are added as `save_pretrained` adds them, so the output loads with `trust_remote_code=True`
 where mhmoe is not installed.
 """
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..hub.checkpoint_files import (
+from .._plumbing.checkpoint_files import (
     SAFE_INDEX_NAME, check_writable, copy_side_file, fsync, overlapping, recover_output_dir, replace_dir,
     temporary_dir_next_to,
 )

@@ -7,7 +7,7 @@ tokens (padding excluded), averaged over layers, and MoH activated heads % from 
 whose first output is the (B, T, H) gates).
 
 lm-eval finds models only in modules that are imported (no entry points), so plain `lm-eval --model mhmoe` does not
-work; use `mhmoe-eval` (`cli.py`), or `import mhmoe.evaluation.harness` before calling `lm_eval.simple_evaluate`. A
+work; use `mhmoe-eval` (`cli.py`), or `import mhmoe.evaluation.lm_eval_model` before calling `lm_eval.simple_evaluate`. A
 checkpoint exported with its modeling code (`mhmoe.hub.export.export_pretrained`, `mhmoe-export`) also runs with plain
 lm-eval and no mhmoe installed: `lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` (without
 routing statistics).

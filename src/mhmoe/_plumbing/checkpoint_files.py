@@ -29,7 +29,7 @@ import struct
 import tempfile
 
 # transformers.utils' names, written out: this module is imported by the command lines before they parse arguments
-# (importing transformers takes seconds); tests/hub/test_checkpoint_files.py checks they agree
+# (importing transformers takes seconds); tests/_plumbing/test_checkpoint_files.py checks they agree
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"

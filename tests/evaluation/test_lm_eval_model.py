@@ -26,7 +26,7 @@ import lm_eval  # noqa: E402
 from mhmoe import MHMoEConfig, MHMoEForCausalLM  # noqa: E402
 from mhmoe.evaluation import analysis  # noqa: E402
 from mhmoe.evaluation import cli as eval_cli  # noqa: E402
-from mhmoe.evaluation import harness, suites  # noqa: E402
+from mhmoe.evaluation import lm_eval_model, suites  # noqa: E402
 from tests.fixtures import lm_eval_data as fx  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def work(tmp_path_factory):
 
 
 def _lm(work, **kwargs):
-    return harness.MHMoELM(pretrained=str(work["ckpt"]), device="cpu", **{"batch_size": 4, **kwargs})
+    return lm_eval_model.MHMoELM(pretrained=str(work["ckpt"]), device="cpu", **{"batch_size": 4, **kwargs})
 
 
 def _check_routing(stats, moe_layers=2, num_experts=4):
@@ -165,7 +165,7 @@ def test_moh_llm_suite_in_process(work, monkeypatch):
         assert results["n-shot"][task] == 0 and results["results"][task]["sample_len"] == 3
         assert 0.0 <= results["results"][task]["acc,none"] <= 1.0
     _check_table_rows(results, "moh_llm_suite", 6)
-    stats = results["config"][harness.ROUTING_KEY]
+    stats = results["config"][lm_eval_model.ROUTING_KEY]
     _check_routing(stats)
     assert stats["moh_layers"] == 0 and "activated_heads_pct" not in stats  # no module exposes head gates
 
@@ -187,7 +187,7 @@ def test_moh_llama3_suite_in_process(work, monkeypatch):
     for group in SUBSET:
         assert results["groups"][group]["sample_len"] == 4  # 2 subjects x 2 docs, aggregated by lm-eval
     _check_table_rows(results, "moh_llama3_suite", 14)
-    _check_routing(results["config"][harness.ROUTING_KEY])
+    _check_routing(results["config"][lm_eval_model.ROUTING_KEY])
 
 
 def test_routing_statistics_exclude_padding(work, monkeypatch):
@@ -198,7 +198,7 @@ def test_routing_statistics_exclude_padding(work, monkeypatch):
     for batch_size in (1, 4):
         lm = _lm(work, batch_size=batch_size, logits_cache=False)
         results = lm_eval.simple_evaluate(model=lm, tasks=["sciq", "piqa"], task_manager=tm, limit=3, bootstrap_iters=0)
-        stats.append(results["config"][harness.ROUTING_KEY])
+        stats.append(results["config"][lm_eval_model.ROUTING_KEY])
     assert stats[0]["routed_rows"] == stats[1]["routed_rows"] > 0
     for layer in stats[0]["moe_per_layer"]:
         loads = [s["moe_per_layer"][layer]["expert_load"] for s in stats]
@@ -237,7 +237,7 @@ def test_perplexity_tasks(work, monkeypatch):
         assert got["byte_perplexity,none"] == pytest.approx(math.exp(-ll / n_bytes), rel=1e-4)
         assert got["bits_per_byte,none"] == pytest.approx(-ll / n_bytes / math.log(2), rel=1e-4)
         assert 1.0 < got["token_perplexity,none"] < 10 * tok.vocab_size  # an untrained model: near-uniform
-    _check_routing(results["config"][harness.ROUTING_KEY])
+    _check_routing(results["config"][lm_eval_model.ROUTING_KEY])
 
     # plain text, one document per paragraph; and a corpus without a path fails with instructions
     tm = suites.task_manager(["mhmoe_ppl"], metadata={"c4_path": str(corpora["text"])})
@@ -265,7 +265,7 @@ def test_peft_adapter(work, tmp_path):
         lm = _lm(work, **extra)
         results = lm_eval.simple_evaluate(model=lm, tasks=["mhmoe_ppl_c4"], task_manager=tm, bootstrap_iters=0)
         ppl[name] = results["results"]["mhmoe_ppl_c4"]["token_perplexity,none"]
-        _check_routing(results["config"][harness.ROUTING_KEY])
+        _check_routing(results["config"][lm_eval_model.ROUTING_KEY])
     assert type(lm.model).__name__.startswith("Peft")
     assert ppl["lora"] != pytest.approx(ppl["base"], rel=1e-3)
 
@@ -389,10 +389,10 @@ def test_moh_activated_heads(work, monkeypatch):
     assert model.config.num_attention_heads == 4
     from transformers import AutoTokenizer
 
-    lm = harness.MHMoELM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(work["ckpt"]), batch_size=4)
+    lm = lm_eval_model.MHMoELM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(work["ckpt"]), batch_size=4)
     tm = suites.task_manager(["moh_llm_suite"])
     results = lm_eval.simple_evaluate(model=lm, tasks=["piqa"], task_manager=tm, limit=3, bootstrap_iters=0)
-    stats = results["config"][harness.ROUTING_KEY]
+    stats = results["config"][lm_eval_model.ROUTING_KEY]
     assert stats["moh_layers"] == 2
     assert stats["activated_heads_pct"] == pytest.approx(75.0)
     assert all(v["num_heads"] == 4 for v in stats["moh_per_layer"].values())
@@ -423,6 +423,6 @@ def test_cli_subprocess(work, tmp_path):
     assert all(0.0 <= results["results"][t]["acc,none"] <= 1.0 for t in TABLE4_TASKS)
     assert all(results["n-shot"][t] == 0 for t in TABLE4_TASKS)
     _check_table_rows(results, "moh_llm_suite", 6)
-    _check_routing(results["config"][harness.ROUTING_KEY])
+    _check_routing(results["config"][lm_eval_model.ROUTING_KEY])
     assert results["config"]["model_dtype"] == "torch.bfloat16" and results["max_length"] == 256
     assert results["config"]["batch_size"] == "4"
