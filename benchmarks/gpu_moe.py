@@ -5,14 +5,15 @@ at its time limit still leaves what it measured:
 
   checks   every kernel against its PyTorch reference, forward and backward, bf16 and fp32: the routing kernels
            (route, sort_by_expert; NaN logits give in-range ids), the MoH head-router kernel, the Triton experts
-           (outputs and every gradient) and moe.py's grouped GEMM paths (torch's kernel, the tiled no-host-sync path);
+           (outputs and every gradient) and the grouped GEMM's paths (ops/experts/grouped_gemm.py: torch's kernel,
+           the tiled no-host-sync path);
            max abs / relative errors and pass/fail at the dtype's tolerance (fp32 tl.dot runs as TF32: 1e-2 relative)
   blocks   fwd and fwd+bwd times of MoE blocks relative to Transformers' Mixtral block (`grouped_mm`, E=8 k=1
            f≈8d/3), bf16: our SMoE block (same shapes), MH-MoE h=2 and h=3 (`matched_to_smoe`), a dense SwiGLU MLP of
            the same FLOPs, and the h=3 block on the Triton experts (`ours_h3_triton`)
   model    a whole training step (forward, backward, AdamW) of MH-MoE h=3 and SMoE (and dense) at equal activated
            FLOPs, bf16 autocast with fp32 master weights as the reproduction trains: tokens/s and peak memory
-           (`torch.cuda.max_memory_allocated`); h=3 also with `moe.RECOMPUTE_GATE_UP` (gate/up recomputed in the
+           (`torch.cuda.max_memory_allocated`); h=3 also with `experts_grouped_mm.RECOMPUTE_GATE_UP` (gate/up recomputed in the
            backward: less memory, one more grouped GEMM)
   routing  16,384 rows × 96 experts, top-3: the Triton routing kernels against the PyTorch reference, in µs
   head_router  the MoH l2 head-router kernel against its reference (16,384 tokens × 32 heads × 64), in µs
@@ -121,10 +122,9 @@ TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 3e-2}  # fp32 dots run as TF32
 
 def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
     """Every kernel against its reference, forward and backward, bf16 and fp32 (see the module docstring)."""
-    from mhmoe.models.mhmoe import moe
-    from mhmoe.models.mhmoe.ops.experts import experts_naive, experts_triton
-    from mhmoe.models.mhmoe.ops.head_router import head_router_naive, head_router_triton
-    from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
+    from mhmoe.models.ops.experts import experts_naive, experts_triton, grouped_gemm
+    from mhmoe.models.ops.head_router import head_router_naive, head_router_triton
+    from mhmoe.models.ops.routing import routing_naive, routing_triton
 
     results = []
     kernels = routing_triton.HAS_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
@@ -219,12 +219,12 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
             order, offsets = routing_naive.sort_by_expert(route_e, experts)
             a = hidden.index_select(0, order // top_k)
             b = weights_gu.transpose(1, 2)
-            ref = moe._grouped_mm(a.double().cpu(), b.double().cpu(), offsets.cpu(), path="loop")
+            ref = grouped_gemm.grouped_mm(a.double().cpu(), b.double().cpu(), offsets.cpu(), path="loop")
             out = []
             for path in ("kernel", "tiled"):
-                if path == "kernel" and not moe._kernel_accepts(a, b):
+                if path == "kernel" and not grouped_gemm.kernel_accepts(a, b):
                     continue
-                got = moe._grouped_mm(a, b, offsets, path=path)
+                got = grouped_gemm.grouped_mm(a, b, offsets, path=path)
                 out.append(_errors(f"moe grouped_mm {path} {tag}", got.cpu(), ref, TOLERANCE[dtype]))
             return out
 
@@ -241,13 +241,12 @@ def smoe_intermediate(hidden: int) -> int:
 
 
 def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
-    from transformers.integrations.moe import ExpertsInterface
     from transformers.models.mixtral.configuration_mixtral import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from mhmoe import MHMoEConfig
-    from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEMLP, MHMoESparseMoeBlock
-    from mhmoe.models.mhmoe.ops.experts import experts_triton
+    from mhmoe import MHMoEConfig, matched_to_smoe
+    from mhmoe.models.mhmoe.sparse_moe import MHMoEMLP, MHMoESparseMoeBlock
+    from mhmoe.models.ops.experts import experts_triton
 
     if hidden % 3 or hidden % 64:
         raise SystemExit(f"error: --hidden {hidden}: the h=3 block needs a width divisible by 3 and the "
@@ -259,11 +258,10 @@ def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
                        moe_intermediate_size=inter, moe_heads=1)  # fmt: skip
     blocks = {"hf_mixtral": MixtralSparseMoeBlock(mixtral), "ours_smoe": MHMoESparseMoeBlock(smoe)}
     for heads in (2, 3):
-        config = MHMoEConfig.matched_to_smoe(smoe, moe_heads=heads, num_experts_per_tok=heads)
+        config = matched_to_smoe(smoe, moe_heads=heads, num_experts_per_tok=heads)
         blocks[f"ours_h{heads}"] = MHMoESparseMoeBlock(config)
     blocks["dense"] = MHMoEMLP(MHMoEConfig(hidden_size=hidden, num_attention_heads=hidden // 64), inter)
     if device.type == "cuda" and experts_triton.HAS_TRITON:
-        ExpertsInterface.register("mhmoe_triton", experts_triton.triton_experts_forward)
         blocks["ours_h3_triton"] = MHMoESparseMoeBlock(blocks["ours_h3"].experts.config)
     generator = torch.Generator().manual_seed(0)
     for module in blocks.values():
@@ -278,7 +276,7 @@ def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
         triton_block = blocks["ours_h3_triton"]
         triton_block.load_state_dict(blocks["ours_h3"].state_dict())
         triton_block.experts.config = copy.copy(triton_block.experts.config)
-        triton_block.experts.config._experts_implementation = "mhmoe_triton"
+        triton_block.experts.config._experts_implementation = "triton"  # the experts op's triton backend
     return blocks
 
 
@@ -309,8 +307,8 @@ def time_blocks(blocks, tokens, hidden, repeats, dtype, device) -> dict:
 def time_model(repeats, device, smoke) -> dict:
     """Training step (forward, backward, AdamW) of MH-MoE h=3, SMoE and dense at equal activated FLOPs, bf16 autocast
     with fp32 weights (the reproduction's setting): tokens/s and peak memory; interleaved rounds."""
-    from mhmoe import MHMoEConfig, MHMoEForCausalLM
-    from mhmoe.models.mhmoe import moe
+    from mhmoe import MHMoEConfig, MHMoEForCausalLM, matched_to_smoe
+    from mhmoe.models.ops.experts import experts_grouped_mm as moe
 
     default_recompute = moe.RECOMPUTE_GATE_UP
     hidden, layers, batch, seq = (96, 2, 2, 32) if smoke else (768, 4, 8, 2048)
@@ -318,7 +316,7 @@ def time_model(repeats, device, smoke) -> dict:
                 num_hidden_layers=layers, intermediate_size=smoe_intermediate(hidden), max_position_embeddings=seq,
                 decoder_sparse_step=1)  # fmt: skip
     smoe = MHMoEConfig(**base, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=smoe_intermediate(hidden))
-    h3 = MHMoEConfig.matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3)
+    h3 = matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3)
     configs = {"smoe": smoe, "mhmoe_h3": h3, "mhmoe_h3_recompute_gate_up": h3,
                "dense": MHMoEConfig(**{**base, "decoder_sparse_step": 0})}  # fmt: skip
     ids = torch.randint(0, base["vocab_size"], (batch, seq), device=device)
@@ -363,7 +361,7 @@ def time_model(repeats, device, smoke) -> dict:
 
 
 def time_routing(repeats, device, smoke) -> dict:
-    from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
+    from mhmoe.models.ops.routing import routing_naive, routing_triton
 
     rows, experts, top_k = (512, 96, 3) if smoke else (16384, 96, 3)
     logits = torch.randn(rows, experts, device=device)
@@ -380,7 +378,7 @@ def time_routing(repeats, device, smoke) -> dict:
 
 
 def time_head_router(repeats, device, smoke) -> dict:
-    from mhmoe.models.mhmoe.ops.head_router import head_router_naive, head_router_triton
+    from mhmoe.models.ops.head_router import head_router_naive, head_router_triton
 
     tokens, heads, head_dim = (256, 8, 16) if smoke else (16384, 32, 64)
     queries = torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16 if device.type == "cuda"
@@ -396,9 +394,9 @@ def time_head_router(repeats, device, smoke) -> dict:
 def time_expert_gemms(block, tokens, repeats, dtype, device) -> dict:
     """The h=3 block's experts (forward, no grad) in TFLOP/s, torch's grouped GEMM path and the Triton experts, against
     a dense GEMM of equal FLOPs; interleaved."""
-    from mhmoe.models.mhmoe.moe import grouped_experts_forward
-    from mhmoe.models.mhmoe.ops.experts import experts_triton
-    from mhmoe.models.mhmoe.routing import sort_by_expert
+    from mhmoe.models.mhmoe.experts import grouped_experts_forward
+    from mhmoe.models.ops.backends import sort_by_expert
+    from mhmoe.models.ops.experts import experts_triton
 
     experts, gate = block.experts, block.gate
     width = experts.hidden_dim

@@ -9,12 +9,12 @@ free the gradients, then one training step (forward, backward, AdamW step). Repo
     parameters are not counted, nor the expert function's integer routing indices, kept on its context, are not in it), and the part saved while inside
     the MoE blocks (head/merge layers, router, experts; the block input counts where a layer there saves it);
   - total peak: the step peak plus what was resident before (weights, AdamW state, the Python process itself).
-The CPU buffer pool of moe.py is off (MHMOE_CPU_BUFFER_POOL_MB=0) so that kept buffers do not blur the peaks.
+The CPU buffer pool of the grouped_mm experts is off (MHMOE_CPU_BUFFER_POOL_MB=0) so that kept buffers do not blur the peaks.
 
     python benchmarks/memory.py [--hidden 576] [--layers 4] [--batch 4] [--block 512] [--bf16]
 
 The models: the reproduction's gpu-scale widths by default (d=576, f=1536, E=8, vocab 8192), every layer MoE,
-MH-MoE h=3 sized with `MHMoEConfig.matched_to_smoe` (k=3 per sub-token).
+MH-MoE h=3 sized with `mhmoe.matched_to_smoe` (k=3 per sub-token).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ def _status(field: str) -> int:
 
 
 def _configs(args):
-    from mhmoe import MHMoEConfig
+    from mhmoe import MHMoEConfig, matched_to_smoe
 
     smoe = MHMoEConfig(vocab_size=8192, hidden_size=args.hidden, intermediate_size=args.inter,
                        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_experts=8,
                        num_experts_per_tok=1, moe_intermediate_size=args.inter, moe_heads=1, decoder_sparse_step=1,
                        max_position_embeddings=args.block, tie_word_embeddings=False)  # fmt: skip
-    return {"smoe": smoe, "mhmoe_h3": MHMoEConfig.matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3)}
+    return {"smoe": smoe, "mhmoe_h3": matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3)}
 
 
 def measure(name: str, args) -> dict:
@@ -48,7 +48,7 @@ def measure(name: str, args) -> dict:
     import torch
 
     from mhmoe import MHMoEForCausalLM
-    from mhmoe.models.mhmoe.modeling_mhmoe import MHMoESparseMoeBlock
+    from mhmoe.models.mhmoe.sparse_moe import MHMoESparseMoeBlock
 
     torch.manual_seed(0)
     config = _configs(args)[name]

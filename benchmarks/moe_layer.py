@@ -30,8 +30,8 @@ from transformers.models.mixtral.configuration_mixtral import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from mhmoe.models.mhmoe.configuration_mhmoe import MHMoEConfig
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEMLP, MHMoESparseMoeBlock
 from mhmoe.models.mhmoe.parity import moe_layer_cost
+from mhmoe.models.mhmoe.sparse_moe import MHMoEMLP, MHMoESparseMoeBlock
 
 D = 768
 REFERENCE = "hf_smoe_grouped"

@@ -30,7 +30,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mhmoe.models.mhmoe.moh import l2_router_logits, routed_gates, skipped_heads_attention
+from mhmoe.models.moh.head_routers import l2_scores, routed_gates
+from mhmoe.models.moh.head_skipping import skipped_heads_attention
 
 
 def parse_args():
@@ -96,7 +97,7 @@ def main():
 
     def route(q_pre, shared, active):
         """The l2 router of MoH-LLaMA (parameter-free) on the pre-RoPE queries."""
-        return routed_gates(l2_router_logits(q_pre[..., shared:, :]), active)
+        return routed_gates(l2_scores(q_pre[..., shared:, :].float().norm(dim=-1)), active)
 
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.dtype}; d={d}, heads={heads} of {head_dim}, "

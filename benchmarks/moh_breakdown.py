@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mhmoe.models.mhmoe.moh import _head_major_weight, _runs, skipped_heads_attention
+from mhmoe.models.moh.head_skipping import _head_major_weight, _runs, skipped_heads_attention
 from moh_attention import draw_gates, settings  # the sibling script; `python benchmarks/moh_breakdown.py` finds it
 
 

@@ -5,7 +5,7 @@
 2. The h=3 gate/up grouped GEMM (S=18432 rows of width 256, 96 experts, out 1024) and Mixtral's (2048 rows of width 768,
    8 experts, out 4096): `torch._grouped_mm` (allocates its output) against the same products written by one
    `torch.mm(out=...)` per expert into a buffer that was already touched (no page faults; what the layer does with its
-   buffer pool, `BufferPool` in src/mhmoe/models/mhmoe/moe.py).
+   buffer pool, `BufferPool` in src/mhmoe/models/ops/experts/experts_grouped_mm.py).
 
 Usage: python benchmarks/page_faults.py
 """

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM, apply_moh
-from mhmoe.models.mhmoe.moh import MoHRouter
+from mhmoe.models.moh.head_routers import MoHRouter
 
 VOCAB = 99
 PAD = 0
@@ -55,9 +55,8 @@ def randomise_moh_routers(model: torch.nn.Module, seed: int = 0, std: float = 1.
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, MoHRouter):
-                for param in (module.routed_weight, module.shared_weight, module.stage_weight):
-                    if param is not None:
-                        param.copy_(torch.randn(param.shape, generator=generator) * std)
+                for param in module.parameters():  # the learned router's W_r, W_s, W_h; none for l2
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
 def _finish(model):

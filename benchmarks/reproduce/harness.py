@@ -331,12 +331,12 @@ def device_name(device: torch.device | None = None) -> str:
 
 def kernel_fallbacks() -> dict | None:
     """HOOK for the kernels' failure record (issue 23, point 3): {kernel: reason} for the kernels that failed and fell
-    back to their PyTorch reference since the last reset. Reads `routing.kernel_fallbacks()` (the same as
-    `ops.kernel_fallbacks.fallbacks()`) when the ops expose it; None when they do not (then only the warnings and log
+    back to their PyTorch reference since the last reset. Reads `mhmoe.models.ops.backends.fallbacks()` when the ops
+    expose it; None when they do not (then only the warnings and log
     records caught during the run and routing's automatic-choice flag say whether a fallback happened)."""
     import importlib
 
-    for module_name in ("mhmoe.models.mhmoe.routing", "mhmoe.models.mhmoe.ops.kernel_fallbacks"):
+    for module_name in ("mhmoe.models.ops.backends",):
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -354,7 +354,7 @@ def reset_kernel_fallbacks() -> None:
     import importlib
 
     try:
-        module = importlib.import_module("mhmoe.models.mhmoe.ops.kernel_fallbacks")
+        module = importlib.import_module("mhmoe.models.ops.backends")
     except ImportError:
         return
     reset = getattr(module, "reset_fallbacks", None)
@@ -365,7 +365,7 @@ def reset_kernel_fallbacks() -> None:
 def kernel_provenance(config, device: torch.device, caught=()) -> dict:
     """The routing backend this run actually used on `device`, whether the automatic kernel choice failed over to
     torch, the kernel warnings raised during the run, the experts implementation and the library versions."""
-    from mhmoe.models.mhmoe import routing
+    from mhmoe.models.ops import backends as routing
 
     probe = torch.empty(0, device=device)
     backend, forced = routing.routing_backend(probe, getattr(config, "routing_backend", None))

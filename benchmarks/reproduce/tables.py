@@ -2,9 +2,9 @@
 
 Scales (`SCALES`): "cpu" trains each cell in seconds to minutes on 2 CPU cores, "cpu_long" the same models 5× longer;
 "gpu" is the larger scale for a lent GPU; "quick" is the CI smoke run (tiny, seconds). Every MoE model puts MoE in every second layer (the paper's setting) and is
-matched to the top-1 SMoE with `MHMoEConfig.matched_to_smoe` (activated FLOPs and parameters, head/merge layers
+matched to the top-1 SMoE with `matched_to_smoe` (activated FLOPs and parameters, head/merge layers
 counted). Every MoE cell uses `CONVENTIONS = "official"`, the paper as its official code ran it
-(`mhmoe.models.mhmoe.configuration_mhmoe.conventions_fields`): raw top-k gates (never renormalised), capacity
+(`mhmoe.models.mhmoe.matching.conventions_fields`): raw top-k gates (never renormalised), capacity
 k·ceil(S/E) (capacity factor 1.0, the official rounding), head/merge layers with bias, GShard balance loss on top-1
 assignments summed over layers (0.01), and for the 1-bit tables the official code's quantised layers (attention and
 FFNs, not head/merge layers or routers) with its one FFN sub-layer norm before down. Exceptions, said where they are:
@@ -13,7 +13,7 @@ Table 2's shared expert is a full-size expert (inner width = the SMoE expert's),
 """
 
 from mhmoe import MHMoEConfig
-from mhmoe.models.mhmoe.configuration_mhmoe import OFFICIAL_BITNET, conventions_fields
+from mhmoe.models.mhmoe.matching import OFFICIAL_BITNET, conventions_fields, matched_to_smoe
 
 CONVENTIONS = "official"  # "library": this library's defaults (how results before commit 'official preset' ran)
 
@@ -53,8 +53,8 @@ def smoe(scale: dict, **fields) -> MHMoEConfig:
 
 
 def matched(source: MHMoEConfig, moe_heads: int, top_k: int, **fields) -> MHMoEConfig:
-    """`MHMoEConfig.matched_to_smoe` with `CONVENTIONS` (the source's own routing fields under "library")."""
-    return MHMoEConfig.matched_to_smoe(source, moe_heads=moe_heads, num_experts_per_tok=top_k,
+    """`matched_to_smoe` with `CONVENTIONS` (the source's own routing fields under "library")."""
+    return matched_to_smoe(source, moe_heads=moe_heads, num_experts_per_tok=top_k,
                                        conventions=CONVENTIONS, **fields)  # fmt: skip
 
 
@@ -131,7 +131,7 @@ def lory_comparison(scale: dict) -> dict[str, MHMoEConfig]:
     `CONVENTIONS`."""
     source = smoe(scale)
     segment = dict(router_type="lory", lory_segment_length=max(1, scale["block"] // 4), **DROPLESS)
-    mh_lory = MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=1, round_experts_to=4,
+    mh_lory = matched_to_smoe(source, moe_heads=2, num_experts_per_tok=1, round_experts_to=4,
                                           moe_layer_bias=False, **segment)  # fmt: skip
     return {
         "SMoE": source,

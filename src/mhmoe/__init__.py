@@ -27,6 +27,7 @@ _EXPORTS = {
     **dict.fromkeys(("MHMoEConfig",), ".models.mhmoe.configuration_mhmoe"),
     **dict.fromkeys(("MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel"), ".models.mhmoe.modeling_mhmoe"),
     **dict.fromkeys(("MoELayerCost", "matched_moe_settings", "moe_layer_cost"), ".models.mhmoe.parity"),
+    **dict.fromkeys(("from_llama_config", "from_mixtral_config", "matched_to_smoe"), ".models.mhmoe.matching"),
     **dict.fromkeys(("MoHLlamaConfig",), ".models.moh_llama.configuration_moh_llama"),
     **dict.fromkeys(("MoHLlamaForCausalLM", "MoHLlamaModel"), ".models.moh_llama.modeling_moh_llama"),
     "apply_moh": ".models.moh_llama.patch",
@@ -37,6 +38,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 if TYPE_CHECKING:
     from .evaluation.analysis import expert_load, head_load, plot_load
     from .models.mhmoe.configuration_mhmoe import MHMoEConfig
+    from .models.mhmoe.matching import from_llama_config, from_mixtral_config, matched_to_smoe
     from .models.mhmoe.modeling_mhmoe import MHMoEForCausalLM, MHMoEModel, MHMoEPreTrainedModel
     from .models.mhmoe.parity import MoELayerCost, matched_moe_settings, moe_layer_cost
     from .models.moh_llama.configuration_moh_llama import MoHLlamaConfig
@@ -58,7 +60,7 @@ _install_peft_defaults()
 
 __all__ = [
     "MHMoEConfig", "MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel",
-    "MoELayerCost", "matched_moe_settings", "moe_layer_cost",
-    "MoHLlamaConfig", "MoHLlamaForCausalLM", "MoHLlamaModel", "apply_moh",
+    "MoELayerCost", "matched_moe_settings", "moe_layer_cost", "from_llama_config", "from_mixtral_config",
+    "matched_to_smoe", "MoHLlamaConfig", "MoHLlamaForCausalLM", "MoHLlamaModel", "apply_moh",
     "expert_load", "head_load", "plot_load", "register_auto_classes",
 ]  # fmt: skip

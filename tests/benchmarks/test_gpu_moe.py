@@ -31,9 +31,9 @@ def test_smoke_run_writes_each_section(tmp_path):
     data = json.loads((tmp_path / "gpu_moe.json").read_text())
     assert set(data["section_seconds"]) == {"checks", "routing", "gemm", "model"}
     assert set(data["model"]["models"]) == {"smoe", "mhmoe_h3", "mhmoe_h3_recompute_gate_up", "dense"}
-    from mhmoe.models.mhmoe import moe
+    from mhmoe.models.ops.experts import experts_grouped_mm
 
-    assert moe.RECOMPUTE_GATE_UP is False  # the benchmark's toggle is put back
+    assert experts_grouped_mm.RECOMPUTE_GATE_UP is False  # the benchmark's toggle is put back
     assert {"device", "commit", "dirty", "torch", "transformers", "triton"} <= set(data)
     names = [c["check"] for c in data["checks"]]
     assert "moe grouped_mm tiled float32" in names and "moe grouped_mm kernel float32" in names

@@ -85,14 +85,14 @@ def test_permuted_heads_compute_the_source_and_all_heads_on_equals_it_exactly():
 
 
 def test_calibrated_router_scores_against_per_head_statistics():
-    from mhmoe.models.mhmoe.moh import MoHRouter
+    from mhmoe.models.moh.head_routers import HEAD_ROUTERS
 
     mean = [[1.0, 1.0, 2.0, 4.0, 1.0, 3.0]]
     std = [[1.0, 1.0, 0.5, 2.0, 1.0, 1.0]]
     norms = torch.tensor([[[9.0, 9.0, 3.0, 5.0, 2.0, 3.5]]])  # (B, T, H); routed heads 2..5
     queries = norms[..., None] * torch.nn.functional.normalize(torch.ones(1, 1, 6, 4), dim=-1)
     for kind, expected in (("l2_standardized", [2.0, 0.5, 1.0, 0.5]), ("l2_relative", [1.5, 1.25, 2.0, 3.5 / 3])):
-        router = MoHRouter(8, 6, 2, 1, kind, True, (mean[0], std[0]))
+        router = HEAD_ROUTERS[kind](8, 6, 2, 1, True, (mean[0], std[0]))
         gates, logits, index = router(torch.zeros(1, 1, 8), queries)
         torch.testing.assert_close(logits[0, 0], torch.tensor(expected))
         assert index[0, 0].tolist() == [expected.index(max(expected))]
@@ -146,7 +146,7 @@ def test_calibrated_conversion_end_to_end(tmp_path, tokenizer_dir, corpus):
     ids = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), all_heads_active(moh):
         torch.testing.assert_close(moh(ids).logits, dense(ids).logits, rtol=0, atol=1e-5)
-    assert moh.model.layers[1].self_attn.head_router.router == "l2_standardized"
+    assert moh.model.layers[1].self_attn.head_router.name == "l2_standardized"
 
 
 def test_recipe_paper_copies_bytes_and_recipe_flags(tmp_path, tokenizer_dir):

@@ -6,7 +6,7 @@ import torch
 import mhmoe
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
 from mhmoe.evaluation.analysis import expert_load, head_load, plot_load
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoETopKRouter
+from mhmoe.models.mhmoe.sparse_moe import MHMoETopKRouter
 
 
 VOCAB, HIDDEN, HEADS, HEAD_DIM = 100, 32, 8, 4

@@ -12,6 +12,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,7 +143,8 @@ def test_loads_without_mhmoe(exported):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, info = load_file(root / "got.safetensors"), json.loads((root / "got.json").read_text())
     assert "not installed here" in info["blocked"] and info["mhmoe_modules"] == []
-    assert len(info["routing_has_triton"]) == 4 and not any(info["routing_has_triton"])  # *_triton.py, no kernels
+    # both kernel files, in the config's and the model's dynamic-module namespaces of each folder: no kernels offered
+    assert len(info["routing_has_triton"]) == 8 and not any(info["routing_has_triton"])
     for name, model in exported["models"].items():
         classes = info[name]["classes"]
         assert all(c.startswith("transformers_modules.") for c in classes), classes
@@ -155,14 +157,15 @@ def test_loads_without_mhmoe(exported):
         torch.testing.assert_close(got[f"{name}.logits"], logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(got[f"{name}.generated"], generated)
         assert info[name]["tokens"] == exported["tokenizer"]("the water")["input_ids"]
-    # the MoH routers really route: a dense model would not need the exported moh.py
+    # the MoH routers really route: a dense model would not need the exported MoH files
     gates = exported["models"]["mhmoe"].model.layers[0].self_attn.head_router(
         torch.randn(1, 3, 32), torch.randn(1, 3, 4, 8))[0]  # fmt: skip
     assert int((gates != 0).sum()) == 3 * 3  # 2 shared + 1 routed of 4 heads per token
 
 
 def test_exported_folder(exported):
-    """auto_map, the flattened code (moh_llama's `..mhmoe` imports rewritten, other files byte for byte), the card."""
+    """auto_map, the flattened code (relative imports rewritten to the flat folder, other files byte for byte), the
+    card."""
     mhmoe_dir, moh_dir = exported["dirs"]["mhmoe"], exported["dirs"]["moh_llama"]
     models = REPO / "src" / "mhmoe" / "models"
     config = json.loads((moh_dir / "config.json").read_text())
@@ -172,26 +175,26 @@ def test_exported_folder(exported):
     assert json.loads((mhmoe_dir / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_mhmoe.MHMoEForCausalLM"
     )
-    assert check_exported_code(moh_dir) == ["cache_naming.py", "causal_lm.py", "configuration_mhmoe.py",
-                                            "configuration_moh_llama.py", "head_router_naive.py",
-                                            "head_router_triton.py", "kernel_fallbacks.py",
-                                            "losses.py", "modeling_moh_llama.py", "moh.py", "moh_parallel.py",
-                                            "parity.py", "plans.py", "publish.py", "routing.py", "routing_naive.py",
-                                            "routing_triton.py", "triton_compat.py"]  # fmt: skip
-    unused = {"__init__.py", "experts_naive.py", "experts_triton.py"}  # opt-in experts kernels: not imported
-    assert check_exported_code(mhmoe_dir) == sorted(p.name for p in (models / "mhmoe").rglob("*.py")
-                                                    if p.name not in unused)  # fmt: skip
-    for name in ("moh.py", "configuration_mhmoe.py", "parity.py", "losses.py", "causal_lm.py"):
-        assert (moh_dir / name).read_bytes() == (models / "mhmoe" / name).read_bytes()
-    routing_source = (models / "mhmoe" / "routing.py").read_text()  # imports the ops folder's files, flattened
-    flattened = routing_source.replace("from .ops.routing.", "from .").replace("from .ops.head_router.", "from .")
-    flattened = flattened.replace("from .ops.", "from .")  # files directly in ops/ (kernel_fallbacks.py)
-    assert (moh_dir / "routing.py").read_text() == flattened
+    moh_files = check_exported_code(moh_dir)
+    shared = {"moh_attention.py", "head_routers.py", "head_skipping.py", "moh_config.py", "moh_losses.py",
+              "moh_parallel.py", "causal_lm.py", "cache_naming.py", "config_checks.py", "backends.py",
+              "head_router_naive.py", "head_router_triton.py", "routing_naive.py", "routing_triton.py"}  # fmt: skip
+    assert {"configuration_moh_llama.py", "modeling_moh_llama.py"} | shared <= set(moh_files)
+    assert not {"modeling_mhmoe.py", "sparse_moe.py", "lory.py", "bitnet.py", "patch.py"} & set(moh_files)
+    # the MHMoE model reaches every module file of the model layer but MoH-LLaMA's and the config builders
+    unused = {"__init__.py", "matching.py", "parity.py"}
+    every = sorted(p.name for p in models.rglob("*.py") if p.name not in unused and "moh_llama" not in p.parts)
+    assert check_exported_code(mhmoe_dir) == every
+    for name in ("moh_attention.py", "head_routers.py", "backends.py", "configuration_moh_llama.py"):
+        source = next(models.rglob(name)).read_text()  # relative imports flattened to `from .<file> import`
+        flattened = re.sub(r"from \.+(?:\w+\.)*(\w+) import", r"from .\1 import", source)
+        assert (moh_dir / name).read_text() == flattened, name
+    for name in ("cache_naming.py", "triton_compat.py"):  # no relative import: byte for byte
+        assert (moh_dir / name).read_bytes() == next(models.rglob(name)).read_bytes()
     for name in ("configuration_moh_llama.py", "modeling_moh_llama.py"):
-        text = (moh_dir / name).read_text()
-        assert "from .." not in text and text.replace("from .", "from ..mhmoe.") != text
+        assert "from .." not in (moh_dir / name).read_text()
     config_code = (moh_dir / "configuration_moh_llama.py").read_text()
-    assert "from .configuration_mhmoe import OverridesBeforeChecks, moh_config_problems" in config_code
+    assert "from .moh_config import moh_config_problems" in config_code
     for folder in (mhmoe_dir, moh_dir):
         names = {p.name for p in folder.iterdir()}
         assert {"model.safetensors", "generation_config.json", "README.md", "tokenizer.json"} <= names
@@ -355,7 +358,7 @@ def test_cli(exported, tmp_path, capsys):
 
 def test_moh_llama_register_for_auto_class_points_to_the_export():
     """Transformers' own route (register_for_auto_class + save_pretrained) cannot copy moh_llama's shared code: it is
-    refused up front with the way out, instead of failing on a missing `.mhmoe.moh.py` while saving."""
+    refused up front with the way out, instead of failing on a missing `.moh.moh_attention.py` while saving."""
     for cls in (MoHLlamaConfig, MoHLlamaForCausalLM):
         with pytest.raises(ValueError, match="export_pretrained"):
             cls.register_for_auto_class()

@@ -95,7 +95,7 @@ def test_grouped_quantised_experts_match_loop(hidden_size, moe_heads):
     torch.manual_seed(0)
     experts = BitNetExperts(tiny(hidden_size=hidden_size, moe_heads=moe_heads, num_attention_heads=3,
                                  num_key_value_heads=3))  # fmt: skip
-    experts.reset_parameters(0.5)
+    experts.init_parameters(0.5)
     with torch.no_grad():
         experts.gate_up_norm.uniform_(0.5, 1.5)
     x = torch.randn(20, hidden_size // moe_heads, requires_grad=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from mhmoe.models.mhmoe.cache_naming import CACHE, either_cache
+from mhmoe.models.cache_naming import CACHE, either_cache
 from tests.causal_lm_tester import CASES, prompts
 
 

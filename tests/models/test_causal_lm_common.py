@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, GenerationMixin
 
-from mhmoe.models.mhmoe import modeling_mhmoe
-from mhmoe.models.mhmoe.moe import MHMOE_EXPERTS_FUNCTIONS
+from mhmoe.models.mhmoe import experts as experts_module
+from mhmoe.models.mhmoe.experts import MHMOE_EXPERTS_FUNCTIONS
 from tests.causal_lm_tester import CASES, PAD, TOLERANCE, VOCAB, cpu_supports, greedy, prompts
 
 
@@ -365,7 +365,7 @@ def test_experts_backends_agree_and_really_run(case, monkeypatch):
 
         return forward
 
-    monkeypatch.setattr(modeling_mhmoe, "eager_experts_forward", spy("eager", modeling_mhmoe.eager_experts_forward))
+    monkeypatch.setattr(experts_module, "eager_experts_forward", spy("eager", experts_module.eager_experts_forward))
     for name in ("batched_mm", "grouped_mm"):
         monkeypatch.setitem(MHMOE_EXPERTS_FUNCTIONS._global_mapping, name, spy(name, MHMOE_EXPERTS_FUNCTIONS[name]))
     results = {}

@@ -3,6 +3,7 @@ import math
 import pytest
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
+import mhmoe
 from mhmoe import MHMoEConfig, MHMoEForCausalLM
 
 TINY = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -108,5 +109,5 @@ def test_fields_set_after_construction_are_checked_by_the_model_and_on_save(tmp_
 )
 def test_conversions_refuse_the_wrong_config_type(method, source, words):
     with pytest.raises(ValueError) as err:
-        getattr(MHMoEConfig, method)(source)
+        getattr(mhmoe, method)(source)
     assert words in str(err.value)

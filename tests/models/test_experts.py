@@ -7,11 +7,13 @@ refuses them and the per-group fallback runs; an aligned variant (W=8, I=16) run
 import pytest
 import torch
 
-from mhmoe.models.mhmoe import moe
 from mhmoe.models.mhmoe.configuration_mhmoe import MHMoEConfig
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEExperts, MHMoESparseMoeBlock
-from mhmoe.models.mhmoe.moe import eager_experts_forward, grouped_experts_forward
-from mhmoe.models.mhmoe.routing import route, sort_by_expert
+from mhmoe.models.mhmoe.experts import (
+    MHMOE_EXPERTS_FUNCTIONS, MHMoEExperts, eager_experts_forward, grouped_experts_forward,
+)
+from mhmoe.models.mhmoe.sparse_moe import MHMoESparseMoeBlock
+from mhmoe.models.ops.backends import route, sort_by_expert
+from mhmoe.models.ops.experts import experts_grouped_mm, grouped_gemm
 
 EMPTY_EXPERTS = (4, 11, 12)  # never routed to
 
@@ -96,8 +98,8 @@ def test_kernel_and_fallback_paths_are_both_covered(case):
     width, inter, num_experts, _, _, dtype, _ = CASES[case]
     experts = _experts(width, inter, num_experts, 3, dtype)
     rows = torch.randn(10, width, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    takes_kernel = moe._kernel_accepts(rows, experts.gate_up_proj.transpose(1, 2))
-    assert takes_kernel == (case.startswith("aligned") and moe._GROUPED_MM is not None)
+    takes_kernel = grouped_gemm.kernel_accepts(rows, experts.gate_up_proj.transpose(1, 2))
+    assert takes_kernel == (case.startswith("aligned") and grouped_gemm.TORCH_GROUPED_MM is not None)
 
 
 def test_every_assignment_dropped():
@@ -333,8 +335,8 @@ def test_inference_path_matches_eager(case, act):
 @pytest.fixture
 def pool(monkeypatch):
     """A fresh buffer pool that takes buffers of any size (the real one skips those under 16 MiB: tiny tests)."""
-    fresh = moe.BufferPool(max_bytes=2**30, min_bytes=0)
-    monkeypatch.setattr(moe, "BUFFER_POOL", fresh)
+    fresh = experts_grouped_mm.BufferPool(max_bytes=2**30, min_bytes=0)
+    monkeypatch.setattr(experts_grouped_mm, "BUFFER_POOL", fresh)
     return fresh
 
 
@@ -482,7 +484,7 @@ def test_patched_global_grouped_mm_is_seen(monkeypatch):
     wins; `eager` stays the model's loop."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    interface = moe.MHMOE_EXPERTS_FUNCTIONS
+    interface = MHMOE_EXPERTS_FUNCTIONS
     assert interface.get_interface("grouped_mm", None) is grouped_experts_forward
     assert interface.get_interface("eager", eager_experts_forward) is eager_experts_forward
     model = _registry_model()

@@ -1,4 +1,4 @@
-"""The grouped GEMM's implementations and its choice of one (moe.py): torch's kernel, the tiled batched matmul that
+"""The grouped GEMM's implementations and its choice of one (ops/experts/grouped_gemm.py): torch's kernel, the tiled batched matmul that
 never reads the routing on the host (CUDA operands the kernel refuses, e.g. fp32), the per-group loop (CPU only); and
 the experts under autocast (operands cast once, the GEMMs in bf16, fp32 gradients for the fp32 master weights).
 
@@ -7,10 +7,11 @@ References are independent: fp64 per-group matmuls written here, and the fp32 ex
 import pytest
 import torch
 
-from mhmoe.models.mhmoe import moe
 from mhmoe.models.mhmoe.configuration_mhmoe import MHMoEConfig
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEExperts, MHMoEForCausalLM
-from mhmoe.models.mhmoe.moe import choose_grouped_mm_path, grouped_mm_path
+from mhmoe.models.mhmoe.experts import MHMoEExperts, eager_experts_forward, grouped_experts_forward
+from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEForCausalLM
+from mhmoe.models.ops.experts import experts_grouped_mm
+from mhmoe.models.ops.experts.grouped_gemm import choose_grouped_mm_path, grouped_mm, grouped_mm_path, tiled_grouped_mm
 
 
 def _groups(counts, seed=0):
@@ -46,14 +47,14 @@ def test_tiled_matches_per_group_matmuls(tile, dtype, tol):
     g = torch.Generator().manual_seed(0)
     a = torch.randn(rows, 9, generator=g).to(dtype)
     b = torch.randn(len(counts), 9, 11, generator=g).to(dtype)
-    out = moe._tiled_grouped_mm(a, b, offsets, tile)
+    out = tiled_grouped_mm(a, b, offsets, tile)
     assert out.shape == (rows, 11) and out.dtype == dtype
     ref = _reference_3d(a, b, offsets)
     torch.testing.assert_close(out[:kept].double(), ref[:kept], rtol=tol, atol=tol * 3)
     assert not out[kept:].any()  # dropped rows are never computed (zeros here)
 
     grad = torch.randn(rows, 11, generator=g).to(dtype)
-    weight_grad = moe._tiled_grouped_mm(a.t(), grad, offsets, tile)  # (in, S) @ (S, out) -> (E, in, out)
+    weight_grad = tiled_grouped_mm(a.t(), grad, offsets, tile)  # (in, S) @ (S, out) -> (E, in, out)
     assert weight_grad.shape == (len(counts), 9, 11)
     torch.testing.assert_close(weight_grad.double(), _reference_2d(a.t(), grad, offsets), rtol=tol, atol=tol * 10)
     assert not weight_grad[1].any() and not weight_grad[4].any()  # empty groups: 0
@@ -63,7 +64,7 @@ def test_every_path_agrees_through_the_dispatch():
     offsets, kept = _groups([3, 0, 8, 5])
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(kept, 8, generator=g), torch.randn(4, 8, 16, generator=g)
-    results = {path: moe._grouped_mm(a, b, offsets, path=path) for path in ("kernel", "tiled", "loop")}
+    results = {path: grouped_mm(a, b, offsets, path=path) for path in ("kernel", "tiled", "loop")}
     for path, out in results.items():
         torch.testing.assert_close(out.double(), _reference_3d(a, b, offsets), rtol=1e-5, atol=1e-5, msg=path)
 
@@ -74,9 +75,9 @@ def test_tiled_path_reads_nothing_on_the_host():
     offsets, kept = _groups([3, 0, 8, 5])
     a, b = torch.randn(kept, 8), torch.randn(4, 8, 16)
     torch._dynamo.reset()
-    tiled = torch.compile(lambda a, b, o: moe._grouped_mm(a, b, o, path="tiled"), fullgraph=True, backend="eager")
-    torch.testing.assert_close(tiled(a, b, offsets), moe._grouped_mm(a, b, offsets, path="loop"))
-    loop = torch.compile(lambda a, b, o: moe._grouped_mm(a, b, o, path="loop"), fullgraph=True, backend="eager")
+    tiled = torch.compile(lambda a, b, o: grouped_mm(a, b, o, path="tiled"), fullgraph=True, backend="eager")
+    torch.testing.assert_close(tiled(a, b, offsets), grouped_mm(a, b, offsets, path="loop"))
+    loop = torch.compile(lambda a, b, o: grouped_mm(a, b, o, path="loop"), fullgraph=True, backend="eager")
     with pytest.raises(Exception):
         loop(a, b, offsets)
     torch._dynamo.reset()
@@ -117,7 +118,7 @@ def test_experts_under_autocast_run_in_bf16_with_fp32_master_gradients():
         experts.zero_grad(set_to_none=True)
         x = hidden.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = moe.grouped_experts_forward(experts, x, index, weights)
+            out = grouped_experts_forward(experts, x, index, weights)
         out.float().backward(grad_out)
         return out, x.grad, experts.gate_up_proj.grad, experts.down_proj.grad
 
@@ -179,7 +180,7 @@ def test_bitnet_grouped_linear_under_autocast_and_tiled():
     assert (low.float() - ref).abs().max() <= 0.02 * ref.abs().max()
     assert (low_grad - ref_grad).abs().max() <= 0.02 * ref_grad.abs().max()
 
-    tiled = moe._tiled_grouped_mm(rows, weight.transpose(1, 2), offsets, 4)
+    tiled = tiled_grouped_mm(rows, weight.transpose(1, 2), offsets, 4)
     (tiled_grad,) = torch.autograd.grad(tiled, weight, probe)  # the tiled path is differentiable as it stands
     torch.testing.assert_close(tiled, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tiled_grad, ref_grad, rtol=1e-5, atol=1e-5)
@@ -201,7 +202,7 @@ import transformers.distributed.tensor_parallel, transformers.modeling_utils  # 
 del parallel_utils.ALL_PARALLEL_STYLES  # as in a Transformers without it: `from ... import` it raises ImportError
 import torch
 from mhmoe import MHMoEConfig, MHMoEForCausalLM
-from mhmoe.models.mhmoe import moh_parallel
+from mhmoe.models.moh import moh_parallel
 config = MHMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_heads=2, moh_shared_heads=2,
                      moh_active_heads=1)
@@ -220,7 +221,7 @@ print(json.dumps({"styles": moh_parallel.ALL_PARALLEL_STYLES is None, "loss": fl
 def test_experts_keep_at_most_gate_up_and_match_eager(monkeypatch, recompute):
     """The backward recomputes the gathered rows, act(gate)·up and the routing weights' gradient (no expert outputs
     kept); with RECOMPUTE_GATE_UP not even gate/up. Gradients equal the eager loop's either way."""
-    monkeypatch.setattr(moe, "RECOMPUTE_GATE_UP", recompute)
+    monkeypatch.setattr(experts_grouped_mm, "RECOMPUTE_GATE_UP", recompute)
     experts = _experts()
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(40, 16, generator=g)
@@ -229,11 +230,11 @@ def test_experts_keep_at_most_gate_up_and_match_eager(monkeypatch, recompute):
     weights = torch.rand(40, 3, generator=g).masked_fill(index == 6, 0.0)
     grad_out = torch.randn(40, 16, generator=g)
     results = []
-    for forward in (moe.eager_experts_forward, moe.grouped_experts_forward):
+    for forward in (eager_experts_forward, grouped_experts_forward):
         experts.zero_grad(set_to_none=True)
         x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
         out = forward(experts, x, index, w)
-        if forward is moe.grouped_experts_forward:
+        if forward is grouped_experts_forward:
             inter = experts.gate_up_proj.shape[1]
             big = [t for t in out.grad_fn.saved_tensors if t is not None and t.dim() == 2 and t.shape[-1] == inter]
             assert len(big) == (0 if recompute else 1)  # (S, 2I) gate/up, or nothing

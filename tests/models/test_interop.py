@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from mhmoe import MHMoEConfig, MHMoEForCausalLM
+from mhmoe import MHMoEConfig, MHMoEForCausalLM, from_llama_config, from_mixtral_config
 
 TINY = dict(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
@@ -27,7 +27,7 @@ def _padded_batch(vocab):
 def test_dense_equals_llama(kv_heads, tied):
     llama_cfg = LlamaConfig(**TINY, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
     llama = LlamaForCausalLM(llama_cfg).eval()
-    ours = MHMoEForCausalLM(MHMoEConfig.from_llama_config(llama_cfg)).eval()
+    ours = MHMoEForCausalLM(from_llama_config(llama_cfg)).eval()
     assert _shapes(ours) == _shapes(llama)
     ours.load_state_dict(llama.state_dict(), strict=True)
     input_ids, attention_mask = _padded_batch(TINY["vocab_size"])
@@ -43,7 +43,7 @@ def test_smoe_equals_mixtral(top_k, sliding_window):
     mixtral_cfg = MixtralConfig(**TINY, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=top_k,
                                 sliding_window=sliding_window, router_aux_loss_coef=0.02)  # fmt: skip
     mixtral = MixtralForCausalLM(mixtral_cfg).eval()
-    cfg = MHMoEConfig.from_mixtral_config(mixtral_cfg)
+    cfg = from_mixtral_config(mixtral_cfg)
     ours = MHMoEForCausalLM(cfg).eval()
     assert _shapes(ours) == _shapes(mixtral)
     ours.load_state_dict(mixtral.state_dict(), strict=True)
@@ -61,7 +61,7 @@ def test_smoe_equals_mixtral(top_k, sliding_window):
 
 
 def test_mixtral_mode_loss_equals_transformers_function():
-    from mhmoe.models.mhmoe.losses import load_balancing_loss
+    from mhmoe.models.mhmoe.moe_losses import load_balancing_loss
 
     logits = tuple(torch.randn(30, 6) for _ in range(3))
     mask = (torch.rand(5, 6) > 0.3).long()
@@ -73,7 +73,7 @@ def test_mixtral_mode_loss_equals_transformers_function():
 
 def test_from_config_helpers_keep_fields():
     llama_cfg = LlamaConfig(**TINY, num_key_value_heads=2, rms_norm_eps=1e-5, mlp_bias=True, attention_bias=True)
-    cfg = MHMoEConfig.from_llama_config(llama_cfg)
+    cfg = from_llama_config(llama_cfg)
     assert cfg.decoder_sparse_step == 0 and cfg.mlp_bias and cfg.attention_bias
     assert (cfg.num_key_value_heads, cfg.rms_norm_eps, cfg.rope_parameters["rope_theta"]) == (2, 1e-5, 10000.0)
     llama = LlamaForCausalLM(llama_cfg)

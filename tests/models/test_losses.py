@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from mhmoe.models.mhmoe.losses import load_balancing_loss, moh_load_balancing_loss
+from mhmoe.models.mhmoe.moe_losses import load_balancing_loss
+from mhmoe.models.moh.moh_losses import moh_load_balancing_loss
 
 
 def naive_gshard_top1_sum(router_logits, num_experts, row_mask):

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MHMoEModel
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoESparseMoeBlock
-from mhmoe.models.mhmoe.losses import load_balancing_loss, router_z_loss
+from mhmoe.models.mhmoe.moe_losses import load_balancing_loss, router_z_loss
+from mhmoe.models.mhmoe.sparse_moe import MHMoESparseMoeBlock
 
 
 def tiny(**kw):

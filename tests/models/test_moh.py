@@ -9,9 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import mhmoe
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
-from mhmoe.models.mhmoe import moh
-from mhmoe.models.mhmoe.losses import moh_load_balancing_loss
-from mhmoe.models.mhmoe.moh import MoHRouter, masked_heads_attention, skipped_heads_attention
+from mhmoe.models.moh import head_routers, moh_attention
+from mhmoe.models.moh.head_routers import HEAD_ROUTERS
+from mhmoe.models.moh.head_skipping import masked_heads_attention, skipped_heads_attention
+from mhmoe.models.moh.moh_losses import moh_load_balancing_loss
 from tests.causal_lm_tester import randomise_moh_routers as randomise_routers
 
 VOCAB, HIDDEN, HEADS = 100, 32, 8
@@ -59,8 +60,8 @@ def test_l2_router_matches_naive_per_token_loop(shared, active):
     batch, seq, head_dim = 2, 5, 4
     query = torch.randn(batch, seq, HEADS, head_dim) * torch.linspace(0.5, 2.0, HEADS)[:, None]
     hidden = torch.randn(batch, seq, HIDDEN)
-    soft = MoHRouter(HIDDEN, HEADS, shared, active, "l2", straight_through=False)
-    hard = MoHRouter(HIDDEN, HEADS, shared, active, "l2", straight_through=True)
+    soft = HEAD_ROUTERS["l2"](HIDDEN, HEADS, shared, active, straight_through=False)
+    hard = HEAD_ROUTERS["l2"](HIDDEN, HEADS, shared, active, straight_through=True)
     gates, logits, index = soft(hidden, query)
     hard_gates, _, _ = hard(hidden, query)
     assert list(soft.parameters()) == []  # parameter-free
@@ -82,7 +83,7 @@ def test_l2_router_matches_naive_per_token_loop(shared, active):
 def test_learned_router_matches_paper_equations(shared, active):
     """Eq. 5-6 with the reference code's renormalised ×K routed gates and ×S shared gates, per token."""
     torch.manual_seed(shared + active)
-    router = MoHRouter(HIDDEN, HEADS, shared, active, "learned")
+    router = HEAD_ROUTERS["learned"](HIDDEN, HEADS, shared, active)
     randomise_routers(router, std=0.5)
     hidden = torch.randn(2, 4, HIDDEN)
     gates, logits, _ = router(hidden, None)
@@ -118,7 +119,7 @@ def test_learned_router_at_init_is_plain_multi_head_attention():
     gates, _, _ = router(torch.randn(2, 3, HIDDEN), None)
     torch.testing.assert_close(gates, torch.ones_like(gates))  # uniform gates equal 1
     # with fewer active heads the fresh router keeps gate 1 on the selected heads
-    partial = MoHRouter(HIDDEN, HEADS, 3, 2, "learned")
+    partial = HEAD_ROUTERS["learned"](HIDDEN, HEADS, 3, 2)
     gates, _, _ = partial(torch.randn(2, 3, HIDDEN), None)
     assert sorted(set(gates.flatten().tolist())) == pytest.approx([0.0, 1.0])
     assert (gates != 0).sum(-1).eq(5).all()
@@ -192,7 +193,7 @@ def test_head_skipping_equals_masked_computation(kv_heads, mask_kind, seq):
     batch, head_dim, length = 2, 4, 11
     query = torch.randn(batch, HEADS, seq, head_dim)
     key, value = torch.randn(batch, kv_heads, length, head_dim), torch.randn(batch, kv_heads, length, head_dim)
-    router = MoHRouter(HIDDEN, HEADS, 2, 3, "learned")
+    router = HEAD_ROUTERS["learned"](HIDDEN, HEADS, 2, 3)
     randomise_routers(router)
     gates, _, _ = router(torch.randn(batch, seq, HIDDEN), None)  # soft gates: weighted heads, zeros elsewhere
     assert (gates != 0).sum(-1).eq(5).all()
@@ -219,13 +220,13 @@ def test_head_skipping_equals_masked_computation(kv_heads, mask_kind, seq):
 
 def test_decoding_skips_heads_and_matches_the_masked_path(monkeypatch):
     calls = []
-    original = moh.skipped_heads_attention
+    original = moh_attention.skipped_heads_attention
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(moh, "skipped_heads_attention", spy)
+    monkeypatch.setattr(moh_attention, "skipped_heads_attention", spy)
     torch.manual_seed(0)
     model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3)).eval()
     randomise_routers(model)
@@ -319,7 +320,7 @@ def test_backends_agree_with_eager(attn):
 
 def test_straight_through_gates_are_binary_and_pass_gradients():
     torch.manual_seed(0)
-    router = MoHRouter(HIDDEN, HEADS, 3, 2, "learned", straight_through=True)
+    router = HEAD_ROUTERS["learned"](HIDDEN, HEADS, 3, 2, straight_through=True)
     randomise_routers(router, std=0.3)
     hidden = torch.randn(2, 5, HIDDEN)
     gates, _, _ = router(hidden, None)
@@ -329,7 +330,7 @@ def test_straight_through_gates_are_binary_and_pass_gradients():
         assert param.grad is not None and param.grad.abs().sum() > 0
 
     # l2 router: the gradient reaches the queries through the norms
-    l2 = MoHRouter(HIDDEN, HEADS, 3, 2, "l2", straight_through=True)
+    l2 = HEAD_ROUTERS["l2"](HIDDEN, HEADS, 3, 2, straight_through=True)
     query = torch.randn(2, 5, HEADS, 4, requires_grad=True)
     gates, _, _ = l2(hidden, query)
     assert set(gates.unique().tolist()) == {0.0, 1.0}
@@ -350,7 +351,7 @@ def test_straight_through_routes_lm_gradients_into_the_query_projection(monkeypa
         return model.model.layers[-1].self_attn.q_proj.weight.grad.clone()  # last layer: no routing downstream
 
     with_ste = q_grad()
-    monkeypatch.setattr(moh, "straight_through", lambda soft, hard: hard)
+    monkeypatch.setattr(head_routers, "straight_through", lambda soft, hard: hard)
     without = q_grad()
     routed_rows = slice(4 * 4, 8 * 4)
     assert (with_ste[routed_rows] - without[routed_rows]).abs().max() > 1e-6

@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mhmoe import MHMoEConfig, MHMoEForCausalLM
+from mhmoe import MHMoEConfig, MHMoEForCausalLM, matched_to_smoe
 from mhmoe.models.mhmoe.bitnet import BitLinear, BitNetExperts, quantize_weight
-from mhmoe.models.mhmoe.configuration_mhmoe import OFFICIAL_ROUTING, conventions_fields
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoESparseMoeBlock
-from mhmoe.models.mhmoe.moh import MoHRouter
-from mhmoe.models.mhmoe import routing
-from mhmoe.models.mhmoe.ops.routing import routing_triton
-from mhmoe.models.mhmoe.ops.routing.routing_naive import expert_capacity, route
+from mhmoe.models.mhmoe.matching import OFFICIAL_ROUTING, conventions_fields
+from mhmoe.models.mhmoe.sparse_moe import MHMoESparseMoeBlock
+from mhmoe.models.moh.head_routers import HEAD_ROUTERS
+from mhmoe.models.ops import backends
+from mhmoe.models.ops.routing import routing_triton
+from mhmoe.models.ops.routing.routing_naive import expert_capacity, route
 
 
 def tiny(**kw):
@@ -151,8 +151,8 @@ def test_official_routing_fields_are_checked():
 
 def test_official_preset():
     smoe = tiny(moe_heads=1, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=64)
-    official = MHMoEConfig.matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official")
-    library = MHMoEConfig.matched_to_smoe(smoe, 2, 2, round_experts_to=1)
+    official = matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official")
+    library = matched_to_smoe(smoe, 2, 2, round_experts_to=1)
     sizes = ("num_experts", "moe_intermediate_size")
     assert [getattr(official, n) for n in sizes] == [getattr(library, n) for n in sizes]  # the same parity solve
     assert official.norm_topk_prob is False and official.capacity_factor == 1.0
@@ -161,13 +161,13 @@ def test_official_preset():
     assert (library.norm_topk_prob, library.capacity_factor, library.moe_layer_bias) == (True, None, False)
     assert conventions_fields("official", smoe).get("moe_layer_bias") is None  # SMoE: no head/merge layer to bias
     bitnet_smoe = tiny(moe_heads=1, moe_intermediate_size=64, linear_type="bitnet_b158")
-    bitnet = MHMoEConfig.matched_to_smoe(bitnet_smoe, 2, 2, round_experts_to=1, conventions="official")
+    bitnet = matched_to_smoe(bitnet_smoe, 2, 2, round_experts_to=1, conventions="official")
     assert (bitnet.bitnet_quantized_layers, bitnet.bitnet_ffn_norm) == ("official", "before_down")
     # kwargs win over the preset
-    assert MHMoEConfig.matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official",
+    assert matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official",
                                        capacity_factor=2.0).capacity_factor == 2.0  # fmt: skip
     with pytest.raises(ValueError, match="conventions must be one of"):
-        MHMoEConfig.matched_to_smoe(smoe, 2, 2, conventions="paper")
+        matched_to_smoe(smoe, 2, 2, conventions="paper")
 
 
 # ---- MoH eq. 9-10 ------------------------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def test_l2_router_scores_straight_through_is_eq_9_10():
     heads, shared, active, hd = 6, 2, 2, 4
     queries = torch.randn(2, 3, heads, hd, dtype=torch.float64, requires_grad=True)
     hidden = torch.randn(2, 3, 8, dtype=torch.float64)
-    router = MoHRouter(8, heads, shared, active, "l2", "scores")
+    router = HEAD_ROUTERS["l2"](8, heads, shared, active, "scores")
     gates, _, index = router(hidden, queries)
     hard = torch.zeros(2, 3, heads - shared, dtype=torch.float64).scatter(-1, index, 1.0)
     torch.testing.assert_close(gates.double(), torch.cat([torch.ones(2, 3, shared, dtype=torch.float64), hard], -1))
@@ -192,7 +192,7 @@ def test_l2_router_scores_straight_through_is_eq_9_10():
     (ref_grad,) = torch.autograd.grad((scores * upstream[..., shared:]).sum(), ref_q)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)  # the router computes in fp32
 
-    library = MoHRouter(8, heads, shared, active, "l2", True)
+    library = HEAD_ROUTERS["l2"](8, heads, shared, active, True)
     gates_lib, _, _ = library(hidden, queries)
     torch.testing.assert_close(gates_lib, gates)  # same forward
     (grad_lib,) = torch.autograd.grad((gates_lib.double() * upstream).sum(), queries)
@@ -330,14 +330,14 @@ def test_before_down_drops_the_ffn_input_norms_only():
 
 @pytest.mark.skipif(not routing_triton.HAS_TRITON, reason="triton is not installed")
 def test_official_rounding_through_the_dispatch_and_the_kernel(monkeypatch):
-    """`routing.route` passes the rounding to both backends (kernel under TRITON_INTERPRET on CPU, tests/conftest.py)."""
+    """`backends.route` passes the rounding to both backends (kernel under TRITON_INTERPRET on CPU, tests/conftest.py)."""
     torch.manual_seed(5)
     logits = torch.randn(10, 3) * 3  # S = 10, E = 3, k = 2: official capacity 8, Switch 7
     reference = route(logits, 2, False, 1.0, "official")
     for backend in ("torch", "triton"):
         monkeypatch.setenv("MHMOE_ROUTING_BACKEND", backend)
-        weights, experts = routing.route(logits, 2, False, 1.0, capacity_rounding="official")
+        weights, experts = backends.route(logits, 2, False, 1.0, capacity_rounding="official")
         assert torch.equal(experts, reference[1]), backend
         torch.testing.assert_close(weights, reference[0])
-    switch = routing.route(logits, 2, False, 1.0)[1]
+    switch = backends.route(logits, 2, False, 1.0)[1]
     assert (switch == 3).sum() > (reference[1] == 3).sum()  # the smaller Switch capacity drops more here

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mhmoe import MHMoEConfig, MHMoEModel, matched_moe_settings, moe_layer_cost
+from mhmoe import MHMoEConfig, MHMoEModel, from_mixtral_config, matched_moe_settings, matched_to_smoe, moe_layer_cost
 
 PAPER_SMOE = dict(hidden_size=768, num_attention_heads=12, moe_intermediate_size=2048, num_experts=8,
                   num_experts_per_tok=1, moe_heads=1)  # fmt: skip
@@ -11,7 +11,7 @@ PAPER_SMOE = dict(hidden_size=768, num_attention_heads=12, moe_intermediate_size
 @pytest.mark.parametrize("h,k,intermediate,experts", [(2, 2, 768, 40), (3, 3, 512, 96)])
 def test_reproduces_paper_section_3(h, k, intermediate, experts):
     smoe = MHMoEConfig(**PAPER_SMOE)
-    mh = MHMoEConfig.matched_to_smoe(smoe, moe_heads=h, num_experts_per_tok=k, round_experts_to=8)
+    mh = matched_to_smoe(smoe, moe_heads=h, num_experts_per_tok=k, round_experts_to=8)
     assert (mh.moe_intermediate_size, mh.num_experts) == (intermediate, experts)
     assert mh.moe_head_layer and mh.moe_merge_layer and mh.hidden_size == 768
     # activated multiply-adds are equal once the router's d·E term (not in the paper's count) is set aside
@@ -72,20 +72,20 @@ def test_matched_to_smoe_from_mixtral_an_mh_moe_source_and_without_head_or_merge
 
     mixtral = MixtralConfig(hidden_size=768, intermediate_size=2048, num_local_experts=8, num_experts_per_tok=1,
                             num_attention_heads=12, num_key_value_heads=12)  # fmt: skip
-    source = MHMoEConfig.from_mixtral_config(mixtral)
-    mh = MHMoEConfig.matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2)
+    source = from_mixtral_config(mixtral)
+    mh = matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2)
     assert mh.router_aux_loss_mode == "per_layer"  # Mixtral's pooled mode needs h=1
     assert (mh.moe_intermediate_size, mh.num_experts) == (768, 40)
     # an MH-MoE source: its experts are d/h wide (Section 3's h=3 config matched back to h=2)
     h3 = MHMoEConfig(**{**PAPER_SMOE, "moe_heads": 3, "num_experts": 96, "num_experts_per_tok": 3,
                         "moe_intermediate_size": 512})  # fmt: skip
-    matched = MHMoEConfig.matched_to_smoe(h3, moe_heads=2, num_experts_per_tok=2, round_experts_to=1)
+    matched = matched_to_smoe(h3, moe_heads=2, num_experts_per_tok=2, round_experts_to=1)
     params_gap, macs_gap = _matched_gap(h3, matched)
     assert params_gap < 0.012 and macs_gap == 0  # E rounded to an integer: at most half an expert (1.1%) off
     # the ablations without head and/or merge layer are solved for what they really have
     for fields in (dict(moe_head_layer=False), dict(moe_head_layer=False, moe_merge_layer=False)):
         smoe = MHMoEConfig(**PAPER_SMOE)
-        matched = MHMoEConfig.matched_to_smoe(smoe, moe_heads=2, num_experts_per_tok=2, round_experts_to=1, **fields)
+        matched = matched_to_smoe(smoe, moe_heads=2, num_experts_per_tok=2, round_experts_to=1, **fields)
         assert not matched.moe_head_layer and matched.moe_merge_layer == fields.get("moe_merge_layer", True)
         params_gap, macs_gap = _matched_gap(smoe, matched)
         assert params_gap < 0.02 and abs(macs_gap) <= 3 * 768 * 2  # f and E rounded to integers
@@ -95,7 +95,7 @@ def test_matched_to_smoe_refusals():
     from transformers import MixtralConfig
 
     with pytest.raises(ValueError, match="from_mixtral_config"):
-        MHMoEConfig.matched_to_smoe(MixtralConfig(), moe_heads=2, num_experts_per_tok=2)
+        matched_to_smoe(MixtralConfig(), moe_heads=2, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="dense"):
-        MHMoEConfig.matched_to_smoe(MHMoEConfig(**PAPER_SMOE, decoder_sparse_step=0), moe_heads=2,
+        matched_to_smoe(MHMoEConfig(**PAPER_SMOE, decoder_sparse_step=0), moe_heads=2,
                                     num_experts_per_tok=2)  # fmt: skip

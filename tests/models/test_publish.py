@@ -101,7 +101,7 @@ def test_push_to_hub_uploads_the_self_contained_folder(monkeypatch):
         _models()["mhmoe"].push_to_hub("someone/tiny-mhmoe", token="hf_fake")
     assert sent["repo"] == "someone/tiny-mhmoe"
     assert {"config.json", "model.safetensors", "README.md", "modeling_mhmoe.py", "configuration_mhmoe.py",
-            "moe.py", "routing.py"} <= set(sent["files"])  # fmt: skip
+            "experts_grouped_mm.py", "backends.py"} <= set(sent["files"])  # fmt: skip
 
 
 def test_push_to_hub_offline_says_what_to_do(monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM
-from mhmoe.models.mhmoe.routing import route
+from mhmoe.models.ops.backends import route
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3])

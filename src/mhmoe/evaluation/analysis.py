@@ -21,9 +21,8 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from ..models.mhmoe.modeling_mhmoe import MHMoETopKRouter
-from ..models.mhmoe.moh import MoHRouter
-from ..models.mhmoe.routing import topk_mask
+from ..models.mhmoe.sparse_moe import MHMoETopKRouter
+from ..models.moh.head_routers import MoHRouter, topk_mask
 
 
 def _as_inputs(batch) -> dict:

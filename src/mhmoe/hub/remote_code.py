@@ -3,9 +3,9 @@
 `write_remote_code(folder, config)` adds to a saved checkpoint folder:
 
 - the modeling code: the `configuration_*.py` / `modeling_*.py` files of the config and model classes and every file
-  they import relatively, transitively, flattened into the folder. `moh_llama` imports `from ..mhmoe.moh import ...`:
-  those files are copied too and the import is rewritten to `from .moh import ...` (one source in the repository, the
-  copy made here). Every exported file may import only torch, transformers, huggingface_hub and the standard library
+  they import relatively, transitively, flattened into the folder. `moh_llama` imports `from ..moh.moh_attention
+  import ...`: those files are copied too and the import is rewritten to `from .moh_attention import ...` (one source
+  in the repository, the copy made here). Every exported file may import only torch, transformers, huggingface_hub and the standard library
   at module level (imports inside `try/except ImportError` are skipped, as in Transformers' own check), and relatively
   only from `mhmoe/models/` (the model layer runs on torch and Transformers alone);
 - `auto_map` in config.json naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`;
@@ -13,7 +13,8 @@
 
 Transformers' `register_for_auto_class` + `save_pretrained` (`custom_object_save`) is not used for the copy: it maps
 one auto class per saved object (not AutoConfig, AutoModel and AutoModelForCausalLM at once), writes `auto_map` into
-the live config, and resolves `from ..mhmoe.moh import` as a file `.mhmoe.moh.py` next to the modeling file. Its
+the live config, and resolves `from ..moh.moh_attention import` as a file `.moh.moh_attention.py` next to the modeling
+file. Its
 `get_imports` and `get_relative_import_files` (what the loader itself runs) check the exported folder instead.
 
 `save_pretrained` / `push_to_hub` of mhmoe models call `write_remote_code` (the model layer's `publish.py` holds the

@@ -19,9 +19,9 @@ SHARED_MEMORY = {80: 163 * 1024, 90: 227 * 1024}  # bytes a block may use: A100,
 
 def _kernels(dtype: str, tile: dict, precision: str = "tf32"):
     """(name, jit function, signature, constexprs) of every kernel, operands in `dtype` ("fp32" | "bf16")."""
-    from mhmoe.models.mhmoe.ops.experts import experts_triton as ex
-    from mhmoe.models.mhmoe.ops.head_router import head_router_triton as hr
-    from mhmoe.models.mhmoe.ops.routing import routing_triton as rt
+    from mhmoe.models.ops.experts import experts_triton as ex
+    from mhmoe.models.ops.head_router import head_router_triton as hr
+    from mhmoe.models.ops.routing import routing_triton as rt
 
     p, i32 = f"*{dtype}", "i32"
     experts = dict(tile, UPCAST=False, PRECISION=precision)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     if "nvidia" not in backends:
         print("this triton has no NVIDIA backend", file=sys.stderr)
         return 77
-    from mhmoe.models.mhmoe.ops.experts import experts_triton as ex
+    from mhmoe.models.ops.experts import experts_triton as ex
 
     failures = 0
     for arch in args.arch:

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch.library import opcheck
 
 from mhmoe.models.mhmoe.configuration_mhmoe import MHMoEConfig
-from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEExperts
-from mhmoe.models.mhmoe.moe import eager_experts_forward
-from mhmoe.models.mhmoe.ops.experts import experts_naive, experts_triton
-from mhmoe.models.mhmoe.ops.routing.routing_naive import sort_by_expert
+from mhmoe.models.mhmoe.experts import MHMoEExperts, eager_experts_forward
+from mhmoe.models.ops import backends
+from mhmoe.models.ops.experts import experts_naive, experts_triton
+from mhmoe.models.ops.routing.routing_naive import sort_by_expert
 
 from .spread_model import spread_model
 
@@ -204,7 +204,7 @@ def test_tile_configs():
     configs = experts_triton._configs()
     assert len(configs) == 1 and configs[0].kwargs == dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32)
     assert experts_triton._gate_up_tuned.configs == configs
-    import mhmoe.models.mhmoe.ops.experts.experts_triton as module
+    import mhmoe.models.ops.experts.experts_triton as module
 
     original = module.interpreting
     module.interpreting = lambda: False
@@ -261,24 +261,21 @@ def test_cuda_bf16():
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
 
 
-def test_model_through_the_experts_registry(monkeypatch):
-    """Registered with Transformers' experts interface, the kernels run a whole MH-MoE model (h=2, capacity drops)
-    with the `grouped_mm` path's logits and gradients."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-
+def test_model_with_experts_implementation_triton(monkeypatch):
+    """`experts_implementation="triton"` (the experts op's triton backend, ops/backends.py) runs a whole MH-MoE model
+    (h=2, capacity drops) with the `grouped_mm` path's logits and gradients."""
     config = MHMoEConfig(vocab_size=37, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, moe_heads=2, num_experts=6, num_experts_per_tok=2,
                          moe_intermediate_size=16, capacity_factor=0.75)  # fmt: skip
     model = spread_model(config)
     ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(3))
     calls = []
-    forward = experts_triton.triton_experts_forward
-    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "mhmoe_triton",
-                        lambda *a: calls.append(1) or forward(*a))  # fmt: skip
+    forward = backends.IMPLEMENTATIONS["experts"]["triton"]
+    monkeypatch.setitem(backends.IMPLEMENTATIONS["experts"], "triton", lambda *a: calls.append(1) or forward(*a))
     results = []
-    for implementation in ("grouped_mm", "mhmoe_triton"):
+    for implementation in ("grouped_mm", "triton"):
         model.set_experts_implementation(implementation)
+        assert model.config._experts_implementation == implementation
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()

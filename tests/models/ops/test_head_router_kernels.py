@@ -1,5 +1,5 @@
 """The MoH l2 head-router kernel (ops/head_router/head_router_triton.py) against its PyTorch reference
-(head_router_naive.py), and that reference against the model's own `moh.MoHRouter(router="l2")`: gates, router logits,
+(head_router_naive.py), and that reference against the model's own l2 router (`head_routers.L2Router`): gates, router logits,
 selected heads and the queries' gradient, under TRITON_INTERPRET=1 (tests/conftest.py)."""
 
 import pytest
@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mhmoe.models.mhmoe.moh import MoHRouter
-from mhmoe.models.mhmoe.ops.head_router import head_router_triton
-from mhmoe.models.mhmoe.ops.head_router.head_router_naive import l2_head_gates
-from mhmoe.models.mhmoe.ops.head_router.head_router_triton import l2_head_gates_triton
+from mhmoe.models.moh.head_routers import HEAD_ROUTERS, l2_scores
+from mhmoe.models.ops.head_router import head_router_triton
+from mhmoe.models.ops.head_router.head_router_naive import l2_head_gates
+from mhmoe.models.ops.head_router.head_router_triton import l2_head_gates_triton
 
 from .spread_model import spread_model
 
@@ -51,9 +51,9 @@ def test_kernel_matches_reference(case, straight_through):
 
 @pytest.mark.parametrize("straight_through", [False, True])
 def test_reference_is_the_models_router(straight_through):
-    """head_router_naive.l2_head_gates gives MoHRouter(router="l2")'s gates, logits, index and query gradient."""
+    """head_router_naive.l2_head_gates gives the l2 router's gates, logits, index and query gradient."""
     batch, seq, heads, shared, active, head_dim = 2, 5, 8, 2, 3, 12
-    router = MoHRouter(32, heads, shared, active, router="l2", straight_through=straight_through)
+    router = HEAD_ROUTERS["l2"](32, heads, shared, active, straight_through=straight_through)
     queries = torch.randn(batch, seq, heads, head_dim, generator=torch.Generator().manual_seed(0))
     leaf = queries.clone().requires_grad_()
     gates, logits, index = router(torch.randn(batch, seq, 32), leaf)
@@ -147,9 +147,9 @@ def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatc
     """An MHMoE model with MoH l2 routing: routing_backend="triton" (head router and expert routing on the kernels)
     gives the torch path's logits, losses and gradients, and the head-router kernel really ran."""
     from mhmoe import MHMoEConfig
-    from mhmoe.models.mhmoe import routing
+    from mhmoe.models.ops import backends
 
-    monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backends.ROUTING_BACKEND_ENV, raising=False)
     config = MHMoEConfig(vocab_size=41, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=4, moe_heads=2, num_experts=5, num_experts_per_tok=2,
                          moe_intermediate_size=16, moh_shared_heads=1, moh_active_heads=2, moh_router="l2",
@@ -157,8 +157,9 @@ def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatc
     model = spread_model(config)
     ids = torch.randint(0, 41, (2, 7), generator=torch.Generator().manual_seed(2))
     calls = []
-    original = routing.l2_head_gates_triton
-    monkeypatch.setattr(routing, "l2_head_gates_triton", lambda *a: calls.append(1) or original(*a))
+    kernels = backends.IMPLEMENTATIONS["head_router.l2_head_gates"]
+    original = kernels["triton"]
+    monkeypatch.setitem(kernels, "triton", lambda *a: calls.append(1) or original(*a))
     results = []
     for backend in ("torch", "triton"):
         for module in model.modules():
@@ -177,7 +178,7 @@ def test_gathered_head_norms_win_over_the_kernel():
     """Tensor parallelism hands the l2 router the gathered norms of every head (`head_norms`) while `query_states`
     holds only this rank's heads: on the triton backend too, the router must route on `head_norms`."""
     heads, shared, active = 6, 2, 2
-    router = MoHRouter(32, heads, shared, active, router="l2")
+    router = HEAD_ROUTERS["l2"](32, heads, shared, active)
     generator = torch.Generator().manual_seed(7)
     local_queries = torch.randn(2, 5, heads, 8, generator=generator)  # this rank's queries: other norms
     head_norms = torch.rand(2, 5, heads, generator=generator) * 3 + 0.1  # every head's, gathered
@@ -187,8 +188,6 @@ def test_gathered_head_norms_win_over_the_kernel():
         results.append(router(torch.zeros(2, 5, 32), local_queries, head_norms=head_norms))
     for have, want in zip(results[1], results[0]):
         torch.testing.assert_close(have, want)
-    from mhmoe.models.mhmoe.moh import l2_scores
-
     torch.testing.assert_close(results[1][1], l2_scores(head_norms[..., shared:]))  # routed on the gathered norms
 
 

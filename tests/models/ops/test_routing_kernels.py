@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mhmoe import MHMoEConfig
-from mhmoe.models.mhmoe import routing
-from mhmoe.models.mhmoe.ops.routing import routing_naive, routing_triton
+from mhmoe.models.ops import backends as routing
+from mhmoe.models.ops.routing import routing_naive, routing_triton
 
 from .spread_model import spread_model
 
@@ -231,7 +231,8 @@ def test_counting_sort_properties(ids, block):
 def test_backend_switch(monkeypatch):
     logits = _logits(9, 5)
     calls = []
-    monkeypatch.setattr(routing, "triton_route", lambda *args: calls.append("triton") or routing_triton.route(*args))
+    monkeypatch.setitem(routing.IMPLEMENTATIONS["routing.route"], "triton",
+                        lambda *args: calls.append("triton") or routing_triton.route(*args))  # fmt: skip
     monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
     routing.route(logits, 2)
     assert calls == []  # CPU default: the reference
@@ -251,20 +252,20 @@ def test_a_failing_kernel_is_logged_once_recorded_and_replaced(monkeypatch, capl
     """The automatic choice (CUDA tensors; simulated here) runs the reference when a kernel raises, logs the reason
     once at WARNING, records it in `fallbacks()` and keeps every routing op on PyTorch until `reset_fallbacks()`; a
     forced backend raises instead."""
-    from mhmoe.models.mhmoe.ops import fallbacks, reset_fallbacks
+    from mhmoe.models.ops.backends import fallbacks, reset_fallbacks
 
     def broken(*args):
         calls.append("triton")
         raise RuntimeError("no kernel image is available for execution on the device")
 
     calls = []
-    monkeypatch.setattr(routing, "triton_route", broken)
+    monkeypatch.setitem(routing.IMPLEMENTATIONS["routing.route"], "triton", broken)
     monkeypatch.setattr(routing.torch.Tensor, "is_cuda", property(lambda self: True))  # the automatic choice
     monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
     reset_fallbacks()
     logits = _logits(9, 5)
     try:
-        with caplog.at_level("WARNING", logger="mhmoe.models.mhmoe.ops.kernel_fallbacks"):
+        with caplog.at_level("WARNING", logger="mhmoe.models.ops.backends"):
             for _ in range(3):
                 weights, experts = routing.route(logits, 2)
         ref_weights, ref_experts = routing_naive.route(logits, 2)
@@ -297,9 +298,10 @@ def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatc
     model = spread_model(config)
     ids = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(1))
     calls = []
-    for name in ("triton_route", "triton_sort_by_expert"):
-        original = getattr(routing, name)
-        monkeypatch.setattr(routing, name, lambda *a, original=original, name=name: calls.append(name) or original(*a))
+    for name in ("routing.route", "routing.sort_by_expert"):
+        original = routing.IMPLEMENTATIONS[name]["triton"]
+        monkeypatch.setitem(routing.IMPLEMENTATIONS[name], "triton",
+                            lambda *a, original=original, name=name: calls.append(name) or original(*a))  # fmt: skip
 
     results = []
     for backend in ("torch", "triton"):
@@ -310,7 +312,7 @@ def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatc
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         results.append([out.logits, out.loss, out.aux_loss] + [p.grad for p in model.parameters()])
-    assert calls.count("triton_route") == 2 and calls.count("triton_sort_by_expert") == 2
+    assert calls.count("routing.route") == 2 and calls.count("routing.sort_by_expert") == 2
     for have, want in zip(results[1], results[0]):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
 

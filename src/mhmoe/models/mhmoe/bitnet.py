@@ -33,9 +33,10 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .configuration_mhmoe import BITNET_QUANTIZED_LAYERS, LINEAR_TYPES
-from .moe import GROUPED_MM_TILE, _GROUPED_MM, _kernel_accepts, _tiled_grouped_mm, autocast_dtype
-from .routing import sort_by_expert
+from ..ops.backends import sort_by_expert
+from ..ops.experts.grouped_gemm import (
+    GROUPED_MM_TILE, TORCH_GROUPED_MM, autocast_dtype, kernel_accepts, tiled_grouped_mm,
+)
 
 _SCALE_MIN = 1e-5  # clamp of the absmean / absmax scales (an all-zero matrix or token)
 
@@ -156,26 +157,17 @@ QUANTIZED_ROLES = {
     "experts": {"experts"},
 }
 ROLES = ("attention", "ffn", "experts", "head_merge")
+BITNET_QUANTIZED_LAYERS = tuple(QUANTIZED_ROLES)
+BITNET_FFN_NORMS = ("every_projection", "before_down")
 
 
-def is_quantized(config, role: str = "attention", expert: bool = False) -> bool:
-    """Whether a projection of this `role` (see QUANTIZED_ROLES; `expert=True` means role "experts") is quantised."""
+def is_quantized(config, role: str = "attention") -> bool:
+    """Whether a projection of this `role` (see QUANTIZED_ROLES) is quantised."""
     if getattr(config, "linear_type", "linear") != "bitnet_b158":
         return False
-    role = "experts" if expert else role
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     return role in QUANTIZED_ROLES[config.bitnet_quantized_layers]
-
-
-def make_linear(config, in_features: int, out_features: int, bias: bool = False, role: str = "attention",
-                input_norm: bool = True) -> nn.Module:  # fmt: skip
-    """The decoder projection `config` asks for (`role`: see QUANTIZED_ROLES): `nn.Linear`, `BitLinear`, or
-    `PackedBitLinear` (packed export); `input_norm=False`: a BitLinear without its sub-layer norm."""
-    if not is_quantized(config, role):
-        return nn.Linear(in_features, out_features, bias=bias)
-    cls = PackedBitLinear if config.bitnet_packed else BitLinear
-    return cls(in_features, out_features, bias=bias, eps=config.rms_norm_eps, input_norm=input_norm)
 
 
 def ffn_input_norm(config) -> bool:
@@ -187,17 +179,17 @@ def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     """rows (S, in) sorted by expert, weight (E, out, in), offsets (E,) int32 group ends -> (S, out); differentiable.
 
     Under autocast both operands are cast once to the autocast dtype (else to their common dtype), then torch's grouped
-    GEMM runs where it takes them; otherwise on CUDA the tiled batched matmul (`moe._tiled_grouped_mm`, no host sync),
+    GEMM runs where it takes them; otherwise on CUDA the tiled batched matmul (`grouped_gemm.tiled_grouped_mm`, no host sync),
     on CPU one matmul per non-empty expert."""
     compute = autocast_dtype(rows.device) or torch.promote_types(rows.dtype, weight.dtype)
     rows, rhs = rows.to(compute), weight.transpose(1, 2).to(compute)  # rhs (E, in, out), a view when no cast
     with torch.autocast(rows.device.type, enabled=False):
         # the output and the gradients the backward makes need 16-byte rows too
         rows_aligned = all(n * rows.element_size() % 16 == 0 for n in weight.shape[1:])
-        if _kernel_accepts(rows, rhs) and rows_aligned and rows.shape[0] > 0:
-            return _GROUPED_MM(rows, rhs, offs=offsets)
+        if kernel_accepts(rows, rhs) and rows_aligned and rows.shape[0] > 0:
+            return TORCH_GROUPED_MM(rows, rhs, offs=offsets)
         if rows.is_cuda:
-            return _tiled_grouped_mm(rows, rhs, offsets, GROUPED_MM_TILE)
+            return tiled_grouped_mm(rows, rhs, offsets, GROUPED_MM_TILE)
         ends = offsets.tolist()  # CPU operands torch's kernel refuses: one matmul per non-empty expert
         starts = [0] + ends[:-1]
         pieces = [rows[a:b] @ rhs[e] for e, (a, b) in enumerate(zip(starts, ends)) if b > a]
@@ -244,7 +236,7 @@ class BitNetExperts(nn.Module, _CachedQuantization):
         self.act_fn = ACT2FN[config.hidden_act]
 
     @torch.no_grad()
-    def reset_parameters(self, std: float) -> None:
+    def init_parameters(self, std: float) -> None:
         if not self.packed:
             self.gate_up_proj.normal_(mean=0.0, std=std)
             self.down_proj.normal_(mean=0.0, std=std)
@@ -337,8 +329,46 @@ def packed_model(model):
     return packed.eval()
 
 
+class BitNetB158:
+    """`linear_type="bitnet_b158"`: the decoder projections of the roles `bitnet_quantized_layers` names are
+    BitLinear (PackedBitLinear with `bitnet_packed`), the others `nn.Linear`; the routed experts are `BitNetExperts`."""
+
+    @staticmethod
+    def linear(config, in_features: int, out_features: int, bias: bool = False, role: str = "attention",
+               ffn_in: bool = False) -> nn.Module:  # fmt: skip
+        """A projection of `role`; `ffn_in`: an FFN's gate/up projection, without its sub-layer norm under
+        `bitnet_ffn_norm="before_down"`."""
+        if not is_quantized(config, role):
+            return nn.Linear(in_features, out_features, bias=bias)
+        cls = PackedBitLinear if config.bitnet_packed else BitLinear
+        input_norm = not ffn_in or ffn_input_norm(config)
+        return cls(in_features, out_features, bias=bias, eps=config.rms_norm_eps, input_norm=input_norm)
+
+    @staticmethod
+    def experts(config) -> nn.Module:
+        return BitNetExperts(config)
+
+    @staticmethod
+    def config_problems(config) -> list[str]:
+        """The bitnet_* fields, in words (checked whatever the linear_type: a BitNet field set on another model is
+        refused)."""
+        problems, bitnet = [], config.linear_type == "bitnet_b158"
+        if config.bitnet_quantized_layers not in BITNET_QUANTIZED_LAYERS:
+            problems.append(f"bitnet_quantized_layers must be one of {BITNET_QUANTIZED_LAYERS} ('all': every decoder "
+                            f"projection; 'official': attention and FFNs, not head/merge layers or routers; 'ffn_only': "
+                            f"the FFNs; 'experts': the routed experts), got "
+                            f"{config.bitnet_quantized_layers!r}")  # fmt: skip
+        if config.bitnet_ffn_norm not in BITNET_FFN_NORMS:
+            problems.append(f"bitnet_ffn_norm must be one of {BITNET_FFN_NORMS}, got {config.bitnet_ffn_norm!r}")
+        if bitnet and config.bitnet_quantized_layers == "experts" and config.decoder_sparse_step == 0:
+            problems.append("bitnet_quantized_layers='experts' quantises nothing in a dense model "
+                            "(decoder_sparse_step=0); use 'all'")  # fmt: skip
+        if config.bitnet_packed and not bitnet:
+            problems.append("bitnet_packed=True needs linear_type='bitnet_b158' (it marks exported ternary weights)")
+        return problems
+
+
 __all__ = [
-    "BITNET_QUANTIZED_LAYERS", "LINEAR_TYPES", "QUANTIZED_ROLES", "BitLinear", "BitNetExperts", "BitNetRMSNorm",
-    "PackedBitLinear",
-    "is_quantized", "make_linear", "packed_model", "quantize_activations", "quantize_weight",
+    "BITNET_FFN_NORMS", "BITNET_QUANTIZED_LAYERS", "QUANTIZED_ROLES", "BitLinear", "BitNetB158", "BitNetExperts",
+    "BitNetRMSNorm", "PackedBitLinear", "is_quantized", "packed_model", "quantize_activations", "quantize_weight",
 ]  # fmt: skip

@@ -35,7 +35,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .configuration_mhmoe import LORY_EXPERT_POOLS, ROUTER_TYPES
+from .sparse_moe import moe_block_parts
+
+LORY_EXPERT_POOLS = ("shared", "per_head")  # MH-Lory v1: E experts shared by the heads | v2: E per head, E·h in all
 
 
 class LoryRouter(nn.Module):
@@ -49,7 +51,7 @@ class LoryRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_pools * self.num_experts, width))
 
     @torch.no_grad()
-    def reset_parameters(self, std: float) -> None:
+    def init_parameters(self, std: float) -> None:
         self.weight.normal_(mean=0.0, std=std)
 
     def forward(self, means: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ class LoryExperts(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     @torch.no_grad()
-    def reset_parameters(self, std: float) -> None:
+    def init_parameters(self, std: float) -> None:
         self.gate_up_proj.normal_(mean=0.0, std=std)
         self.down_proj.normal_(mean=0.0, std=std)
 
@@ -98,19 +100,40 @@ class LoryExperts(nn.Module):
 
 
 class MHLoryBlock(nn.Module):
-    """head layer -> h sub-tokens -> per segment and head one merged expert (routed on the previous segment) ->
-    concatenate -> merge layer [+ shared expert]. Parameter names follow `MHMoESparseMoeBlock`."""
+    """`router_type="lory"`: head layer -> h sub-tokens -> per segment and head one merged expert (routed on the
+    previous segment) -> concatenate -> merge layer [+ shared expert]. Parameter names follow `MHMoESparseMoeBlock`."""
 
-    def __init__(self, config, layer_idx: int, head_proj=None, merge_proj=None, shared_expert=None):
+    reads_cache = True  # the segment state lives next to the key/value cache
+
+    def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.moe_heads = config.moe_heads
         self.segment_length = config.lory_segment_length
+        head_proj, merge_proj, shared_expert = moe_block_parts(config)
         self.head_proj = head_proj
         self.gate = LoryRouter(config)
         self.experts = LoryExperts(config)
         self.merge_proj = merge_proj
         self.shared_expert = shared_expert
+
+    @classmethod
+    def config_problems(cls, config) -> list[str]:
+        """The lory_* fields, and what Lory does not combine with when chosen, in words."""
+        problems, lory = [], config.router_type == "lory"
+        if config.lory_expert_pool not in LORY_EXPERT_POOLS:
+            problems.append(f"lory_expert_pool must be one of {LORY_EXPERT_POOLS} ('shared': MH-Lory v1; 'per_head': "
+                            f"v2), got {config.lory_expert_pool!r}")  # fmt: skip
+        if not config.lory_segment_length >= 1:
+            problems.append(f"lory_segment_length must be >= 1 tokens, got {config.lory_segment_length}")
+        if lory and config.capacity_factor is not None:
+            problems.append("capacity_factor applies to top-k routing; router_type='lory' merges all experts (use None)")
+        if lory and config.router_jitter_noise:
+            problems.append("router_jitter_noise applies to top-k routing; use 0 with router_type='lory'")
+        if lory and config.linear_type != "linear":
+            problems.append(f"router_type='lory' with linear_type={config.linear_type!r} is not supported (quantising "
+                            "merged experts is not defined by either paper); choose one")  # fmt: skip
+        return problems
 
     def forward(self, hidden_states: torch.Tensor, cache=None) -> torch.Tensor:
         batch_size, seq_len, hidden_dim = hidden_states.shape
@@ -172,4 +195,4 @@ def _follow_beam_reordering(cache, states: dict) -> None:
     cache.reorder_cache = reorder_cache
 
 
-__all__ = ["LORY_EXPERT_POOLS", "ROUTER_TYPES", "LoryExperts", "LoryRouter", "MHLoryBlock"]
+__all__ = ["LORY_EXPERT_POOLS", "LoryExperts", "LoryRouter", "MHLoryBlock"]

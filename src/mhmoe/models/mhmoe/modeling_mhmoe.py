@@ -5,15 +5,12 @@ layer, no shared expert) exactly `MixtralForCausalLM`'s. Shape legend: B batch, 
 h moe_heads, W = D / h sub-token width, N = B·T·h routed rows, E experts, K experts per row.
 """
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeModelOutputWithPast
@@ -24,121 +21,27 @@ from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .bitnet import BitNetExperts, ffn_input_norm, is_quantized, make_linear
-from .cache_naming import CACHE, CACHE_NAMES, either_cache
+from ..cache_naming import CACHE, CACHE_NAMES, either_cache
+from ..causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward_returning
+from ..moh.head_routers import MoHRouter
+from ..moh.moh_attention import add_head_router, attention_forward
+from ..moh.moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
 from .configuration_mhmoe import MHMoEConfig
-from .causal_lm import MHMoECausalLMOutputWithPast, causal_lm_forward, causal_lm_forward_returning  # noqa: F401
-from .lory import LoryExperts, LoryRouter, MHLoryBlock
-from .moe import MHMOE_EXPERTS_FUNCTIONS, eager_experts_forward
-from .moh import MoHRouter, add_head_router, attention_forward
+from .experts import LIBRARY_EXPERTS_IMPLEMENTATIONS
+from .linear_types import make_linear
 from .publish import SelfContainedSaveMixin
-from .moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
-from .routing import route
+from .router_types import make_moe_block
+from .sparse_moe import MHMoEMLP, MHMoETopKRouter
 
 
 class MHMoERMSNorm(LlamaRMSNorm):
     pass
 
 
-class MHMoEMLP(nn.Module):
-    """SwiGLU feed-forward with Llama's parameter names (dense layers and the shared expert)."""
-
-    def __init__(self, config: MHMoEConfig, intermediate_size: int, bias: bool = False):
-        super().__init__()
-        norm = ffn_input_norm(config)  # False: only the sub-layer norm before down (the official BitNet FFN)
-        self.gate_proj = make_linear(config, config.hidden_size, intermediate_size, bias, "ffn", input_norm=norm)
-        self.up_proj = make_linear(config, config.hidden_size, intermediate_size, bias, "ffn", input_norm=norm)
-        self.down_proj = make_linear(config, intermediate_size, config.hidden_size, bias, "ffn")
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
-
-
-@use_experts_implementation(experts_interface=MHMOE_EXPERTS_FUNCTIONS)
-class MHMoEExperts(nn.Module):
-    """`num_experts` SwiGLU experts on sub-tokens of width W, stored as 3-D parameters like Mixtral's."""
-
-    def __init__(self, config: MHMoEConfig):
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size // config.moe_heads
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):  # `eager`; `grouped_mm` is the default
-        return eager_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-
-
-class MHMoETopKRouter(nn.Module):
-    """Linear router computed in fp32 whatever the model dtype (Switch's selective precision)."""
-
-    def __init__(self, config: MHMoEConfig):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
-        self.capacity_factor = config.capacity_factor
-        self.capacity_rounding = config.capacity_rounding
-        self.routing_backend = config.routing_backend
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size // config.moe_heads))
-
-    def forward(self, hidden_states: torch.Tensor):
-        device = hidden_states.device.type
-        # fp32 also under autocast (Accelerate's mixed precision), which would cast the linear back down
-        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
-            router_logits = nn.functional.linear(hidden_states.float(), self.weight.float())  # (N, E)
-        weights, experts = route(
-            router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor, self.routing_backend,
-            self.capacity_rounding,
-        )  # fmt: skip
-        return router_logits, weights, experts
-
-
-def moe_block_parts(config: MHMoEConfig) -> tuple:
-    """The head layer, merge layer and shared expert (each None when the config has none) of an MH-MoE or Lory block."""
-    d, shared = config.hidden_size, config.shared_expert_intermediate_size
-    bias = config.moe_layer_bias  # the official code's nn.Linear(d, d, bias=True); the papers' equations have none
-    head = make_linear(config, d, d, bias=bias, role="head_merge") if config.moe_head_layer else None
-    merge = make_linear(config, d, d, bias=bias, role="head_merge") if config.moe_merge_layer else None
-    return head, merge, MHMoEMLP(config, shared) if shared else None
-
-
-class MHMoESparseMoeBlock(nn.Module):
-    """head layer -> split into h sub-tokens -> top-k experts per sub-token -> concatenate -> merge layer."""
-
-    def __init__(self, config: MHMoEConfig):
-        super().__init__()
-        self.moe_heads = config.moe_heads
-        self.jitter_noise = config.router_jitter_noise
-        head_proj, merge_proj, shared_expert = moe_block_parts(config)
-        self.head_proj = head_proj  # registered in this order: head, gate, experts, merge, shared expert
-        self.gate = MHMoETopKRouter(config)
-        self.experts = BitNetExperts(config) if is_quantized(config, expert=True) else MHMoEExperts(config)
-        self.merge_proj = merge_proj
-        self.shared_expert = shared_expert
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        batch_size, seq_len, hidden_dim = hidden_states.shape
-        sub_tokens = self.head_proj(hidden_states) if self.head_proj is not None else hidden_states
-        sub_tokens = sub_tokens.reshape(-1, hidden_dim // self.moe_heads)  # (B·T·h, W), token-major
-        if self.training and self.jitter_noise > 0:
-            sub_tokens = sub_tokens * torch.empty_like(sub_tokens).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
-        _, weights, experts = self.gate(sub_tokens)
-        out = self.experts(sub_tokens, experts, weights)  # (B·T·h, W)
-        out = out.reshape(batch_size, seq_len, hidden_dim)  # concatenate each token's sub-tokens
-        if self.merge_proj is not None:
-            out = self.merge_proj(out)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(hidden_states)
-        return out
-
-
 class MHMoEAttention(nn.Module):
     """Multi-head attention with GQA, RoPE and an optional sliding window; backends via ALL_ATTENTION_FUNCTIONS.
     With moh_* set, Mixture-of-Head attention: a head router gates each head's output before o_proj (the forward is
-    `moh.attention_forward`, shared with MoH-Llama and the patched Llama-family models)."""
+    `moh_attention.attention_forward`, shared with MoH-Llama and the patched Llama-family models)."""
 
     def __init__(self, config: MHMoEConfig, layer_idx: int):
         super().__init__()
@@ -180,10 +83,8 @@ class MHMoEDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.self_attn = MHMoEAttention(config, layer_idx)
-        if config.is_moe_layer(layer_idx) and config.router_type == "lory":  # lory.py: one merged expert per segment
-            self.mlp = MHLoryBlock(config, layer_idx, *moe_block_parts(config))
-        elif config.is_moe_layer(layer_idx):
-            self.mlp = MHMoESparseMoeBlock(config)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = make_moe_block(config, layer_idx)  # the block `router_type` names (router_types.py)
         else:
             self.mlp = MHMoEMLP(config, config.intermediate_size, bias=config.mlp_bias)
         self.input_layernorm = MHMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -210,7 +111,7 @@ class MHMoEDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states = residual + hidden_states
-        mlp_kwargs = {"cache": cache} if isinstance(self.mlp, MHLoryBlock) else {}
+        mlp_kwargs = {"cache": cache} if getattr(self.mlp, "reads_cache", False) else {}
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), **mlp_kwargs)
 
 
@@ -235,16 +136,20 @@ class MHMoEPreTrainedModel(SelfContainedSaveMixin, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, MHMoEExperts):
-            module.gate_up_proj.normal_(mean=0.0, std=std)
-            module.down_proj.normal_(mean=0.0, std=std)
-        elif isinstance(module, MHMoETopKRouter):
-            module.weight.normal_(mean=0.0, std=std)
-        elif isinstance(module, MoHRouter):
-            module.reset_parameters()
-        elif isinstance(module, (BitNetExperts, LoryExperts, LoryRouter)):
-            module.reset_parameters(std)
+        if hasattr(module, "init_parameters"):  # the library's experts and routers, which Transformers does not know
+            module.init_parameters(self.config.initializer_range)
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """The experts dispatch through Transformers' experts interface (`experts.MHMoEExperts`); Transformers' own
+        check looks for `@use_experts_implementation` in this file's source only."""
+        return True
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """Transformers' choice, plus the experts backends only this library has ("triton": `ops/backends.py`)."""
+        if requested_experts in LIBRARY_EXPERTS_IMPLEMENTATIONS:
+            return requested_experts
+        return super().get_correct_experts_implementation(requested_experts)
 
 
 @dataclass
@@ -256,7 +161,7 @@ class MHMoEModelOutputWithPast(MoeModelOutputWithPast):
 
 class MHMoEModel(MHMoEPreTrainedModel):
     def __init__(self, config: MHMoEConfig):
-        config.check_combinations()  # again: fields may have been set after the config was built
+        config.validate_architecture()  # again: fields may have been set after the config was built
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
@@ -328,7 +233,7 @@ class MHMoEForCausalLM(MHMoEPreTrainedModel, GenerationMixin):
         self.post_init()
 
     causal_lm_output_class = MHMoECausalLMOutputWithPast
-    # base model -> LM head -> LM + router losses (causal_lm.py), annotated `-> MHMoECausalLMOutputWithPast`
+    # base model -> LM head -> LM + router losses (models/causal_lm.py), annotated `-> MHMoECausalLMOutputWithPast`
     forward = causal_lm_forward_returning(MHMoECausalLMOutputWithPast)
 
 

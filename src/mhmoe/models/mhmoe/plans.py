@@ -10,6 +10,33 @@ instance only the rules for the modules its model has.
 
 from collections.abc import Callable
 
+# Parallel plans (Transformers' `DistributedConfig(tp_size=..., ep_size=...)`), Mixtral's plus MH-MoE's own layers.
+# The expert router (`mlp.gate`) is replicated, as in Mixtral; so are the norms. See docs/training.md.
+MHMOE_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn.head_router": "moh_head_router",  # MoH: gathers the (B, T, H) head scores (moh_parallel.py)
+    "layers.*.mlp.gate_proj": "colwise",  # dense layers
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    "layers.*.mlp.shared_expert.gate_proj": "colwise",
+    "layers.*.mlp.shared_expert.up_proj": "colwise",
+    "layers.*.mlp.shared_expert.down_proj": "rowwise",
+    "layers.*.mlp.head_proj": "colwise_gather_output",  # the router needs whole sub-tokens on every rank
+    "layers.*.mlp.merge_proj": "rowwise_split_input",
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",  # each rank: a slice of every expert's inner width
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+# Whole experts per rank; sub-tokens (B·T·h rows of width d/h) are what is dispatched to them.
+MHMOE_EP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+    "layers.*.mlp.experts.down_proj": "grouped_gemm",
+    "layers.*.mlp.experts": "ep_dispatch_experts",
+}
+
 
 class ConfigPlan:
     """Descriptor: `ConfigClass.plan` is every rule; `config.plan` only the rules `keep(config, rule)` accepts."""
@@ -57,4 +84,4 @@ def moh_has_module(config, rule: str) -> bool:
     return True
 
 
-__all__ = ["ConfigPlan", "mhmoe_has_module", "moh_has_module"]
+__all__ = ["MHMOE_EP_PLAN", "MHMOE_TP_PLAN", "ConfigPlan", "mhmoe_has_module", "moh_has_module"]

@@ -3,13 +3,26 @@
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
-# One source of truth for the moh_* validation (a later export step copies it next to this file).
-from ..mhmoe.configuration_mhmoe import OverridesBeforeChecks, moh_config_problems, refuse_auto_class_registration
+from ..config_checks import CheckedOverrides, raise_problems
 from ..mhmoe.plans import ConfigPlan, moh_has_module
+from ..moh.moh_config import moh_config_problems
+
+
+def refuse_auto_class_registration(cls: type) -> None:
+    """moh_llama's files import the shared MoH package from outside their folder, which Transformers' `save_pretrained`
+    cannot copy after `register_for_auto_class`; the exported copies (flattened imports, loaded as
+    `transformers_modules...`) register normally."""
+    if cls.__module__.startswith("mhmoe."):
+        raise ValueError(
+            f"{cls.__name__}.register_for_auto_class: Transformers cannot copy moh_llama's modeling code, which shares "
+            "files with the MoH package. Export with `mhmoe.hub.export_pretrained(model, save_directory)` or "
+            "`mhmoe-export SRC_DIR OUT_DIR` instead: it writes the code and the auto_map for AutoConfig, AutoModel and "
+            "AutoModelForCausalLM (and `push_to_hub=` uploads the folder)"
+        )
 
 
 @strict
-class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
+class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
     r"""`LlamaConfig` plus Mixture-of-Head attention.
 
     The first `moh_shared_heads` heads of every layer are always on; per token the router activates
@@ -19,9 +32,9 @@ class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
     `MoHLlamaForCausalLM.from_pretrained(llama_dir, moh_shared_heads=16, moh_active_heads=8)`.
     `moh_router="learned"` adds the two-stage router of eq. 5-6 (zero-initialised: every gate starts at 1).
     `moh_aux_loss_coef` weights the head load-balancing loss (eq. 7) when `output_router_logits` is on.
-    `moh_router="l2_standardized"` / `"l2_relative"` score each routed head's query norm against its own calibration
-    statistics `moh_head_norm_mean` / `moh_head_norm_std` (per layer, per head: plain lists, no parameters), measured
-    by `mhmoe-convert --calibration_file`.
+    The calibrated routers (`models/moh/head_routers.py`) score each routed head's query norm against its own
+    calibration statistics `moh_head_norm_mean` / `moh_head_norm_std` (per layer, per head: plain lists, no
+    parameters), measured by `mhmoe-convert --calibration_file`.
     """
 
     model_type = "moh_llama"
@@ -42,9 +55,7 @@ class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
 
     def validate_architecture(self):
         super().validate_architecture()
-        problems = moh_config_problems(self)
-        if problems:
-            raise ValueError("Invalid MoHLlamaConfig: " + "; ".join(problems) + ".")
+        raise_problems(self, moh_config_problems(self))
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):
@@ -52,4 +63,4 @@ class MoHLlamaConfig(OverridesBeforeChecks, LlamaConfig):
         super().register_for_auto_class(auto_class)
 
 
-__all__ = ["MoHLlamaConfig"]
+__all__ = ["MoHLlamaConfig", "refuse_auto_class_registration"]

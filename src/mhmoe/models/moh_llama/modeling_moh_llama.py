@@ -1,7 +1,7 @@
 """MoH-LLaMA: Transformers' Llama with Mixture-of-Head attention.
 
 Everything is Llama's except the attention module, which keeps LlamaAttention's q/k/v/o projections (same state-dict
-keys) and gates each head's output with a MoH head router (see `models/mhmoe/moh.py`). With the "l2" router the state
+keys) and gates each head's output with a MoH head router (the MoH package, `models/moh/`). With the "l2" router the state
 dict is exactly Llama's. With all heads active and straight-through gates the logits equal `LlamaForCausalLM`'s.
 """
 
@@ -16,13 +16,12 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
 
-# One source of truth for MoH (a later export step copies moh.py next to this file).
-from ..mhmoe.causal_lm import MoHCausalLMOutputWithPast, causal_lm_forward
-from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router
+from ..causal_lm import MoHCausalLMOutputWithPast, causal_lm_forward
+from ..moh.head_routers import MoHRouter
+from ..moh.moh_attention import MoHAttentionMixin, add_head_router
 from ..mhmoe.publish import SelfContainedSaveMixin
-from ..mhmoe.configuration_mhmoe import refuse_auto_class_registration
-from ..mhmoe.moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
-from .configuration_moh_llama import MoHLlamaConfig
+from ..moh.moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
+from .configuration_moh_llama import MoHLlamaConfig, refuse_auto_class_registration
 
 
 class MoHLlamaAttention(MoHAttentionMixin, LlamaAttention):
@@ -68,7 +67,7 @@ class MoHLlamaPreTrainedModel(SelfContainedSaveMixin, LlamaPreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, MoHRouter):
-            module.reset_parameters()
+            module.init_parameters()
 
 
 class MoHLlamaModel(MoHLlamaPreTrainedModel, LlamaModel):
@@ -92,7 +91,7 @@ class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM, GenerationM
         for layer in self.model.layers:
             route_heads(layer)
 
-    forward = causal_lm_forward  # Llama's causal-LM forward plus the MoH balance loss (models/mhmoe/causal_lm.py)
+    forward = causal_lm_forward  # Llama's causal-LM forward plus the MoH balance loss (models/causal_lm.py)
 
 
 __all__ = [

@@ -22,9 +22,10 @@ from transformers.utils.output_capturing import (
 )
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from ..mhmoe.causal_lm import causal_lm_forward
-from ..mhmoe.configuration_mhmoe import moh_config_problems
-from ..mhmoe.moh import MoHAttentionMixin, MoHRouter, add_head_router
+from ..causal_lm import causal_lm_forward
+from ..moh.head_routers import MoHRouter
+from ..moh.moh_attention import MoHAttentionMixin, add_head_router
+from ..moh.moh_config import moh_config_problems
 from .configuration_moh_llama import MoHLlamaConfig
 from .modeling_moh_llama import MoHLlamaAttention, MoHLlamaForCausalLM, MoHLlamaModel
 

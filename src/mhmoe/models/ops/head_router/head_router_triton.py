@@ -1,6 +1,6 @@
 """The MoH "l2" head router in Triton: query norms, their std, softmax, top-K and the gates (shared heads on,
 straight-through optional) in one launch; the backward recomputes the PyTorch reference (`head_router_naive.py`) and
-differentiates it. `moh.MoHRouter` calls it (through `routing.l2_head_gates`) when the routing backend is triton.
+differentiates it. The l2 router (`moh/head_routers.py`) calls it through `backends.l2_head_gates` on the triton backend.
 Tested against the reference under TRITON_INTERPRET=1 (fp32 and bf16 queries); never run on a GPU here. NaN or inf
 queries never give a head index out of range: a row with NaN logits takes the lowest routed heads, with NaN gates.
 Shape legend as in head_router_naive.py; BLOCK_* are powers of two (R, hd, K padded up).

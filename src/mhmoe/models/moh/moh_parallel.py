@@ -3,8 +3,9 @@
 Under Transformers' tensor parallelism `q_proj` is column-wise, so rank r holds the queries of a contiguous block of
 H / tp heads, and `o_proj` row-wise takes that block's outputs. The head router must still rank every routed head of a
 token (top-K over all R routed heads), so:
-- "l2" router: each rank computes the L2 norms of its own heads' pre-RoPE queries, (B, T, H / tp), and the norms are
-  all-gathered into (B, T, H): one small all-gather per layer, never the queries themselves.
+- routers that read query norms (`reads_query_norms`: "l2" and the calibrated ones): each rank computes the L2 norms
+  of its own heads' pre-RoPE queries, (B, T, H / tp), and the norms are all-gathered into (B, T, H): one small
+  all-gather per layer, never the queries themselves.
 - "learned" router: its weights are replicated and its input (the attention input) is replicated, so every rank
   computes the same (B, T, H) gates without communication.
 Each rank then keeps the gates of its own heads. Backward: each rank's loss depends only on its own heads' gates, so
@@ -73,7 +74,7 @@ class MoHHeadRouterParallel(TensorParallelLayer):
         def tp_forward(hidden_states, query_states):
             local_heads = query_states.shape[-2]  # (B, T, h, hd): this rank's heads
             head_norms = None
-            if module.router == "l2":
+            if module.reads_query_norms:
                 head_norms = _GatherHeads.apply(query_states.float().norm(dim=-1), group, rank, size)  # (B, T, H)
             gates, router_logits, routed_index = original_forward(hidden_states, query_states, head_norms=head_norms)
             if torch.is_grad_enabled() and gates.requires_grad:

@@ -1,6 +1,6 @@
 """The MoH "l2" head router in plain PyTorch: the reference of `head_router_triton.py`.
 
-The same computation as `moh.MoHRouter(router="l2")` (tested equal): per token, the L2 norm of each routed head's
+The same computation as the l2 router, `moh/head_routers.L2Router` (tested equal): per token, the L2 norm of each routed head's
 pre-RoPE query, divided by the per-token std of those norms (clamped at L2_STD_MIN), softmax, top-K, the K weights
 renormalised and ×K; shared heads gate 1. With `straight_through` the forward gates are exactly 0/1 and the gradient
 is the soft gates'. Shape legend: M tokens (B·T), H heads, S shared heads (the first S), R = H - S routed heads,

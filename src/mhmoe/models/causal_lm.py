@@ -1,5 +1,6 @@
 """The causal-LM forward shared by MHMoEForCausalLM, MoHLlamaForCausalLM and the Llama-family models `apply_moh`
-patches: base model → LM head → LM loss + router losses (`losses.add_router_losses`), and the output classes.
+patches: base model → LM head → LM loss + router losses (`add_router_losses`: the MoE routers' `mhmoe/moe_losses.py`,
+the MoH head routers' `moh/moh_losses.py`), and the output classes.
 
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
 """
@@ -14,8 +15,9 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .cache_naming import CACHE, either_cache
-from .losses import add_router_losses
-from .moh import moh_enabled
+from .mhmoe.moe_losses import load_balancing_loss, router_z_loss
+from .moh.moh_config import moh_enabled
+from .moh.moh_losses import moh_load_balancing_loss
 
 
 @dataclass
@@ -34,6 +36,31 @@ class MHMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     z_loss: torch.FloatTensor | None = None
     moh_aux_loss: torch.FloatTensor | None = None
     moh_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+def add_router_losses(loss, config, attention_mask=None, router_logits=None, moh_router_logits=None):
+    """(`loss` + the weighted router losses, {"aux_loss", "z_loss", "moh_aux_loss"} unweighted).
+
+    From the MoE routers' logits: `aux_loss` (×`router_aux_loss_coef`) and `z_loss` (×`router_z_loss_coef`); from the
+    MoH head routers' logits: `moh_aux_loss` (×`moh_aux_loss_coef`). A loss whose logits are not given (not requested,
+    or no such layer) is None; `loss` None (no labels) stays None.
+    """
+    losses = {"aux_loss": None, "z_loss": None, "moh_aux_loss": None}
+    coefficients = {}
+    if router_logits:
+        losses["aux_loss"] = load_balancing_loss(
+            router_logits, config.num_experts, config.num_experts_per_tok, attention_mask, config.moe_heads,
+            config.router_aux_loss_mode,
+        )  # fmt: skip
+        losses["z_loss"] = router_z_loss(router_logits, attention_mask, config.moe_heads)
+        coefficients.update(aux_loss=config.router_aux_loss_coef, z_loss=config.router_z_loss_coef)
+    if moh_router_logits:
+        losses["moh_aux_loss"] = moh_load_balancing_loss(moh_router_logits, config.moh_active_heads, attention_mask)
+        coefficients["moh_aux_loss"] = config.moh_aux_loss_coef
+    if loss is not None:
+        for name, coefficient in coefficients.items():
+            loss = loss + coefficient * losses[name].to(loss.device)
+    return loss, losses
 
 
 def _causal_lm_forward(
@@ -106,5 +133,5 @@ def causal_lm_forward_returning(output_class: type):
 
 causal_lm_forward = causal_lm_forward_returning(MoHCausalLMOutputWithPast)  # MoH-Llama and the patched families
 
-__all__ = ["MHMoECausalLMOutputWithPast", "MoHCausalLMOutputWithPast", "causal_lm_forward",
+__all__ = ["MHMoECausalLMOutputWithPast", "MoHCausalLMOutputWithPast", "add_router_losses", "causal_lm_forward",
            "causal_lm_forward_returning"]  # fmt: skip

@@ -1,5 +1,5 @@
 """Experts in plain PyTorch: a loop over the experts that received rows, the reference of `experts_triton.py` (and
-the same computation as `moe.eager_experts_forward`).
+the "naive" backend of the experts op in `backends.py`, which `experts_implementation="eager"` runs).
 
 Shape legend: N routed rows, W row width, E experts, K experts per row, I expert inner width. Weights as in
 Transformers v5 MoE models: `gate_up_proj` (E, 2I, W), `down_proj` (E, W, I). Expert id E marks a dropped assignment

@@ -1,0 +1,56 @@
+"""`linear_type`: how an MHMoE model builds its decoder projections and routed experts. `LINEAR_TYPES` maps the name to
+a class with `linear(config, in_features, out_features, bias, role, ffn_in)`, `experts(config)` and
+`config_problems(config)` (its own fields, in words). A new kind is a class and an entry here.
+
+Roles (`bitnet.QUANTIZED_ROLES`): "attention" (q/k/v/o), "ffn" (dense MLPs and the shared expert; `ffn_in`: their
+gate/up), "experts", "head_merge" (MH-MoE's head and merge layers).
+"""
+
+from torch import nn
+
+from .bitnet import BitNetB158
+from .experts import MHMoEExperts
+
+
+class Linear:
+    """`linear_type="linear"`: `nn.Linear` projections and full-precision SwiGLU experts (`experts.MHMoEExperts`)."""
+
+    @staticmethod
+    def linear(config, in_features: int, out_features: int, bias: bool = False, role: str = "attention",
+               ffn_in: bool = False) -> nn.Module:  # fmt: skip
+        return nn.Linear(in_features, out_features, bias=bias)
+
+    @staticmethod
+    def experts(config) -> nn.Module:
+        return MHMoEExperts(config)
+
+    @staticmethod
+    def config_problems(config) -> list[str]:
+        return []
+
+
+LINEAR_TYPES = {"linear": Linear, "bitnet_b158": BitNetB158}
+
+
+def make_linear(config, in_features: int, out_features: int, bias: bool = False, role: str = "attention",
+                ffn_in: bool = False) -> nn.Module:  # fmt: skip
+    """The decoder projection of `role` that `config.linear_type` builds."""
+    return LINEAR_TYPES[config.linear_type].linear(config, in_features, out_features, bias, role, ffn_in)
+
+
+def make_experts(config) -> nn.Module:
+    """The routed experts of a top-k MoE block that `config.linear_type` builds."""
+    return LINEAR_TYPES[config.linear_type].experts(config)
+
+
+def linear_type_problems(config) -> list[str]:
+    """`linear_type` and every kind's own fields, in words."""
+    problems = []
+    if config.linear_type not in LINEAR_TYPES:
+        problems.append(f"linear_type must be one of {tuple(LINEAR_TYPES)}, got {config.linear_type!r}")
+    for kind in LINEAR_TYPES.values():
+        problems += kind.config_problems(config)
+    return problems
+
+
+__all__ = ["LINEAR_TYPES", "Linear", "linear_type_problems", "make_experts", "make_linear"]

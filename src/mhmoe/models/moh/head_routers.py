@@ -1,0 +1,270 @@
+"""MoH head routers: per token, the gate of every attention head. Each router is a class registered under the name
+`moh_router` gives it (`@head_router("name")`); nothing else names it. Adding one: a subclass of `MoHRouter` here
+(its `scores`, and `config_problems` for fields of its own) and its test; `HEAD_ROUTERS` is the table the configs
+check and the models build from.
+
+Shape legend: B batch, T tokens, d hidden size, H heads, hd head_dim, S shared heads (always on, the first S),
+R = H - S routed heads, K routed heads active per token.
+
+Every router scores the R routed heads, (B, T, R) fp32 logits; the gates are then the paper's: the top-K
+probabilities renormalised over the K and ×K (0 on the others), shared heads 1. With `straight_through` the forward
+gates are exactly 0/1 (selected or not) and the backward a straight-through estimator, so the router (or, for the
+parameter-free routers, the query projection through the norms) keeps learning: True takes the soft gates' gradient
+(this library's); "scores" the raw softmax score of every routed head, selected or not (eq. 9-10 as written; the
+routers with `score_straight_through`).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+
+from ..ops.backends import l2_head_gates, routing_backend
+
+L2_STD_MIN = 1e-6  # clamp of the per-token std in the "l2" router
+HEAD_ROUTERS: dict[str, type["MoHRouter"]] = {}  # moh_router -> router class
+
+
+def head_router(name: str):
+    """Class decorator: register a `MoHRouter` subclass as `moh_router=name`."""
+
+    def register(cls: type["MoHRouter"]) -> type["MoHRouter"]:
+        cls.name = name
+        HEAD_ROUTERS[name] = cls
+        return cls
+
+    return register
+
+
+def routed_gates(router_logits: torch.Tensor, active_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, R) logits -> soft routed gates (B, T, R) fp32 (top-K probs renormalised over the K, ×K; 0 elsewhere) and
+    the selected routed heads (B, T, K). Uniform probabilities give gate 1 on every selected head."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, index = torch.topk(probs, active_heads, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True) * active_heads
+    return torch.zeros_like(probs).scatter(-1, index, weights), index
+
+
+def topk_mask(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(..., R) logits -> (..., R) fp32 0/1: the top-k each row selects, as the routers select (fp32 softmax, top-k).
+    Shared by the MoH balance loss and the head-load statistics."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    index = torch.topk(probs, top_k, dim=-1).indices
+    return torch.zeros_like(probs).scatter(-1, index, 1.0)
+
+
+def l2_scores(norms: torch.Tensor) -> torch.Tensor:
+    """(B, T, R) fp32 query norms of the routed heads -> the "l2" router's (B, T, R) scores: each norm divided by the
+    per-token std of the R norms (clamped at L2_STD_MIN)."""
+    std = norms.std(dim=-1, keepdim=True, correction=1 if norms.shape[-1] > 1 else 0)
+    return norms / std.clamp_min(L2_STD_MIN)
+
+
+def straight_through(soft: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
+    """Forward value exactly `hard`, gradient of `soft` (eq. 10)."""
+    return hard + (soft - soft.detach())
+
+
+class MoHRouter(nn.Module):
+    """Per-token head gates. forward(hidden (B, T, d), pre-RoPE queries (B, T, H, hd)) returns `gates` (B, T, H) fp32,
+    `router_logits` (B, T, R) fp32 (recorded for the balance loss and head statistics) and `routed_index` (B, T, K).
+    `head_norms` (B, T, H): every head's query norm, given when `query_states` holds only some heads (tensor
+    parallelism gathers them for the routers that `reads_query_norms`: `moh_parallel.py`)."""
+
+    name: str = ""
+    reads_query_norms = False  # scores from the routed heads' pre-RoPE query norms
+    score_straight_through = False  # moh_straight_through="scores" is defined for it (a parameter-free router)
+
+    def __init__(self, hidden_size: int, num_heads: int, shared_heads: int, active_heads: int,
+                 straight_through: bool | str = False, head_norm_stats=None):  # fmt: skip
+        super().__init__()
+        self.num_heads = num_heads
+        self.shared_heads = shared_heads
+        self.routed_heads = num_heads - shared_heads
+        self.active_heads = active_heads
+        self.straight_through = straight_through
+        self.routing_backend = None  # "torch" | "triton" | None: by device (ops/backends.py)
+
+    @classmethod
+    def from_config(cls, config, layer_idx: int | None = None) -> "MoHRouter":
+        """The router `config.moh_router` names, for layer `layer_idx`."""
+        router_class = HEAD_ROUTERS[config.moh_router]
+        router = router_class(config.hidden_size, config.num_attention_heads, config.moh_shared_heads,
+                              config.moh_active_heads, config.moh_straight_through,
+                              router_class.layer_statistics(config, layer_idx))  # fmt: skip
+        router.routing_backend = getattr(config, "routing_backend", None)
+        return router
+
+    @classmethod
+    def config_problems(cls, config) -> list[str]:
+        """What is wrong with the config's fields of this router, in words (checked when it is the one chosen)."""
+        return []
+
+    @classmethod
+    def layer_statistics(cls, config, layer_idx: int | None):
+        """What the router reads from the config for layer `layer_idx` besides the head counts (None: nothing)."""
+        return None
+
+    def init_parameters(self, std: float | None = None):
+        """Weights that start every gate at exactly 1, whatever `std` (none for the parameter-free routers)."""
+
+    def scores(self, hidden_states: torch.Tensor, query_states: torch.Tensor, head_norms: torch.Tensor | None):
+        """(B, T, R) fp32 logits of the routed heads."""
+        raise NotImplementedError
+
+    def weigh_stages(self, hidden_states: torch.Tensor, shared_soft: torch.Tensor, routed_soft: torch.Tensor):
+        """(shared gates (B, T, S), routed gates (B, T, R)) after any weighting of the two (the learned router's)."""
+        return shared_soft, routed_soft
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, shared={self.shared_heads}, active_routed={self.active_heads}, "
+            f"router={self.name!r}, straight_through={self.straight_through}"
+        )
+
+    def forward(self, hidden_states: torch.Tensor, query_states: torch.Tensor, head_norms: torch.Tensor | None = None):
+        router_logits = self.scores(hidden_states, query_states, head_norms)  # (B, T, R)
+        routed_soft, routed_index = routed_gates(router_logits, self.active_heads)  # (B, T, R), (B, T, K)
+        shared_soft = routed_soft.new_ones(*routed_soft.shape[:-1], self.shared_heads)  # (B, T, S)
+        shared_soft, routed_soft = self.weigh_stages(hidden_states, shared_soft, routed_soft)
+        gates = torch.cat([shared_soft, routed_soft], dim=-1)  # (B, T, H)
+        if self.straight_through:
+            hard = torch.zeros_like(routed_soft).scatter(-1, routed_index, 1.0)
+            hard = torch.cat([torch.ones_like(shared_soft), hard], dim=-1)
+            if self.straight_through == "scores":  # the raw softmax scores of the routed heads carry the gradient
+                scores = torch.softmax(router_logits.float(), dim=-1)
+                gates = torch.cat([torch.ones_like(shared_soft), scores], dim=-1)
+            gates = straight_through(gates, hard)
+        return gates, router_logits, routed_index
+
+
+@head_router("learned")
+class LearnedRouter(MoHRouter):
+    """The paper's two-stage router (eq. 5-6): routed gates from softmax(W_r x), shared gates softmax(W_s x) ×S, stage
+    weights [α1, α2] = softmax(W_h x) ×2. All three matrices start at zero, so every gate starts at exactly 1 (uniform)
+    and a fresh layer with all heads active is plain multi-head attention."""
+
+    def __init__(self, hidden_size, num_heads, shared_heads, active_heads, straight_through=False, head_norm_stats=None):
+        super().__init__(hidden_size, num_heads, shared_heads, active_heads, straight_through)
+        self.routed_weight = nn.Parameter(torch.zeros(self.routed_heads, hidden_size))  # W_r
+        self.shared_weight = self.stage_weight = None
+        if shared_heads > 1:  # softmax over a single shared head is 1: no W_s needed
+            self.shared_weight = nn.Parameter(torch.zeros(shared_heads, hidden_size))  # W_s
+        if shared_heads > 0:
+            self.stage_weight = nn.Parameter(torch.zeros(2, hidden_size))  # W_h
+
+    def init_parameters(self, std: float | None = None):
+        for param in (self.routed_weight, self.shared_weight, self.stage_weight):
+            if param is not None:
+                init.zeros_(param)
+
+    def scores(self, hidden_states, query_states, head_norms):
+        return F.linear(hidden_states.float(), self.routed_weight.float())  # (B, T, R)
+
+    def weigh_stages(self, hidden_states, shared_soft, routed_soft):
+        if self.stage_weight is None:
+            return shared_soft, routed_soft
+        x = hidden_states.float()
+        if self.shared_weight is not None:
+            shared_soft = torch.softmax(F.linear(x, self.shared_weight.float()), dim=-1) * self.shared_heads
+        stage = torch.softmax(F.linear(x, self.stage_weight.float()), dim=-1) * 2  # (B, T, 2): α1, α2
+        return shared_soft * stage[..., :1], routed_soft * stage[..., 1:]
+
+
+@head_router("l2")
+class L2Router(MoHRouter):
+    """Parameter-free (continue-tuning, §4.4): per token the L2 norm of each routed head's pre-RoPE query, divided by
+    the per-token std of those norms (clamped), softmax, top-K; shared gates are 1. Adds no parameters, so the state
+    dict stays the dense model's. On the triton routing backend one fused kernel computes the gates
+    (`ops/head_router/`)."""
+
+    reads_query_norms = True
+    score_straight_through = True
+
+    def scores(self, hidden_states, query_states, head_norms):
+        if head_norms is not None:
+            return l2_scores(head_norms[..., self.shared_heads :])
+        return l2_scores(query_states[..., self.shared_heads :, :].float().norm(dim=-1))
+
+    def forward(self, hidden_states, query_states, head_norms=None):
+        # the fused kernel reads the queries' own heads (not tensor parallelism's gathered norms) and has no eq. 9-10
+        if (head_norms is None and self.straight_through != "scores"
+                and routing_backend(query_states, self.routing_backend)[0] == "triton"):  # fmt: skip
+            return l2_head_gates(query_states, self.shared_heads, self.active_heads, self.straight_through,
+                                 self.routing_backend)  # fmt: skip
+        return super().forward(hidden_states, query_states, head_norms)
+
+
+class CalibratedRouter(MoHRouter):
+    """Routed heads scored against their own query-norm statistics measured on calibration text (config
+    `moh_head_norm_mean` μ_h and `moh_head_norm_std` σ_h, per layer and head: plain lists, no parameters; measured by
+    `mhmoe-convert --calibration_file`)."""
+
+    reads_query_norms = True
+    score_straight_through = True
+
+    def __init__(self, hidden_size, num_heads, shared_heads, active_heads, straight_through=False, head_norm_stats=None):
+        super().__init__(hidden_size, num_heads, shared_heads, active_heads, straight_through)
+        if head_norm_stats is None:
+            raise ValueError(f"moh_router {self.name!r} needs per-head query-norm statistics (head_norm_stats)")
+        # not in the state dict (models are built on the meta device when loaded): a (2, H) tensor on first use
+        self.head_norm_stats = head_norm_stats
+        self._head_norm_tensor = None
+
+    @classmethod
+    def layer_statistics(cls, config, layer_idx):
+        return config.moh_head_norm_mean[layer_idx], config.moh_head_norm_std[layer_idx]
+
+    @classmethod
+    def config_problems(cls, config) -> list[str]:
+        """The statistics: present, (layers × heads), finite and > 0."""
+        mean, std = getattr(config, "moh_head_norm_mean", None), getattr(config, "moh_head_norm_std", None)
+        if mean is None or std is None:
+            return [f"moh_router {cls.name!r} needs moh_head_norm_mean and moh_head_norm_std (per layer, per head "
+                    "query-norm statistics, measured by mhmoe-convert --calibration_file)"]  # fmt: skip
+        shape = (getattr(config, "num_hidden_layers", None), config.num_attention_heads)
+        for name, rows in (("moh_head_norm_mean", mean), ("moh_head_norm_std", std)):
+            if len(rows) != shape[0] or any(len(row) != shape[1] for row in rows):
+                return [f"{name} must be a list of {shape[0]} layers × {shape[1]} heads"]
+        if any(not (value > 0 and math.isfinite(value)) for row in (*mean, *std) for value in row):
+            return ["moh_head_norm_mean and moh_head_norm_std must be finite and > 0"]
+        return []
+
+    def statistics(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(μ, σ) of the routed heads, (R,) fp32 each, on `device`."""
+        stats = self._head_norm_tensor
+        if stats is None or stats.device != device:
+            stats = self._head_norm_tensor = torch.tensor(self.head_norm_stats, dtype=torch.float32, device=device)
+        return stats[0, self.shared_heads :], stats[1, self.shared_heads :]
+
+    def scores(self, hidden_states, query_states, head_norms):
+        norms = head_norms if head_norms is not None else query_states.float().norm(dim=-1)
+        return self.calibrated(norms[..., self.shared_heads :])
+
+    def calibrated(self, norms: torch.Tensor) -> torch.Tensor:
+        """(B, T, R) fp32 query norms of the routed heads -> (B, T, R) scores."""
+        raise NotImplementedError
+
+
+@head_router("l2_standardized")
+class L2StandardizedRouter(CalibratedRouter):
+    """(n_h - μ_h) / σ_h: each routed head's query norm standardised by its own calibration statistics."""
+
+    def calibrated(self, norms):
+        mean, std = self.statistics(norms.device)
+        return (norms - mean) / std
+
+
+@head_router("l2_relative")
+class L2RelativeRouter(CalibratedRouter):
+    """n_h / μ_h: each routed head's query norm relative to its calibration mean."""
+
+    def calibrated(self, norms):
+        mean, _ = self.statistics(norms.device)
+        return norms / mean
+
+
+__all__ = ["HEAD_ROUTERS", "L2_STD_MIN", "MoHRouter", "head_router", "l2_scores", "routed_gates", "straight_through",
+           "topk_mask"]  # fmt: skip

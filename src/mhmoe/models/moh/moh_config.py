@@ -1,0 +1,59 @@
+"""The moh_* fields that every MoH config shares (MHMoEConfig, MoHLlamaConfig, a model patched by `apply_moh`): when
+MoH is on, their defaults, and what is wrong with them, in words. The chosen router checks its own fields
+(`head_routers.py`)."""
+
+import math
+
+from .head_routers import HEAD_ROUTERS
+
+MOH_STRAIGHT_THROUGH = (False, True, "scores")
+
+
+def moh_enabled(config) -> bool:
+    """Whether `config` asks for Mixture-of-Head attention (`moh_active_heads` set)."""
+    return getattr(config, "moh_active_heads", None) is not None
+
+
+def moh_config_problems(config) -> list[str]:
+    """What is wrong with a config's moh_* fields, in words (empty list: valid)."""
+    problems = []
+    heads, shared, active = config.num_attention_heads, config.moh_shared_heads, config.moh_active_heads
+    router = HEAD_ROUTERS.get(config.moh_router)
+    if router is None:
+        problems.append(f"moh_router must be one of {tuple(HEAD_ROUTERS)}, got {config.moh_router!r}")
+    if not (config.moh_aux_loss_coef >= 0 and math.isfinite(config.moh_aux_loss_coef)):
+        problems.append(f"moh_aux_loss_coef must be a finite number >= 0, got {config.moh_aux_loss_coef}")
+    straight = config.moh_straight_through
+    if not any(straight is value or (isinstance(value, str) and straight == value) for value in MOH_STRAIGHT_THROUGH):
+        problems.append(f"moh_straight_through must be False, True or 'scores' (the paper's eq. 9-10), got {straight!r}")
+    elif straight == "scores" and router is not None and not router.score_straight_through:
+        able = [name for name, cls in HEAD_ROUTERS.items() if cls.score_straight_through]
+        names = ", ".join(repr(name) for name in able[:-1]) + f" or {able[-1]!r}"
+        problems.append(f"moh_straight_through='scores' (eq. 9-10 on a parameter-free router's softmax scores) needs "
+                        f"moh_router {names}; use True with the {config.moh_router} router")  # fmt: skip
+    if (shared is None) != (active is None):
+        problems.append(
+            f"moh_shared_heads and moh_active_heads must be set together (both None = plain multi-head attention), "
+            f"got moh_shared_heads={shared} and moh_active_heads={active}"
+        )
+    elif shared is not None:
+        if shared < 0:
+            problems.append(f"moh_shared_heads must be >= 0, got {shared}")
+        elif shared >= heads:
+            problems.append(
+                f"moh_shared_heads ({shared}) must be smaller than num_attention_heads ({heads}) so that at least one "
+                "head is routed"
+            )
+        if active < 1:
+            problems.append(f"moh_active_heads (routed heads active per token) must be >= 1, got {active}")
+        elif 0 <= shared < heads and shared + active > heads:
+            problems.append(
+                f"moh_shared_heads + moh_active_heads ({shared} + {active}) must be <= num_attention_heads ({heads}): "
+                f"the router picks moh_active_heads of the {heads - shared} routed heads"
+            )
+    if router is not None:
+        problems += router.config_problems(config)
+    return problems
+
+
+__all__ = ["MOH_STRAIGHT_THROUGH", "moh_config_problems", "moh_enabled"]

@@ -1,0 +1,203 @@
+"""Which implementation of each op runs: the one place that chooses, and the one record of kernels that failed.
+
+Every op the models call goes through here. Per op, `IMPLEMENTATIONS` lists its backends: "naive" (the plain
+PyTorch reference, `ops/<op>/<op>_naive.py`), "grouped_mm" (torch's grouped GEMM with a hand-written backward,
+`ops/experts/experts_grouped_mm.py`) and "triton" (`ops/<op>/<op>_triton.py`, CUDA, or CPU under TRITON_INTERPRET=1).
+
+| op                         | backends                  | by default                                             |
+| routing.route              | naive, triton             | triton on CUDA when triton is installed, else naive    |
+| routing.sort_by_expert     | naive, triton             | the same                                               |
+| head_router.l2_head_gates  | naive, triton             | the same                                               |
+| experts                    | naive, grouped_mm, triton | grouped_mm; triton only when asked (behind in fwd+bwd: |
+|                            |                           | benchmarks/README.md, gpu_moe on an H200)              |
+
+What asks for a backend: for the routing ops and the head router, `MHMOE_ROUTING_BACKEND=torch|triton` in the
+environment, else the config's `routing_backend` ("torch" is the naive reference); for the experts, Transformers'
+`experts_implementation` ("eager" is the naive reference, "grouped_mm", "triton"; any other function registered with
+Transformers' experts interface runs as Transformers runs it, see `sparse_moe.MHMoEExpertsInterface`).
+A backend asked for runs or raises. A kernel chosen by default that fails is replaced by the reference: the failure is
+logged once at WARNING and recorded (`fallbacks()`: {op: reason}, which the benchmarks and the reproduction write
+into their results), and no kernel is chosen by default again until `reset_fallbacks()`. Under torch.compile /
+torch.export the references are traced (the experts' grouped_mm path has its own traced form).
+
+Adding an op: `ops/<op>/<op>_naive.py` (the reference) beside its kernels (`<op>_triton.py`, importing triton through
+`triton_compat.py`), one entry in `IMPLEMENTATIONS` and `AUTOMATIC`, a function here that the model calls, and tests
+against the reference on odd shapes (outputs and gradients). File names must be unique across `models/`: exported
+checkpoints flatten the files into one folder (their copies run on torch alone; the kernel files then offer nothing
+and the references run).
+"""
+
+import logging
+import os
+import threading
+
+import torch
+
+from .experts.experts_grouped_mm import experts_forward as grouped_mm_experts
+from .experts.experts_grouped_mm import is_silu
+from .experts.experts_naive import experts_forward as naive_experts
+from .experts.experts_triton import experts_forward as triton_experts
+from .head_router.head_router_naive import l2_head_gates as naive_l2_head_gates
+from .head_router.head_router_triton import l2_head_gates_triton
+from .routing.routing_naive import route as naive_route
+from .routing.routing_naive import sort_by_expert as naive_sort_by_expert
+from .routing.routing_triton import route as triton_route
+from .routing.routing_triton import sort_by_expert as triton_sort_by_expert
+from .triton_compat import HAS_TRITON
+
+ROUTING_BACKEND_ENV = "MHMOE_ROUTING_BACKEND"
+ROUTING_BACKENDS = {"torch": "naive", "triton": "triton"}  # config.routing_backend / the environment -> backend
+EXPERTS_BACKENDS = {"eager": "naive", "grouped_mm": "grouped_mm", "triton": "triton"}  # experts_implementation ->
+IMPLEMENTATIONS = {
+    "routing.route": {"naive": naive_route, "triton": triton_route},
+    "routing.sort_by_expert": {"naive": naive_sort_by_expert, "triton": triton_sort_by_expert},
+    "head_router.l2_head_gates": {"naive": naive_l2_head_gates, "triton": l2_head_gates_triton},
+    "experts": {"naive": naive_experts, "grouped_mm": grouped_mm_experts, "triton": triton_experts},
+}
+# op -> the backend chosen when none is asked for: a kernel on CUDA (when triton is installed), else this
+AUTOMATIC = {"routing.route": "triton", "routing.sort_by_expert": "triton", "head_router.l2_head_gates": "triton"}
+DEFAULT = {"experts": "grouped_mm"}  # ops whose default is not the naive reference
+
+logger = logging.getLogger(__name__)
+_FALLBACKS: dict[str, str] = {}
+_LOCK = threading.Lock()
+
+
+def choose(op: str, tensor: torch.Tensor, requested: str | None = None) -> tuple[str, bool]:
+    """(the backend of `op` to run on `tensor`'s device, whether it was asked for). `requested`: a backend name of
+    `IMPLEMENTATIONS[op]`, or None for the default."""
+    if requested is not None:
+        if requested not in IMPLEMENTATIONS[op]:
+            raise ValueError(f"{op} has no backend {requested!r}; its backends are {tuple(IMPLEMENTATIONS[op])}")
+        return requested, True
+    kernel = AUTOMATIC.get(op)
+    if kernel and tensor.is_cuda and HAS_TRITON and not torch.compiler.is_compiling() and not fallbacks():
+        return kernel, False
+    return DEFAULT.get(op, "naive"), False
+
+
+def routing_backend(tensor: torch.Tensor, backend: str | None = None) -> tuple[str, bool]:
+    """("torch" | "triton", whether it was asked for): the routing ops' backend on `tensor`'s device, in the words of
+    `routing_backend` (config) and `MHMOE_ROUTING_BACKEND` (environment), which wins."""
+    asked = os.environ.get(ROUTING_BACKEND_ENV) or backend
+    if asked and asked not in ROUTING_BACKENDS:
+        where = ROUTING_BACKEND_ENV if os.environ.get(ROUTING_BACKEND_ENV) else "routing_backend"
+        raise ValueError(f"{where} must be one of {tuple(ROUTING_BACKENDS)}, got {asked!r}")
+    if asked and torch.compiler.is_compiling():  # traced graphs take the reference
+        return "torch", True
+    chosen, forced = choose("routing.route", tensor, ROUTING_BACKENDS[asked] if asked else None)
+    return ("triton" if chosen == "triton" else "torch"), forced
+
+
+def _run(op: str, tensor: torch.Tensor, requested: str | None, *args, **kwargs):
+    """`op` on the backend `choose` picks; a kernel chosen by default that raises is recorded and the reference runs."""
+    backend, forced = choose(op, tensor, requested)
+    implementation = IMPLEMENTATIONS[op][backend]
+    if forced or backend == DEFAULT.get(op, "naive"):
+        return implementation(*args, **kwargs)
+    try:
+        return implementation(*args, **kwargs)
+    except Exception as error:  # a default choice must not stop training: say so once, record it, run the reference
+        record_fallback(op, error, f"; no kernel is chosen by default from now on (set {ROUTING_BACKEND_ENV}=triton "
+                                   "to see the error raised)")  # fmt: skip
+        return IMPLEMENTATIONS[op][DEFAULT.get(op, "naive")](*args, **kwargs)
+
+
+def _routing_request(tensor: torch.Tensor, backend: str | None) -> str | None:
+    asked, forced = routing_backend(tensor, backend)
+    return ROUTING_BACKENDS[asked] if forced else None
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool | str = True,
+    capacity_factor: float | None = None,
+    backend: str | None = None,
+    capacity_rounding: str = "switch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32, top-k, optional renormalisation and capacity (`routing_naive.route`): router logits (N, E) ->
+    `weights` (N, K) fp32 and `experts` (N, K) int64; dropped assignments get expert E and weight 0."""
+    implementation_args = (router_logits, top_k, norm_topk_prob, capacity_factor)
+    kwargs = {} if capacity_rounding == "switch" else {"capacity_rounding": capacity_rounding}
+    requested = _routing_request(router_logits, backend)
+    return _run("routing.route", router_logits, requested, *implementation_args, **kwargs)
+
+
+def sort_by_expert(
+    experts: torch.Tensor, num_experts: int, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group assignments by expert (`routing_naive.sort_by_expert`): `order` (S,) sorted by expert, dropped last,
+    stable; `offsets` (E,) int32 ends."""
+    requested = _routing_request(experts, backend)
+    return _run("routing.sort_by_expert", experts, requested, experts, num_experts)
+
+
+def l2_head_gates(
+    query_states: torch.Tensor,
+    shared_heads: int,
+    active_heads: int,
+    straight_through: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoH "l2" head router (`head_router_naive.l2_head_gates`): pre-RoPE queries (..., H, hd) -> gates (..., H)
+    fp32, router logits (..., R) fp32, selected routed heads (..., K) int64."""
+    lead = query_states.shape[:-2]
+    queries = query_states.reshape(-1, *query_states.shape[-2:])  # (M, H, hd)
+    requested = _routing_request(queries, backend)
+    args = (queries, shared_heads, active_heads, straight_through)
+    gates, logits, index = _run("head_router.l2_head_gates", queries, requested, *args)
+    return gates.view(*lead, -1), logits.view(*lead, -1), index.view(*lead, -1)
+
+
+def experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn,
+    backend: str = "grouped_mm",
+    routing_backend: str | None = None,
+    may_drop: bool = False,
+) -> torch.Tensor:
+    """SwiGLU experts on routed rows: (N, W) rows, their (N, K) experts (id E: dropped) and weights -> (N, W) =
+    Σ_k weight · down[e](act(gate[e] x) · up[e] x). `backend`: "naive", "grouped_mm" or "triton" (SiLU only);
+    `routing_backend`: the sort's; `may_drop`: assignments may carry the dropped id (capacity routing)."""
+    backend, _ = choose("experts", hidden_states, backend)
+    implementation = IMPLEMENTATIONS["experts"][backend]
+    if backend == "naive":
+        return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
+    order, offsets = sort_by_expert(top_k_index, gate_up_proj.shape[0], routing_backend)  # (S,), (E,)
+    if backend == "triton":
+        if not is_silu(act_fn):
+            raise ValueError(f"the triton experts implement SiLU experts only, got {type(act_fn).__name__}")
+        return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, order, offsets)
+    return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets,
+                          may_drop)
+
+
+def record_fallback(op: str, error: BaseException, note: str = "") -> bool:
+    """Record that `op`'s kernel failed with `error` and its reference ran instead; log it at WARNING the first time.
+    Returns whether this was the op's first recorded failure."""
+    reason = f"{type(error).__name__}: {error}"
+    with _LOCK:
+        first = op not in _FALLBACKS
+        if first:
+            _FALLBACKS[op] = reason
+    if first:
+        logger.warning("the %s kernel failed (%s); its PyTorch reference runs instead%s", op, reason, note)
+    return first
+
+
+def fallbacks() -> dict[str, str]:
+    """{op: reason of its kernel's first failure} for every kernel replaced by its reference since the last reset."""
+    with _LOCK:
+        return dict(_FALLBACKS)
+
+
+def reset_fallbacks() -> None:
+    """Forget recorded failures (tests; a harness between runs): kernels are chosen by default again."""
+    with _LOCK:
+        _FALLBACKS.clear()
+
