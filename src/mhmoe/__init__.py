@@ -1,17 +1,21 @@
 """mhmoe: Multi-Head Mixture-of-Experts and Mixture-of-Head attention as Hugging Face Transformers models.
 
-The house, from the bottom up: `_plumbing` (lazy names, registration, extras, console scripts; imports nothing of
-mhmoe), `models` (the model layer: runs on torch and Transformers alone), then the four jobs a user comes for:
-`hub` (publish: export, remote code, cards, checkpoint files), `evaluation` (lm-eval, routing statistics),
+The house, from the bottom up: `_plumbing` (lazy names, registration, extras, console scripts, checkpoint files;
+imports nothing of mhmoe), `models` (the model layer: runs on torch and Transformers alone), then the four jobs a user
+comes for: `hub` (publish: export with the modeling code, cards), `evaluation` (lm-eval, routing statistics),
 `training` (the training loop), `convert` (dense LLaMA -> MoH), and `demo` (all of them, end to end). Arrows only go
-down; tests/test_layering.py checks it.
+down; tests/test_layering.py checks it. docs/architecture.md is the map.
 
 `import mhmoe` is light: it imports neither torch nor Transformers. The public names load with the module that defines
-them on first use (`_plumbing.lazy`), and the model types "mhmoe" and "moh_llama" are registered with AutoConfig,
-AutoModel and AutoModelForCausalLM as soon as Transformers loads those classes (`_plumbing.registration`), so
-`import mhmoe; AutoModelForCausalLM.from_pretrained(path)` works in either import order. Training (accelerate, peft,
-matplotlib), lm-eval and Triton load with the features that use them (extras "train", "eval", "triton"; see
-`_plumbing.extras`).
+them on first use (`_plumbing.lazy`). Two things happen at `import mhmoe`, both below: the model types "mhmoe" and
+"moh_llama" are registered with AutoConfig, AutoModel and AutoModelForCausalLM as soon as Transformers loads those
+classes (`_plumbing.registration` says why it waits for them), so `import mhmoe; AutoModelForCausalLM.from_pretrained
+(path)` works in either import order; and PEFT learns the models' default LoRA targets when it loads
+(`_plumbing.peft_defaults`). Training (accelerate, peft, matplotlib), lm-eval and Triton load with the features that
+use them (extras "train", "eval", "triton"; see `_plumbing.extras`).
+
+`save_pretrained` / `push_to_hub` are Transformers' own (the folder loads where mhmoe is installed); a folder that
+loads with `trust_remote_code=True` without mhmoe is written by `mhmoe.hub.export_pretrained` / `mhmoe-export`.
 """
 
 from typing import TYPE_CHECKING
@@ -21,7 +25,6 @@ from ._plumbing.peft_defaults import install as _install_peft_defaults
 from ._plumbing.registration import install as _install_registration
 from ._plumbing.registration import register_auto_classes
 from ._plumbing.version import __version__
-from .models.mhmoe import publish as _publish
 
 _EXPORTS = {
     **dict.fromkeys(("MHMoEConfig",), ".models.mhmoe.configuration_mhmoe"),
@@ -45,16 +48,8 @@ if TYPE_CHECKING:
     from .models.moh_llama.modeling_moh_llama import MoHLlamaForCausalLM, MoHLlamaModel
     from .models.moh_llama.patch import apply_moh
 
-
-def _write_remote_code(save_directory: str, config) -> None:
-    from .hub.remote_code import write_remote_code
-
-    write_remote_code(save_directory, config)
-
-
-# save_pretrained / push_to_hub of mhmoe models write the trust_remote_code folder (the model layer holds the hook)
-_publish.REMOTE_CODE_WRITER = _write_remote_code
-# Auto-class registration and PEFT's default targets for "mhmoe" / "moh_llama": post-import hooks, nothing imported here
+# The Auto classes learn "mhmoe" and "moh_llama", and PEFT their default LoRA targets, as soon as Transformers / PEFT
+# load those tables (post-import hooks: nothing is imported here).
 _install_registration()
 _install_peft_defaults()
 

@@ -1,6 +1,6 @@
-"""save_pretrained / push_to_hub of mhmoe models write a folder that loads with trust_remote_code where mhmoe is not
-installed (the same logits), `self_contained=False` writes Transformers' plain folder, and push_to_hub is checked up
-to the upload."""
+"""Publishing a model: `save_pretrained` / `push_to_hub` are Transformers' own (weights and config; the folder loads
+where mhmoe is installed), and the explicit `mhmoe.hub.export_pretrained` writes the folder that loads with
+trust_remote_code where mhmoe is not installed (the same logits)."""
 
 import json
 import subprocess
@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
+from mhmoe.hub import export_pretrained
 from tests.hub.test_export import _blocked_env
 
 SCRIPT = r"""
@@ -45,10 +46,10 @@ def _models():
 
 
 @pytest.mark.parametrize("name", ["mhmoe", "moh_llama"])
-def test_save_pretrained_loads_in_a_process_without_mhmoe(name, tmp_path):
+def test_export_pretrained_loads_in_a_process_without_mhmoe(name, tmp_path):
     model = _models()[name]
-    folder = tmp_path / "saved"
-    model.save_pretrained(folder)
+    folder = tmp_path / "exported"
+    export_pretrained(model, folder)
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "README.md", f"modeling_{name}.py"} <= names
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
@@ -66,19 +67,25 @@ def test_save_pretrained_loads_in_a_process_without_mhmoe(name, tmp_path):
         torch.testing.assert_close(out["logits"], model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_self_contained_false_writes_the_plain_folder(tmp_path):
-    model = _models()["mhmoe"]
-    model.save_pretrained(tmp_path, self_contained=False)
+@pytest.mark.parametrize("name", ["mhmoe", "moh_llama"])
+def test_save_pretrained_is_transformers_own(name, tmp_path):
+    """Weights and config only (no code, no card, no auto_map), as Transformers writes them for any model; the folder
+    loads through the Auto classes where mhmoe is imported."""
+    from transformers import AutoModelForCausalLM
+
+    model = _models()[name]
+    model.save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.py")) and not (tmp_path / "README.md").exists()
     assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
-    reloaded = MHMoEForCausalLM.from_pretrained(tmp_path).eval()  # mhmoe is imported here: loads as usual
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is type(model)
     ids = torch.randint(0, 64, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
 
-def test_push_to_hub_uploads_the_self_contained_folder(monkeypatch):
-    """Up to the upload: the files push_to_hub would send are the self-contained folder."""
+def test_push_to_hub_uploads_what_save_pretrained_writes(monkeypatch):
+    """Up to the upload: push_to_hub sends Transformers' folder (weights and config), no code of mhmoe's."""
     import huggingface_hub
 
     sent = {}
@@ -100,11 +107,5 @@ def test_push_to_hub_uploads_the_self_contained_folder(monkeypatch):
     with pytest.raises(Uploaded):
         _models()["mhmoe"].push_to_hub("someone/tiny-mhmoe", token="hf_fake")
     assert sent["repo"] == "someone/tiny-mhmoe"
-    assert {"config.json", "model.safetensors", "README.md", "modeling_mhmoe.py", "configuration_mhmoe.py",
-            "experts_grouped_mm.py", "backends.py"} <= set(sent["files"])  # fmt: skip
-
-
-def test_push_to_hub_offline_says_what_to_do(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(OSError, match=r"could not reach the Hugging Face Hub.*save_pretrained\(folder\)"):
-        _models()["mhmoe"].push_to_hub("someone/tiny-mhmoe")
+    assert {"config.json", "model.safetensors"} <= set(sent["files"])
+    assert not [name for name in sent["files"] if name.endswith(".py")]

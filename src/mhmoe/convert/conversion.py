@@ -9,7 +9,7 @@ renamed at the end, so a failed or interrupted conversion leaves nothing at `out
 next conversion to it removes: `_plumbing.checkpoint_files.recover_output_dir`); an existing non-empty `output_dir` is only
 replaced with `overwrite`, and is never missing meanwhile. Besides the weights and config, only the generation config,
 tokenizer and chat template files are copied (`_plumbing.checkpoint_files.side_files`: never code); the modeling code,
-`auto_map` and a model card are added as `save_pretrained` adds them, so the output loads with `trust_remote_code=True`
+`auto_map` and a model card are added as `export_pretrained` adds them, so the output loads with `trust_remote_code=True`
 where mhmoe is not installed.
 """
 
@@ -169,7 +169,7 @@ def _write_checkpoint(plan: ConversionPlan, temporary: str, progress: bool) -> N
 
 def _add_remote_code(temporary: str, output_dir: str) -> None:
     """The modeling code, `auto_map` and the converted model card (base model from the conversion record), as
-    `save_pretrained` writes them: the folder loads with trust_remote_code=True without mhmoe."""
+    `export_pretrained` writes them: the folder loads with trust_remote_code=True without mhmoe."""
     from ..hub.remote_code import write_remote_code
     from ..models.moh_llama import MoHLlamaConfig
 

@@ -1,8 +1,8 @@
 """Publishing: checkpoint folders that load anywhere, model cards and the Hub.
 
 `export.py` writes a self-contained folder (`export_pretrained`, `mhmoe-export` in `cli.py`) and uploads it;
-`remote_code.py` adds the modeling code and `auto_map` that `trust_remote_code=True` loads (also called by the models'
-own `save_pretrained`); `cards.py` fills the model-card templates. Checkpoint folders are read and written safely
+`remote_code.py` adds the modeling code and `auto_map` that `trust_remote_code=True` loads to a saved folder (also
+called by training's final save and by the converter); `cards.py` fills the model-card templates. Checkpoint folders are read and written safely
 (safetensors only, atomic writes) by `mhmoe._plumbing.checkpoint_files`, for the converter and the trainer too.
 """
 

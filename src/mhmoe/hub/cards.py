@@ -3,8 +3,8 @@
 `model_card(config, ...)` returns a `huggingface_hub.ModelCard` whose YAML metadata holds `library_name`, `tags`,
 `license`, `pipeline_tag`, `base_model` (converted models), `datasets` and a `model-index` with the evaluation results,
 and whose body gives the architecture, the parity numbers of one MoE layer (`moe_layer_cost`), the activated heads and
-experts, and how the model was trained. `save_pretrained` / `push_to_hub` of mhmoe models, `mhmoe-export` and the
-reproduction runs (benchmarks/reproduce) write it as README.md. Nothing here needs the network.
+experts, and how the model was trained. `export_pretrained` / `mhmoe-export`, `write_remote_code` (training's final
+save, the converter) and the reproduction runs (benchmarks/reproduce) write it as README.md. Nothing here needs the network.
 """
 
 from __future__ import annotations

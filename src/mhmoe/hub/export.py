@@ -180,7 +180,7 @@ def _write_weights(folder: Path, source, config, weight_files: list[str] | None)
     from transformers import GenerationConfig
 
     if not isinstance(source, str):
-        source.save_pretrained(folder, self_contained=False)  # the code is written by write_remote_code
+        source.save_pretrained(folder)  # the code is written by write_remote_code
         return
     for name in weight_files:
         shutil.copy2(os.path.join(source, name), folder / name)

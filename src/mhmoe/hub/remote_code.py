@@ -17,8 +17,8 @@ the live config, and resolves `from ..moh.moh_attention import` as a file `.moh.
 file. Its
 `get_imports` and `get_relative_import_files` (what the loader itself runs) check the exported folder instead.
 
-`save_pretrained` / `push_to_hub` of mhmoe models call `write_remote_code` (the model layer's `publish.py` holds the
-hook; `import mhmoe` sets it), and so does `export.export_pretrained`.
+`export.export_pretrained` calls `write_remote_code`, and so do training's final save and the converter: an explicit
+call, never a side effect of `save_pretrained` (which is Transformers' own).
 """
 
 from __future__ import annotations
@@ -166,8 +166,8 @@ def write_remote_code(folder: str | os.PathLike, config, model_card: bool = True
                       has_tokenizer: bool | None = None, records_dir: str | os.PathLike | None = None) -> None:
     """Make a saved checkpoint folder load with `trust_remote_code=True` without mhmoe: the flattened modeling code,
     `auto_map` in config.json (AutoConfig, AutoModel, AutoModelForCausalLM) and, with `model_card`, a README.md card
-    (an existing README.md is kept). Called by `export_pretrained` and by `save_pretrained` / `push_to_hub` of mhmoe
-    models. `records_dir`: where the card reads moh_conversion.json / train_summary.json (default: `folder`)."""
+    (an existing README.md is kept). Called by `export_pretrained`, training's final save and the converter.
+    `records_dir`: where the card reads moh_conversion.json / train_summary.json (default: `folder`)."""
     folder = Path(folder)
     classes = auto_classes(config)
     config_path = folder / CONFIG_NAME

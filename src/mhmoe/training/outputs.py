@@ -103,8 +103,17 @@ def _is_mhmoe_card(path: str) -> bool:
     return "\n- mhmoe\n" in metadata
 
 
+def _write_remote_code(folder: str, model) -> None:
+    """An mhmoe model's folder made loadable with `trust_remote_code=True` where mhmoe is not installed: its modeling
+    code, `auto_map` and a model card (`hub.remote_code.write_remote_code`). A PEFT adapter's folder is left as is."""
+    if type(model).__module__.startswith("mhmoe."):
+        from ..hub.remote_code import write_remote_code
+
+        write_remote_code(folder, model.config)
+
+
 def _rewrite_card(folder: str, model, training: str, records_dir: str | None = None) -> None:
-    """The model card (README.md) an mhmoe model's `save_pretrained` wrote into `folder` (or an earlier, interrupted or
+    """The model card (README.md) that `_write_remote_code` wrote into `folder` (or an earlier, interrupted or
     overwritten, save), rendered again now that the tokenizer is there, with `training` (from the run's summary) as
     its Training section and the conversion record in `records_dir` (default `folder`). A card that mhmoe did not
     write (a PEFT adapter's, the user's own) is kept."""
@@ -134,12 +143,14 @@ def save_final(run: TrainRun, final_eval: dict | None):
         args.output_dir, is_main_process=run.is_main, save_function=accelerator.save, state_dict=state_dict
     )
     if run.is_main:
+        _write_remote_code(args.output_dir, unwrapped)
         run.tokenizer.save_pretrained(args.output_dir)
         if args.lora and args.merge_lora:
             import copy
 
             merged = copy.deepcopy(unwrapped).merge_and_unload()
             merged.save_pretrained(os.path.join(args.output_dir, "merged"))
+            _write_remote_code(os.path.join(args.output_dir, "merged"), merged)
             run.tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
         if args.plot:
             plot_metrics(run.metrics_path, os.path.join(args.output_dir, PLOT_FILE))
@@ -148,7 +159,7 @@ def save_final(run: TrainRun, final_eval: dict | None):
                    "mixed_precision": accelerator.mixed_precision, "global_batch_blocks": run.global_blocks,
                    "block_size": run.block_size, "trainable_parameters": run.trainable, "parameters": run.total_params,
                    "final_eval": final_eval, "args": dataclasses.asdict(args)}  # fmt: skip
-        # save_pretrained wrote the card before the tokenizer and the summary existed: again, with both
+        # the card was written before the tokenizer and the summary existed: again, with both
         from ..hub.cards import training_text
 
         _rewrite_card(args.output_dir, unwrapped, training_text(summary))

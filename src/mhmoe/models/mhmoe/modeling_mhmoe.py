@@ -29,7 +29,6 @@ from ..moh.moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers t
 from .configuration_mhmoe import MHMoEConfig
 from .experts import LIBRARY_EXPERTS_IMPLEMENTATIONS
 from .linear_types import make_linear
-from .publish import SelfContainedSaveMixin
 from .router_types import make_moe_block
 from .sparse_moe import MHMoEMLP, MHMoETopKRouter
 
@@ -115,7 +114,7 @@ class MHMoEDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), **mlp_kwargs)
 
 
-class MHMoEPreTrainedModel(SelfContainedSaveMixin, PreTrainedModel):
+class MHMoEPreTrainedModel(PreTrainedModel):
     config: MHMoEConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

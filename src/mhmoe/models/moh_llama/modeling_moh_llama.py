@@ -19,7 +19,6 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputReco
 from ..causal_lm import MoHCausalLMOutputWithPast, causal_lm_forward
 from ..moh.head_routers import MoHRouter
 from ..moh.moh_attention import MoHAttentionMixin, add_head_router
-from ..mhmoe.publish import SelfContainedSaveMixin
 from ..moh.moh_parallel import MoHHeadRouterParallel  # noqa: F401  (registers the "moh_head_router" TP style)
 from .configuration_moh_llama import MoHLlamaConfig, refuse_auto_class_registration
 
@@ -49,7 +48,7 @@ def route_heads(layer: LlamaDecoderLayer) -> None:
     layer.__class__ = MoHLlamaDecoderLayer
 
 
-class MoHLlamaPreTrainedModel(SelfContainedSaveMixin, LlamaPreTrainedModel):
+class MoHLlamaPreTrainedModel(LlamaPreTrainedModel):
     config: MoHLlamaConfig
     config_class = MoHLlamaConfig
     _no_split_modules = ["MoHLlamaDecoderLayer", "LlamaDecoderLayer"]
