@@ -24,7 +24,7 @@ from ._plumbing.lazy import lazy_exports
 from ._plumbing.peft_defaults import install as _install_peft_defaults
 from ._plumbing.registration import install as _install_registration
 from ._plumbing.registration import register_auto_classes
-from ._plumbing.version import __version__
+from ._plumbing.version import __version__ as __version__
 
 _EXPORTS = {
     **dict.fromkeys(("MHMoEConfig",), ".models.mhmoe.configuration_mhmoe"),

@@ -33,7 +33,7 @@ def naive_block(block: MHMoESparseMoeBlock, x: torch.Tensor, capacity: int | Non
     used = [0] * E
     kept = {}
     for slot in range(k):  # capacity priority: all top-1 choices first, then top-2, in row order
-        for row, (vals, idx) in enumerate(choice):
+        for row, (_vals, idx) in enumerate(choice):
             e = int(idx[slot])
             kept[row, slot] = capacity is None or used[e] < capacity
             used[e] += 1

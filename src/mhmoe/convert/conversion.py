@@ -286,7 +286,11 @@ def convert(
     output_state(output_dir, overwrite)
     recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
     if gguf_file is not None:
-        return _convert_gguf(**{k: v for k, v in locals().items() if k != "start"})
+        options = dict(shared_heads_ratio=shared_heads_ratio, active_heads_ratio=active_heads_ratio,
+                       overwrite=overwrite, verify_logits=verify_logits, probe_text=probe_text,
+                       moh_aux_loss_coef=moh_aux_loss_coef, progress=progress, recipe=recipe,
+                       calibration_file=calibration_file, calibration_tokens=calibration_tokens)  # fmt: skip
+        return _convert_gguf(input_dir, output_dir, gguf_file, **options)
     plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
     plan.notes[:0] = source_notes or []
     _check_disk_space(plan, output_dir)
@@ -331,8 +335,6 @@ def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) ->
     dense = temporary_dir_next_to(output_dir)
     try:
         notes = dequantise_gguf(input_dir, gguf_file, dense)
-        for own in ("source_name", "source_notes"):  # given here
-            options.pop(own, None)
         report = convert(dense, output_dir, source_name=os.path.join(input_dir, gguf_file), source_notes=notes,
                          **options)  # fmt: skip
         report.input_dir = os.path.join(input_dir, gguf_file)

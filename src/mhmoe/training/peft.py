@@ -20,16 +20,9 @@ require("train", "peft", feature="mhmoe.training.peft")
 from peft import LoraConfig
 from peft.utils import constants as _constants
 
-from .._plumbing.peft_defaults import ATTENTION_TARGETS, MODEL_TYPES, add_default_targets
+from .._plumbing.peft_defaults import ATTENTION_TARGETS, MODEL_TYPES
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-
-
-def register_peft_defaults() -> None:
-    """Add mhmoe and moh_llama to PEFT's default-target tables (idempotent; never overrides an existing entry). Not
-    needed after `import mhmoe`, whose post-import hook (`mhmoe._plumbing.peft_defaults`) has done it by the time this module
-    has imported PEFT."""
-    add_default_targets(_constants)
 
 
 def expert_target_parameters(model) -> list[str]:
@@ -89,4 +82,4 @@ def lora_config(
     )
 
 
-__all__ = ["ATTENTION_TARGETS", "MODEL_TYPES", "expert_target_parameters", "lora_config", "register_peft_defaults"]
+__all__ = ["ATTENTION_TARGETS", "MODEL_TYPES", "expert_target_parameters", "lora_config"]

@@ -82,7 +82,9 @@ def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
             try:
                 tokenizer = AutoTokenizer.from_pretrained(source)
             except (OSError, ValueError) as e:
-                raise TrainingError(f"no tokenizer could be loaded from {source} ({e}); pass --tokenizer_name_or_path")
+                raise TrainingError(
+                    f"no tokenizer could be loaded from {source} ({e}); pass --tokenizer_name_or_path"
+                ) from None
         else:
             vocab_size = args.tokenizer_vocab_size or config.vocab_size
             if not 259 <= vocab_size <= config.vocab_size:
