@@ -37,6 +37,7 @@ from ..ops.backends import sort_by_expert
 from ..ops.experts.grouped_gemm import (
     GROUPED_MM_TILE, TORCH_GROUPED_MM, autocast_dtype, kernel_accepts, tiled_grouped_mm,
 )
+from .experts import sub_token_width
 
 _SCALE_MIN = 1e-5  # clamp of the absmean / absmax scales (an all-zero matrix or token)
 
@@ -217,7 +218,7 @@ class BitNetExperts(nn.Module, _CachedQuantization):
     def __init__(self, config):
         super().__init__()
         self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size // config.moe_heads
+        self.hidden_dim = sub_token_width(config)
         self.intermediate_dim = config.moe_intermediate_size
         self.eps = config.rms_norm_eps
         self.packed = bool(config.bitnet_packed)

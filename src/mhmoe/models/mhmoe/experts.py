@@ -17,6 +17,11 @@ from transformers.integrations.moe import grouped_mm_experts_forward as _TRANSFO
 
 from ..ops.backends import EXPERTS_BACKENDS, experts
 
+def sub_token_width(config) -> int:
+    """W: the width of the sub-tokens an MoE block routes, hidden_size // moe_heads (the experts' and routers' input)."""
+    return config.hidden_size // config.moe_heads
+
+
 # experts_implementation values that only this library knows (Transformers' own table has the others)
 LIBRARY_EXPERTS_IMPLEMENTATIONS = ("triton",)
 
@@ -93,7 +98,7 @@ class MHMoEExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size // config.moe_heads
+        self.hidden_dim = sub_token_width(config)
         self.intermediate_dim = config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
@@ -109,4 +114,4 @@ class MHMoEExperts(nn.Module):
 
 
 __all__ = ["LIBRARY_EXPERTS_FUNCTIONS", "LIBRARY_EXPERTS_IMPLEMENTATIONS", "MHMOE_EXPERTS_FUNCTIONS", "MHMoEExperts",
-           "MHMoEExpertsInterface", "eager_experts_forward", "grouped_experts_forward"]  # fmt: skip
+           "MHMoEExpertsInterface", "eager_experts_forward", "grouped_experts_forward", "sub_token_width"]  # fmt: skip

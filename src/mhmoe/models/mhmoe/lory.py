@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .experts import sub_token_width
 from .sparse_moe import moe_block_parts
 
 LORY_EXPERT_POOLS = ("shared", "per_head")  # MH-Lory v1: E experts shared by the heads | v2: E per head, E·h in all
@@ -47,8 +48,7 @@ class LoryRouter(nn.Module):
         super().__init__()
         self.num_pools = config.moe_heads if config.lory_expert_pool == "per_head" else 1
         self.num_experts = config.num_experts
-        width = config.hidden_size // config.moe_heads
-        self.weight = nn.Parameter(torch.empty(self.num_pools * self.num_experts, width))
+        self.weight = nn.Parameter(torch.empty(self.num_pools * self.num_experts, sub_token_width(config)))
 
     @torch.no_grad()
     def init_parameters(self, std: float) -> None:
@@ -69,7 +69,7 @@ class LoryExperts(nn.Module):
         super().__init__()
         self.num_pools = config.moe_heads if config.lory_expert_pool == "per_head" else 1
         self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size // config.moe_heads
+        self.hidden_dim = sub_token_width(config)
         self.intermediate_dim = config.moe_intermediate_size
         total = self.num_pools * self.num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(total, 2 * self.intermediate_dim, self.hidden_dim))

@@ -17,6 +17,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..ops.backends import route
+from .experts import sub_token_width
 from .linear_types import make_experts, make_linear
 from .moe_losses import AUX_LOSS_MODES
 
@@ -79,7 +80,7 @@ class MHMoETopKRouter(nn.Module):
         self.capacity_factor = config.capacity_factor
         self.capacity_rounding = config.capacity_rounding
         self.routing_backend = config.routing_backend
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size // config.moe_heads))
+        self.weight = nn.Parameter(torch.empty(config.num_experts, sub_token_width(config)))
 
     @torch.no_grad()
     def init_parameters(self, std: float) -> None:
@@ -103,6 +104,7 @@ class MHMoESparseMoeBlock(nn.Module):
     def __init__(self, config, layer_idx: int | None = None):
         super().__init__()
         self.moe_heads = config.moe_heads
+        self.sub_token_width = sub_token_width(config)
         self.jitter_noise = config.router_jitter_noise
         head_proj, merge_proj, shared_expert = moe_block_parts(config)
         self.head_proj = head_proj  # registered in this order: head, gate, experts, merge, shared expert
@@ -145,7 +147,7 @@ class MHMoESparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, seq_len, hidden_dim = hidden_states.shape
         sub_tokens = self.head_proj(hidden_states) if self.head_proj is not None else hidden_states
-        sub_tokens = sub_tokens.reshape(-1, hidden_dim // self.moe_heads)  # (B·T·h, W), token-major
+        sub_tokens = sub_tokens.reshape(-1, self.sub_token_width)  # (B·T·h, W), token-major
         if self.training and self.jitter_noise > 0:
             sub_tokens = sub_tokens * torch.empty_like(sub_tokens).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
         _, weights, experts = self.gate(sub_tokens)
