@@ -78,14 +78,8 @@ def choose(op: str, tensor: torch.Tensor, requested: str | None = None) -> tuple
 
 def routing_backend(tensor: torch.Tensor, backend: str | None = None) -> tuple[str, bool]:
     """("torch" | "triton", whether it was asked for): the routing ops' backend on `tensor`'s device, in the words of
-    `routing_backend` (config) and `MHMOE_ROUTING_BACKEND` (environment), which wins."""
-    asked = os.environ.get(ROUTING_BACKEND_ENV) or backend
-    if asked and asked not in ROUTING_BACKENDS:
-        where = ROUTING_BACKEND_ENV if os.environ.get(ROUTING_BACKEND_ENV) else "routing_backend"
-        raise ValueError(f"{where} must be one of {tuple(ROUTING_BACKENDS)}, got {asked!r}")
-    if asked and torch.compiler.is_compiling():  # traced graphs take the reference
-        return "torch", True
-    chosen, forced = choose("routing.route", tensor, ROUTING_BACKENDS[asked] if asked else None)
+    `routing_backend` (config) and `MHMOE_ROUTING_BACKEND` (environment)."""
+    chosen, forced = choose("routing.route", tensor, _routing_request(backend))
     return ("triton" if chosen == "triton" else "torch"), forced
 
 
@@ -103,9 +97,16 @@ def _run(op: str, tensor: torch.Tensor, requested: str | None, *args, **kwargs):
         return IMPLEMENTATIONS[op][DEFAULT.get(op, "naive")](*args, **kwargs)
 
 
-def _routing_request(tensor: torch.Tensor, backend: str | None) -> str | None:
-    asked, forced = routing_backend(tensor, backend)
-    return ROUTING_BACKENDS[asked] if forced else None
+def _routing_request(backend: str | None) -> str | None:
+    """The routing ops' backend asked for, as a backend name (None: the default): the environment's
+    `MHMOE_ROUTING_BACKEND`, else the config's `routing_backend`; traced graphs take the reference."""
+    asked = os.environ.get(ROUTING_BACKEND_ENV) or backend
+    if not asked:
+        return None
+    if asked not in ROUTING_BACKENDS:
+        where = ROUTING_BACKEND_ENV if os.environ.get(ROUTING_BACKEND_ENV) else "routing_backend"
+        raise ValueError(f"{where} must be one of {tuple(ROUTING_BACKENDS)}, got {asked!r}")
+    return "naive" if torch.compiler.is_compiling() else ROUTING_BACKENDS[asked]
 
 
 def route(
@@ -120,7 +121,7 @@ def route(
     `weights` (N, K) fp32 and `experts` (N, K) int64; dropped assignments get expert E and weight 0."""
     implementation_args = (router_logits, top_k, norm_topk_prob, capacity_factor)
     kwargs = {} if capacity_rounding == "switch" else {"capacity_rounding": capacity_rounding}
-    requested = _routing_request(router_logits, backend)
+    requested = _routing_request(backend)
     return _run("routing.route", router_logits, requested, *implementation_args, **kwargs)
 
 
@@ -129,7 +130,7 @@ def sort_by_expert(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group assignments by expert (`routing_naive.sort_by_expert`): `order` (S,) sorted by expert, dropped last,
     stable; `offsets` (E,) int32 ends."""
-    requested = _routing_request(experts, backend)
+    requested = _routing_request(backend)
     return _run("routing.sort_by_expert", experts, requested, experts, num_experts)
 
 
@@ -144,7 +145,7 @@ def l2_head_gates(
     fp32, router logits (..., R) fp32, selected routed heads (..., K) int64."""
     lead = query_states.shape[:-2]
     queries = query_states.reshape(-1, *query_states.shape[-2:])  # (M, H, hd)
-    requested = _routing_request(queries, backend)
+    requested = _routing_request(backend)
     args = (queries, shared_heads, active_heads, straight_through)
     gates, logits, index = _run("head_router.l2_head_gates", queries, requested, *args)
     return gates.view(*lead, -1), logits.view(*lead, -1), index.view(*lead, -1)
