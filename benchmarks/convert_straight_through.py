@@ -33,17 +33,28 @@ def main() -> None:
         for estimator in (True, "scores"):
             recipe.STRAIGHT_THROUGH = estimator  # read by recipe.moh_fields when the converter writes the config
             with tempfile.TemporaryDirectory() as workdir:
-                r = run_recovery_demo(workdir, seed=seed, control=False, dense_steps=args.dense_steps,
-                                      tune_steps=args.tune_steps)  # fmt: skip
-            rows.append(dict(seed=seed, straight_through=estimator, dense=r["dense_ppl"],
-                             before=r["moh_ppl_before_tuning"], after=r["moh_ppl_after_tuning"],
-                             over_dense=r["moh_over_dense"], seconds=r["seconds"]))  # fmt: skip
+                r = run_recovery_demo(
+                    workdir, seed=seed, control=False, dense_steps=args.dense_steps, tune_steps=args.tune_steps
+                )
+            rows.append(
+                dict(
+                    seed=seed,
+                    straight_through=estimator,
+                    dense=r["dense_ppl"],
+                    before=r["moh_ppl_before_tuning"],
+                    after=r["moh_ppl_after_tuning"],
+                    over_dense=r["moh_over_dense"],
+                    seconds=r["seconds"],
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
     print("\n| seed | straight_through | dense ppl | MoH before tuning | MoH after tuning | after / dense |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['seed']} | {r['straight_through']!r} | {r['dense']:.3f} | {r['before']:.3f} | {r['after']:.3f} | "
-              f"{r['over_dense']:.4f} |")
+        print(
+            f"| {r['seed']} | {r['straight_through']!r} | {r['dense']:.3f} | {r['before']:.3f} | {r['after']:.3f} | "
+            f"{r['over_dense']:.4f} |"
+        )
     for estimator in (True, "scores"):
         after = [r["after"] for r in rows if r["straight_through"] == estimator]
         print(f"mean after tuning, straight_through={estimator!r}: {sum(after) / len(after):.3f}")

@@ -94,11 +94,24 @@ def write_checkpoint(directory: str, layers: int, shard_mb: int) -> list[str]:
         names.append(filename)
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-              "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers, "num_attention_heads": HEADS,
-              "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB, "max_position_embeddings": 2048,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-              "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+    }
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return names
@@ -143,9 +156,11 @@ def main() -> None:
         shards = write_checkpoint(source, args.layers, args.shard_mb)
         sizes = [os.path.getsize(os.path.join(source, s)) for s in shards]
         total = sum(os.path.getsize(os.path.join(source, n)) for n in os.listdir(source))
-        print(f"synthetic LLaMA checkpoint: {args.layers} layers, hidden {HIDDEN}, {HEADS} heads ({KV_HEADS} kv), "
-              f"bf16, {total / 1e9:.2f} GB in {len(shards)} shards (largest {max(sizes) / 1e6:.0f} MB), written in "
-              f"{time.perf_counter() - start:.1f} s to {root} ({_filesystem(root)})")  # fmt: skip
+        print(
+            f"synthetic LLaMA checkpoint: {args.layers} layers, hidden {HIDDEN}, {HEADS} heads ({KV_HEADS} kv), "
+            f"bf16, {total / 1e9:.2f} GB in {len(shards)} shards (largest {max(sizes) / 1e6:.0f} MB), written in "
+            f"{time.perf_counter() - start:.1f} s to {root} ({_filesystem(root)})"
+        )
 
         copies, synced, converts, walls, rss = [], [], [], [], []
         for r in range(args.repeats):
@@ -165,18 +180,26 @@ def main() -> None:
 
         gb = total / 1e9
         copy_s, synced_s, convert_s = (statistics.median(t) for t in (copies, synced, converts))
-        print(f"plain copy (shutil.copyfile):          {', '.join(f'{t:.2f}' for t in copies)} s -> median "
-              f"{gb / copy_s:.2f} GB/s")  # fmt: skip
-        print(f"plain copy + fsync per file:           {', '.join(f'{t:.2f}' for t in synced)} s -> median "
-              f"{gb / synced_s:.2f} GB/s")  # fmt: skip
-        print(f"convert (checks, copy, fsync, check):  {', '.join(f'{t:.2f}' for t in converts)} s -> median "
-              f"{gb / convert_s:.2f} GB/s = {copy_s / convert_s:.2f}x plain copy, {synced_s / convert_s:.2f}x "
-              "copy+fsync (target >= 0.5x)")  # fmt: skip
+        print(
+            f"plain copy (shutil.copyfile):          {', '.join(f'{t:.2f}' for t in copies)} s -> median "
+            f"{gb / copy_s:.2f} GB/s"
+        )
+        print(
+            f"plain copy + fsync per file:           {', '.join(f'{t:.2f}' for t in synced)} s -> median "
+            f"{gb / synced_s:.2f} GB/s"
+        )
+        print(
+            f"convert (checks, copy, fsync, check):  {', '.join(f'{t:.2f}' for t in converts)} s -> median "
+            f"{gb / convert_s:.2f} GB/s = {copy_s / convert_s:.2f}x plain copy, {synced_s / convert_s:.2f}x "
+            "copy+fsync (target >= 0.5x)"
+        )
         print(f"  whole converter process incl. Python start and imports: {', '.join(f'{t:.2f}' for t in walls)} s")
         largest = max(sizes)
-        print(f"converter peak RSS: {max(rss) / 1e6:.0f} MB = {max(rss) / largest:.2f}x the largest shard "
-              f"({largest / 1e6:.0f} MB; target <= 1.5x); a process that only imports the converter: "
-              f"{import_rss / 1e6:.0f} MB")  # fmt: skip
+        print(
+            f"converter peak RSS: {max(rss) / 1e6:.0f} MB = {max(rss) / largest:.2f}x the largest shard "
+            f"({largest / 1e6:.0f} MB; target <= 1.5x); a process that only imports the converter: "
+            f"{import_rss / 1e6:.0f} MB"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"removed {root}")

@@ -149,19 +149,33 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
             # ids: equal, or where they differ a tie (bf16 logits tie often): the same probabilities chosen
             probs = torch.softmax(logits.float(), dim=-1)
             same_choice = torch.equal(probs.gather(-1, got_e).sort(-1).values, probs.gather(-1, ref_e).sort(-1).values)
-            out.append({"check": f"route ids {tag}", "ok": bool(torch.equal(got_e, ref_e) or same_choice),
-                        "mismatches": int((got_e != ref_e).sum()), "ties_only": bool(same_choice)})  # fmt: skip
+            out.append(
+                {
+                    "check": f"route ids {tag}",
+                    "ok": bool(torch.equal(got_e, ref_e) or same_choice),
+                    "mismatches": int((got_e != ref_e).sum()),
+                    "ties_only": bool(same_choice),
+                }
+            )
             ref_o, ref_off = routing_naive.sort_by_expert(ref_e, experts)
             got_o, got_off = routing_triton.sort_by_expert(ref_e, experts)
-            out.append({"check": f"sort_by_expert {tag}", "ok": bool(torch.equal(got_o, ref_o)
-                                                                     and torch.equal(got_off, ref_off))})  # fmt: skip
+            out.append(
+                {
+                    "check": f"sort_by_expert {tag}",
+                    "ok": bool(torch.equal(got_o, ref_o) and torch.equal(got_off, ref_off)),
+                }
+            )
             bad = logits.clone()
             bad[::7, :3] = float("nan")
             bad[1::7, 5] = float("inf")
             _, ids = routing_triton.route(bad, top_k, True)
             torch.cuda.synchronize() if device.type == "cuda" else None
-            out.append({"check": f"route NaN/inf logits {tag}: ids in range",
-                        "ok": bool(((ids >= 0) & (ids <= experts)).all())})  # fmt: skip
+            out.append(
+                {
+                    "check": f"route NaN/inf logits {tag}: ids in range",
+                    "ok": bool(((ids >= 0) & (ids <= experts)).all()),
+                }
+            )
             return out
 
         if kernels:
@@ -181,8 +195,9 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
                     grad = torch.randn_like(ref[0])
                     (g_ref,) = torch.autograd.grad(ref[0], q_ref, grad)
                     (g_got,) = torch.autograd.grad(got[0], q_got, grad)
-                    out.append(_errors(f"head router d queries {tag} st={straight_through}", g_got, g_ref,
-                                       TOLERANCE[dtype]))  # fmt: skip
+                    out.append(
+                        _errors(f"head router d queries {tag} st={straight_through}", g_got, g_ref, TOLERANCE[dtype])
+                    )
             return out
 
         if kernels:
@@ -201,14 +216,19 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
             return out, grads
 
         def experts_checks(dtype=dtype, tag=tag, route_e=route_e):
-            ref_out, ref_grads = run_experts(lambda x, w, gu, dn: experts_naive.experts_forward(
-                x.double(), route_e, w.double(), gu.double(), dn.double()))  # fmt: skip
+            ref_out, ref_grads = run_experts(
+                lambda x, w, gu, dn: experts_naive.experts_forward(
+                    x.double(), route_e, w.double(), gu.double(), dn.double()
+                )
+            )
             order, offsets = routing_naive.sort_by_expert(route_e, experts)
-            got_out, got_grads = run_experts(lambda x, w, gu, dn: experts_triton.experts_forward(
-                x, route_e, w, gu, dn, order, offsets))  # fmt: skip
+            got_out, got_grads = run_experts(
+                lambda x, w, gu, dn: experts_triton.experts_forward(x, route_e, w, gu, dn, order, offsets)
+            )
             out = [_errors(f"triton experts out {tag}", got_out, ref_out, TOLERANCE[dtype])]
-            for label, got, ref in zip(("d rows", "d routing weights", "d gate_up_proj", "d down_proj"), got_grads,
-                                       ref_grads):  # fmt: skip
+            for label, got, ref in zip(
+                ("d rows", "d routing weights", "d gate_up_proj", "d down_proj"), got_grads, ref_grads
+            ):
                 out.append(_errors(f"triton experts {label} {tag}", got, ref, TOLERANCE[dtype]))
             return out
 
@@ -249,13 +269,21 @@ def build_blocks(hidden: int, dtype, device) -> dict[str, torch.nn.Module]:
     from mhmoe.models.ops.experts import experts_triton
 
     if hidden % 3 or hidden % 64:
-        raise SystemExit(f"error: --hidden {hidden}: the h=3 block needs a width divisible by 3 and the "
-                         "attention heads of 64 (e.g. 768, 1536)")  # fmt: skip
+        raise SystemExit(
+            f"error: --hidden {hidden}: the h=3 block needs a width divisible by 3 and the "
+            "attention heads of 64 (e.g. 768, 1536)"
+        )
     inter = smoe_intermediate(hidden)
     mixtral = MixtralConfig(hidden_size=hidden, num_local_experts=8, num_experts_per_tok=1, intermediate_size=inter)
     mixtral._experts_implementation = "grouped_mm"
-    smoe = MHMoEConfig(hidden_size=hidden, num_attention_heads=hidden // 64, num_experts=8, num_experts_per_tok=1,
-                       moe_intermediate_size=inter, moe_heads=1)  # fmt: skip
+    smoe = MHMoEConfig(
+        hidden_size=hidden,
+        num_attention_heads=hidden // 64,
+        num_experts=8,
+        num_experts_per_tok=1,
+        moe_intermediate_size=inter,
+        moe_heads=1,
+    )
     blocks = {"hf_mixtral": MixtralSparseMoeBlock(mixtral), "ours_smoe": MHMoESparseMoeBlock(smoe)}
     for heads in (2, 3):
         config = matched_to_smoe(smoe, moe_heads=heads, num_experts_per_tok=heads)
@@ -300,8 +328,10 @@ def time_blocks(blocks, tokens, hidden, repeats, dtype, device) -> dict:
 
         return run
 
-    return {mode: interleaved({name: make(block) for name, block in blocks.items()}, repeats, device, "hf_mixtral")
-            for mode, make in (("fwd", forward), ("fwd+bwd", forward_backward))}  # fmt: skip
+    return {
+        mode: interleaved({name: make(block) for name, block in blocks.items()}, repeats, device, "hf_mixtral")
+        for mode, make in (("fwd", forward), ("fwd+bwd", forward_backward))
+    }
 
 
 def time_model(repeats, device, smoke) -> dict:
@@ -312,13 +342,23 @@ def time_model(repeats, device, smoke) -> dict:
 
     default_recompute = moe.RECOMPUTE_GATE_UP
     hidden, layers, batch, seq = (96, 2, 2, 32) if smoke else (768, 4, 8, 2048)
-    base = dict(vocab_size=256 if smoke else 32000, hidden_size=hidden, num_attention_heads=max(1, hidden // 64),
-                num_hidden_layers=layers, intermediate_size=smoe_intermediate(hidden), max_position_embeddings=seq,
-                decoder_sparse_step=1)  # fmt: skip
+    base = dict(
+        vocab_size=256 if smoke else 32000,
+        hidden_size=hidden,
+        num_attention_heads=max(1, hidden // 64),
+        num_hidden_layers=layers,
+        intermediate_size=smoe_intermediate(hidden),
+        max_position_embeddings=seq,
+        decoder_sparse_step=1,
+    )
     smoe = MHMoEConfig(**base, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=smoe_intermediate(hidden))
     h3 = matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3)
-    configs = {"smoe": smoe, "mhmoe_h3": h3, "mhmoe_h3_recompute_gate_up": h3,
-               "dense": MHMoEConfig(**{**base, "decoder_sparse_step": 0})}  # fmt: skip
+    configs = {
+        "smoe": smoe,
+        "mhmoe_h3": h3,
+        "mhmoe_h3_recompute_gate_up": h3,
+        "dense": MHMoEConfig(**{**base, "decoder_sparse_step": 0}),
+    }
     ids = torch.randint(0, base["vocab_size"], (batch, seq), device=device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     steps, peaks = {}, {}
@@ -350,14 +390,23 @@ def time_model(repeats, device, smoke) -> dict:
     timings = interleaved(steps, repeats, device, "smoe")
     results = {}
     for name, timing in timings.items():
-        results[name] = {"tokens_per_s": batch * seq / (timing["ms"] / 1e3), "time_vs_smoe": timing["ratio"],
-                         **peaks.get(name, {})}  # fmt: skip
+        results[name] = {
+            "tokens_per_s": batch * seq / (timing["ms"] / 1e3),
+            "time_vs_smoe": timing["ratio"],
+            **peaks.get(name, {}),
+        }
     if peaks:
         for name in results:
             key = "peak_above_weights_and_optimizer_bytes"
             results[name]["activation_peak_vs_smoe"] = results[name][key] / results["smoe"][key]
-    return {"hidden": hidden, "layers": layers, "batch": batch, "seq": seq, "precision": f"autocast {dtype}",
-            "models": results}  # fmt: skip
+    return {
+        "hidden": hidden,
+        "layers": layers,
+        "batch": batch,
+        "seq": seq,
+        "precision": f"autocast {dtype}",
+        "models": results,
+    }
 
 
 def time_routing(repeats, device, smoke) -> dict:
@@ -365,30 +414,41 @@ def time_routing(repeats, device, smoke) -> dict:
 
     rows, experts, top_k = (512, 96, 3) if smoke else (16384, 96, 3)
     logits = torch.randn(rows, experts, device=device)
-    candidates = {"torch route": lambda: routing_naive.route(logits, top_k),
-                  "torch route+sort": lambda: routing_naive.sort_by_expert(routing_naive.route(logits, top_k)[1],
-                                                                           experts)}  # fmt: skip
+    candidates = {
+        "torch route": lambda: routing_naive.route(logits, top_k),
+        "torch route+sort": lambda: routing_naive.sort_by_expert(routing_naive.route(logits, top_k)[1], experts),
+    }
     if device.type == "cuda" and routing_triton.HAS_TRITON:
         candidates["triton route"] = lambda: routing_triton.route(logits, top_k)
         candidates["triton route+sort"] = lambda: routing_triton.sort_by_expert(
-            routing_triton.route(logits, top_k)[1], experts)  # fmt: skip
+            routing_triton.route(logits, top_k)[1], experts
+        )
     timings = interleaved(candidates, repeats * 5, device)
-    return {"rows": rows, "experts": experts, "top_k": top_k,
-            "us": {name: 1e3 * t["ms"] for name, t in timings.items()}}  # fmt: skip
+    return {
+        "rows": rows,
+        "experts": experts,
+        "top_k": top_k,
+        "us": {name: 1e3 * t["ms"] for name, t in timings.items()},
+    }
 
 
 def time_head_router(repeats, device, smoke) -> dict:
     from mhmoe.models.ops.head_router import head_router_naive, head_router_triton
 
     tokens, heads, head_dim = (256, 8, 16) if smoke else (16384, 32, 64)
-    queries = torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16 if device.type == "cuda"
-                          else torch.float32)  # fmt: skip
+    queries = torch.randn(
+        tokens, heads, head_dim, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     candidates = {"torch": lambda: head_router_naive.l2_head_gates(queries, 2, heads // 2)}
     if device.type == "cuda" and head_router_triton.HAS_TRITON:
         candidates["triton"] = lambda: head_router_triton.l2_head_gates_triton(queries, 2, heads // 2)
     timings = interleaved(candidates, repeats * 5, device)
-    return {"tokens": tokens, "heads": heads, "head_dim": head_dim,
-            "us": {name: 1e3 * t["ms"] for name, t in timings.items()}}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "heads": heads,
+        "head_dim": head_dim,
+        "us": {name: 1e3 * t["ms"] for name, t in timings.items()},
+    }
 
 
 def time_expert_gemms(block, tokens, repeats, dtype, device) -> dict:
@@ -414,12 +474,17 @@ def time_expert_gemms(block, tokens, repeats, dtype, device) -> dict:
 
         return run
 
-    candidates = {"grouped_mm experts": no_grad(lambda: grouped_experts_forward(experts, rows, index, weights)),
-                  "dense GEMM": no_grad(lambda: a @ a)}  # fmt: skip
+    candidates = {
+        "grouped_mm experts": no_grad(lambda: grouped_experts_forward(experts, rows, index, weights)),
+        "dense GEMM": no_grad(lambda: a @ a),
+    }
     if device.type == "cuda" and experts_triton.HAS_TRITON:
         order, offsets = sort_by_expert(index, experts.num_experts)
-        candidates["triton experts"] = no_grad(lambda: experts_triton.experts_forward(
-            rows, index, weights, experts.gate_up_proj, experts.down_proj, order, offsets))  # fmt: skip
+        candidates["triton experts"] = no_grad(
+            lambda: experts_triton.experts_forward(
+                rows, index, weights, experts.gate_up_proj, experts.down_proj, order, offsets
+            )
+        )
     timings = interleaved(candidates, repeats, device)
     out = {"tokens": tokens, "flops": flops, "dense_side": side}
     for name, timing in timings.items():
@@ -453,10 +518,18 @@ def provenance(device: torch.device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-            "commit": commit, "dirty": dirty, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "transformers": transformers.__version__, "triton": triton_version, "mhmoe": mhmoe.__version__,
-            "python": platform.python_version(), "started_utc": _utc()}  # fmt: skip
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+        "commit": commit,
+        "dirty": dirty,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "triton": triton_version,
+        "mhmoe": mhmoe.__version__,
+        "python": platform.python_version(),
+        "started_utc": _utc(),
+    }
 
 
 def _utc() -> str:
@@ -476,8 +549,10 @@ def write_json(path: Path, data: dict) -> None:
 def markdown(result: dict) -> str:
     """The tables of one run (whatever sections it holds)."""
     dirty = " (dirty)" if result.get("dirty") else ""
-    lines = [f"**{result['device']}**, torch {result['torch']}, triton {result['triton']}, transformers "
-             f"{result['transformers']}, commit {result['commit']}{dirty}"]  # fmt: skip
+    lines = [
+        f"**{result['device']}**, torch {result['torch']}, triton {result['triton']}, transformers "
+        f"{result['transformers']}, commit {result['commit']}{dirty}"
+    ]
     checks = result.get("checks")
     if checks is not None:
         failed = [c for c in checks if not c.get("ok")]
@@ -485,31 +560,42 @@ def markdown(result: dict) -> str:
         lines += [f"- FAILED {c['check']}: {c.get('error') or c.get('max_rel_error')}" for c in failed]
     if result.get("blocks"):
         names = list(result["blocks"][0]["times"]["fwd"])
-        lines += ["", "| d | tokens | mode | " + " | ".join(names) + " |",
-                  "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]  # fmt: skip
+        lines += [
+            "",
+            "| d | tokens | mode | " + " | ".join(names) + " |",
+            "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |",
+        ]
         for run in result["blocks"]:
             for mode, cells in run["times"].items():
                 row = [f"{cells[n]['ratio']:.2f}x ({cells[n]['ms']:.2f} ms)" for n in names]
                 lines.append(f"| {run['hidden']} | {run['tokens']} | {mode} | " + " | ".join(row) + " |")
     if result.get("model"):
         model = result["model"]
-        lines += ["", f"| training step, d={model['hidden']}, {model['batch']}×{model['seq']} tokens, "
-                  f"{model['precision']} | tokens/s | time vs SMoE | peak memory | activations vs SMoE |",
-                  "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            f"| training step, d={model['hidden']}, {model['batch']}×{model['seq']} tokens, "
+            f"{model['precision']} | tokens/s | time vs SMoE | peak memory | activations vs SMoE |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for name, cells in model["models"].items():
             peak = f"{cells['peak_bytes'] / 2**30:.2f} GiB" if "peak_bytes" in cells else "-"
             act = f"{cells['activation_peak_vs_smoe']:.2f}x" if "activation_peak_vs_smoe" in cells else "-"
             lines.append(f"| {name} | {cells['tokens_per_s']:,.0f} | {cells['time_vs_smoe']:.2f}x | {peak} | {act} |")
-    for key, label in (("routing", "routing, {rows} rows × {experts} experts, top-{top_k}"),
-                       ("head_router", "MoH head router, {tokens} tokens × {heads} heads × {head_dim}")):  # fmt: skip
+    for key, label in (
+        ("routing", "routing, {rows} rows × {experts} experts, top-{top_k}"),
+        ("head_router", "MoH head router, {tokens} tokens × {heads} heads × {head_dim}"),
+    ):
         if result.get(key):
             section = result[key]
             lines += ["", f"| {label.format(**section)} | µs |", "| --- | --- |"]
             lines += [f"| {name} | {us:.1f} |" for name, us in section["us"].items()]
     if result.get("gemm"):
         gemm = result["gemm"]
-        lines += ["", f"| h=3 experts forward, {gemm['tokens']} tokens | ms | TFLOP/s | vs dense |",
-                  "| --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            f"| h=3 experts forward, {gemm['tokens']} tokens | ms | TFLOP/s | vs dense |",
+            "| --- | --- | --- | --- |",
+        ]
         for name, cells in gemm.items():
             if isinstance(cells, dict):
                 vs = f"{cells['vs_dense']:.0%}" if "vs_dense" in cells else "-"
@@ -561,8 +647,11 @@ def main(argv=None) -> int:
     out = args.out
     if out is None:
         slug = re.sub(r"[^A-Za-z0-9]+", "-", result["device"]).strip("-").lower()
-        out = (Path(tempfile.mkdtemp(prefix="gpu_moe-smoke-")) if args.smoke
-               else RESULTS / f"gpu_moe-{slug}-{result['commit']}")  # fmt: skip
+        out = (
+            Path(tempfile.mkdtemp(prefix="gpu_moe-smoke-"))
+            if args.smoke
+            else RESULTS / f"gpu_moe-{slug}-{result['commit']}"
+        )
     path = out / "gpu_moe.json"
 
     def save(section: str, started: float) -> None:

@@ -73,10 +73,14 @@ def main(argv=None) -> None:
     for _ in range(args.runs):
         for name, (statement, pythonpath) in statements.items():
             results[name].append(time_once(statement, pythonpath))
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
-          f"{args.runs} fresh processes per statement" + (f"; --other_src {args.other_src}" if args.other_src else ""))
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+        f"{args.runs} fresh processes per statement" + (f"; --other_src {args.other_src}" if args.other_src else "")
+    )
     print("median seconds (min-max): wall clock, and CPU time of the importing process (less sensitive to load);")
-    print("'+/-' = over / under `import transformers`; last column: optional packages the statement left in sys.modules")
+    print(
+        "'+/-' = over / under `import transformers`; last column: optional packages the statement left in sys.modules"
+    )
     base = {key: statistics.median(r[key] for r in results["import transformers"]) for key in ("wall", "cpu")}
     for name, runs in results.items():
         columns = []

@@ -36,10 +36,20 @@ def _status(field: str) -> int:
 def _configs(args):
     from mhmoe import MHMoEConfig, matched_to_smoe
 
-    smoe = MHMoEConfig(vocab_size=8192, hidden_size=args.hidden, intermediate_size=args.inter,
-                       num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_experts=8,
-                       num_experts_per_tok=1, moe_intermediate_size=args.inter, moe_heads=1, decoder_sparse_step=1,
-                       max_position_embeddings=args.block, tie_word_embeddings=False)  # fmt: skip
+    smoe = MHMoEConfig(
+        vocab_size=8192,
+        hidden_size=args.hidden,
+        intermediate_size=args.inter,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_experts=8,
+        num_experts_per_tok=1,
+        moe_intermediate_size=args.inter,
+        moe_heads=1,
+        decoder_sparse_step=1,
+        max_position_embeddings=args.block,
+        tie_word_embeddings=False,
+    )
     return {"smoe": smoe, "mhmoe_h3": matched_to_smoe(smoe, moe_heads=3, num_experts_per_tok=3)}
 
 
@@ -82,8 +92,11 @@ def measure(name: str, args) -> dict:
                     inside[0] -= 1
 
                 blocks = [m for m in model.modules() if isinstance(m, MHMoESparseMoeBlock)]
-                handles = [hook for b in blocks
-                           for hook in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+                handles = [
+                    hook
+                    for b in blocks
+                    for hook in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))
+                ]
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
                 for handle in handles:
@@ -102,12 +115,19 @@ def measure(name: str, args) -> dict:
     peak = _status("VmHWM")
     saved: dict = {}
     step(saved)
-    return {"model": name, "parameters": sum(p.numel() for p in model.parameters()), "resident_before": before,
-            "step_peak": peak - before, "total_peak": peak, "saved_for_backward": saved["bytes"],
-            "saved_in_moe_blocks": saved["moe_bytes"],
-            "moe_heads": config.moe_heads, "num_experts": config.num_experts,
-            "experts_per_token": config.num_experts_per_tok,
-            "moe_intermediate_size": config.moe_intermediate_size}  # fmt: skip
+    return {
+        "model": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "resident_before": before,
+        "step_peak": peak - before,
+        "total_peak": peak,
+        "saved_for_backward": saved["bytes"],
+        "saved_in_moe_blocks": saved["moe_bytes"],
+        "moe_heads": config.moe_heads,
+        "num_experts": config.num_experts,
+        "experts_per_token": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+    }
 
 
 def main(argv=None) -> int:
@@ -130,21 +150,29 @@ def main(argv=None) -> int:
         proc = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
         rows[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     mib = 2**20
-    print(f"d={args.hidden}, f={args.inter}, {args.layers} MoE layers, {args.batch}×{args.block} tokens, "
-          f"{'bf16 autocast' if args.bf16 else 'fp32'}, CPU ({torch_threads()} threads)")
-    print("| model | params | step peak (MiB) | saved for backward (MiB) | of which in the MoE blocks | "
-          "total peak (MiB) |")
+    print(
+        f"d={args.hidden}, f={args.inter}, {args.layers} MoE layers, {args.batch}×{args.block} tokens, "
+        f"{'bf16 autocast' if args.bf16 else 'fp32'}, CPU ({torch_threads()} threads)"
+    )
+    print(
+        "| model | params | step peak (MiB) | saved for backward (MiB) | of which in the MoE blocks | "
+        "total peak (MiB) |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in rows.items():
-        print(f"| {name} (h={r['moe_heads']}, E={r['num_experts']}, k={r['experts_per_token']}, "
-              f"I={r['moe_intermediate_size']}) | {r['parameters']:,} | {r['step_peak'] / mib:,.0f} | "
-              f"{r['saved_for_backward'] / mib:,.0f} | {r['saved_in_moe_blocks'] / mib:,.0f} | "
-              f"{r['total_peak'] / mib:,.0f} |")
+        print(
+            f"| {name} (h={r['moe_heads']}, E={r['num_experts']}, k={r['experts_per_token']}, "
+            f"I={r['moe_intermediate_size']}) | {r['parameters']:,} | {r['step_peak'] / mib:,.0f} | "
+            f"{r['saved_for_backward'] / mib:,.0f} | {r['saved_in_moe_blocks'] / mib:,.0f} | "
+            f"{r['total_peak'] / mib:,.0f} |"
+        )
     h3, smoe = rows["mhmoe_h3"], rows["smoe"]
-    print(f"MH-MoE h=3 / SMoE: step peak {h3['step_peak'] / smoe['step_peak']:.2f}x, saved for backward "
-          f"{h3['saved_for_backward'] / smoe['saved_for_backward']:.2f}x (in the MoE blocks "
-          f"{h3['saved_in_moe_blocks'] / smoe['saved_in_moe_blocks']:.2f}x), total peak "
-          f"{h3['total_peak'] / smoe['total_peak']:.2f}x")
+    print(
+        f"MH-MoE h=3 / SMoE: step peak {h3['step_peak'] / smoe['step_peak']:.2f}x, saved for backward "
+        f"{h3['saved_for_backward'] / smoe['saved_for_backward']:.2f}x (in the MoE blocks "
+        f"{h3['saved_in_moe_blocks'] / smoe['saved_in_moe_blocks']:.2f}x), total peak "
+        f"{h3['total_peak'] / smoe['total_peak']:.2f}x"
+    )
     return 0
 
 

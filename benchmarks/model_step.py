@@ -117,8 +117,13 @@ print(json.dumps(result))
 
 def run(src: Path, name: str, steps: int, threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", WORKER, name, str(steps), str(threads)], env=env, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, name, str(steps), str(threads)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode:
         raise SystemExit(f"{name} from {src} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -140,8 +145,10 @@ def main(argv=None) -> None:
         for candidate in candidates[shift:] + candidates[:shift]:
             for label, seconds in run(sources[candidate[0]], candidate[1], args.steps, args.threads).items():
                 times[candidate].setdefault(label, []).append(seconds)
-    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
-          f"{args.threads} threads, {args.rounds} rounds × {args.steps} train steps / {8 * args.steps} decode steps")
+    print(
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+        f"{args.threads} threads, {args.rounds} rounds × {args.steps} train steps / {8 * args.steps} decode steps"
+    )
     print(f"this: {sources['this']}" + (f"; other: {sources['other']}" if args.other_src else ""))
     print("median ms per step; 'other vs this': median over rounds of other/this in the same round")
     for name in args.models:

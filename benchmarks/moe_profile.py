@@ -12,9 +12,8 @@ import argparse
 import collections
 
 import torch
-from torch.profiler import profile
-
 from moe_layer import D, build_candidates  # the sibling script; `python benchmarks/moe_profile.py` finds it
+from torch.profiler import profile
 
 FIXED = {8, 96, 256, 512, 768, 1024, 2048, 4096}  # widths and expert counts of the two configs; other sizes: row counts
 

@@ -19,9 +19,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from moh_attention import draw_gates, settings  # the sibling script; `python benchmarks/moh_breakdown.py` finds it
 
 from mhmoe.models.moh.head_skipping import _head_major_weight, _runs, skipped_heads_attention
-from moh_attention import draw_gates, settings  # the sibling script; `python benchmarks/moh_breakdown.py` finds it
 
 
 def main():
@@ -37,11 +37,16 @@ def main():
     layers = []
     for _ in range(4):
         o_proj = torch.nn.Linear(d, d, bias=False)
-        layers.append({
-            "o_proj": o_proj, "weight_t": _head_major_weight(o_proj), "x": torch.randn(1, d),
-            "key": torch.randn(1, heads, length, head_dim), "value": torch.randn(1, heads, length, head_dim),
-            "query": torch.randn(1, heads, 1, head_dim),
-        })  # fmt: skip
+        layers.append(
+            {
+                "o_proj": o_proj,
+                "weight_t": _head_major_weight(o_proj),
+                "x": torch.randn(1, d),
+                "key": torch.randn(1, heads, length, head_dim),
+                "value": torch.randn(1, heads, length, head_dim),
+                "query": torch.randn(1, heads, 1, head_dim),
+            }
+        )
 
     def sdpa(layer, start, end):
         q, k, v = (layer[name][:, start:end] for name in ("query", "key", "value"))

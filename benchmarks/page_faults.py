@@ -15,7 +15,6 @@ import statistics
 import time
 
 import torch
-
 from moe_layer import build_candidates  # the sibling script; `python benchmarks/page_faults.py` finds it
 
 

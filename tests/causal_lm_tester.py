@@ -26,9 +26,17 @@ from mhmoe.models.moh.head_routers import MoHRouter
 VOCAB = 99
 PAD = 0
 TINY = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, bos_token_id=1, eos_token_id=None,
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=None,
+)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 MOH = dict(moh_shared_heads=1, moh_active_heads=2)
 
@@ -78,8 +86,11 @@ def _moh_llama(**overrides):
     return _finish(MoHLlamaForCausalLM(MoHLlamaConfig(**{**TINY, **MOH, **overrides})))
 
 
-PATCHED = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-           "qwen2": (Qwen2Config, Qwen2ForCausalLM)}  # fmt: skip
+PATCHED = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
 
 
 def _patched(family: str, moh_router: str = "l2", **fields):
@@ -103,8 +114,11 @@ CASES = [
     CausalLMCase("mhmoe-mh", _mhmoe(**MOE, moe_heads=2), experts=True),
     CausalLMCase("mhmoe-smoe", _mhmoe(**MOE, moe_heads=1, sliding_window=6), experts=True),  # Mixtral-like
     CausalLMCase("mhmoe-moh", _mhmoe(**MOE, **MOH, moe_heads=2), experts=True, moh=True),
-    CausalLMCase("mhmoe-mixed", _mhmoe(**MOE, moe_heads=2, decoder_sparse_step=2, shared_expert_intermediate_size=16),
-                 experts=True),  # fmt: skip
+    CausalLMCase(
+        "mhmoe-mixed",
+        _mhmoe(**MOE, moe_heads=2, decoder_sparse_step=2, shared_expert_intermediate_size=16),
+        experts=True,
+    ),
     CausalLMCase("moh_llama", _moh_llama, moh=True),
     CausalLMCase("llama+moh", **_patched("llama"), moh=True),
     CausalLMCase("mistral+moh", **_patched("mistral", sliding_window=8), moh=True),
@@ -123,8 +137,11 @@ def prompts(batch: int = 3, seq: int = 7, seed: int = 1):
     return ids, mask
 
 
-TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=5e-2, atol=5e-2),
-             torch.float16: dict(rtol=1e-2, atol=1e-2)}  # fmt: skip
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-4, atol=1e-5),
+    torch.bfloat16: dict(rtol=5e-2, atol=5e-2),
+    torch.float16: dict(rtol=1e-2, atol=1e-2),
+}
 
 
 def cpu_supports(dtype: torch.dtype) -> bool:

@@ -20,5 +20,10 @@ def _seed():
 # a real-text corpus, a tiny BPE tokenizer and tiny checkpoints for the training, conversion and lm-eval tests; each
 # in-process train() gets a fresh Accelerate state
 from tests.fixtures.training import (  # noqa: E402,F401
-    _fresh_accelerate_state, checkpoint_dir, config_json, corpus, moh_llama_type, tokenizer_dir,
+    _fresh_accelerate_state,
+    checkpoint_dir,
+    config_json,
+    corpus,
+    moh_llama_type,
+    tokenizer_dir,
 )

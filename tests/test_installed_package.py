@@ -32,13 +32,21 @@ pytestmark = pytest.mark.installed
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL_DISTRIBUTIONS = ("accelerate", "peft", "lm_eval", "matplotlib", "triton")
-NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "outputs", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
-                                    ".pytest_cache")  # fmt: skip
+NOT_COPIED = shutil.ignore_patterns(
+    ".git", ".venv", "outputs", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache"
+)
 
 
 def _check(cmd, env=None, cwd=None, timeout=600, returncode=0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [str(c) for c in cmd],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == returncode, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -79,8 +87,24 @@ def _venv(venv: Path, packages: Path) -> tuple[Path, Path, Path]:
 
 def _pip_install(python: Path, *args, env: dict) -> None:
     """pip install --no-deps into the venv of `python`, with the dev environment's pip and setuptools (offline)."""
-    _check([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "--no-compile",
-            "--no-build-isolation", "--disable-pip-version-check", "--quiet", *args], env=env)  # fmt: skip
+    _check(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            python,
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--no-compile",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "--quiet",
+            *args,
+        ],
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +123,38 @@ def installed(tmp_path_factory):
 
     work = root / "work"  # outside the checkout
     work.mkdir()
-    env = {**clean, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_datasets"),
-           "HF_MODULES_CACHE": str(root / "hf_modules"), "MPLBACKEND": "Agg", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
-    return dict(root=root, source=source, sdist=sdist[0], wheel=wheel[0], python=python, site=site, core=core,
-                work=work, clean=clean, env=env, env_extras={**env, "PYTHONPATH": str(extras)})  # fmt: skip
+    env = {
+        **clean,
+        "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(root / "hf_datasets"),
+        "HF_MODULES_CACHE": str(root / "hf_modules"),
+        "MPLBACKEND": "Agg",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    return dict(
+        root=root,
+        source=source,
+        sdist=sdist[0],
+        wheel=wheel[0],
+        python=python,
+        site=site,
+        core=core,
+        work=work,
+        clean=clean,
+        env=env,
+        env_extras={**env, "PYTHONPATH": str(extras)},
+    )
 
 
 def _data_files(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts}  # fmt: skip
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def test_sdist_and_wheel(installed):
@@ -123,15 +168,26 @@ def test_sdist_and_wheel(installed):
             if not (ROOT / folder).is_dir():
                 continue
             expected = _data_files(ROOT / folder)
-            shipped = {n.removeprefix(f"mhmoe/_data/{folder}/"): wheel.read(n) for n in names
-                       if n.startswith(f"mhmoe/_data/{folder}/")}  # fmt: skip
+            shipped = {
+                n.removeprefix(f"mhmoe/_data/{folder}/"): wheel.read(n)
+                for n in names
+                if n.startswith(f"mhmoe/_data/{folder}/")
+            }
             assert shipped == expected, sorted(set(shipped) ^ set(expected))
     assert "mhmoe/py.typed" in names and "mhmoe/_data/eval_tasks/mhmoe_ppl/utils.py" in names
     with tarfile.open(installed["sdist"]) as sdist:
         top = f"mhmoe-{mhmoe.__version__}/"
         sdist_names = {n.removeprefix(top) for n in sdist.getnames()}
-    assert {"setup.py", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "src/mhmoe/_plumbing/resources.py",
-            "eval_tasks/mhmoe_ppl/utils.py", "tests/test_installed_package.py"} <= sdist_names  # fmt: skip
+    assert {
+        "setup.py",
+        "pyproject.toml",
+        "README.md",
+        "LICENSE",
+        "CHANGELOG.md",
+        "src/mhmoe/_plumbing/resources.py",
+        "eval_tasks/mhmoe_ppl/utils.py",
+        "tests/test_installed_package.py",
+    } <= sdist_names
     assert not [n for n in names if n.startswith(("tests/", "eval_tasks/")) or n.endswith(".pyc")]
 
 
@@ -157,24 +213,34 @@ print(json.dumps(dict(
 def test_core_install_imports_no_extra(installed):
     """Only the core dependencies installed: mhmoe comes from the wheel, models build, save and reload, no optional
     extra is imported (none is installed), the suites are the wheel's, and missing extras are named."""
-    result = json.loads(_check([installed["python"], "-c", _CORE_ONLY], env=installed["env"],
-                               cwd=installed["work"]).stdout.strip().splitlines()[-1])  # fmt: skip
+    result = json.loads(
+        _check([installed["python"], "-c", _CORE_ONLY], env=installed["env"], cwd=installed["work"])
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert Path(result["file"]).is_relative_to(installed["site"]), result["file"]  # the wheel, not the checkout
     assert result["version"] == result["metadata_version"]
     assert result["installed"] == [] and result["optional"] == []
     eval_tasks = Path(result["eval_tasks"])
     assert eval_tasks == installed["site"] / "mhmoe" / "_data" / "eval_tasks"
     assert _data_files(eval_tasks) == _data_files(ROOT / "eval_tasks")
-    assert result["evaluate_error"] == 'mhmoe.evaluation needs lm-eval, which is not installed: pip install "mhmoe[eval]"'
+    assert (
+        result["evaluate_error"] == 'mhmoe.evaluation needs lm-eval, which is not installed: pip install "mhmoe[eval]"'
+    )
 
     # a console script whose extra is missing: one line naming it, status 2, no traceback (checked before importing)
-    proc = _check(["mhmoe-eval", "--tasks", "mhmoe_ppl_wikipedia"], env=installed["env"], cwd=installed["work"],
-                  returncode=2)  # fmt: skip
+    proc = _check(
+        ["mhmoe-eval", "--tasks", "mhmoe_ppl_wikipedia"], env=installed["env"], cwd=installed["work"], returncode=2
+    )
     message = 'mhmoe-eval needs lm-eval, which is not installed: pip install "mhmoe[eval]"'
     assert proc.stderr.strip() == f"mhmoe-eval: error: {message}"
     # ... and one met late (mhmoe-convert continue-tuning imports accelerate when it starts)
-    proc = _check(["mhmoe-convert", "--input_dir", "in", "--output_dir", "out", "--train_file", "t.jsonl"],
-                  env=installed["env"], cwd=installed["work"], returncode=2)  # fmt: skip
+    proc = _check(
+        ["mhmoe-convert", "--input_dir", "in", "--output_dir", "out", "--train_file", "t.jsonl"],
+        env=installed["env"],
+        cwd=installed["work"],
+        returncode=2,
+    )
     assert "Traceback" not in proc.stderr and proc.stderr.strip().endswith('pip install "mhmoe[train]"'), proc.stderr
 
 
@@ -195,8 +261,9 @@ def test_console_scripts_from_the_wheel(installed):
     """With the extras: mhmoe-demo --quick to the end, the mhmoe-eval command it prints (a local mhmoe_ppl task on
     the model it trained), mhmoe-export of that model, and the export loaded where mhmoe cannot be imported."""
     work, env = installed["work"], installed["env_extras"]
-    proc = _check(["mhmoe-demo", "--quick", "--steps", "20", "--skip_recovery", "--output_dir", "demo"], env=env,
-                  cwd=work)  # fmt: skip
+    proc = _check(
+        ["mhmoe-demo", "--quick", "--steps", "20", "--skip_recovery", "--output_dir", "demo"], env=env, cwd=work
+    )
     summary = json.loads((work / "demo" / "demo_summary.json").read_text())
     assert summary["lm_eval"]["routing"]["activated_heads_pct"] == 75.0 and (work / "demo" / "head_load.png").is_file()
     assert "done in" in proc.stdout
@@ -215,8 +282,9 @@ def test_console_scripts_from_the_wheel(installed):
     blocked = work / "no_mhmoe"
     (blocked / "mhmoe").mkdir(parents=True)
     (blocked / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe must not be imported here (test)')\n")
-    proc = _check([installed["python"], "-c", _EXPORTED, PROMPT],
-                  env={**installed["env"], "PYTHONPATH": str(blocked)}, cwd=work)  # fmt: skip
+    proc = _check(
+        [installed["python"], "-c", _EXPORTED, PROMPT], env={**installed["env"], "PYTHONPATH": str(blocked)}, cwd=work
+    )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mhmoe"] == [] and result["module"].startswith("transformers_modules.")
     assert result["sample"] == summary["sample"]  # the exported code generates what the trained model generated
@@ -301,8 +369,7 @@ def test_converter_and_paper_cuts_from_the_wheel(installed):
     work, env = installed["work"] / "convert", installed["env"]
     work.mkdir()
     _check([installed["python"], "-c", _TINY_LLAMA], env=env, cwd=work)
-    proc = _check(["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"], env=env,
-                  cwd=work)  # fmt: skip
+    proc = _check(["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"], env=env, cwd=work)
     # the default recipe calibrates and permutes heads: o_proj sums the heads in another order (float rounding only)
     assert "recipe calibrated" in proc.stdout, proc.stdout
     assert re.search(r"all heads active: max \|Δlogit\| = \S+ vs source -> OK", proc.stdout), proc.stdout
@@ -318,8 +385,9 @@ def test_converter_and_paper_cuts_from_the_wheel(installed):
     blocked = work / "no_mhmoe"
     (blocked / "mhmoe").mkdir(parents=True)
     (blocked / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe must not be imported here (test)')\n")
-    check = usage + ("\nimport sys\nassert 'mhmoe' not in sys.modules\n"
-                     "print(type(model).__module__, tokenizer('w1 w2').input_ids)\n")
+    check = usage + (
+        "\nimport sys\nassert 'mhmoe' not in sys.modules\nprint(type(model).__module__, tokenizer('w1 w2').input_ids)\n"
+    )
     proc = _check([installed["python"], "-c", check], env={**env, "PYTHONPATH": str(blocked)}, cwd=work)
     assert proc.stdout.split()[0].startswith("transformers_modules.") and proc.stdout.strip().endswith("[1, 2]")
 

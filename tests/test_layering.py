@@ -92,7 +92,9 @@ def test_the_graph_is_read_right():
     """The reader sees the arrows that exist (relative, absolute, deferred), so the checks below can fail."""
     graph = _graph()
     assert "mhmoe.training.loop" in graph["mhmoe.training.cli"]  # from .loop import train
-    assert "mhmoe._plumbing.checkpoint_files" in graph["mhmoe.training.arguments"]  # from .._plumbing.checkpoint_files import
+    assert (
+        "mhmoe._plumbing.checkpoint_files" in graph["mhmoe.training.arguments"]
+    )  # from .._plumbing.checkpoint_files import
     assert "mhmoe.training.peft" in graph["mhmoe.training.prepare"]  # deferred, inside build_model
     assert "mhmoe._plumbing.lazy" in graph["mhmoe.models.mhmoe"]  # a package's __init__
     assert _layer("mhmoe.models.ops.backends") < _layer("mhmoe.hub.export") < _layer("mhmoe.demo") == len(LAYERS)
@@ -101,19 +103,33 @@ def test_the_graph_is_read_right():
 
 def test_no_module_imports_a_layer_above_it():
     graph = _graph()
-    upward = sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
-                    if _layer(target) > _layer(source))  # fmt: skip
+    upward = sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        for target in targets
+        if _layer(target) > _layer(source)
+    )
     assert upward == [], "imports that go up a layer:\n" + "\n".join(upward)
 
 
 def test_model_layer_imports_only_itself_and_plumbing():
     """The model layer (exported for trust_remote_code as it is) reaches nothing of the tool layer."""
     graph = _graph()
-    outside = sorted(f"{source} -> {target}" for source, targets in graph.items() if source.startswith("mhmoe.models")
-                     for target in targets if not target.startswith(("mhmoe.models", "mhmoe._plumbing")))  # fmt: skip
+    outside = sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        if source.startswith("mhmoe.models")
+        for target in targets
+        if not target.startswith(("mhmoe.models", "mhmoe._plumbing"))
+    )
     assert outside == []
-    plumbing = sorted(t for s, ts in graph.items() if s.startswith("mhmoe._plumbing") for t in ts
-                      if not t.startswith("mhmoe._plumbing"))  # fmt: skip
+    plumbing = sorted(
+        t
+        for s, ts in graph.items()
+        if s.startswith("mhmoe._plumbing")
+        for t in ts
+        if not t.startswith("mhmoe._plumbing")
+    )
     assert plumbing == [], "mhmoe._plumbing imports nothing else of mhmoe (it names the modules above as strings)"
 
 
@@ -154,10 +170,16 @@ print(json.dumps(failures))
 
 def test_every_module_imports_first_in_a_fresh_interpreter():
     names = [name for name in _modules() if not name.endswith("__main__")]  # those run a command
-    env = {"PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRITON_INTERPRET": "1",
-           "PATH": "/usr/bin:/bin"}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", _FORK_EACH, json.dumps(names)], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    env = {
+        "PYTHONPATH": str(SRC),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRITON_INTERPRET": "1",
+        "PATH": "/usr/bin:/bin",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_EACH, json.dumps(names)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     failures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert failures == {}, "\n\n".join(f"{name}:\n{message}" for name, message in failures.items())

@@ -112,5 +112,6 @@ targets = sorted(get_peft_model(model, LoraConfig(r=4)).peft_config["default"].t
 print(json.dumps(dict(before=before, mhmoe=LORA["mhmoe"], targets=targets)))
 """
     result = _run(code)
-    assert result == dict(before=False, mhmoe=["q_proj", "k_proj", "v_proj", "o_proj"],
-                          targets=["k_proj", "o_proj", "q_proj", "v_proj"])  # fmt: skip
+    assert result == dict(
+        before=False, mhmoe=["q_proj", "k_proj", "v_proj", "o_proj"], targets=["k_proj", "o_proj", "q_proj", "v_proj"]
+    )

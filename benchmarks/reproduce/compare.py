@@ -20,8 +20,10 @@ import harness  # noqa: E402
 
 
 def comparison(old: dict, new: dict) -> str:
-    lines = [f"| model | library conventions ({old['commit']}) | official preset ({new['commit']}) |",
-             "| --- | --- | --- |"]
+    lines = [
+        f"| model | library conventions ({old['commit']}) | official preset ({new['commit']}) |",
+        "| --- | --- | --- |",
+    ]
     for name, cell in new["cells"].items():
         before = old["cells"].get(name, {}).get("summary", {}).get("final")
         lines.append(f"| {name} | {harness._fmt(before)} | {harness._fmt(cell['summary'].get('final'))} |")
@@ -36,8 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new", type=Path, default=harness.REPO / "benchmarks" / "results")
     args = parser.parse_args(argv)
     name = f"reproduce_{args.table}_{args.scale}.json"
-    shown = subprocess.run(["git", "show", f"{args.rev}:benchmarks/results/{name}"], cwd=harness.REPO,
-                           capture_output=True, text=True)  # fmt: skip
+    shown = subprocess.run(
+        ["git", "show", f"{args.rev}:benchmarks/results/{name}"], cwd=harness.REPO, capture_output=True, text=True
+    )
     if shown.returncode != 0:
         parser.error(f"no benchmarks/results/{name} at {args.rev}: {shown.stderr.strip()}")
     print(comparison(json.loads(shown.stdout), json.loads((args.new / name).read_text())))

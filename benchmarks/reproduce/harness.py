@@ -39,8 +39,13 @@ CORPUS = REPO / "data" / "corpus"
 RESULTS = REPO / "benchmarks" / "results"
 
 
-VALIDATION_CHARS = {"quick": 20_000, "cpu": 120_000, "cpu_long": 120_000, "gpu": 4_000_000,
-                    "gpu_slice": 1_000_000}  # evaluated per point
+VALIDATION_CHARS = {
+    "quick": 20_000,
+    "cpu": 120_000,
+    "cpu_long": 120_000,
+    "gpu": 4_000_000,
+    "gpu_slice": 1_000_000,
+}  # evaluated per point
 TRAIN_CHARS = {"quick": None, "cpu": 6_000_000, "cpu_long": 6_000_000, "gpu": None, "gpu_slice": None}  # None: all
 
 
@@ -61,15 +66,21 @@ def data_files(scale_name: str, workdir: Path) -> tuple[str, str, str]:
             f"error: the gpu scale needs the corpus at {CORPUS}/{{train,validation}}.jsonl and it is not there (the "
             "pydoc_data fallback is too small to measure anything at this scale): run `bash scripts/get_corpus.sh` on "
             "a machine with network access, then carry data/corpus to the GPU machine (it is git-ignored: name it in "
-            "the run's carry list, e.g. carry=[\"data/corpus\"])"
+            'the run\'s carry list, e.g. carry=["data/corpus"])'
         )
     else:
         train_file, val_file = write_corpus(str(workdir / "data"))
         name = "pydoc_data.topics (Python standard library; every 10th topic held out)"
     val_file, val_chars = _first_documents(val_file, VALIDATION_CHARS[scale_name], workdir / "validation-subset.jsonl")
     train_file, train_chars = _first_documents(train_file, TRAIN_CHARS[scale_name], workdir / "train-subset.jsonl")
-    return train_file, val_file, (f"{name}; training text: the first {train_chars:,} characters of the training split; "
-                                  f"validation: the first {val_chars:,} characters of the held-out split")  # fmt: skip
+    return (
+        train_file,
+        val_file,
+        (
+            f"{name}; training text: the first {train_chars:,} characters of the training split; "
+            f"validation: the first {val_chars:,} characters of the held-out split"
+        ),
+    )
 
 
 def _first_documents(path: str, max_chars: int | None, out: Path) -> tuple[str, int]:
@@ -133,8 +144,9 @@ def cached_packing(cache_dir: Path, tokenizer):
     memoised in `cache_dir` as safetensors keyed by (documents, tokenizer, block size), so the runs of one output folder
     tokenize the corpus once. Only the name the training's setup module looks up is replaced, for the duration of the
     block; if that module no longer has it, nothing is cached (and nothing breaks)."""
-    import mhmoe.training.prepare as setup_module
     from safetensors.torch import load_file, save_file
+
+    import mhmoe.training.prepare as setup_module
 
     original = getattr(setup_module, "tokenize_and_pack", None)
     if original is None:
@@ -210,12 +222,23 @@ def measure_throughput(model, scale: dict, mixed_precision: str = "no", repeats:
     model.train()
     train = median_seconds(train_step)
     model.eval()
-    return {"train_tokens_per_second": round(tokens / train, 1),
-            "inference_tokens_per_second": round(tokens / median_seconds(inference_step), 1)}  # fmt: skip
+    return {
+        "train_tokens_per_second": round(tokens / train, 1),
+        "inference_tokens_per_second": round(tokens / median_seconds(inference_step), 1),
+    }
 
 
-def run_cell(config, seed: int, scale: dict, files: tuple[str, str], tokenizer, workdir: Path,
-             throughput: bool = False, mixed_precision: str = "no", eval_steps: int | None = None) -> dict:  # fmt: skip
+def run_cell(
+    config,
+    seed: int,
+    scale: dict,
+    files: tuple[str, str],
+    tokenizer,
+    workdir: Path,
+    throughput: bool = False,
+    mixed_precision: str = "no",
+    eval_steps: int | None = None,
+) -> dict:
     """Train one (config, seed) from scratch; validation perplexity every `eval_steps` (default: half and end of
     training) and, with `throughput`, the trained model's training and inference tokens/s. Returns the run record with
     its provenance (`run["provenance"]`)."""
@@ -230,13 +253,28 @@ def run_cell(config, seed: int, scale: dict, files: tuple[str, str], tokenizer, 
     output_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))  # the training's own folder, removed after
     try:
         with cached_packing(workdir, tokenizer), recording_kernel_messages() as caught:
-            result = train(dict(
-                output_dir=str(output_dir), train_file=[files[0]], validation_file=[files[1]],
-                block_size=scale["block"], per_device_train_batch_size=scale["batch"], per_device_eval_batch_size=16,
-                max_steps=steps, learning_rate=scale["lr"], warmup_steps=max(1, steps // 20),
-                min_learning_rate=scale["lr"] / 10, eval_steps=eval_steps or max(1, steps // 2), seed=seed,
-                overwrite_output_dir=True, plot=False, disable_tqdm=True, mixed_precision=mixed_precision,
-            ), model=model, tokenizer=tokenizer)  # fmt: skip
+            result = train(
+                dict(
+                    output_dir=str(output_dir),
+                    train_file=[files[0]],
+                    validation_file=[files[1]],
+                    block_size=scale["block"],
+                    per_device_train_batch_size=scale["batch"],
+                    per_device_eval_batch_size=16,
+                    max_steps=steps,
+                    learning_rate=scale["lr"],
+                    warmup_steps=max(1, steps // 20),
+                    min_learning_rate=scale["lr"] / 10,
+                    eval_steps=eval_steps or max(1, steps // 2),
+                    seed=seed,
+                    overwrite_output_dir=True,
+                    plot=False,
+                    disable_tqdm=True,
+                    mixed_precision=mixed_precision,
+                ),
+                model=model,
+                tokenizer=tokenizer,
+            )
             seconds = time.time() - started
             speed = measure_throughput(result.model, scale, mixed_precision) if throughput else {}
     finally:
@@ -247,17 +285,22 @@ def run_cell(config, seed: int, scale: dict, files: tuple[str, str], tokenizer, 
     train_tokens = steps * scale["batch"] * scale["block"]
     device = next(result.model.parameters()).device
     return {
-        "seed": seed, "steps": steps, "tokens": train_tokens, "seconds": round(seconds, 1),
+        "seed": seed,
+        "steps": steps,
+        "tokens": train_tokens,
+        "seconds": round(seconds, 1),
         "tokens_per_second": round(train_tokens / seconds, 1),
         "eval": [{"step": r["step"], "tokens": r["tokens"], "ppl": r["eval_ppl"]} for r in evals],
         "final_train_loss": next((r["lm_loss"] for r in reversed(result.history) if "lm_loss" in r), None),
         **speed,
         "provenance": {
-            "started_utc": started_utc, "finished_utc": utc_now(), "device": device_name(device),
+            "started_utc": started_utc,
+            "finished_utc": utc_now(),
+            "device": device_name(device),
             "precision": precision(mixed_precision, device, next(result.model.parameters()).dtype),
             **kernel_provenance(config, device, caught),
         },
-    }  # fmt: skip
+    }
 
 
 _KERNEL_WORDS = ("triton", "kernel", "fallback", "falling back")
@@ -317,7 +360,8 @@ def precision(mixed_precision: str, device: torch.device, param_dtype: torch.dty
     tf32 = None
     if device.type == "cuda":
         tf32 = getattr(torch.backends.cuda.matmul, "fp32_precision", None) == "tf32" or bool(
-            torch.backends.cuda.matmul.allow_tf32)  # fmt: skip
+            torch.backends.cuda.matmul.allow_tf32
+        )
     return {"mixed_precision": mixed_precision, "parameters": str(param_dtype).replace("torch.", ""), "tf32": tf32}
 
 
@@ -392,25 +436,37 @@ def versions() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_version,
-            "mhmoe": mhmoe.__version__, "python": platform.python_version(), "cuda": torch.version.cuda}  # fmt: skip
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": triton_version,
+        "mhmoe": mhmoe.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+    }
 
 
 def git_state() -> dict:
     """The commit and whether tracked files differ from it (untracked files are not counted)."""
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "--short", "HEAD"),
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}  # fmt: skip
+        return {
+            "commit": git("rev-parse", "--short", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        }
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
 
 
 def environment() -> dict:
-    return {"commit": git_state()["commit"], "device": device_name(), **{k: v for k, v in versions().items()
-            if k in ("torch", "transformers", "mhmoe")}}  # fmt: skip
+    return {
+        "commit": git_state()["commit"],
+        "device": device_name(),
+        **{k: v for k, v in versions().items() if k in ("torch", "transformers", "mhmoe")},
+    }
 
 
 def summarise(cell: dict) -> dict:
@@ -424,9 +480,13 @@ def summarise(cell: dict) -> dict:
     for index, label in ((mid_index, "mid"), (-1, "final")):
         values = [run["eval"][index]["ppl"] for run in cell["runs"] if run["eval"]]
         if values:
-            points[label] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-                             "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                             "tokens": cell["runs"][0]["eval"][index]["tokens"]}  # fmt: skip
+            points[label] = {
+                "mean": statistics.fmean(values),
+                "min": min(values),
+                "max": max(values),
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "tokens": cell["runs"][0]["eval"][index]["tokens"],
+            }
     return points
 
 
@@ -470,11 +530,15 @@ def markdown_table(data: dict) -> str:
         lines[-1] += " --- | --- |"
     for name, cell in cells.items():
         p = cell["parity"]
-        line = (f"| {name} | {_fmt(cell['summary'].get('mid'))} | {_fmt(cell['summary'].get('final'))} | "
-                f"{p['parameters']:,} | {p.get('moe_layer_params', 0):,} | {p.get('moe_layer_macs_per_token', 0):,} |")
+        line = (
+            f"| {name} | {_fmt(cell['summary'].get('mid'))} | {_fmt(cell['summary'].get('final'))} | "
+            f"{p['parameters']:,} | {p.get('moe_layer_params', 0):,} | {p.get('moe_layer_macs_per_token', 0):,} |"
+        )
         if speed:
-            line += "".join(f" {statistics.median(run[key] for run in cell['runs']):,.0f} |"
-                            for key in ("train_tokens_per_second", "inference_tokens_per_second"))  # fmt: skip
+            line += "".join(
+                f" {statistics.median(run[key] for run in cell['runs']):,.0f} |"
+                for key in ("train_tokens_per_second", "inference_tokens_per_second")
+            )
         lines.append(line)
     return "\n".join(lines) + "\n"
 
@@ -544,8 +608,14 @@ def plot_fig2(data: dict, path: Path) -> None:
     for i, (seed, run) in enumerate(zip(data["seeds"], data["runs"])):
         colour = f"C{i}"
         for (label, curve), style in zip(run["curves"].items(), ("o-", "s--")):
-            ax.plot([p["tokens"] for p in curve], [p["ppl"] for p in curve], style, color=colour, markersize=3,
-                    label=f"{label}, seed {seed}")  # fmt: skip
+            ax.plot(
+                [p["tokens"] for p in curve],
+                [p["ppl"] for p in curve],
+                style,
+                color=colour,
+                markersize=3,
+                label=f"{label}, seed {seed}",
+            )
         ax.axhline(run["dense_ppl"], color=colour, linestyle=":", linewidth=1, label=f"dense parent, seed {seed}")
     _save_plot(fig, ax, "continue-tuning tokens", data["title"], path, legend_size=7)
 
@@ -566,21 +636,36 @@ def write_cards(data: dict, out_dir: Path) -> list[Path]:
         final = cell["summary"]["final"]
         seeds = len(cell["runs"])
         training = (
-            f"Trained from scratch with `mhmoe.training` for the reproduction table \"{data['title']}\" "
+            f'Trained from scratch with `mhmoe.training` for the reproduction table "{data["title"]}" '
             f"(benchmarks/reproduce, scale `{data['scale_name']}`): {cell['runs'][0]['steps']} steps, "
             f"{cell['runs'][0]['tokens']:,} tokens of {data['data']}; {seeds} seeds ({', '.join(map(str, data['seeds']))}),"
             f" validation perplexity {final['mean']:.2f} (min {final['min']:.2f}, max {final['max']:.2f}); device "
             f"{data['device']}, commit {data['commit']}."
         )
-        results = [{"dataset_name": "held-out documentation (reproduction validation split)", "dataset_type": "text",
-                    "dataset_split": "validation", "metric_type": "perplexity", "metric_value": round(final["mean"], 4),
-                    "metric_name": f"validation perplexity, mean of {seeds} seeds"}]  # fmt: skip
+        results = [
+            {
+                "dataset_name": "held-out documentation (reproduction validation split)",
+                "dataset_type": "text",
+                "dataset_split": "validation",
+                "metric_type": "perplexity",
+                "metric_value": round(final["mean"], 4),
+                "metric_name": f"validation perplexity, mean of {seeds} seeds",
+            }
+        ]
         # the versions the runs used (older results record Transformers' only in each config), never the running ones
-        made_with = {"mhmoe": data.get("mhmoe"),
-                     "transformers": data.get("transformers") or cell["config"].get("transformers_version")}
-        card = model_card(MHMoEConfig(**cell["config"]), model_name=f"mhmoe-reproduce-{_slug(name)}",
-                          parameters=cell["parity"]["parameters"], results=results, training=training,
-                          remote_code=False, versions={k: v for k, v in made_with.items() if v})  # fmt: skip
+        made_with = {
+            "mhmoe": data.get("mhmoe"),
+            "transformers": data.get("transformers") or cell["config"].get("transformers_version"),
+        }
+        card = model_card(
+            MHMoEConfig(**cell["config"]),
+            model_name=f"mhmoe-reproduce-{_slug(name)}",
+            parameters=cell["parity"]["parameters"],
+            results=results,
+            training=training,
+            remote_code=False,
+            versions={k: v for k, v in made_with.items() if v},
+        )
         path = folder / f"{_slug(name)}.md"
         path.write_text(str(card) + "\n")
         paths.append(path)

@@ -67,8 +67,12 @@ def main(argv=None) -> None:
             for line in Path(args.debs).read_text().splitlines():
                 name, version, sha, size = line.split()
                 packages.append({"package": name, "version": version, "sha256": sha, "bytes": int(size)})
-        manifest = {"packages": packages, "splits": stats, "split_rule": "sha256(path) % 100: <90 train, <95 "
-                    "validation, else test", "min_words": MIN_WORDS}  # fmt: skip
+        manifest = {
+            "packages": packages,
+            "splits": stats,
+            "split_rule": "sha256(path) % 100: <90 train, <95 validation, else test",
+            "min_words": MIN_WORDS,
+        }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)

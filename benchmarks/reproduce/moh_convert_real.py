@@ -80,8 +80,9 @@ def perplexity(model, blocks, parent_logits=None) -> dict:
         for i in range(0, len(blocks), 4):
             batch = blocks[i : i + 4]
             logits = model(batch).logits.float()
-            nll += torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                     batch[:, 1:].reshape(-1), reduction="sum").item()  # fmt: skip
+            nll += torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+            ).item()
             if parent_logits is not None:
                 agree += (logits.argmax(-1) == parent_logits[i // 4]).sum().item()
             count += batch[:, 1:].numel()
@@ -114,8 +115,9 @@ def moh_model(source, dense_state, stats, shared, active, variant):
     config.moh_head_norm_mean = permute_rows(stats.norm_mean, orders)
     config.moh_head_norm_std = permute_rows(stats.norm_std, orders)
     model = MoHLlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(permute_state_dict(dense_state, orders, kv, config.head_dim),
-                                                strict=False)  # fmt: skip
+    missing, unexpected = model.load_state_dict(
+        permute_state_dict(dense_state, orders, kv, config.head_dim), strict=False
+    )
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     routers = [layer.self_attn.head_router for layer in model.model.layers]
@@ -189,8 +191,11 @@ def stage_zero_shot(args, results: dict) -> None:
     parent_result = perplexity(parent, blocks)
     eval_s = time.time() - t
     argmax = parent_argmax(parent, blocks)
-    print(f"parent: ppl {parent_result['ppl']:.3f} ({eval_s:.1f} s for {blocks.numel()} tokens); calibration "
-          f"{calibration.numel()} tokens in {calibration_s:.1f} s", flush=True)
+    print(
+        f"parent: ppl {parent_result['ppl']:.3f} ({eval_s:.1f} s for {blocks.numel()} tokens); calibration "
+        f"{calibration.numel()} tokens in {calibration_s:.1f} s",
+        flush=True,
+    )
     samples = {"parent": sample(parent, tokenizer)}
     speed = {"parent": decode_speed(parent, tokenizer)}
     dense_state = {k: v for k, v in parent.state_dict().items()}
@@ -200,11 +205,24 @@ def stage_zero_shot(args, results: dict) -> None:
             model, orders = moh_model(source, dense_state, stats, shared, active, variant)
             t = time.time()
             r = perplexity(model, blocks, argmax)
-            rows.append({"budget": budget, "shared": shared, "routed_active": active, "variant": name,
-                         "shared_heads": variant[0], "score": variant[1], **r,
-                         "ratio": r["ppl"] / parent_result["ppl"], "seconds": round(time.time() - t, 1)})  # fmt: skip
-            print(f"{budget} | {name}: ppl {r['ppl']:.2f} (×{rows[-1]['ratio']:.2f}), top-1 "
-                  f"{100 * r['top1_agreement']:.1f}%", flush=True)
+            rows.append(
+                {
+                    "budget": budget,
+                    "shared": shared,
+                    "routed_active": active,
+                    "variant": name,
+                    "shared_heads": variant[0],
+                    "score": variant[1],
+                    **r,
+                    "ratio": r["ppl"] / parent_result["ppl"],
+                    "seconds": round(time.time() - t, 1),
+                }
+            )
+            print(
+                f"{budget} | {name}: ppl {r['ppl']:.2f} (×{rows[-1]['ratio']:.2f}), top-1 "
+                f"{100 * r['top1_agreement']:.1f}%",
+                flush=True,
+            )
             if budget == "7/9" and name in ("paper (first shared, l2)", args.sample_variant):
                 samples[f"zero-shot 7/9, {name}"] = sample(model, tokenizer)
                 speed[f"MoH 7/9, {name}"] = decode_speed(model, tokenizer)
@@ -219,11 +237,17 @@ def stage_zero_shot(args, results: dict) -> None:
                 del model
     results.update(
         parent={"ppl": parent_result["ppl"], "eval_tokens": blocks.numel(), "eval_seconds": round(eval_s, 1)},
-        calibration={"tokens": calibration.numel(), "seconds": round(calibration_s, 1),
-                     "source": "pydoc_data.topics, first 40,000 characters (the converter's default)",
-                     "layers": [{"importance": [round(v, 4) for v in imp]} for imp in stats.importance]},
-        zero_shot=rows, samples=samples, decode_tokens_per_s=speed, zero_shot_seconds=round(time.time() - started),
-    )  # fmt: skip
+        calibration={
+            "tokens": calibration.numel(),
+            "seconds": round(calibration_s, 1),
+            "source": "pydoc_data.topics, first 40,000 characters (the converter's default)",
+            "layers": [{"importance": [round(v, 4) for v in imp]} for imp in stats.importance],
+        },
+        zero_shot=rows,
+        samples=samples,
+        decode_tokens_per_s=speed,
+        zero_shot_seconds=round(time.time() - started),
+    )
     save(results)
 
 
@@ -232,14 +256,31 @@ def stage_cli(args, results: dict) -> None:
     from mhmoe.convert import main
 
     out = Path(args.workdir) / "cli-converted"
-    argv = ["--input_dir", args.gguf_dir, "--gguf_file", GGUF, "--output_dir", str(out), "--overwrite",
-            "--shared_heads_ratio", repr(1 / 3), "--active_heads_ratio", repr(7 / 9), "--recipe", "calibrated",
-            "--disable_tqdm"]  # fmt: skip
+    argv = [
+        "--input_dir",
+        args.gguf_dir,
+        "--gguf_file",
+        GGUF,
+        "--output_dir",
+        str(out),
+        "--overwrite",
+        "--shared_heads_ratio",
+        repr(1 / 3),
+        "--active_heads_ratio",
+        repr(7 / 9),
+        "--recipe",
+        "calibrated",
+        "--disable_tqdm",
+    ]
     t = time.time()
     main(argv)
     record = json.loads((out / "moh_conversion.json").read_text())
-    results["cli"] = {"command": "mhmoe-convert " + " ".join(argv), "seconds": round(time.time() - t, 1),
-                      "verification": record["verification"], "recipe": record["recipe"]}  # fmt: skip
+    results["cli"] = {
+        "command": "mhmoe-convert " + " ".join(argv),
+        "seconds": round(time.time() - t, 1),
+        "verification": record["verification"],
+        "recipe": record["recipe"],
+    }
     save(results)
 
 
@@ -270,23 +311,64 @@ def stage_tune(args, results: dict) -> None:
     for distill in (False, True):
         label = "distilled" if distill else "LM loss only"
         out = Path(args.workdir) / ("tune-distill" if distill else "tune-lm")
-        argv = ["--input_dir", source, "--output_dir", str(out), "--overwrite", "--shared_heads_ratio", repr(1 / 3),
-                "--active_heads_ratio", repr(7 / 9), "--recipe", "calibrated", "--shared_heads", shared, "--moh_router",
-                router, "--train_file", str(data / "train.txt"), "--validation_file",
-                str(data / "validation.txt"), "--block_size", str(BLOCK), "--per_device_train_batch_size", "4",
-                "--per_device_eval_batch_size", "4", "--max_steps", str(args.tune_steps), "--eval_steps",
-                str(args.tune_eval_every), "--learning_rate", str(args.tune_lr), "--min_learning_rate",
-                str(args.tune_lr / 10), "--warmup_steps", "2", "--skip_logit_check", "--disable_tqdm", "--plot",
-                "False"] + (["--distill", "--distill_temperature", "2.0", "--distill_weight", "0.5"] if distill else [])
+        argv = [
+            "--input_dir",
+            source,
+            "--output_dir",
+            str(out),
+            "--overwrite",
+            "--shared_heads_ratio",
+            repr(1 / 3),
+            "--active_heads_ratio",
+            repr(7 / 9),
+            "--recipe",
+            "calibrated",
+            "--shared_heads",
+            shared,
+            "--moh_router",
+            router,
+            "--train_file",
+            str(data / "train.txt"),
+            "--validation_file",
+            str(data / "validation.txt"),
+            "--block_size",
+            str(BLOCK),
+            "--per_device_train_batch_size",
+            "4",
+            "--per_device_eval_batch_size",
+            "4",
+            "--max_steps",
+            str(args.tune_steps),
+            "--eval_steps",
+            str(args.tune_eval_every),
+            "--learning_rate",
+            str(args.tune_lr),
+            "--min_learning_rate",
+            str(args.tune_lr / 10),
+            "--warmup_steps",
+            "2",
+            "--skip_logit_check",
+            "--disable_tqdm",
+            "--plot",
+            "False",
+        ] + (["--distill", "--distill_temperature", "2.0", "--distill_weight", "0.5"] if distill else [])
         t = time.time()
         main(argv)
         seconds = time.time() - t
-        curve = [{"tokens": r["tokens"], "ppl": r["eval_ppl"], "step": r["step"]}
-                 for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_ppl" in r]
+        curve = [
+            {"tokens": r["tokens"], "ppl": r["eval_ppl"], "step": r["step"]}
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "eval_ppl" in r
+        ]
         summary = json.loads((out / "recovery_summary.json").read_text())
         model = MoHLlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-        runs[label] = {"command": "mhmoe-convert " + " ".join(argv), "seconds": round(seconds, 1), "curve": curve,
-                       "summary": summary, "sample": sample(model, tokenizer)}  # fmt: skip
+        runs[label] = {
+            "command": "mhmoe-convert " + " ".join(argv),
+            "seconds": round(seconds, 1),
+            "curve": curve,
+            "summary": summary,
+            "sample": sample(model, tokenizer),
+        }
         if distill:
             runs[label]["distillation"] = json.loads((out / "distillation.json").read_text())
         print(f"tune {label}: {summary}", flush=True)
@@ -323,9 +405,14 @@ def stage_other_text(args, results: dict) -> None:
         rows.append({"budget": "7/9", "variant": name, **r, "ratio": r["ppl"] / base["ppl"]})
         texts[f"zero-shot 7/9, {name}"] = continuation(model)
         print(f"GPL-3 | {name}: ppl {r['ppl']:.2f} (×{rows[-1]['ratio']:.2f})", flush=True)
-    results["other_text"] = {"text": "/usr/share/common-licenses/GPL-3", "tokens": blocks.numel(),
-                             "parent_ppl": base["ppl"], "rows": rows, "continuations": texts,
-                             "prompt": "The Python programming language was created by"}  # fmt: skip
+    results["other_text"] = {
+        "text": "/usr/share/common-licenses/GPL-3",
+        "tokens": blocks.numel(),
+        "parent_ppl": base["ppl"],
+        "rows": rows,
+        "continuations": texts,
+        "prompt": "The Python programming language was created by",
+    }
     save(results)
 
 
@@ -346,7 +433,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     results = load({})
     results.setdefault("commands", {})[args.stage] = "python benchmarks/reproduce/run.py moh_convert_real " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+        argv if argv is not None else sys.argv[1:]
+    )
     if args.stage != "report":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import harness

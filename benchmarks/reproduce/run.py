@@ -36,18 +36,68 @@ import tables  # noqa: E402
 
 RUN_FORMAT = "mhmoe-reproduce-run/1"
 FIG2_SCALES = {
-    "quick": dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
-                  num_key_value_heads=4, block_size=32, batch_size=4, dense_steps=6, tune_steps=4, eval_steps=2),
-    "cpu": dict(vocab_size=2048, hidden_size=96, intermediate_size=256, num_layers=4, num_heads=8,
-                num_key_value_heads=4, block_size=64, batch_size=8, dense_steps=400, tune_steps=150, eval_steps=25,
-                dense_lr=2e-3, tune_lr=5e-4, tune_min_lr=5e-5),
-    "cpu_long": dict(vocab_size=2048, hidden_size=96, intermediate_size=256, num_layers=4, num_heads=8,
-                     num_key_value_heads=4, block_size=64, batch_size=8, dense_steps=2000, tune_steps=600,
-                     eval_steps=50, dense_lr=2e-3, tune_lr=5e-4, tune_min_lr=5e-5),
-    "gpu": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8,
-                num_key_value_heads=8, block_size=512, batch_size=32, dense_steps=3000, tune_steps=600, eval_steps=50,
-                dense_lr=1e-3, tune_lr=2e-4, tune_min_lr=2e-5),
-}  # fmt: skip
+    "quick": dict(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=8,
+        num_key_value_heads=4,
+        block_size=32,
+        batch_size=4,
+        dense_steps=6,
+        tune_steps=4,
+        eval_steps=2,
+    ),
+    "cpu": dict(
+        vocab_size=2048,
+        hidden_size=96,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_key_value_heads=4,
+        block_size=64,
+        batch_size=8,
+        dense_steps=400,
+        tune_steps=150,
+        eval_steps=25,
+        dense_lr=2e-3,
+        tune_lr=5e-4,
+        tune_min_lr=5e-5,
+    ),
+    "cpu_long": dict(
+        vocab_size=2048,
+        hidden_size=96,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_key_value_heads=4,
+        block_size=64,
+        batch_size=8,
+        dense_steps=2000,
+        tune_steps=600,
+        eval_steps=50,
+        dense_lr=2e-3,
+        tune_lr=5e-4,
+        tune_min_lr=5e-5,
+    ),
+    "gpu": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_layers=8,
+        num_heads=8,
+        num_key_value_heads=8,
+        block_size=512,
+        batch_size=32,
+        dense_steps=3000,
+        tune_steps=600,
+        eval_steps=50,
+        dense_lr=1e-3,
+        tune_lr=2e-4,
+        tune_min_lr=2e-5,
+    ),
+}
 
 
 def cell_id(name: str) -> str:
@@ -65,8 +115,10 @@ def select_cells(table: str, scale: dict, wanted: list[str] | None) -> dict:
     by_id = {cell_id(name): name for name in cells}
     unknown = [w for w in wanted if w not in by_id and w not in cells]
     if unknown:
-        raise SystemExit(f"error: {table} has no cell {', '.join(map(repr, unknown))}; its cells: "
-                         f"{', '.join(f'{i} ({n})' for i, n in by_id.items())}")  # fmt: skip
+        raise SystemExit(
+            f"error: {table} has no cell {', '.join(map(repr, unknown))}; its cells: "
+            f"{', '.join(f'{i} ({n})' for i, n in by_id.items())}"
+        )
     names = {by_id.get(w, w) for w in wanted}
     return {name: config for name, config in cells.items() if name in names}
 
@@ -94,8 +146,9 @@ class Deadline:
     def left(self) -> float:
         return float("inf") if self.end is None else self.end - time.time()
 
-    def estimate(self, out: Path, table: str, scale_name: str, name: str, config, scale: dict, device: str,
-                 mixed_precision: str) -> tuple[float, str]:  # fmt: skip
+    def estimate(
+        self, out: Path, table: str, scale_name: str, name: str, config, scale: dict, device: str, mixed_precision: str
+    ) -> tuple[float, str]:
         """(seconds one run of `name` takes, how it was estimated): the median of its finished runs on this device
         and precision in this folder, else a throughput probe (3 training steps of the scale's batch after one
         warm-up) times the steps, plus 25% for validation and setup."""
@@ -103,8 +156,10 @@ class Deadline:
         for path in sorted((out / "runs" / f"{table}_{scale_name}").glob(f"{cell_id(name)}_seed*.json")):
             record = read_run(path)
             prov = (record or {}).get("run", {}).get("provenance", {})
-            if record and prov.get("device") == device and prov.get("precision", {}).get("mixed_precision") == (
-                mixed_precision
+            if (
+                record
+                and prov.get("device") == device
+                and prov.get("precision", {}).get("mixed_precision") == (mixed_precision)
             ):
                 seconds.append(record["run"]["seconds"])
         if seconds:
@@ -153,25 +208,49 @@ def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out:
     out/probe_<table>_<scale>.json with the provenance of the machine."""
     scale = tables.SCALES[scale_name]
     tokens = scale["batch"] * scale["block"]
-    result = {"table": name, "scale_name": scale_name, "steps": steps, "tokens_per_step": tokens,
-              "mixed_precision": mixed_precision, **harness.git_state(), "device": harness.device_name(),
-              "versions": harness.versions(), "started_utc": harness.utc_now(), "cells": {}}  # fmt: skip
+    result = {
+        "table": name,
+        "scale_name": scale_name,
+        "steps": steps,
+        "tokens_per_step": tokens,
+        "mixed_precision": mixed_precision,
+        **harness.git_state(),
+        "device": harness.device_name(),
+        "versions": harness.versions(),
+        "started_utc": harness.utc_now(),
+        "cells": {},
+    }
     path = out / f"probe_{name}_{scale_name}.json"
     for cell, config in select_cells(name, scale, wanted).items():
         stats: dict = {}
         seconds = probe_step_seconds(config, scale, mixed_precision, steps, stats)
-        result["cells"][cell] = {"ms_per_step": 1e3 * seconds, "tokens_per_second": tokens / seconds,
-                                 "run_seconds_estimate": seconds * scale["steps"], **stats}  # fmt: skip
-        print(f"probe {name} | {cell}: {1e3 * seconds:.1f} ms/step, {tokens / seconds:,.0f} tokens/s, a full run "
-              f"({scale['steps']} steps) ~{seconds * scale['steps'] / 60:.1f} min", flush=True)  # fmt: skip
+        result["cells"][cell] = {
+            "ms_per_step": 1e3 * seconds,
+            "tokens_per_second": tokens / seconds,
+            "run_seconds_estimate": seconds * scale["steps"],
+            **stats,
+        }
+        print(
+            f"probe {name} | {cell}: {1e3 * seconds:.1f} ms/step, {tokens / seconds:,.0f} tokens/s, a full run "
+            f"({scale['steps']} steps) ~{seconds * scale['steps'] / 60:.1f} min",
+            flush=True,
+        )
         result["finished_utc"] = harness.utc_now()
         harness.atomic_write_text(path, json.dumps(result, indent=2) + "\n")
     return path
 
 
-def run_cells(name: str, scale_name: str, seeds: list[int], out: Path, wanted: list[str] | None = None,
-              deadline: Deadline | None = None, mixed_precision: str = "no",
-              eval_every: int | None = None, steps: int | None = None) -> bool:  # fmt: skip
+def run_cells(
+    name: str,
+    scale_name: str,
+    seeds: list[int],
+    out: Path,
+    wanted: list[str] | None = None,
+    deadline: Deadline | None = None,
+    mixed_precision: str = "no",
+    eval_every: int | None = None,
+    steps: int | None = None,
+) -> bool:
     """Train every selected (cell, seed) not yet in `out`, writing each run file as it finishes (`steps` overrides the
     scale's training steps; each run file records the scale it ran). Returns False when the deadline stopped it before
     every run was done."""
@@ -179,8 +258,12 @@ def run_cells(name: str, scale_name: str, seeds: list[int], out: Path, wanted: l
     scale = dict(tables.SCALES[scale_name], **({"steps": steps} if steps else {}))
     deadline = deadline or Deadline(None)
     cells = select_cells(name, scale, wanted)
-    todo = [(cell, seed) for cell in cells for seed in seeds
-            if read_run(run_path(out, name, scale_name, cell, seed)) is None]  # fmt: skip
+    todo = [
+        (cell, seed)
+        for cell in cells
+        for seed in seeds
+        if read_run(run_path(out, name, scale_name, cell, seed)) is None
+    ]
     for cell, seed in [(c, s) for c in cells for s in seeds if (c, s) not in todo]:
         print(f"{name} | {cell} | seed {seed}: already in {run_path(out, name, scale_name, cell, seed)}, skipped")
     if not todo:
@@ -197,23 +280,47 @@ def run_cells(name: str, scale_name: str, seeds: list[int], out: Path, wanted: l
             needed, how = deadline.estimate(out, name, scale_name, cell, config, scale, device, mixed_precision)
             if needed > deadline.left():
                 left = ", ".join(f"{c} seed {s}" for c, s in todo[index:])
-                print(f"deadline: not starting {cell} seed {seed}: it needs ~{needed:.0f} s ({how}) and "
-                      f"{max(0.0, deadline.left()):.0f} s are left. Not run: {left}. Rerun the same command to go on "
-                      f"(finished runs are skipped).", flush=True)  # fmt: skip
+                print(
+                    f"deadline: not starting {cell} seed {seed}: it needs ~{needed:.0f} s ({how}) and "
+                    f"{max(0.0, deadline.left()):.0f} s are left. Not run: {left}. Rerun the same command to go on "
+                    f"(finished runs are skipped).",
+                    flush=True,
+                )
                 return False
         git = harness.git_state()
-        run = harness.run_cell(config, seed, scale, (train_file, val_file), tokenizer, cache,
-                               throughput=name in tables.THROUGHPUT_TABLES, mixed_precision=mixed_precision,
-                               eval_steps=eval_steps)  # fmt: skip
+        run = harness.run_cell(
+            config,
+            seed,
+            scale,
+            (train_file, val_file),
+            tokenizer,
+            cache,
+            throughput=name in tables.THROUGHPUT_TABLES,
+            mixed_precision=mixed_precision,
+            eval_steps=eval_steps,
+        )
         run["provenance"] = {**git, **run["provenance"], "corpus": corpus}
-        record = {"format": RUN_FORMAT, "table": name, "title": title, "scale_name": scale_name, "scale": scale,
-                  "cell": cell, "cell_id": cell_id(cell), "data": data_name, "config": config.to_diff_dict(),
-                  "parity": harness.parity(config), "run": run}  # fmt: skip
+        record = {
+            "format": RUN_FORMAT,
+            "table": name,
+            "title": title,
+            "scale_name": scale_name,
+            "scale": scale,
+            "cell": cell,
+            "cell_id": cell_id(cell),
+            "data": data_name,
+            "config": config.to_diff_dict(),
+            "parity": harness.parity(config),
+            "run": run,
+        }
         path = run_path(out, name, scale_name, cell, seed)
         harness.atomic_write_text(path, json.dumps(record, indent=2) + "\n")
         final = run["eval"][-1]["ppl"] if run["eval"] else float("nan")
-        print(f"{name} | {cell} | seed {seed}: ppl {final:.2f} ({run['seconds']} s) | "
-              f"params {record['parity']['parameters']:,} -> {path}", flush=True)
+        print(
+            f"{name} | {cell} | seed {seed}: ppl {final:.2f} ({run['seconds']} s) | "
+            f"params {record['parity']['parameters']:,} -> {path}",
+            flush=True,
+        )
     return True
 
 
@@ -230,14 +337,28 @@ def legacy_runs(folder: Path, name: str) -> list[dict]:
         if data.get("table") != name or "merged_from" in data or "cells" not in data:
             continue
         versions = {k: data[k] for k in ("torch", "transformers", "mhmoe") if k in data}
-        provenance = {"commit": data.get("commit"), "device": data.get("device"), "from": path.name,
-                      "versions": versions}  # fmt: skip
+        provenance = {
+            "commit": data.get("commit"),
+            "device": data.get("device"),
+            "from": path.name,
+            "versions": versions,
+        }
         for cell, entry in data["cells"].items():
             for run in entry["runs"]:
                 run = {**run, "provenance": {**provenance, **run.get("provenance", {})}}
-                records.append({"format": RUN_FORMAT, "table": name, "scale_name": data["scale_name"],
-                                "scale": data["scale"], "cell": cell, "data": data["data"], "config": entry["config"],
-                                "parity": entry["parity"], "run": run})  # fmt: skip
+                records.append(
+                    {
+                        "format": RUN_FORMAT,
+                        "table": name,
+                        "scale_name": data["scale_name"],
+                        "scale": data["scale"],
+                        "cell": cell,
+                        "data": data["data"],
+                        "config": entry["config"],
+                        "parity": entry["parity"],
+                        "run": run,
+                    }
+                )
     return records
 
 
@@ -260,6 +381,7 @@ def merge(name: str, folders: list[Path], out: Path) -> list[Path]:
     for scale_name, runs in sorted(records.items()):
         order = list(tables.TABLES[name][0](tables.SCALES[scale_name]))
         cells = {}
+
         def position(item):
             (cell, seed), _ = item
             return (order.index(cell) if cell in order else len(order), seed)
@@ -273,12 +395,18 @@ def merge(name: str, folders: list[Path], out: Path) -> list[Path]:
         commits = sorted({f"{p.get('commit')}{'-dirty' if p.get('dirty') else ''}" for p in provenances})
         devices = sorted({p.get("device", "?") for p in provenances})
         data_names = sorted({r["data"] for r in runs.values()})
-        meta = {"data": "; ".join(data_names), "scale_name": scale_name, "scale": first["scale"], "seeds": seeds,
-                "commit": ", ".join(commits), "device": ", ".join(devices),
-                "torch": first["run"].get("provenance", {}).get("versions", {}).get("torch"),
-                "transformers": first["run"].get("provenance", {}).get("versions", {}).get("transformers"),
-                "mhmoe": first["run"].get("provenance", {}).get("versions", {}).get("mhmoe"),
-                "merged_from": [str(f) for f in folders]}  # fmt: skip
+        meta = {
+            "data": "; ".join(data_names),
+            "scale_name": scale_name,
+            "scale": first["scale"],
+            "seeds": seeds,
+            "commit": ", ".join(commits),
+            "device": ", ".join(devices),
+            "torch": first["run"].get("provenance", {}).get("versions", {}).get("torch"),
+            "transformers": first["run"].get("provenance", {}).get("versions", {}).get("transformers"),
+            "mhmoe": first["run"].get("provenance", {}).get("versions", {}).get("mhmoe"),
+            "merged_from": [str(f) for f in folders],
+        }
         path = harness.write_results(name, title, cells, meta, out)
         print(harness.markdown_table(json.loads(path.read_text())))
         paths.append(path)
@@ -294,21 +422,32 @@ def run_fig2(scale_name: str, seeds: list[int], out_dir: Path, workdir: Path) ->
     runs = []
     for seed in seeds:
         run_dir = workdir / f"fig2-seed{seed}"
-        result = run_recovery_demo(str(run_dir), seed=seed, data_files=(train_file, val_file),
-                                   **FIG2_SCALES[scale_name])  # fmt: skip
+        result = run_recovery_demo(
+            str(run_dir), seed=seed, data_files=(train_file, val_file), **FIG2_SCALES[scale_name]
+        )
         curves = {}
         for label, sub in (("MoH 75% (converted)", "moh"), ("dense control", "dense_continued")):
             records = [json.loads(line) for line in (run_dir / sub / "metrics.jsonl").read_text().splitlines()]
             curves[label] = [{"tokens": r["tokens"], "ppl": r["eval_ppl"]} for r in records if "eval_ppl" in r]
         result["curves"] = curves
         runs.append(result)
-        print(f"moh_fig2 | seed {seed}: dense {result['dense_ppl']:.2f}, MoH converted "
-              f"{result['moh_ppl_before_tuning']:.2f} -> {result['moh_ppl_after_tuning']:.2f}, control "
-              f"{result['dense_continued_ppl']:.2f}", flush=True)
+        print(
+            f"moh_fig2 | seed {seed}: dense {result['dense_ppl']:.2f}, MoH converted "
+            f"{result['moh_ppl_before_tuning']:.2f} -> {result['moh_ppl_after_tuning']:.2f}, control "
+            f"{result['dense_continued_ppl']:.2f}",
+            flush=True,
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"table": "moh_fig2", "title": "MoH Fig. 2: dense LLaMA -> MoH (75% heads), continue-tuned",
-            "data": data_name, "scale_name": scale_name, "scale": FIG2_SCALES[scale_name], "seeds": seeds,
-            **harness.environment(), "runs": runs}  # fmt: skip
+    data = {
+        "table": "moh_fig2",
+        "title": "MoH Fig. 2: dense LLaMA -> MoH (75% heads), continue-tuned",
+        "data": data_name,
+        "scale_name": scale_name,
+        "scale": FIG2_SCALES[scale_name],
+        "seeds": seeds,
+        **harness.environment(),
+        "runs": runs,
+    }
     path = out_dir / f"reproduce_moh_fig2_{scale_name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     path.with_suffix(".md").write_text(harness.fig2_markdown(data))
@@ -328,26 +467,59 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", choices=[s for s in tables.SCALES if s != "quick"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="CI smoke run: tiny models, a few steps")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--cells", nargs="+", default=None,
-                        help="only these cells (ids such as smoe mhmoe_h3, or names)")
+    parser.add_argument(
+        "--cells", nargs="+", default=None, help="only these cells (ids such as smoe mhmoe_h3, or names)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results)")
-    parser.add_argument("--deadline", type=float, default=None, metavar="MINUTES",
-                        help="start no run that would not finish within MINUTES of the command's start")
-    parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None,
-                        help="training precision (default: bf16 at the gpu scale, else no)")
-    parser.add_argument("--eval_every", type=int, default=None, metavar="STEPS",
-                        help="validate every STEPS steps (default: a tenth of training; half with --quick)")
-    parser.add_argument("--steps", type=int, default=None, metavar="N",
-                        help="train N steps instead of the scale's (recorded in each run file's scale)")
-    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
-                        help="build the table from the run files in DIR... (no training); written to --out, "
-                        "default the first DIR")  # fmt: skip
-    parser.add_argument("--probe", type=int, default=None, metavar="STEPS",
-                        help="only measure training tokens/s of the selected cells over STEPS steps (random ids) into "
-                        "--out/probe_<table>_<scale>.json")  # fmt: skip
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="start no run that would not finish within MINUTES of the command's start",
+    )
+    parser.add_argument(
+        "--mixed_precision",
+        choices=["no", "bf16", "fp16"],
+        default=None,
+        help="training precision (default: bf16 at the gpu scale, else no)",
+    )
+    parser.add_argument(
+        "--eval_every",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="validate every STEPS steps (default: a tenth of training; half with --quick)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train N steps instead of the scale's (recorded in each run file's scale)",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="build the table from the run files in DIR... (no training); written to --out, default the first DIR",
+    )
+    parser.add_argument(
+        "--probe",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="only measure training tokens/s of the selected cells over STEPS steps (random ids) into "
+        "--out/probe_<table>_<scale>.json",
+    )
     parser.add_argument("--list", action="store_true", help="list the tables and exit")
-    parser.add_argument("--cards", action="store_true", help="regenerate the tables, plots and model cards from the "
-                        "committed results JSON (no training)")  # fmt: skip
+    parser.add_argument(
+        "--cards",
+        action="store_true",
+        help="regenerate the tables, plots and model cards from the committed results JSON (no training)",
+    )
     args = parser.parse_args(argv)
     if args.cards:
         for path in sorted((args.out or harness.RESULTS).glob("reproduce_*.json")):
@@ -378,8 +550,9 @@ def main(argv=None) -> int:
         if args.table == "moh_fig2":
             run_fig2(scale, args.seeds, out, Path(tmp))
             return 0
-        finished = run_cells(args.table, scale, args.seeds, out, args.cells, deadline, mixed_precision,
-                             args.eval_every, args.steps)  # fmt: skip
+        finished = run_cells(
+            args.table, scale, args.seeds, out, args.cells, deadline, mixed_precision, args.eval_every, args.steps
+        )
         merge(args.table, [out], out)
         if not finished:
             print("stopped at the deadline; the table above holds the runs finished so far")

@@ -19,19 +19,64 @@ CONVENTIONS = "official"  # "library": this library's defaults (how results befo
 
 SCALES = {
     # d divisible by 2 and 3 (h=2, h=3), even head_dim; f_smoe = 8/3·d as in the paper (d=768, f=2048)
-    "quick": dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, smoe_intermediate=128, block=32,
-                  batch=4, steps=6, vocab=320, lr=3e-3),
-    "cpu": dict(hidden_size=96, num_hidden_layers=4, num_attention_heads=4, smoe_intermediate=256, block=64,
-                batch=8, steps=300, vocab=2048, lr=2e-3),
-    "cpu_long": dict(hidden_size=96, num_hidden_layers=4, num_attention_heads=4, smoe_intermediate=256, block=64,
-                     batch=8, steps=1500, vocab=2048, lr=2e-3),
-    "gpu": dict(hidden_size=576, num_hidden_layers=8, num_attention_heads=8, smoe_intermediate=1536, block=512,
-                batch=32, steps=3000, vocab=8192, lr=1e-3),
+    "quick": dict(
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        smoe_intermediate=128,
+        block=32,
+        batch=4,
+        steps=6,
+        vocab=320,
+        lr=3e-3,
+    ),
+    "cpu": dict(
+        hidden_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        smoe_intermediate=256,
+        block=64,
+        batch=8,
+        steps=300,
+        vocab=2048,
+        lr=2e-3,
+    ),
+    "cpu_long": dict(
+        hidden_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        smoe_intermediate=256,
+        block=64,
+        batch=8,
+        steps=1500,
+        vocab=2048,
+        lr=2e-3,
+    ),
+    "gpu": dict(
+        hidden_size=576,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        smoe_intermediate=1536,
+        block=512,
+        batch=32,
+        steps=3000,
+        vocab=8192,
+        lr=1e-3,
+    ),
     # the gpu scale's models and batch, 1550 steps (what one 5-minute command fit for SMoE and MH-MoE h=3 on an H200;
     # scripts/gpu_run.sh reproduce sizes --steps from the probe unless SLICE_STEPS is set)
-    "gpu_slice": dict(hidden_size=576, num_hidden_layers=8, num_attention_heads=8, smoe_intermediate=1536, block=512,
-                      batch=32, steps=1550, vocab=8192, lr=1e-3),
-}  # fmt: skip
+    "gpu_slice": dict(
+        hidden_size=576,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        smoe_intermediate=1536,
+        block=512,
+        batch=32,
+        steps=1550,
+        vocab=8192,
+        lr=1e-3,
+    ),
+}
 
 ROUTER = dict(router_aux_loss_mode="top1_sum", router_aux_loss_coef=0.01, output_router_logits=True)
 DROPLESS = dict(capacity_factor=None, capacity_rounding="switch")
@@ -39,23 +84,35 @@ DROPLESS = dict(capacity_factor=None, capacity_rounding="switch")
 
 def base_fields(scale: dict) -> dict:
     d = scale["hidden_size"]
-    return dict(vocab_size=scale["vocab"], hidden_size=d, intermediate_size=scale["smoe_intermediate"],
-                num_hidden_layers=scale["num_hidden_layers"], num_attention_heads=scale["num_attention_heads"],
-                max_position_embeddings=scale["block"], tie_word_embeddings=False)  # fmt: skip
+    return dict(
+        vocab_size=scale["vocab"],
+        hidden_size=d,
+        intermediate_size=scale["smoe_intermediate"],
+        num_hidden_layers=scale["num_hidden_layers"],
+        num_attention_heads=scale["num_attention_heads"],
+        max_position_embeddings=scale["block"],
+        tie_word_embeddings=False,
+    )
 
 
 def smoe(scale: dict, **fields) -> MHMoEConfig:
     """The top-1 SMoE of Table 1 (E=8), MoE every second layer, with `CONVENTIONS`."""
-    values = dict(base_fields(scale), num_experts=8, num_experts_per_tok=1,
-                  moe_intermediate_size=scale["smoe_intermediate"], moe_heads=1, decoder_sparse_step=2, **ROUTER)
+    values = dict(
+        base_fields(scale),
+        num_experts=8,
+        num_experts_per_tok=1,
+        moe_intermediate_size=scale["smoe_intermediate"],
+        moe_heads=1,
+        decoder_sparse_step=2,
+        **ROUTER,
+    )
     values.update(conventions_fields(CONVENTIONS, {**values, **fields}))
     return MHMoEConfig(**{**values, **fields})
 
 
 def matched(source: MHMoEConfig, moe_heads: int, top_k: int, **fields) -> MHMoEConfig:
     """`matched_to_smoe` with `CONVENTIONS` (the source's own routing fields under "library")."""
-    return matched_to_smoe(source, moe_heads=moe_heads, num_experts_per_tok=top_k,
-                                       conventions=CONVENTIONS, **fields)  # fmt: skip
+    return matched_to_smoe(source, moe_heads=moe_heads, num_experts_per_tok=top_k, conventions=CONVENTIONS, **fields)
 
 
 def table1(scale: dict, shared: bool = False, **extra) -> dict[str, MHMoEConfig]:
@@ -79,9 +136,12 @@ def ablations(scale: dict) -> dict[str, MHMoEConfig]:
     """MH-MoE Tables 4-5: h=2 with both layers, without the head layer, without the merge layer, without both (each
     re-matched to the SMoE for what it really has)."""
     source = smoe(scale)
-    variants = {"MH-MoE h=2": {}, "w/o head layer": dict(moe_head_layer=False),
-                "w/o merge layer": dict(moe_merge_layer=False),
-                "w/o both": dict(moe_head_layer=False, moe_merge_layer=False)}  # fmt: skip
+    variants = {
+        "MH-MoE h=2": {},
+        "w/o head layer": dict(moe_head_layer=False),
+        "w/o merge layer": dict(moe_merge_layer=False),
+        "w/o both": dict(moe_head_layer=False, moe_merge_layer=False),
+    }
     return {name: matched(source, 2, 2, **fields) for name, fields in variants.items()}
 
 
@@ -131,8 +191,9 @@ def lory_comparison(scale: dict) -> dict[str, MHMoEConfig]:
     `CONVENTIONS`."""
     source = smoe(scale)
     segment = dict(router_type="lory", lory_segment_length=max(1, scale["block"] // 4), **DROPLESS)
-    mh_lory = matched_to_smoe(source, moe_heads=2, num_experts_per_tok=1, round_experts_to=4,
-                                          moe_layer_bias=False, **segment)  # fmt: skip
+    mh_lory = matched_to_smoe(
+        source, moe_heads=2, num_experts_per_tok=1, round_experts_to=4, moe_layer_bias=False, **segment
+    )
     return {
         "SMoE": source,
         "MH-MoE h=2": matched(source, 2, 2),
@@ -149,7 +210,9 @@ TABLES = {
     "mhmoe_capacity": (capacity, "MH-MoE vs SMoE, dropless and with capacity factor 1.0"),
     "moh_table4": (moh_table4, "MoH Table 4: MHA vs MoH at 75% and 50% active heads, from scratch"),
     "bitnet_table3": (bitnet_table3, "MH-MoE Table 3: 1-bit (BitNet b1.58) dense, SMoE, fine-grained SMoE, MH-MoE"),
-    "lory_comparison": (lory_comparison, "Multi-Headed Lory: Lory, MH-Lory v1/v2, MH-MoE and SMoE at equal "
-                                         "activated parameters (with throughput)"),
+    "lory_comparison": (
+        lory_comparison,
+        "Multi-Headed Lory: Lory, MH-Lory v1/v2, MH-MoE and SMoE at equal activated parameters (with throughput)",
+    ),
 }
 THROUGHPUT_TABLES = ("lory_comparison",)  # their Markdown table adds training and inference tokens/s

@@ -91,7 +91,7 @@ def load_corpus(mhmoe_corpus: str, **metadata) -> datasets.DatasetDict:
     if not path:
         raise ValueError(
             f"mhmoe_ppl_{mhmoe_corpus}: no data. Give the validation file with --metadata "
-            f"'{{\"{key}\": \"/path/to/{mhmoe_corpus}_validation.jsonl\"}}' or the environment variable {env} "
+            f'\'{{"{key}": "/path/to/{mhmoe_corpus}_validation.jsonl"}}\' or the environment variable {env} '
             "(see eval_tasks/README.md)."
         )
     text_field = metadata.get(f"{mhmoe_corpus}_text_field") or DEFAULT_TEXT_FIELD.get(mhmoe_corpus, "text")

@@ -54,8 +54,22 @@ _install_registration()
 _install_peft_defaults()
 
 __all__ = [
-    "MHMoEConfig", "MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel",
-    "MoELayerCost", "matched_moe_settings", "moe_layer_cost", "from_llama_config", "from_mixtral_config",
-    "matched_to_smoe", "MoHLlamaConfig", "MoHLlamaForCausalLM", "MoHLlamaModel", "apply_moh",
-    "expert_load", "head_load", "plot_load", "register_auto_classes",
-]  # fmt: skip
+    "MHMoEConfig",
+    "MHMoEForCausalLM",
+    "MHMoEModel",
+    "MHMoEPreTrainedModel",
+    "MoELayerCost",
+    "matched_moe_settings",
+    "moe_layer_cost",
+    "from_llama_config",
+    "from_mixtral_config",
+    "matched_to_smoe",
+    "MoHLlamaConfig",
+    "MoHLlamaForCausalLM",
+    "MoHLlamaModel",
+    "apply_moh",
+    "expert_load",
+    "head_load",
+    "plot_load",
+    "register_auto_classes",
+]

@@ -26,20 +26,43 @@ PROMPT = 'The "if" statement is used'
 
 # "default" for the demo, "quick" for tests. 4 attention heads, 2 shared + 1 of 2 routed active: MoH at 75% heads.
 MODEL_SIZES = {
-    "default": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                    moe_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
-    "quick": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  moe_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
-}  # fmt: skip
+    "default": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        moe_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+    ),
+    "quick": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        moe_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    ),
+}
 
 
 def demo_config(size: str, vocab_size: int, block_size: int) -> MHMoEConfig:
     """An MH-MoE model whose attention is MoH (learned two-stage router), with both balance losses on."""
     return MHMoEConfig(
-        vocab_size=vocab_size, max_position_embeddings=block_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        moh_shared_heads=2, moh_active_heads=1, moh_router="learned", output_router_logits=True,
+        vocab_size=vocab_size,
+        max_position_embeddings=block_size,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        moh_shared_heads=2,
+        moh_active_heads=1,
+        moh_router="learned",
+        output_router_logits=True,
         **MODEL_SIZES[size],
-    )  # fmt: skip
+    )
 
 
 def train_model(args, data_dir: Path, out: Path):
@@ -48,12 +71,24 @@ def train_model(args, data_dir: Path, out: Path):
     config_path = out / "mhmoe_moh_config.json"
     demo_config("quick" if args.quick else "default", args.vocab_size, args.block_size).to_json_file(config_path)
     reset_accelerate_state()
-    result = train(dict(
-        model_name_or_path=str(config_path), output_dir=str(out / "model"), train_file=[train_file],
-        validation_file=[val_file], block_size=args.block_size, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=32, max_steps=args.steps, learning_rate=args.lr, warmup_steps=max(1, args.steps // 20),
-        eval_at_start=True, eval_steps=max(1, args.steps // 4), seed=args.seed, overwrite_output_dir=True,
-    ))  # fmt: skip
+    result = train(
+        dict(
+            model_name_or_path=str(config_path),
+            output_dir=str(out / "model"),
+            train_file=[train_file],
+            validation_file=[val_file],
+            block_size=args.block_size,
+            per_device_train_batch_size=args.batch_size,
+            per_device_eval_batch_size=32,
+            max_steps=args.steps,
+            learning_rate=args.lr,
+            warmup_steps=max(1, args.steps // 20),
+            eval_at_start=True,
+            eval_steps=max(1, args.steps // 4),
+            seed=args.seed,
+            overwrite_output_dir=True,
+        )
+    )
     return result, train_file, val_file
 
 
@@ -81,8 +116,7 @@ def lm_eval_perplexity(model_dir: Path, val_file: str, block_size: int, limit: i
 
     lm = MHMoELM(pretrained=str(model_dir), batch_size=8, max_length=block_size, device="cpu")
     tm = task_manager(["mhmoe_ppl"], metadata={"wikipedia_path": val_file})
-    results = simple_evaluate(model=lm, tasks=["mhmoe_ppl_wikipedia"], task_manager=tm, limit=limit,
-                              bootstrap_iters=0)  # fmt: skip
+    results = simple_evaluate(model=lm, tasks=["mhmoe_ppl_wikipedia"], task_manager=tm, limit=limit, bootstrap_iters=0)
     metrics = {k.split(",")[0]: v for k, v in results["results"]["mhmoe_ppl_wikipedia"].items() if "stderr" not in k}
     return {"metrics": metrics, "routing": results["config"][ROUTING_KEY]}
 
@@ -142,17 +176,29 @@ def main(argv=None) -> dict:
     print("== 5. lm-eval on local held-out text (mhmoe_ppl_wikipedia)")
     evaluation = lm_eval_perplexity(model_dir, val_file, args.block_size, limit=8 if args.quick else None)
     m, routing = evaluation["metrics"], evaluation["routing"]
-    print(f"lm-eval: token perplexity {m['token_perplexity']:.1f}, word perplexity {m['word_perplexity']:.1f}, "
-          f"bits per byte {m['bits_per_byte']:.3f}; activated heads {routing['activated_heads_pct']:.0f}%, "
-          f"expert load entropy {routing['expert_load_entropy']:.2f}")  # fmt: skip
-    print(f"same from the shell: mhmoe-eval --model_args pretrained={model_dir},max_length={args.block_size} "
-          f"--tasks mhmoe_ppl_wikipedia --metadata '{json.dumps({'wikipedia_path': val_file})}'")
+    print(
+        f"lm-eval: token perplexity {m['token_perplexity']:.1f}, word perplexity {m['word_perplexity']:.1f}, "
+        f"bits per byte {m['bits_per_byte']:.3f}; activated heads {routing['activated_heads_pct']:.0f}%, "
+        f"expert load entropy {routing['expert_load_entropy']:.2f}"
+    )
+    print(
+        f"same from the shell: mhmoe-eval --model_args pretrained={model_dir},max_length={args.block_size} "
+        f"--tasks mhmoe_ppl_wikipedia --metadata '{json.dumps({'wikipedia_path': val_file})}'"
+    )
 
     elapsed = time.perf_counter() - start
     print(f"done in {elapsed:.0f} s; everything is in {out}")
-    summary = dict(ppl_before=ppl_before, ppl_after=ppl_after, max_logit_diff=diff, sample=sample,
-                   expert_load=experts.tolist(), head_load=heads.tolist(), lm_eval=evaluation, recovery=recovery,
-                   seconds=elapsed)  # fmt: skip
+    summary = dict(
+        ppl_before=ppl_before,
+        ppl_after=ppl_after,
+        max_logit_diff=diff,
+        sample=sample,
+        expert_load=experts.tolist(),
+        head_load=heads.tolist(),
+        lm_eval=evaluation,
+        recovery=recovery,
+        seconds=elapsed,
+    )
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 

@@ -8,7 +8,13 @@ import torch
 from safetensors.torch import save_file
 
 from mhmoe._plumbing.checkpoint_files import (
-    SAFE_INDEX_NAME, CheckpointError, overlapping, read_header, replace_dir, temporary_dir_next_to, weight_files,
+    SAFE_INDEX_NAME,
+    CheckpointError,
+    overlapping,
+    read_header,
+    replace_dir,
+    temporary_dir_next_to,
+    weight_files,
 )
 
 
@@ -65,8 +71,10 @@ def test_read_header_matches_safetensors_and_refuses_truncation(tmp_path):
     assert header["w"]["shape"] == [2, 3] and header["w"]["dtype"] == "F32"
     data = path.read_bytes()
     begin, end = header["w"]["data_offsets"]
-    assert torch.equal(torch.frombuffer(bytearray(data[start + begin : start + end]), dtype=torch.float32),
-                       torch.arange(6, dtype=torch.float32))  # fmt: skip
+    assert torch.equal(
+        torch.frombuffer(bytearray(data[start + begin : start + end]), dtype=torch.float32),
+        torch.arange(6, dtype=torch.float32),
+    )
     path.write_bytes(data[:-4])
     with pytest.raises(_CallerError, match="not a complete safetensors file"):
         read_header(str(path), _CallerError)
@@ -125,7 +133,11 @@ def test_file_names_are_transformers_own():
     from mhmoe._plumbing import checkpoint_files as cf
 
     assert (cf.SAFE_WEIGHTS_NAME, cf.SAFE_INDEX_NAME, cf.CONFIG_NAME, cf.GENERATION_CONFIG_NAME) == (
-        tu.SAFE_WEIGHTS_NAME, tu.SAFE_WEIGHTS_INDEX_NAME, tu.CONFIG_NAME, tu.GENERATION_CONFIG_NAME)
+        tu.SAFE_WEIGHTS_NAME,
+        tu.SAFE_WEIGHTS_INDEX_NAME,
+        tu.CONFIG_NAME,
+        tu.GENERATION_CONFIG_NAME,
+    )
 
 
 def _dead_pid() -> int:
@@ -222,8 +234,9 @@ def test_overwrite_never_loses_the_target(tmp_path, exchange, monkeypatch):
         assert calls and (out / "f.txt").read_text() == "new" and sorted(os.listdir(tmp_path)) == ["out"]
         return
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", _KILLED_BETWEEN_RENAMES, str(out)], env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_BETWEEN_RENAMES, str(out)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 9, proc.stderr[-2000:]
     assert not out.exists() and len(os.listdir(tmp_path)) == 2  # .out.old-... and .out.tmp-... (the new one)
     cf.recover_output_dir(str(out))
@@ -248,8 +261,8 @@ def test_os_error_message_says_which_and_where(tmp_path):
 def test_side_files_follow_links_only_inside_or_into_a_hub_cache(tmp_path):
     """A Hugging Face cache snapshot links every file into its repo's blobs/: those are copied; a link anywhere else
     out of the folder is not, nor code or other files. The card's base model is the cache's repo id."""
-    from mhmoe.hub.cards import base_model_name
     from mhmoe._plumbing.checkpoint_files import side_files
+    from mhmoe.hub.cards import base_model_name
 
     repo = tmp_path / "hub" / "models--org--Tiny-Llama"
     snapshot = repo / "snapshots" / "0123abcd"
@@ -262,6 +275,10 @@ def test_side_files_follow_links_only_inside_or_into_a_hub_cache(tmp_path):
     os.symlink(tmp_path / "secret", snapshot / "tokenizer_config.json")
     copy, notes = side_files(str(snapshot))
     assert copy == ["generation_config.json", "tokenizer.json"]
-    assert notes == ["not copied, symbolic links out of the folder: tokenizer_config.json",
-                     "not copied (not a weight, config, tokenizer or chat template file): modeling_x.py"]
-    assert base_model_name(str(snapshot)) == "org/Tiny-Llama" and base_model_name(str(tmp_path / "x" / "Mine")) == "Mine"
+    assert notes == [
+        "not copied, symbolic links out of the folder: tokenizer_config.json",
+        "not copied (not a weight, config, tokenizer or chat template file): modeling_x.py",
+    ]
+    assert (
+        base_model_name(str(snapshot)) == "org/Tiny-Llama" and base_model_name(str(tmp_path / "x" / "Mine")) == "Mine"
+    )

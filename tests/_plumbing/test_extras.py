@@ -23,7 +23,6 @@ def test_require_names_the_extra():
 def test_extras_match_pyproject():
     """mhmoe._plumbing.extras.EXTRAS lists, per extra, the modules of the distributions pyproject.toml's extra installs."""
     import tomllib
-
     from packaging.requirements import Requirement
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -34,8 +34,9 @@ def run(tmp_path):
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "auto.py").write_text("AUTO = True\n")
-    (package / "model.py").write_text("from . import auto  # mid-import, like transformers.modeling_layers\n"
-                                      "class Model:\n    pass\n")  # fmt: skip
+    (package / "model.py").write_text(
+        "from . import auto  # mid-import, like transformers.modeling_layers\nclass Model:\n    pass\n"
+    )
 
     def run(body: str) -> dict:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(tmp_path)])}

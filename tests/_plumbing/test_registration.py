@@ -35,8 +35,10 @@ ORDERS = {
 @pytest.mark.parametrize("order", ORDERS)
 def test_auto_classes_find_mhmoe_in_any_import_order(order):
     result = _run(ORDERS[order] + "\n" + CHECK)
-    assert result["classes"] == ["mhmoe.models.mhmoe.modeling_mhmoe.MHMoEForCausalLM",
-                                 "mhmoe.models.moh_llama.modeling_moh_llama.MoHLlamaModel"]  # fmt: skip
+    assert result["classes"] == [
+        "mhmoe.models.mhmoe.modeling_mhmoe.MHMoEForCausalLM",
+        "mhmoe.models.moh_llama.modeling_moh_llama.MoHLlamaModel",
+    ]
     assert result["configs"] == ["MHMoEConfig", "MoHLlamaConfig"]
     assert "transformers.models.auto.modeling_auto" not in result["pending"]
 
@@ -111,13 +113,16 @@ def test_spawned_workers_find_mhmoe(tmp_path):
 def test_reload_keeps_one_finder_and_registers_again():
     """`importlib.reload(mhmoe)` (notebooks, autoreload) before and after Transformers loads the Auto classes: the
     finder is not installed twice, no hook is left waiting, and the Auto classes still build mhmoe's models."""
-    result = _run("""
+    result = _run(
+        """
 import importlib, json, sys
 import mhmoe
 from mhmoe._plumbing import import_hooks
 importlib.reload(mhmoe)
 finders = [f for f in sys.meta_path if type(f).__module__ == "mhmoe._plumbing.import_hooks"]
-""" + CHECK.replace("print(json.dumps(dict(", "first = dict(").replace("pending=pending())))", "pending=pending())") + """
+"""
+        + CHECK.replace("print(json.dumps(dict(", "first = dict(").replace("pending=pending())))", "pending=pending())")
+        + """
 importlib.reload(sys.modules["mhmoe"])  # the Auto classes are loaded now: registration runs again at once, idempotent
 from transformers import AutoConfig, AutoModelForCausalLM
 again = type(AutoModelForCausalLM.from_config(AutoConfig.for_model("mhmoe", vocab_size=64, hidden_size=32,
@@ -126,7 +131,8 @@ print(json.dumps(dict(finders=len(finders), first=first, again=again, pending=im
                       hooks=len(import_hooks._waiting["peft.utils.constants"]),
                       finders_left=[type(f).__name__ for f in sys.meta_path
                                     if type(f).__module__ == "mhmoe._plumbing.import_hooks"])))
-""")
+"""
+    )
     assert result["finders"] == 1 and result["hooks"] == 1
     assert result["first"]["classes"][0] == "mhmoe.models.mhmoe.modeling_mhmoe.MHMoEForCausalLM"
     assert result["again"] == "MHMoEForCausalLM"
@@ -134,7 +140,7 @@ print(json.dumps(dict(finders=len(finders), first=first, again=again, pending=im
     assert result["pending"] == ["peft.utils.constants"] and result["finders_left"] == ["_PostImportFinder"]
 
 
-XDIST_TESTS = '''
+XDIST_TESTS = """
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -158,7 +164,7 @@ def test_save_and_reload(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
-'''
+"""
 
 
 def test_pytest_xdist_workers_find_mhmoe(tmp_path):
@@ -170,8 +176,25 @@ def test_pytest_xdist_workers_find_mhmoe(tmp_path):
 
     (tmp_path / "test_auto_in_workers.py").write_text(XDIST_TESTS)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "--rootdir",
-                           str(tmp_path), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "2",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "3 passed" in proc.stdout

@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_moe_layer_benchmark_quick_run_passes_its_checks():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_layer.py"), "--quick"], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "moe_layer.py"), "--quick"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ours_smoe with Mixtral's weights == Mixtral: ok" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|    256 |")]

@@ -52,8 +52,18 @@ def test_chunked_runs_resume_merge_and_stop_at_a_deadline(tmp_path, capsys):
     record = json.loads(files[0].read_text())
     assert record["cell"] == "MH-MoE h=3" and record["run"]["seed"] == 0
     prov = record["run"]["provenance"]
-    assert set(prov) >= {"commit", "dirty", "started_utc", "finished_utc", "device", "precision", "routing_backend",
-                         "kernel_fallback", "versions", "corpus"}  # fmt: skip
+    assert set(prov) >= {
+        "commit",
+        "dirty",
+        "started_utc",
+        "finished_utc",
+        "device",
+        "precision",
+        "routing_backend",
+        "kernel_fallback",
+        "versions",
+        "corpus",
+    }
     assert prov["routing_backend"] == "torch" and prov["kernel_fallback"] is False  # CPU: the reference
     assert prov["precision"]["mixed_precision"] == "no" and set(prov["versions"]) >= {"torch", "transformers", "triton"}
     assert prov["corpus"]["train_sha256"] == harness.file_sha256(out / "cache" / "train-subset.jsonl")
@@ -79,8 +89,12 @@ def test_chunked_runs_resume_merge_and_stop_at_a_deadline(tmp_path, capsys):
     assert (out / "cards" / "mhmoe_table1_quick" / "mh-moe-h-3.md").is_file()
 
     capsys.readouterr()
-    assert run.main(["mhmoe_table1", "--quick", "--cells", "dense", "--seeds", "0", "--out", str(out),
-                     "--deadline", "0.0001"]) == 0  # fmt: skip
+    assert (
+        run.main(
+            ["mhmoe_table1", "--quick", "--cells", "dense", "--seeds", "0", "--out", str(out), "--deadline", "0.0001"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "deadline: not starting Dense seed 0" in printed and "Rerun the same command" in printed
     assert not (out / "runs" / "mhmoe_table1_quick" / "dense_seed0.json").exists()
@@ -90,8 +104,10 @@ def test_deadline_estimate_uses_finished_runs_of_the_cell(tmp_path):
     scale = tables.SCALES["quick"]
     config = tables.smoe(scale)
     path = run.run_path(tmp_path, "mhmoe_table1", "quick", "SMoE", 0)
-    record = {"format": run.RUN_FORMAT, "run": {"seed": 0, "seconds": 42.0,
-              "provenance": {"device": "dev", "precision": {"mixed_precision": "bf16"}}}}  # fmt: skip
+    record = {
+        "format": run.RUN_FORMAT,
+        "run": {"seed": 0, "seconds": 42.0, "provenance": {"device": "dev", "precision": {"mixed_precision": "bf16"}}},
+    }
     harness.atomic_write_text(path, json.dumps(record))
     deadline = run.Deadline(10)
     seconds, how = deadline.estimate(tmp_path, "mhmoe_table1", "quick", "SMoE", config, scale, "dev", "bf16")
@@ -144,8 +160,9 @@ def test_every_table_is_matched_to_the_top1_smoe(scale):
 
 def test_moh_table4_head_budgets():
     cells = tables.moh_table4(tables.SCALES["cpu"])
-    active = {name: (c.moh_shared_heads or 0) + (c.moh_active_heads or c.num_attention_heads)
-              for name, c in cells.items()}  # fmt: skip
+    active = {
+        name: (c.moh_shared_heads or 0) + (c.moh_active_heads or c.num_attention_heads) for name, c in cells.items()
+    }
     heads = cells["MHA (100% heads)"].num_attention_heads
     assert active == {"MHA (100% heads)": heads, "MoH 75% heads": heads * 3 // 4, "MoH 50% heads": heads // 2}
 
@@ -202,8 +219,12 @@ def test_variant_tables():
     scale = tables.SCALES["cpu"]
     bitnet = tables.bitnet_table3(scale)
     assert list(bitnet) == list(tables.table1(scale))
-    assert all(c.linear_type == "bitnet_b158" and c.bitnet_quantized_layers == "official"
-               and c.bitnet_ffn_norm == "before_down" for c in bitnet.values())  # fmt: skip
+    assert all(
+        c.linear_type == "bitnet_b158"
+        and c.bitnet_quantized_layers == "official"
+        and c.bitnet_ffn_norm == "before_down"
+        for c in bitnet.values()
+    )
     lory = tables.lory_comparison(scale)
     assert [c.router_type for c in lory.values()] == ["topk", "topk", "lory", "lory", "lory"]
     assert lory["MH-Lory v2"].lory_expert_pool == "per_head" and lory["MH-Lory v1"].lory_expert_pool == "shared"
@@ -243,5 +264,8 @@ def test_comparison_puts_each_cell_beside_its_earlier_result():
         for entry in data["cells"].values():
             entry["summary"] = harness.summarise(entry)
     assert compare.comparison(old, new).splitlines() == [
-        "| model | library conventions (aaa) | official preset (bbb) |", "| --- | --- | --- |",
-        "| SMoE | 205.00 (200.00–210.00) | 192.00 (190.00–194.00) |", "| MH-MoE h=2 | - | 180.50 (180.00–181.00) |"]
+        "| model | library conventions (aaa) | official preset (bbb) |",
+        "| --- | --- | --- |",
+        "| SMoE | 205.00 (200.00–210.00) | 192.00 (190.00–194.00) |",
+        "| MH-MoE h=2 | - | 180.50 (180.00–181.00) |",
+    ]

@@ -11,7 +11,6 @@ from mhmoe.convert import ConversionError, convert, main
 from mhmoe.convert.calibrate import head_recipe, read_calibration
 from mhmoe.convert.distill import Distillation, dense_parent, distillation_loss
 from mhmoe.convert.heads import head_order, kv_order, permute_state_dict
-
 from tests.convert.test_convert import TINY, _leftovers, _llama_dir
 
 
@@ -27,8 +26,9 @@ def _brute_best(importance, shared, kv_heads):
     return best
 
 
-@pytest.mark.parametrize("heads, kv_heads, shared", [(6, 2, 1), (6, 2, 2), (6, 2, 4), (6, 3, 3), (4, 4, 2),
-                                                     (6, 1, 3), (8, 2, 5)])  # fmt: skip
+@pytest.mark.parametrize(
+    "heads, kv_heads, shared", [(6, 2, 1), (6, 2, 2), (6, 2, 4), (6, 3, 3), (4, 4, 2), (6, 1, 3), (8, 2, 5)]
+)
 def test_head_order_is_the_best_group_respecting_choice(heads, kv_heads, shared):
     generator = torch.Generator().manual_seed(heads * 10 + shared)
     for _ in range(3):
@@ -49,8 +49,12 @@ def test_kv_order_refuses_a_split_group():
 def _moh(llama, orders, shared=2, active=3, **fields):
     from mhmoe.models.moh_llama import MoHLlamaConfig, MoHLlamaForCausalLM
 
-    config = MoHLlamaConfig(**{k: v for k, v in llama.config.to_dict().items() if k in TINY or k == "head_dim"},
-                            moh_shared_heads=shared, moh_active_heads=active, **fields)  # fmt: skip
+    config = MoHLlamaConfig(
+        **{k: v for k, v in llama.config.to_dict().items() if k in TINY or k == "head_dim"},
+        moh_shared_heads=shared,
+        moh_active_heads=active,
+        **fields,
+    )
     model = MoHLlamaForCausalLM(config)
     state = permute_state_dict(llama.state_dict(), orders, config.num_key_value_heads, config.head_dim)
     model.load_state_dict(state)
@@ -105,8 +109,14 @@ def test_calibrated_router_needs_its_statistics():
     with pytest.raises(Exception, match="needs moh_head_norm_mean"):
         MoHLlamaConfig(**TINY, moh_shared_heads=2, moh_active_heads=2, moh_router="l2_standardized")
     with pytest.raises(Exception, match="2 layers × 8 heads"):
-        MoHLlamaConfig(**TINY, moh_shared_heads=2, moh_active_heads=2, moh_router="l2_relative",
-                       moh_head_norm_mean=[[1.0] * 8], moh_head_norm_std=[[1.0] * 8] * 2)  # fmt: skip
+        MoHLlamaConfig(
+            **TINY,
+            moh_shared_heads=2,
+            moh_active_heads=2,
+            moh_router="l2_relative",
+            moh_head_norm_mean=[[1.0] * 8],
+            moh_head_norm_std=[[1.0] * 8] * 2,
+        )
 
 
 def test_calibrated_conversion_end_to_end(tmp_path, tokenizer_dir, corpus):
@@ -124,14 +134,26 @@ def test_calibrated_conversion_end_to_end(tmp_path, tokenizer_dir, corpus):
     calibration.write_text("\n".join(json.dumps({"text": t}) for t in texts))
     out = tmp_path / "out"
     recipe = head_recipe("calibrated", router="l2_standardized")  # the calibrated recipe with its other router
-    report = convert(str(source), str(out), 0.25, 0.625, recipe=recipe, calibration_file=str(calibration),
-                     calibration_tokens=512, progress=False)  # fmt: skip
+    report = convert(
+        str(source),
+        str(out),
+        0.25,
+        0.625,
+        recipe=recipe,
+        calibration_file=str(calibration),
+        calibration_tokens=512,
+        progress=False,
+    )
     assert report.verification["all_heads_equal"] and report.router == "l2_standardized"
-    assert "recipe calibrated (shared heads importance, router l2_standardized), router l2_standardized" in \
-        report.format()  # fmt: skip
+    assert (
+        "recipe calibrated (shared heads importance, router l2_standardized), router l2_standardized" in report.format()
+    )
     record = json.loads((out / "moh_conversion.json").read_text())
-    assert record["recipe"] == {"name": "calibrated (shared heads importance, router l2_standardized)",
-                                "shared_heads": "importance", "router": "l2_standardized"}
+    assert record["recipe"] == {
+        "name": "calibrated (shared heads importance, router l2_standardized)",
+        "shared_heads": "importance",
+        "router": "l2_standardized",
+    }
     assert record["calibration"]["source"] == "calibration.jsonl" and len(record["calibration"]["sha256"]) == 64
     config = json.loads((out / "config.json").read_text())
     assert config["moh_router"] == "l2_standardized" and len(config["moh_head_norm_mean"]) == 2
@@ -154,10 +176,13 @@ def test_recipe_paper_copies_bytes_and_recipe_flags(tmp_path, tokenizer_dir):
     falls back to paper, saying so, without one."""
     source = _llama_dir(tmp_path / "src", tokenizer_dir)
     convert(str(source), str(tmp_path / "paper"), progress=False, recipe="paper")
-    assert (tmp_path / "paper" / "model.safetensors").read_bytes()[-4096:] == \
-        (source / "model.safetensors").read_bytes()[-4096:]  # fmt: skip
+    assert (tmp_path / "paper" / "model.safetensors").read_bytes()[-4096:] == (
+        source / "model.safetensors"
+    ).read_bytes()[-4096:]
     record = json.loads((tmp_path / "paper" / "moh_conversion.json").read_text())
-    assert record["recipe"] == {"name": "paper", "shared_heads": "first", "router": "l2"} and "calibration" not in record
+    assert (
+        record["recipe"] == {"name": "paper", "shared_heads": "first", "router": "l2"} and "calibration" not in record
+    )
     assert head_recipe("paper", router="l2_relative").router == "l2_relative"
     with pytest.raises(ConversionError, match="--recipe must be one of"):
         head_recipe("best")
@@ -175,7 +200,7 @@ def test_recipe_paper_copies_bytes_and_recipe_flags(tmp_path, tokenizer_dir):
 def test_read_calibration_refusals(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    with pytest.raises(ConversionError, match="line 2: no \"text\""):
+    with pytest.raises(ConversionError, match='line 2: no "text"'):
         read_calibration(str(bad))
     with pytest.raises(ConversionError, match="missing.txt"):
         read_calibration(str(tmp_path / "missing.txt"))
@@ -198,8 +223,11 @@ def _tiny_gguf(path, tokenizer_dir):
     heads, kv, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
 
     def to_gguf_rope(weight, n_head):  # llama.cpp's q/k layout (Transformers un-permutes it when loading)
-        return weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-            weight.shape)
+        return (
+            weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weight.shape)
+        )
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -229,9 +257,17 @@ def _tiny_gguf(path, tokenizer_dir):
     writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
     writer.add_tensor("output.weight", sd["lm_head.weight"])
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for i in range(cfg["num_hidden_layers"]):
         for ours, theirs in names.items():
             weight = sd[f"model.layers.{i}.{ours}.weight"]
@@ -253,8 +289,21 @@ def test_gguf_input_converts_and_verifies(tmp_path, tokenizer_dir, capsys):
     folder.mkdir()
     reference = _tiny_gguf(folder / "tiny.gguf", tokenizer_dir)
     out = tmp_path / "out"
-    main(["--input_dir", str(folder), "--gguf_file", "tiny.gguf", "--output_dir", str(out), "--disable_tqdm",
-          "--shared_heads_ratio", "0.5", "--active_heads_ratio", "0.75"])  # fmt: skip
+    main(
+        [
+            "--input_dir",
+            str(folder),
+            "--gguf_file",
+            "tiny.gguf",
+            "--output_dir",
+            str(out),
+            "--disable_tqdm",
+            "--shared_heads_ratio",
+            "0.5",
+            "--active_heads_ratio",
+            "0.75",
+        ]
+    )
     printed = capsys.readouterr().out
     assert "dequantised tiny.gguf (GGUF)" in printed and "-> OK" in printed
     record = json.loads((out / "moh_conversion.json").read_text())
@@ -333,11 +382,42 @@ def test_dense_parent_is_the_source_and_the_hook_mixes_the_loss():
 def test_convert_and_distill_cli(tmp_path, corpus, tokenizer_dir, capsys):
     source = _llama_dir(tmp_path / "src", tokenizer_dir)
     out = tmp_path / "tuned"
-    main(["--input_dir", str(source), "--output_dir", str(out), "--shared_heads_ratio", "0.25",
-          "--active_heads_ratio", "0.625", "--recipe", "calibrated", "--calibration_tokens", "256",
-          "--train_file", corpus["train"], "--validation_file", corpus["val"], "--block_size", "16",
-          "--per_device_train_batch_size", "4", "--max_steps", "3", "--warmup_steps", "0", "--learning_rate", "1e-3",
-          "--distill", "--distill_temperature", "2", "--distill_weight", "0.7", "--disable_tqdm"])  # fmt: skip
+    main(
+        [
+            "--input_dir",
+            str(source),
+            "--output_dir",
+            str(out),
+            "--shared_heads_ratio",
+            "0.25",
+            "--active_heads_ratio",
+            "0.625",
+            "--recipe",
+            "calibrated",
+            "--calibration_tokens",
+            "256",
+            "--train_file",
+            corpus["train"],
+            "--validation_file",
+            corpus["val"],
+            "--block_size",
+            "16",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_steps",
+            "3",
+            "--warmup_steps",
+            "0",
+            "--learning_rate",
+            "1e-3",
+            "--distill",
+            "--distill_temperature",
+            "2",
+            "--distill_weight",
+            "0.7",
+            "--disable_tqdm",
+        ]
+    )
     record = json.loads((out / "distillation.json").read_text())
     assert record["temperature"] == 2.0 and record["weight"] == 0.7 and record["parent_forwards"] == 3
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -16,11 +16,17 @@ from safetensors.torch import load_file, save_file
 import mhmoe
 import mhmoe.convert.conversion as conversion
 from mhmoe.convert import ConversionError, convert, head_split, main
-
 from tests.fixtures.training import free_port, fresh_accelerate_state
 
-TINY = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+TINY = dict(
+    vocab_size=320,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
 
 
 def _llama_dir(path, tokenizer_dir=None, dtype=torch.float32, shard_size=None, legacy_llama3=False, **overrides):
@@ -33,13 +39,31 @@ def _llama_dir(path, tokenizer_dir=None, dtype=torch.float32, shard_size=None, l
     model.save_pretrained(path, **({"max_shard_size": shard_size} if shard_size else {}))
     if legacy_llama3:
         fields = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
-            "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-5, "pretraining_tp": 1,
-            "rope_theta": 500000.0, "bos_token_id": 1, "eos_token_id": [2, 0], "torch_dtype": "float32",
-            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 16, "rope_type": "llama3"},
-            "tie_word_embeddings": False, "transformers_version": "4.43.0.dev0", "use_cache": True, **TINY, **overrides,
-        }  # fmt: skip
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "rms_norm_eps": 1e-5,
+            "pretraining_tp": 1,
+            "rope_theta": 500000.0,
+            "bos_token_id": 1,
+            "eos_token_id": [2, 0],
+            "torch_dtype": "float32",
+            "rope_scaling": {
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_type": "llama3",
+            },
+            "tie_word_embeddings": False,
+            "transformers_version": "4.43.0.dev0",
+            "use_cache": True,
+            **TINY,
+            **overrides,
+        }
         (path / "config.json").write_text(json.dumps(fields, indent=2))
     if tokenizer_dir:
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
@@ -58,9 +82,13 @@ def test_head_split():
     assert head_split(8, 0.5, 0.75) == (4, 2)
     assert head_split(8, 0.25, 1.0) == (2, 6)
     assert head_split(12, 0.0, 0.5) == (0, 6)
-    for heads, shared, active, message in [(8, 0.3, 0.75, "no integer head split"), (8, 0.5, 0.7, "no integer"),
-                                           (8, 0.5, 0.5, "must exceed"), (8, 1.0, 1.0, "must be in \\[0, 1\\)"),
-                                           (8, 0.5, 1.5, "must be in \\(0, 1\\]")]:  # fmt: skip
+    for heads, shared, active, message in [
+        (8, 0.3, 0.75, "no integer head split"),
+        (8, 0.5, 0.7, "no integer"),
+        (8, 0.5, 0.5, "must exceed"),
+        (8, 1.0, 1.0, "must be in \\[0, 1\\)"),
+        (8, 0.5, 1.5, "must be in \\(0, 1\\]"),
+    ]:
         with pytest.raises(ConversionError, match=message):
             head_split(heads, shared, active)
 
@@ -82,8 +110,9 @@ def test_entry_points():
     assert module == "mhmoe.convert.cli" and importlib.import_module(module).main is main is package.main
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("mhmoe.conversion")
-    proc = subprocess.run([sys.executable, "-m", "mhmoe.convert", "--help"], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "mhmoe.convert", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "--input_dir" in proc.stdout, proc.stderr[-2000:]
 
 
@@ -144,9 +173,21 @@ def test_llama2_style_fp16_single_file(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(**{**TINY, "num_key_value_heads": 8})).half().save_pretrained(tmp_path / "l2")
-    fields = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": None, "rope_theta": 10000.0,
-              "torch_dtype": "float16", "pretraining_tp": 1, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, **TINY, "num_key_value_heads": 8}
+    fields = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float16",
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **TINY,
+        "num_key_value_heads": 8,
+    }
     (tmp_path / "l2" / "config.json").write_text(json.dumps(fields))
     report = convert(str(tmp_path / "l2"), str(tmp_path / "out"), 0.5, 0.625, progress=False)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -274,9 +315,21 @@ def _refusal_cases(tmp_path):
     }
 
 
-@pytest.mark.parametrize("case", ["non-llama model type", "missing shard", "truncated shard",
-                                  "index names absent tensor", "shape mismatch", "pickle only", "quantized tensor",
-                                  "missing tensor", "unknown tensor", "no index for shards"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    [
+        "non-llama model type",
+        "missing shard",
+        "truncated shard",
+        "index names absent tensor",
+        "shape mismatch",
+        "pickle only",
+        "quantized tensor",
+        "missing tensor",
+        "unknown tensor",
+        "no index for shards",
+    ],
+)
 def test_refusals_leave_nothing(tmp_path, case, capsys):
     make, message = _refusal_cases(tmp_path)[case]
     make(tmp_path / "src")
@@ -333,9 +386,30 @@ def test_output_dir_rules_and_interrupted_write(tmp_path, monkeypatch, capsys):
 
 
 def _tune_flags(source, out, corpus, *extra):
-    return ["--input_dir", str(source), "--output_dir", str(out), "--train_file", corpus["train"], "--block_size", "16",
-            "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "8", "--learning_rate", "3e-3",
-            "--min_learning_rate", "3e-4", "--warmup_steps", "1", "--seed", "0", "--disable_tqdm", *extra]  # fmt: skip
+    return [
+        "--input_dir",
+        str(source),
+        "--output_dir",
+        str(out),
+        "--train_file",
+        corpus["train"],
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "2",
+        "--per_device_eval_batch_size",
+        "8",
+        "--learning_rate",
+        "3e-3",
+        "--min_learning_rate",
+        "3e-4",
+        "--warmup_steps",
+        "1",
+        "--seed",
+        "0",
+        "--disable_tqdm",
+        *extra,
+    ]
 
 
 def _records(out, key):
@@ -354,8 +428,19 @@ def test_continue_tuning_curve_and_exact_resume(tmp_path, corpus, tokenizer_dir,
 
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     out = tmp_path / "run"
-    flags = _tune_flags(source, out, corpus, "--validation_file", corpus["val"], "--max_steps", "4", "--eval_steps",
-                        "2", "--save_steps", "2")  # fmt: skip
+    flags = _tune_flags(
+        source,
+        out,
+        corpus,
+        "--validation_file",
+        corpus["val"],
+        "--max_steps",
+        "4",
+        "--eval_steps",
+        "2",
+        "--save_steps",
+        "2",
+    )
     main(flags)
     printed = capsys.readouterr().out
     assert "converted llama -> moh_llama" in printed and "recovery: dense parent perplexity" in printed
@@ -456,12 +541,32 @@ def test_two_processes(tmp_path, corpus, tokenizer_dir):
     out = tmp_path / "ddp"
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "convert_llama_to_moh.py")
     src = os.path.join(os.path.dirname(mhmoe.__file__), "..")
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(free_port()), script,
-              *_tune_flags(source, out, corpus, "--validation_file", corpus["val"], "--max_steps", "2")]  # fmt: skip
+    env = dict(
+        os.environ,
+        ACCELERATE_USE_CPU="1",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")]),
+    )
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        script,
+        *_tune_flags(source, out, corpus, "--validation_file", corpus["val"], "--max_steps", "2"),
+    ]
     proc = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("converted llama -> moh_llama") == 1
@@ -496,18 +601,29 @@ def test_recovery_demo_dense_to_moh_on_cpu(tmp_path):
     assert (tmp_path / "moh" / "recovery_curve.png").is_file() and (tmp_path / "recovery_demo.json").is_file()
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(min_learning_rate=3e-3), "must be >= 0 and < --learning_rate"),
-    (dict(min_learning_rate=1e-4, lr_scheduler_type="linear"), "applies to the cosine schedule, not 'linear'"),
-    (dict(lr_scheduler_type="cosine_with_min_lr"), "needs --min_learning_rate > 0"),
-    (dict(eval_at_start=True, validation_file=None), "--eval_at_start .* need --validation_file"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(min_learning_rate=3e-3), "must be >= 0 and < --learning_rate"),
+        (dict(min_learning_rate=1e-4, lr_scheduler_type="linear"), "applies to the cosine schedule, not 'linear'"),
+        (dict(lr_scheduler_type="cosine_with_min_lr"), "needs --min_learning_rate > 0"),
+        (dict(eval_at_start=True, validation_file=None), "--eval_at_start .* need --validation_file"),
+    ],
+)
 def test_train_hooks_refuse_bad_input(tmp_path, corpus, tokenizer_dir, fields, message):
     """The options continue-tuning added to mhmoe-train refuse nonsense before anything is trained."""
     from mhmoe.training import TrainingError, train
 
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)  # a dense llama trains too (the converter's parents)
-    args = dict(model_name_or_path=str(source), output_dir=str(tmp_path / "out"), train_file=[corpus["train"]],
-                validation_file=[corpus["val"]], block_size=16, learning_rate=3e-3, max_steps=1, disable_tqdm=True)
+    args = dict(
+        model_name_or_path=str(source),
+        output_dir=str(tmp_path / "out"),
+        train_file=[corpus["train"]],
+        validation_file=[corpus["val"]],
+        block_size=16,
+        learning_rate=3e-3,
+        max_steps=1,
+        disable_tqdm=True,
+    )
     with pytest.raises(TrainingError, match=message):
         train({**args, **fields})

@@ -34,26 +34,46 @@ print(code, time.perf_counter() - start, sorted(m for m in ("torch", "transforme
 
 
 def _env(**extra):
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ one-line errors
 
 
-@pytest.mark.parametrize("module, argv, message", [
-    ("mhmoe.convert.cli", ["--input_dir", "a", "--output_dir", "b", "--bogus", "1"],
-     "mhmoe-convert: error: unrecognized arguments: --bogus 1 (see mhmoe-convert --help)"),
-    ("mhmoe.convert.cli", [], "mhmoe-convert: error: --input_dir and --output_dir are required"),
-    ("mhmoe.convert.cli", ["--max_steps", "x"], "mhmoe-convert: error: argument --max_steps/--max-steps: invalid int"),
-    ("mhmoe.hub.cli", ["only_one"], "mhmoe-export: error: the following arguments are required: out_dir"),
-    ("mhmoe.evaluation.cli", ["--bogus"], "mhmoe-eval: error: unrecognized arguments: --bogus"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "module, argv, message",
+    [
+        (
+            "mhmoe.convert.cli",
+            ["--input_dir", "a", "--output_dir", "b", "--bogus", "1"],
+            "mhmoe-convert: error: unrecognized arguments: --bogus 1 (see mhmoe-convert --help)",
+        ),
+        ("mhmoe.convert.cli", [], "mhmoe-convert: error: --input_dir and --output_dir are required"),
+        (
+            "mhmoe.convert.cli",
+            ["--max_steps", "x"],
+            "mhmoe-convert: error: argument --max_steps/--max-steps: invalid int",
+        ),
+        ("mhmoe.hub.cli", ["only_one"], "mhmoe-export: error: the following arguments are required: out_dir"),
+        ("mhmoe.evaluation.cli", ["--bogus"], "mhmoe-eval: error: unrecognized arguments: --bogus"),
+    ],
+)
 def test_usage_errors_are_one_line_before_heavy_imports(module, argv, message):
     """A usage error ends with status 2 and one line, before torch or Transformers is imported (they take seconds:
     the whole command measured here is well under a second on an idle machine)."""
-    proc = subprocess.run([sys.executable, "-c", FAST_CLI.format(module=module, argv=argv)], env=_env(),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", FAST_CLI.format(module=module, argv=argv)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     code, seconds, heavy = proc.stdout.split(" ", 2)
     assert code == "2" and heavy.strip() == "[]", (proc.stdout, proc.stderr[-2000:])
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
@@ -69,8 +89,25 @@ def test_fast_parser_is_transformers_own():
     from mhmoe.convert.arguments import ConvertArguments, _continue_tune_arguments_class
     from mhmoe.convert.cli import build_parser
 
-    argv = ["--input_dir", "in", "--output_dir", "out", "--overwrite", "--no_aux_loss", "--train_file", "a", "b",
-            "--max_steps", "7", "--learning_rate", "1e-4", "--mixed_precision", "bf16", "--lora", "true"]  # fmt: skip
+    argv = [
+        "--input_dir",
+        "in",
+        "--output_dir",
+        "out",
+        "--overwrite",
+        "--no_aux_loss",
+        "--train_file",
+        "a",
+        "b",
+        "--max_steps",
+        "7",
+        "--learning_rate",
+        "1e-4",
+        "--mixed_precision",
+        "bf16",
+        "--lora",
+        "true",
+    ]
     fast = build_parser()
     assert type(fast).__module__ == "mhmoe._plumbing._hf_argparser"  # loaded from transformers' file directly
     reference = HfArgumentParser((ConvertArguments, _continue_tune_arguments_class()))
@@ -135,10 +172,17 @@ def test_only_checkpoint_files_are_copied(tmp_path, tokenizer_dir, capsys):
     files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     assert {f for f in files if f.endswith(".py")} == ours  # the exported modeling code only
     assert files - ours == {
-        "README.md", "config.json", "generation_config.json", "model.safetensors", "moh_conversion.json",
-        "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "merges.txt",
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "moh_conversion.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "merges.txt",
         "additional_chat_templates/tools.jinja",
-    }  # fmt: skip
+    }
     assert not any(p.is_symlink() for p in out.rglob("*"))
     assert (out / "merges.txt").read_text() == "#version: 0.2\n"
     assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
@@ -155,13 +199,16 @@ def test_planted_code_never_runs_even_when_answering_yes(tmp_path, tokenizer_dir
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     _plant(source, tmp_path)
     converted = tmp_path / "moh"
-    for cmd in (["-m", "mhmoe.convert", "--input_dir", source, "--output_dir", converted, "--disable_tqdm"],
-                ["-m", "mhmoe.hub", converted, tmp_path / "exported"]):  # fmt: skip
+    for cmd in (
+        ["-m", "mhmoe.convert", "--input_dir", source, "--output_dir", converted, "--disable_tqdm"],
+        ["-m", "mhmoe.hub", converted, tmp_path / "exported"],
+    ):
         if cmd[1] == "mhmoe.hub":  # a converted model whose folder was tampered with afterwards
             shutil.copy(source / "evil_tokenizer.py", converted)
             shutil.copy(source / "tokenizer_config.json", converted)
-        proc = subprocess.run([sys.executable, *map(str, cmd)], input="y\ny\n", env=_env(), capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, *map(str, cmd)], input="y\ny\n", env=_env(), capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert not (tmp_path / "PLANTED_CODE_RAN").exists(), cmd
     exported = tmp_path / "exported"
@@ -234,15 +281,21 @@ def _in_private_mount(script: str, tmp_path: Path, size: str, read_only: bool) -
         pytest.skip("no user/mount namespaces with tmpfs here (unshare -rm)")
     remount = f'mount -o remount,ro "{mnt}"; ' if read_only else ""
     shell = f'set -e; mount -t tmpfs -o size={size} tmpfs "{mnt}"; {remount}export MNT="{mnt}"; set +e; {script}'
-    return subprocess.run(["unshare", "-rm", "sh", "-c", shell], env=_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", shell], env=_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def test_read_only_target_is_not_a_full_disk(tmp_path):
     source = _llama_dir(tmp_path / "llama")
-    for name, command in (("convert", f'{sys.executable} -m mhmoe.convert --input_dir "{source}" --output_dir '
-                                      '"$MNT/out" --skip_logit_check --disable_tqdm'),
-                          ("export", f'{sys.executable} -m mhmoe.hub "{source}" "$MNT/out"')):  # fmt: skip
+    for name, command in (
+        (
+            "convert",
+            f'{sys.executable} -m mhmoe.convert --input_dir "{source}" --output_dir '
+            '"$MNT/out" --skip_logit_check --disable_tqdm',
+        ),
+        ("export", f'{sys.executable} -m mhmoe.hub "{source}" "$MNT/out"'),
+    ):
         proc = _in_private_mount(command, tmp_path / name, "1m", read_only=True)
         assert proc.returncode == 2, proc.stderr[-2000:]
         (line,) = proc.stderr.strip().splitlines()
@@ -255,8 +308,10 @@ def test_disk_full_while_writing_is_one_line(tmp_path):
     source = _llama_dir(tmp_path / "llama")
     weights = (source / "model.safetensors").stat().st_size
     size = (weights // 4096 + 3) * 4096  # the weights and config fit, the modeling code (~100 KB) does not
-    script = (f'{sys.executable} -m mhmoe.convert --input_dir "{source}" --output_dir "$MNT/out" --skip_logit_check '
-              '--disable_tqdm; echo "status $?"; ls -A "$MNT"')  # fmt: skip
+    script = (
+        f'{sys.executable} -m mhmoe.convert --input_dir "{source}" --output_dir "$MNT/out" --skip_logit_check '
+        '--disable_tqdm; echo "status $?"; ls -A "$MNT"'
+    )
     proc = _in_private_mount(script, tmp_path / "convert", str(size), read_only=False)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("mhmoe-convert: error: not enough disk space to write") and "/out" in line, line
@@ -305,10 +360,21 @@ def test_random_kills_then_rerun_gives_the_uninterrupted_result(tmp_path, tokeni
     out = parent / "moh"
     argv = ["--input_dir", str(source), "--output_dir", str(out), "--disable_tqdm", "--overwrite"]
     ctx = multiprocessing.get_context("forkserver")  # children forked from a process that imported everything once
-    ctx.set_forkserver_preload(["torch", "transformers", "mhmoe", "mhmoe.convert.cli", "mhmoe.convert.continue_tune",
-                                "mhmoe.convert.conversion", "mhmoe.convert.verify", "mhmoe.hub.remote_code",
-                                "mhmoe.models.moh_llama.modeling_moh_llama", "transformers.models.llama.modeling_llama",
-                                __name__])  # fmt: skip
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "transformers",
+            "mhmoe",
+            "mhmoe.convert.cli",
+            "mhmoe.convert.continue_tune",
+            "mhmoe.convert.conversion",
+            "mhmoe.convert.verify",
+            "mhmoe.hub.remote_code",
+            "mhmoe.models.moh_llama.modeling_moh_llama",
+            "transformers.models.llama.modeling_llama",
+            __name__,
+        ]
+    )
 
     def run(kill_after=None):
         """(exit code, seconds, seconds until the temporary folder appeared)"""
@@ -346,8 +412,10 @@ def test_random_kills_then_rerun_gives_the_uninterrupted_result(tmp_path, tokeni
             if out.exists():  # once there, always complete: the old or the new conversion, never a mix
                 assert _snapshot(out) == reference, f"{phase} kill {i}: half-written output"
             stray_seen += any(p.name.startswith(".moh.") for p in parent.iterdir())
-            print(f"{phase} kill {i}: exit {code}, output {'complete' if out.exists() else 'absent'}, "
-                  f"{sorted(p.name for p in parent.iterdir())}")
+            print(
+                f"{phase} kill {i}: exit {code}, output {'complete' if out.exists() else 'absent'}, "
+                f"{sorted(p.name for p in parent.iterdir())}"
+            )
         assert run()[0] == 0  # the rerun
         assert _snapshot(out) == reference
         assert sorted(p.name for p in parent.iterdir()) == ["moh"]
@@ -361,8 +429,23 @@ def test_export_of_a_continue_tuned_model_names_base_and_training(tmp_path, toke
 
     source = _llama_dir(tmp_path / "Tiny-Llama", tokenizer_dir)
     out = tmp_path / "tuned"
-    main(["--input_dir", str(source), "--output_dir", str(out), "--train_file", corpus["train"], "--block_size", "16",
-          "--per_device_train_batch_size", "2", "--max_steps", "1", "--disable_tqdm"])  # fmt: skip
+    main(
+        [
+            "--input_dir",
+            str(source),
+            "--output_dir",
+            str(out),
+            "--train_file",
+            corpus["train"],
+            "--block_size",
+            "16",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_steps",
+            "1",
+            "--disable_tqdm",
+        ]
+    )
     export_pretrained(str(out), str(tmp_path / "exported"))
     card = (tmp_path / "exported" / "README.md").read_text()
     assert "base_model: Tiny-Llama" in card and "Trained with `mhmoe-train` for 1 step (" in card

@@ -13,6 +13,7 @@ def test_binary_probe_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     (line,) = err.strip().splitlines()
-    assert line.endswith(f": error: --probe_file {probe} is not UTF-8 text (invalid start byte at byte 0); give a text "
-                         "file")  # fmt: skip
+    assert line.endswith(
+        f": error: --probe_file {probe} is not UTF-8 text (invalid start byte at byte 0); give a text file"
+    )
     assert not (tmp_path / "out").exists()

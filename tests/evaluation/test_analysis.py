@@ -8,7 +8,6 @@ from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCaus
 from mhmoe.evaluation.analysis import expert_load, head_load, plot_load
 from mhmoe.models.mhmoe.sparse_moe import MHMoETopKRouter
 
-
 VOCAB, HIDDEN, HEADS, HEAD_DIM = 100, 32, 8, 4
 
 
@@ -24,9 +23,16 @@ def batches():
 def moh_llama(shared=3, active=2):
     torch.manual_seed(0)
     config = MoHLlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3, num_attention_heads=HEADS,
-        num_key_value_heads=4, pad_token_id=0, moh_shared_heads=shared, moh_active_heads=active,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        num_key_value_heads=4,
+        pad_token_id=0,
+        moh_shared_heads=shared,
+        moh_active_heads=active,
+    )
     return MoHLlamaForCausalLM(config)
 
 
@@ -71,9 +77,17 @@ def test_head_load_matches_counts_from_the_queries():
 def test_expert_load_matches_router_choices():
     torch.manual_seed(0)
     config = MHMoEConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS,
-        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, moe_heads=2, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        moe_heads=2,
+        pad_token_id=0,
+    )
     model = MHMoEForCausalLM(config).eval()
     counts = torch.zeros(2, 6)
     rows = 0
@@ -116,9 +130,16 @@ def test_plot_load_writes_png_heat_maps(tmp_path):
 def test_load_needs_a_routed_model():
     torch.manual_seed(0)
     dense = MHMoEForCausalLM(
-        MHMoEConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
-                    num_attention_heads=HEADS, decoder_sparse_step=0, moh_shared_heads=None)
-    )  # fmt: skip
+        MHMoEConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=HEADS,
+            decoder_sparse_step=0,
+            moh_shared_heads=None,
+        )
+    )
     with pytest.raises(ValueError, match="returned no router_logits"):
         expert_load(dense, batches())
     with pytest.raises(ValueError, match="at least one batch"):
@@ -127,9 +148,18 @@ def test_load_needs_a_routed_model():
 
 def test_expert_load_refuses_lory_with_the_reason():
     lory = MHMoEForCausalLM(
-        MHMoEConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
-                    num_attention_heads=HEADS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                    router_type="lory", lory_segment_length=4)
-    )  # fmt: skip
+        MHMoEConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=HEADS,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            router_type="lory",
+            lory_segment_length=4,
+        )
+    )
     with pytest.raises(ValueError, match="Lory model .* selects no experts"):
         expert_load(lory, batches())

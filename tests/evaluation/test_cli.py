@@ -14,8 +14,10 @@ from mhmoe.evaluation import cli as eval_cli  # noqa: E402
         (["run", "--tasks", "x", "--bogus", "1"], "unrecognized arguments: --bogus 1 (see mhmoe-eval --help)"),
         (["run", "--limit", "abc"], "argument --limit/-L: invalid float value: 'abc' (see mhmoe-eval run --help)"),
         (["frob"], "argument COMMAND: invalid choice: 'frob'"),
-        (["ls", "frob"], "invalid choice: 'frob' (choose from 'tasks', 'groups', 'subtasks', 'tags') (see mhmoe-eval "
-                         "ls --help)"),
+        (
+            ["ls", "frob"],
+            "invalid choice: 'frob' (choose from 'tasks', 'groups', 'subtasks', 'tags') (see mhmoe-eval ls --help)",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_under_mhmoe_eval(argv, message, capsys):

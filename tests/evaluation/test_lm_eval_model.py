@@ -24,9 +24,12 @@ pytest.importorskip("lm_eval")
 import lm_eval  # noqa: E402
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM  # noqa: E402
-from mhmoe.evaluation import analysis  # noqa: E402
+from mhmoe.evaluation import (  # noqa: E402
+    analysis,  # noqa: E402
+    lm_eval_model,
+    suites,
+)
 from mhmoe.evaluation import cli as eval_cli  # noqa: E402
-from mhmoe.evaluation import lm_eval_model, suites  # noqa: E402
 from tests.fixtures import lm_eval_data as fx  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,9 +40,21 @@ SUBSET = {  # test-only groups with the real group names: 2 subjects per multi-s
     "cmmlu": ["cmmlu_agronomy", "cmmlu_anatomy"],
 }
 TABLE4_TASKS = {"sciq", "piqa", "winogrande", "openbookqa", "logiqa", "truthfulqa_mc1", "truthfulqa_mc2"}
-TABLE5_SHOTS = {"gsm8k": 8, "truthfulqa_mc1": 0, "truthfulqa_mc2": 0, "hellaswag": 10, "logiqa": 0, "boolq": 32,
-                "lambada_openai": 0, "sciq": 0, "piqa": 0, "winogrande": 0, "nq_open": 32, "arc_challenge": 25,
-                "arc_easy": 0}  # fmt: skip
+TABLE5_SHOTS = {
+    "gsm8k": 8,
+    "truthfulqa_mc1": 0,
+    "truthfulqa_mc2": 0,
+    "hellaswag": 10,
+    "logiqa": 0,
+    "boolq": 32,
+    "lambada_openai": 0,
+    "sciq": 0,
+    "piqa": 0,
+    "winogrande": 0,
+    "nq_open": 32,
+    "arc_challenge": 25,
+    "arc_easy": 0,
+}
 
 
 # ----------------------------------------------------------------------------------------------------------- fixtures
@@ -174,8 +189,14 @@ def test_moh_llama3_suite_in_process(work, monkeypatch):
     monkeypatch.chdir(work["mirror"])
     lm = _lm(work, max_length=1024)
     tm = suites.task_manager(["moh_llama3_suite"], include_path=str(work["subset"]))
-    results = suites.simple_evaluate(model=lm, tasks=["moh_llama3_suite"], task_manager=tm, limit=2, bootstrap_iters=0,
-                                  gen_kwargs={"max_gen_toks": 8})  # fmt: skip
+    results = suites.simple_evaluate(
+        model=lm,
+        tasks=["moh_llama3_suite"],
+        task_manager=tm,
+        limit=2,
+        bootstrap_iters=0,
+        gen_kwargs={"max_gen_toks": 8},
+    )
     shots = results["n-shot"]
     assert {t: shots[t] for t in TABLE5_SHOTS} == TABLE5_SHOTS
     assert all(shots[t] == 5 for tasks in SUBSET.values() for t in tasks)
@@ -212,8 +233,9 @@ def test_perplexity_tasks(work, monkeypatch):
     metadata = {f"{c}_path": str(corpora[c]) for c in ("redpajama", "wikipedia", "c4")}
     tm = suites.task_manager(["mhmoe_ppl"], metadata=metadata)
     lm = _lm(work, max_length=512)
-    results = suites.simple_evaluate(model=lm, tasks=["mhmoe_ppl", "mhmoe_ppl_wikitext"], task_manager=tm,
-                                  bootstrap_iters=0)  # fmt: skip
+    results = suites.simple_evaluate(
+        model=lm, tasks=["mhmoe_ppl", "mhmoe_ppl_wikitext"], task_manager=tm, bootstrap_iters=0
+    )
     assert results["max_length"] == 512
     model, tok = lm.model, lm.tokenizer
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
@@ -283,21 +305,61 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     cases = [
         (["--tasks", "mhmoe_ppl_c4"], "give the checkpoint with --model_args pretrained=DIR"),
         (["--model_args", f"pretrained={tmp_path / 'missing'}", "--tasks", "mhmoe_ppl_c4"], "no such directory"),
-        (["--model_args", f"pretrained={ckpt},peft={tmp_path / 'nope'}", "--tasks", "mhmoe_ppl_c4"],
-         "peft=.*nope: no such directory"),
-        (["--model_args", f"pretrained={adapter}", "--tasks", "mhmoe_ppl_c4"],
-         "is a LoRA adapter folder: use pretrained"),
+        (
+            ["--model_args", f"pretrained={ckpt},peft={tmp_path / 'nope'}", "--tasks", "mhmoe_ppl_c4"],
+            "peft=.*nope: no such directory",
+        ),
+        (
+            ["--model_args", f"pretrained={adapter}", "--tasks", "mhmoe_ppl_c4"],
+            "is a LoRA adapter folder: use pretrained",
+        ),
         (["--model_args", f"pretrained={ckpt}", "--tasks", "no_such_task"], "Tasks not found: no_such_task"),
         (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4"], "mhmoe_ppl_c4: no data"),
-        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata",
-          json.dumps({"c4_path": str(tmp_path / "nope.jsonl")})], "mhmoe_ppl_c4: c4_path=.*nope.jsonl: no such file"),
-        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata",
-          json.dumps({"c4_path": str(empty)})], "mhmoe_ppl_c4: c4_path=.*empty.jsonl is empty \\(0 bytes\\)"),
-        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata",
-          json.dumps({"c4_path": " , "})], "mhmoe_ppl_c4: c4_path is empty"),
-        (["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata",
-          json.dumps({"c4_path": str(blank)})], "mhmoe_ppl_c4: .*blank.jsonl holds no non-empty documents"),
-    ]  # fmt: skip
+        (
+            [
+                "--model_args",
+                f"pretrained={ckpt}",
+                "--tasks",
+                "mhmoe_ppl_c4",
+                "--metadata",
+                json.dumps({"c4_path": str(tmp_path / "nope.jsonl")}),
+            ],
+            "mhmoe_ppl_c4: c4_path=.*nope.jsonl: no such file",
+        ),
+        (
+            [
+                "--model_args",
+                f"pretrained={ckpt}",
+                "--tasks",
+                "mhmoe_ppl_c4",
+                "--metadata",
+                json.dumps({"c4_path": str(empty)}),
+            ],
+            "mhmoe_ppl_c4: c4_path=.*empty.jsonl is empty \\(0 bytes\\)",
+        ),
+        (
+            [
+                "--model_args",
+                f"pretrained={ckpt}",
+                "--tasks",
+                "mhmoe_ppl_c4",
+                "--metadata",
+                json.dumps({"c4_path": " , "}),
+            ],
+            "mhmoe_ppl_c4: c4_path is empty",
+        ),
+        (
+            [
+                "--model_args",
+                f"pretrained={ckpt}",
+                "--tasks",
+                "mhmoe_ppl_c4",
+                "--metadata",
+                json.dumps({"c4_path": str(blank)}),
+            ],
+            "mhmoe_ppl_c4: .*blank.jsonl holds no non-empty documents",
+        ),
+    ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             eval_cli.main(argv)
@@ -311,9 +373,19 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
 
 def test_routing_counts_match_router_logits():
     """Hook counts equal top-k of the router logits the model returns, over real tokens only (mask or lengths)."""
-    cfg = MHMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                      num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16, moe_heads=2,
-                      decoder_sparse_step=1, max_position_embeddings=64)  # fmt: skip
+    cfg = MHMoEConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_experts=5,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        moe_heads=2,
+        decoder_sparse_step=1,
+        max_position_embeddings=64,
+    )
     model = MHMoEForCausalLM(cfg).eval()
     stats = analysis.RoutingStatistics(model)
     assert len(stats.router_names) == 3
@@ -344,9 +416,18 @@ def test_routing_counts_match_router_logits():
 
 def test_routing_counts_in_cached_generation():
     """generate_until path: left-padded prompts, then one token per step with a mask covering the past."""
-    cfg = MHMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, moe_heads=4,
-                      max_position_embeddings=64)  # fmt: skip
+    cfg = MHMoEConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=16,
+        moe_heads=4,
+        max_position_embeddings=64,
+    )
     model = MHMoEForCausalLM(cfg).eval()
     stats = analysis.RoutingStatistics(model)
     ids = torch.randint(3, 64, (3, 7))
@@ -355,8 +436,15 @@ def test_routing_counts_in_cached_generation():
     mask[2, :5] = 0
     new = 4
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=0, eos_token_id=None)  # fmt: skip
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     # prefill: the real prompt tokens; then new - 1 decode steps of one token per sequence
     expected_rows = (int(mask.sum()) + (new - 1) * ids.shape[0]) * cfg.moe_heads
     assert [stats.moe[n].rows for n in stats.router_names] == [expected_rows] * 2
@@ -407,13 +495,34 @@ def test_moh_activated_heads(work, monkeypatch):
 def test_cli_subprocess(work, tmp_path):
     """`python -m mhmoe.evaluation` (= mhmoe-eval): the documented command, eval_tasks on the include path, results
     written with paper table rows and routing statistics, dtype/batch_size/max_length reaching the model."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(work["cache"]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    cmd = [sys.executable, "-m", "mhmoe.evaluation", "--model", "mhmoe",
-           "--model_args", f"pretrained={work['ckpt']},dtype=bfloat16,max_length=256",
-           "--tasks", "moh_llm_suite", "--device", "cpu", "--batch_size", "4", "--limit", "2",
-           "--output_path", str(tmp_path / "out")]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(work["cache"]),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "mhmoe.evaluation",
+        "--model",
+        "mhmoe",
+        "--model_args",
+        f"pretrained={work['ckpt']},dtype=bfloat16,max_length=256",
+        "--tasks",
+        "moh_llm_suite",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "4",
+        "--limit",
+        "2",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     proc = subprocess.run(cmd, cwd=work["mirror"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "routing statistics: MoE layers 2" in proc.stdout and "table4_avg" in proc.stdout

@@ -30,10 +30,21 @@ from mhmoe.hub.remote_code import check_exported_code
 from tests.fixtures import lm_eval_data as fx
 
 REPO = Path(__file__).resolve().parents[2]
-MOH_LLAMA = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-                 num_key_value_heads=2, max_position_embeddings=256, moh_shared_heads=1, moh_active_heads=2,
-                 moh_router="l2", moh_straight_through=True, bos_token_id=0, eos_token_id=0,
-                 pad_token_id=0)  # fmt: skip
+MOH_LLAMA = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    moh_shared_heads=1,
+    moh_active_heads=2,
+    moh_router="l2",
+    moh_straight_through=True,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
 MOH_LLAMA_ACTIVE_PCT = 100.0 * (1 + 2) / 6
 
 # Loads every exported folder with the Auto classes and writes its logits and greedy cached generation.
@@ -78,9 +89,16 @@ def _blocked_env(root: Path) -> dict:
     (fake / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe is not installed here (test)')\n")
     (fake / "triton").mkdir(exist_ok=True)  # nor triton: the exported kernel file must import without it
     (fake / "triton" / "__init__.py").write_text("raise ImportError('triton is not installed here (test)')\n")
-    return {**os.environ, "PYTHONPATH": str(fake), "HF_MODULES_CACHE": str(root / "hf_modules"),
-            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_datasets"),
-            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": str(fake),
+        "HF_MODULES_CACHE": str(root / "hf_modules"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(root / "hf_datasets"),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def _leftovers(parent: Path) -> list[str]:
@@ -105,8 +123,13 @@ def _datasets_cache(path: Path):
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub")
     torch.manual_seed(0)
-    src = fx.build_tiny_checkpoint(root / "mhmoe_src", shared_expert_intermediate_size=32, moh_shared_heads=2,
-                                   moh_active_heads=1, moh_router="learned")  # fmt: skip
+    src = fx.build_tiny_checkpoint(
+        root / "mhmoe_src",
+        shared_expert_intermediate_size=32,
+        moh_shared_heads=2,
+        moh_active_heads=1,
+        moh_router="learned",
+    )
     tokenizer = AutoTokenizer.from_pretrained(src)
     mhmoe_model = MHMoEForCausalLM.from_pretrained(src).eval()
     with torch.no_grad():
@@ -121,8 +144,12 @@ def exported(tmp_path_factory):
     tokenizer.save_pretrained(root / "moh_src")
     export_pretrained(root / "moh_src", root / "out" / "moh_llama")  # the directory route; tokenizer found there
     with _datasets_cache(root / "hf_datasets"):  # the in-process evaluations' cache, as the subprocesses'
-        yield {"root": root, "tokenizer": tokenizer, "models": {"mhmoe": mhmoe_model, "moh_llama": moh_model},
-               "dirs": {"mhmoe": root / "out" / "mhmoe", "moh_llama": root / "out" / "moh_llama"}}  # fmt: skip
+        yield {
+            "root": root,
+            "tokenizer": tokenizer,
+            "models": {"mhmoe": mhmoe_model, "moh_llama": moh_model},
+            "dirs": {"mhmoe": root / "out" / "mhmoe", "moh_llama": root / "out" / "moh_llama"},
+        }
 
 
 # ---------------------------------------------------------------------------------------- loading without mhmoe
@@ -137,8 +164,13 @@ def test_loads_without_mhmoe(exported):
     save_file(inputs, root / "inputs.safetensors")
     (root / "load.py").write_text(LOAD_SCRIPT)
     folders = {name: str(path) for name, path in exported["dirs"].items()}
-    cmd = [sys.executable, str(root / "load.py"), json.dumps(folders), str(root / "inputs.safetensors"),
-           str(root / "got")]
+    cmd = [
+        sys.executable,
+        str(root / "load.py"),
+        json.dumps(folders),
+        str(root / "inputs.safetensors"),
+        str(root / "got"),
+    ]
     proc = subprocess.run(cmd, cwd=root, env=_blocked_env(root), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, info = load_file(root / "got.safetensors"), json.loads((root / "got.json").read_text())
@@ -152,14 +184,18 @@ def test_loads_without_mhmoe(exported):
         assert [c.rsplit(".", 1)[1] for c in classes] == [f"{suffix}Config", f"{suffix}Model", f"{suffix}ForCausalLM"]
         with torch.no_grad():
             logits = model(inputs["input_ids"]).logits
-            generated = model.generate(inputs["prompt"], max_new_tokens=8, do_sample=False, use_cache=True,
-                                       pad_token_id=0)  # fmt: skip
+            generated = model.generate(
+                inputs["prompt"], max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0
+            )
         torch.testing.assert_close(got[f"{name}.logits"], logits, rtol=1e-5, atol=1e-5)
         assert torch.equal(got[f"{name}.generated"], generated)
         assert info[name]["tokens"] == exported["tokenizer"]("the water")["input_ids"]
     # the MoH routers really route: a dense model would not need the exported MoH files
-    gates = exported["models"]["mhmoe"].model.layers[0].self_attn.head_router(
-        torch.randn(1, 3, 32), torch.randn(1, 3, 4, 8))[0]  # fmt: skip
+    gates = (
+        exported["models"]["mhmoe"]
+        .model.layers[0]
+        .self_attn.head_router(torch.randn(1, 3, 32), torch.randn(1, 3, 4, 8))[0]
+    )
     assert int((gates != 0).sum()) == 3 * 3  # 2 shared + 1 routed of 4 heads per token
 
 
@@ -169,16 +205,31 @@ def test_exported_folder(exported):
     mhmoe_dir, moh_dir = exported["dirs"]["mhmoe"], exported["dirs"]["moh_llama"]
     models = REPO / "src" / "mhmoe" / "models"
     config = json.loads((moh_dir / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_moh_llama.MoHLlamaConfig",
-                                  "AutoModel": "modeling_moh_llama.MoHLlamaModel",
-                                  "AutoModelForCausalLM": "modeling_moh_llama.MoHLlamaForCausalLM"}  # fmt: skip
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_moh_llama.MoHLlamaConfig",
+        "AutoModel": "modeling_moh_llama.MoHLlamaModel",
+        "AutoModelForCausalLM": "modeling_moh_llama.MoHLlamaForCausalLM",
+    }
     assert json.loads((mhmoe_dir / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == (
         "modeling_mhmoe.MHMoEForCausalLM"
     )
     moh_files = check_exported_code(moh_dir)
-    shared = {"moh_attention.py", "head_routers.py", "head_skipping.py", "moh_config.py", "moh_losses.py",
-              "moh_parallel.py", "causal_lm.py", "cache_naming.py", "config_checks.py", "backends.py",
-              "head_router_naive.py", "head_router_triton.py", "routing_naive.py", "routing_triton.py"}  # fmt: skip
+    shared = {
+        "moh_attention.py",
+        "head_routers.py",
+        "head_skipping.py",
+        "moh_config.py",
+        "moh_losses.py",
+        "moh_parallel.py",
+        "causal_lm.py",
+        "cache_naming.py",
+        "config_checks.py",
+        "backends.py",
+        "head_router_naive.py",
+        "head_router_triton.py",
+        "routing_naive.py",
+        "routing_triton.py",
+    }
     assert {"configuration_moh_llama.py", "modeling_moh_llama.py"} | shared <= set(moh_files)
     assert not {"modeling_mhmoe.py", "sparse_moe.py", "lory.py", "bitnet.py", "patch.py"} & set(moh_files)
     # the MHMoE model reaches every module file of the model layer but MoH-LLaMA's and the config builders
@@ -232,10 +283,28 @@ def test_lm_eval_hf_trust_remote_code(exported, name):
 
     root, folder = exported["root"], exported["dirs"][name]
     metadata = _ppl_metadata(root)
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf",
-           "--model_args", f"pretrained={folder},trust_remote_code=True,max_length=512",
-           "--include_path", str(REPO / "eval_tasks"), "--tasks", "mhmoe_ppl_c4", "--metadata", json.dumps(metadata),
-           "--device", "cpu", "--batch_size", "4", "--output_path", str(root / f"lm_eval_out_{name}")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={folder},trust_remote_code=True,max_length=512",
+        "--include_path",
+        str(REPO / "eval_tasks"),
+        "--tasks",
+        "mhmoe_ppl_c4",
+        "--metadata",
+        json.dumps(metadata),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(root / f"lm_eval_out_{name}"),
+    ]
     proc = subprocess.run(cmd, cwd=root, env=_blocked_env(root), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = glob.glob(str(root / f"lm_eval_out_{name}" / "**" / "results_*.json"), recursive=True)
@@ -262,7 +331,9 @@ def test_lm_eval_moh_llama_routing_statistics(exported):
     from mhmoe.evaluation import lm_eval_model, suites
 
     metadata = _ppl_metadata(exported["root"])
-    lm = lm_eval_model.MHMoELM(pretrained=str(exported["dirs"]["moh_llama"]), device="cpu", batch_size=4, max_length=512)
+    lm = lm_eval_model.MHMoELM(
+        pretrained=str(exported["dirs"]["moh_llama"]), device="cpu", batch_size=4, max_length=512
+    )
     assert type(lm.model) is MoHLlamaForCausalLM  # mhmoe's own class, not the exported copy
     tm = suites.task_manager(["mhmoe_ppl"], metadata=metadata)
     results = lm_eval.simple_evaluate(model=lm, tasks=["mhmoe_ppl_c4"], task_manager=tm, bootstrap_iters=0)
@@ -301,8 +372,9 @@ def test_refuses_bad_sources(exported, tmp_path):
     pickled.mkdir()
     (pickled / "config.json").write_text((src / "config.json").read_text())
     (pickled / "pytorch_model.bin").write_bytes(b"not unpickled")
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2))  # fmt: skip
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
     llama.save_pretrained(tmp_path / "llama")
     cases = [
         (tmp_path / "missing", "is not a directory"),
@@ -371,8 +443,19 @@ def test_card_of_a_trained_model_reads_train_summary(checkpoint_dir, corpus, tmp
     from mhmoe.training import train
 
     run = tmp_path / "run"
-    train(dict(model_name_or_path=checkpoint_dir, output_dir=str(run), train_file=[corpus["train"]], block_size=16,
-               per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3, disable_tqdm=True, plot=False))
+    train(
+        dict(
+            model_name_or_path=checkpoint_dir,
+            output_dir=str(run),
+            train_file=[corpus["train"]],
+            block_size=16,
+            per_device_train_batch_size=2,
+            max_steps=2,
+            learning_rate=1e-3,
+            disable_tqdm=True,
+            plot=False,
+        )
+    )
     assert (run / "train_summary.json").is_file()
     export_pretrained(str(run), str(tmp_path / "exported"))
     card = (tmp_path / "exported" / "README.md").read_text()
@@ -390,8 +473,9 @@ def test_export_drops_local_paths_of_an_older_conversion_record(checkpoint_dir, 
     source = tmp_path / "converted"
     shutil.copytree(checkpoint_dir, source)
     dense = str(tmp_path / "private" / "Tiny-Llama")
-    (source / "moh_conversion.json").write_text(json.dumps({"input_dir": dense, "output_dir": str(source),
-                                                            "shared_heads": 2}))  # fmt: skip
+    (source / "moh_conversion.json").write_text(
+        json.dumps({"input_dir": dense, "output_dir": str(source), "shared_heads": 2})
+    )
     export_pretrained(str(source), str(tmp_path / "exported"))
     record = (tmp_path / "exported" / "moh_conversion.json").read_text()
     assert json.loads(record) == {"input_dir": "Tiny-Llama", "output_dir": "converted", "shared_heads": 2}

@@ -10,17 +10,29 @@ from safetensors import safe_open
 from torch import nn
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM
-from mhmoe.models.mhmoe.bitnet import BitLinear, BitNetExperts, PackedBitLinear, packed_model
 from mhmoe.hub import export_pretrained
+from mhmoe.models.mhmoe.bitnet import BitLinear, BitNetExperts, PackedBitLinear, packed_model
 from mhmoe.training.peft import lora_config
 from tests.fixtures.remote_code import load_without_mhmoe
 
 
 def tiny(**kw):
-    base = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, moe_heads=3, num_experts=6,
-                num_experts_per_tok=2, moe_intermediate_size=16, linear_type="bitnet_b158", bos_token_id=None,
-                eos_token_id=None)  # fmt: skip
+    base = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        moe_heads=3,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        linear_type="bitnet_b158",
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     base.update(kw)
     return MHMoEConfig(**base)
 
@@ -52,8 +64,14 @@ def test_weights_are_ternary_times_one_scale_per_matrix():
     model = MHMoEForCausalLM(tiny())
     linears = {n: m for n, m in model.named_modules() if isinstance(m, BitLinear)}
     # the paper's "all": attention, dense MLP (none here), head and merge layers and experts; not embeddings/head/router
-    assert {n.rsplit(".", 1)[-1] for n in linears} == {"q_proj", "k_proj", "v_proj", "o_proj", "head_proj",
-                                                       "merge_proj"}  # fmt: skip
+    assert {n.rsplit(".", 1)[-1] for n in linears} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "head_proj",
+        "merge_proj",
+    }
     assert type(model.lm_head) is nn.Linear and type(model.model.layers[0].mlp.gate) is not BitLinear
     for module in linears.values():
         _assert_ternary_one_scale(module.quantized_weight(), module.weight.detach())
@@ -93,8 +111,9 @@ def test_bitlinear_matches_paper_formula_and_ste_reaches_latent_weight():
 @pytest.mark.parametrize("hidden_size,moe_heads", [(48, 3), (18, 3)])  # W=16: grouped GEMM kernel; W=6: refused
 def test_grouped_quantised_experts_match_loop(hidden_size, moe_heads):
     torch.manual_seed(0)
-    experts = BitNetExperts(tiny(hidden_size=hidden_size, moe_heads=moe_heads, num_attention_heads=3,
-                                 num_key_value_heads=3))  # fmt: skip
+    experts = BitNetExperts(
+        tiny(hidden_size=hidden_size, moe_heads=moe_heads, num_attention_heads=3, num_key_value_heads=3)
+    )
     experts.init_parameters(0.5)
     with torch.no_grad():
         experts.gate_up_norm.uniform_(0.5, 1.5)
@@ -196,8 +215,10 @@ def test_packed_round_trip_with_moh_and_dense_layers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
         prompt = ids[:1, :4]
-        assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False),
-                           model.generate(prompt, max_new_tokens=6, do_sample=False))  # fmt: skip
+        assert torch.equal(
+            loaded.generate(prompt, max_new_tokens=6, do_sample=False),
+            model.generate(prompt, max_new_tokens=6, do_sample=False),
+        )
 
 
 def test_peft_lora_on_bitnet_model(tmp_path):

@@ -14,7 +14,6 @@ from mhmoe.models.mhmoe.experts import MHMOE_EXPERTS_FUNCTIONS
 from tests.causal_lm_tester import CASES, PAD, TOLERANCE, VOCAB, cpu_supports, greedy, prompts
 
 
-
 def over(cases):
     """Parametrize a check over `cases`, named by the case."""
     return pytest.mark.parametrize("case", cases, ids=[case.name for case in cases])
@@ -47,8 +46,11 @@ def test_eager_matches_sdpa(case, dtype):
         assert eager.logits.dtype == dtype and len(eager.attentions) == 2
         probs = eager.attentions[0]  # (B, H, T, T): rows of real queries sum to 1, padded keys get nothing
         assert probs.shape == (3, 4, 7, 7)
-        torch.testing.assert_close(probs.float().sum(-1)[kept.bool()[:, None, :].expand(-1, 4, -1)],
-                                   torch.ones(int(kept.sum()) * 4), **TOLERANCE[dtype])  # fmt: skip
+        torch.testing.assert_close(
+            probs.float().sum(-1)[kept.bool()[:, None, :].expand(-1, 4, -1)],
+            torch.ones(int(kept.sum()) * 4),
+            **TOLERANCE[dtype],
+        )
         if attention_mask is not None:
             assert probs[1, :, 3:, :3].abs().max() == 0
         torch.testing.assert_close(real(sdpa.logits, kept), real(eager.logits, kept), **TOLERANCE[dtype])
@@ -111,8 +113,9 @@ def test_cache_continuation_matches_full_forward(case):
         out = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True)
         steps = [out.logits]
         for t in range(5, 9):  # one token at a time: MoH decodes with head skipping here
-            out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=out.past_key_values,
-                        use_cache=True)  # fmt: skip
+            out = model(
+                ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=out.past_key_values, use_cache=True
+            )
             steps.append(out.logits)
     torch.testing.assert_close(real(torch.cat(steps, dim=1), mask), real(full, mask), **TOLERANCE[torch.float32])
 
@@ -160,8 +163,15 @@ def test_beam_search_scores_are_the_sequences_log_probabilities(case):
     model = case.make()
     ids = prompts(batch=1)[0]
     assert torch.equal(greedy(model, ids, num_beams=1), greedy(model, ids))
-    out = greedy(model, ids, num_beams=3, num_return_sequences=2, length_penalty=0.0, output_scores=True,
-                 return_dict_in_generate=True)  # fmt: skip
+    out = greedy(
+        model,
+        ids,
+        num_beams=3,
+        num_return_sequences=2,
+        length_penalty=0.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     assert out.sequences.shape == (2, 12)
     with torch.no_grad():
         log_probs = torch.log_softmax(model(out.sequences).logits[:, 6:-1].float(), dim=-1)
@@ -200,7 +210,8 @@ def test_save_and_reload(case, shard, tmp_path):
     assert type(reloaded) is type(model)
     saved = reloaded.config.to_dict()
     assert {key: saved.get(key) for key in model.config.to_dict() if key != "_name_or_path"} == {
-        key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
+        key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"
+    }
     ids, mask = prompts()
     with torch.no_grad():
         assert torch.equal(reloaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
@@ -208,8 +219,10 @@ def test_save_and_reload(case, shard, tmp_path):
             assert type(AutoConfig.from_pretrained(tmp_path)) is type(model.config)
             base = AutoModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
             assert type(base) is type(model.model)
-            assert torch.equal(base(ids, attention_mask=mask).last_hidden_state,
-                               model.model(ids, attention_mask=mask).last_hidden_state)  # fmt: skip
+            assert torch.equal(
+                base(ids, attention_mask=mask).last_hidden_state,
+                model.model(ids, attention_mask=mask).last_hidden_state,
+            )
 
 
 @every_case
@@ -398,8 +411,11 @@ def test_missing_weights_are_initialised(case, tmp_path):
     matrices random at `initializer_range`."""
     model = case.make()
     model.save_pretrained(tmp_path)
-    save_file({"model.embed_tokens.weight": model.model.embed_tokens.weight.detach().contiguous()},
-              tmp_path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {"model.embed_tokens.weight": model.model.embed_tokens.weight.detach().contiguous()},
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     loaded = case.reload(tmp_path)
     std = model.config.initializer_range
     for name, param in loaded.named_parameters():

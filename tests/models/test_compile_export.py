@@ -10,15 +10,26 @@ from mhmoe import MHMoEConfig, MHMoEForCausalLM
 
 CONFIGS = {
     "mhmoe-h2-moh": dict(moe_heads=2, moh_active_heads=2, moh_shared_heads=1, moh_router="l2"),
-    "capacity-moh-shared": dict(moe_heads=2, capacity_factor=0.75, shared_expert_intermediate_size=16,
-                                moh_active_heads=1, moh_shared_heads=1),  # fmt: skip
+    "capacity-moh-shared": dict(
+        moe_heads=2, capacity_factor=0.75, shared_expert_intermediate_size=16, moh_active_heads=1, moh_shared_heads=1
+    ),
 }
 
 
 def _model(**fields) -> MHMoEForCausalLM:
-    base = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, num_experts=5, num_experts_per_tok=2,
-                moe_intermediate_size=16, output_router_logits=True)  # fmt: skip
+    base = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_experts=5,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        output_router_logits=True,
+    )
     torch.manual_seed(0)
     model = MHMoEForCausalLM(MHMoEConfig(**{**base, **fields})).eval()
     with torch.no_grad():  # large enough weights for the routing to depend on the input (and capacity to drop)
@@ -85,7 +96,11 @@ def test_export_matches_eager(name):
         program = torch.export.export(model, (), {"input_ids": ids, "use_cache": False})
         got = program.module()(input_ids=ids, use_cache=False)
         other = _ids(seed=5)  # another input through the same program: the routing is not baked in
-        torch.testing.assert_close(program.module()(input_ids=other, use_cache=False).logits,
-                                   model(input_ids=other, use_cache=False).logits, rtol=1e-5, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            program.module()(input_ids=other, use_cache=False).logits,
+            model(input_ids=other, use_cache=False).logits,
+            rtol=1e-5,
+            atol=1e-5,
+        )
     torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.aux_loss, expected.aux_loss, rtol=1e-5, atol=1e-5)

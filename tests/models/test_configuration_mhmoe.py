@@ -6,8 +6,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 import mhmoe
 from mhmoe import MHMoEConfig, MHMoEForCausalLM
 
-TINY = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            moe_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
+TINY = dict(
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    moe_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
 
 
 def test_defaults_resolve_head_and_merge_layers():

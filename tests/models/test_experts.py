@@ -9,7 +9,10 @@ import torch
 
 from mhmoe.models.mhmoe.configuration_mhmoe import MHMoEConfig
 from mhmoe.models.mhmoe.experts import (
-    MHMOE_EXPERTS_FUNCTIONS, MHMoEExperts, eager_experts_forward, grouped_experts_forward,
+    MHMOE_EXPERTS_FUNCTIONS,
+    MHMoEExperts,
+    eager_experts_forward,
+    grouped_experts_forward,
 )
 from mhmoe.models.mhmoe.sparse_moe import MHMoESparseMoeBlock
 from mhmoe.models.ops.backends import route, sort_by_expert
@@ -182,7 +185,11 @@ def _block_run(block, x, implementation: str, use_reentrant: bool | None = None,
 def _h3_block() -> MHMoESparseMoeBlock:
     """A small h=3 block (width 24, 7 experts, top-3) with random weights."""
     config = MHMoEConfig(
-        hidden_size=24, num_attention_heads=2, num_experts=7, num_experts_per_tok=3, moe_intermediate_size=16,
+        hidden_size=24,
+        num_attention_heads=2,
+        num_experts=7,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
         moe_heads=3,
     )
     return _random_block(config)
@@ -380,8 +387,10 @@ def test_pool_keeps_buffers_while_a_graph_needs_them(pool):
     leaves = [x.clone().requires_grad_() for x in inputs]
     outs = [grouped_experts_forward(experts, leaf, index, weights) for leaf in leaves]  # two graphs alive
     params = {p.data_ptr() for p in experts.parameters()}
-    saved = [{t.data_ptr() for t in out.grad_fn.saved_tensors if t.numel() > 37 * 3} - params - {leaf.data_ptr()}
-             for out, leaf in zip(outs, leaves)]  # fmt: skip
+    saved = [
+        {t.data_ptr() for t in out.grad_fn.saved_tensors if t.numel() > 37 * 3} - params - {leaf.data_ptr()}
+        for out, leaf in zip(outs, leaves)
+    ]
     assert len(saved[0]) == 1 and not saved[0] & saved[1]  # gate_up (the rest is recomputed): one per graph
     outs[0].backward(grad_out, retain_graph=True)
     assert not (saved[0] | saved[1]) & _pooled(pool)  # both graphs still hold theirs
@@ -442,9 +451,18 @@ def test_pool_and_inference_mode(pool):
 def _registry_model(capacity_factor=None):
     from mhmoe import MHMoEForCausalLM
 
-    config = MHMoEConfig(vocab_size=31, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=2, moe_heads=2, num_experts=5, num_experts_per_tok=2,
-                         moe_intermediate_size=8, capacity_factor=capacity_factor)  # fmt: skip
+    config = MHMoEConfig(
+        vocab_size=31,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        moe_heads=2,
+        num_experts=5,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        capacity_factor=capacity_factor,
+    )
     torch.manual_seed(0)
     model = MHMoEForCausalLM(config).eval()
     with torch.no_grad():

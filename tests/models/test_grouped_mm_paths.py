@@ -95,8 +95,15 @@ def test_path_choice():
 
 
 def _experts(dtype=torch.float32):
-    config = MHMoEConfig(hidden_size=48, moe_heads=3, num_attention_heads=1, head_dim=2, num_experts=6,
-                         num_experts_per_tok=3, moe_intermediate_size=32)  # fmt: skip
+    config = MHMoEConfig(
+        hidden_size=48,
+        moe_heads=3,
+        num_attention_heads=1,
+        head_dim=2,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+    )
     config._experts_implementation = "grouped_mm"
     experts = MHMoEExperts(config)
     torch.manual_seed(0)
@@ -135,9 +142,19 @@ def test_experts_under_autocast_run_in_bf16_with_fp32_master_gradients():
 
 
 def test_model_training_step_under_bf16_autocast_close_to_fp32():
-    config = MHMoEConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_experts=6, num_experts_per_tok=3, moe_heads=3,
-                         moe_intermediate_size=32, decoder_sparse_step=1, max_position_embeddings=32)  # fmt: skip
+    config = MHMoEConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_heads=3,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = MHMoEForCausalLM(config)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))

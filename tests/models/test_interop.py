@@ -5,10 +5,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from mhmoe import MHMoEConfig, MHMoEForCausalLM, from_llama_config, from_mixtral_config
+from mhmoe import MHMoEForCausalLM, from_llama_config, from_mixtral_config
 
-TINY = dict(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+TINY = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
 
 
 def _shapes(model):
@@ -40,8 +47,14 @@ def test_dense_equals_llama(kv_heads, tied):
 
 @pytest.mark.parametrize("top_k,sliding_window", [(2, None), (1, 5)])
 def test_smoe_equals_mixtral(top_k, sliding_window):
-    mixtral_cfg = MixtralConfig(**TINY, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=top_k,
-                                sliding_window=sliding_window, router_aux_loss_coef=0.02)  # fmt: skip
+    mixtral_cfg = MixtralConfig(
+        **TINY,
+        num_key_value_heads=2,
+        num_local_experts=5,
+        num_experts_per_tok=top_k,
+        sliding_window=sliding_window,
+        router_aux_loss_coef=0.02,
+    )
     mixtral = MixtralForCausalLM(mixtral_cfg).eval()
     cfg = from_mixtral_config(mixtral_cfg)
     ours = MHMoEForCausalLM(cfg).eval()

@@ -7,19 +7,31 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, moe_layer_cost
-from mhmoe.training.data import order_by_similarity
 from mhmoe.hub import export_pretrained
 from mhmoe.models.mhmoe.lory import MHLoryBlock
+from mhmoe.training.data import order_by_similarity
 from tests.fixtures.remote_code import load_without_mhmoe
 
 POOLS = ["shared", "per_head"]  # MH-Lory v1, v2
 
 
 def tiny(**kw):
-    base = dict(vocab_size=89, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, moe_heads=3, num_experts=4,
-                moe_intermediate_size=16, router_type="lory", lory_segment_length=4, bos_token_id=None,
-                eos_token_id=None)  # fmt: skip
+    base = dict(
+        vocab_size=89,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        moe_heads=3,
+        num_experts=4,
+        moe_intermediate_size=16,
+        router_type="lory",
+        lory_segment_length=4,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     base.update(kw)
     return MHMoEConfig(**base)
 
@@ -169,8 +181,9 @@ def test_moe_layer_cost_counts_parameters_and_the_merge(pool):
     # measured: multiply-adds of the block's matmuls (head/merge, router, merge, expert, shared) over one segment
     with FlopCounterMode(display=False) as counter:
         block(torch.randn(1, 8, d))
-    assert counter.get_total_flops() == 2 * (8 * (cost.macs_per_token - round(cost.merge_macs_per_segment / 8))
-                                             + cost.merge_macs_per_segment)  # fmt: skip
+    assert counter.get_total_flops() == 2 * (
+        8 * (cost.macs_per_token - round(cost.merge_macs_per_segment / 8)) + cost.merge_macs_per_segment
+    )
     assert cost.macs_per_token == 2 * d * d + 3 * d * f + 3 * d * 8 + round(cost.merge_macs_per_segment / 8)
 
 
@@ -188,8 +201,11 @@ def test_config_refuses_bad_lory_fields():
 
 
 def test_order_by_similarity_puts_similar_documents_next_to_each_other():
-    topics = {"cat": "cats purr and meow, a cat chases mice", "ship": "ships sail the sea, a ship has a hull",
-              "code": "python code compiles, functions return values"}  # fmt: skip
+    topics = {
+        "cat": "cats purr and meow, a cat chases mice",
+        "ship": "ships sail the sea, a ship has a hull",
+        "code": "python code compiles, functions return values",
+    }
     documents = [f"{topics[t]} {i}" for i in range(4) for t in topics]  # interleaved: every neighbour differs
     ordered = order_by_similarity(documents)
     assert sorted(ordered) == sorted(documents)  # a permutation

@@ -13,9 +13,20 @@ from mhmoe.models.mhmoe.sparse_moe import MHMoESparseMoeBlock
 
 
 def tiny(**kw):
-    base = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, moe_heads=3, num_experts=10,
-                num_experts_per_tok=3, moe_intermediate_size=20, shared_expert_intermediate_size=0)  # fmt: skip
+    base = dict(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        moe_heads=3,
+        num_experts=10,
+        num_experts_per_tok=3,
+        moe_intermediate_size=20,
+        shared_expert_intermediate_size=0,
+    )
     base.update(kw)
     return MHMoEConfig(**base)
 

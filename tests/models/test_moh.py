@@ -20,19 +20,34 @@ VOCAB, HIDDEN, HEADS = 100, 32, 8
 
 def tiny_mhmoe(**kwargs) -> MHMoEConfig:
     fields = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS,
-        num_key_value_heads=4, decoder_sparse_step=0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        pad_token_id=0, eos_token_id=None,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=4,
+        decoder_sparse_step=0,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     fields.update(kwargs)
     return MHMoEConfig(**fields)
 
 
 def tiny_llama_fields(**kwargs) -> dict:
     fields = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS,
-        num_key_value_heads=4, pad_token_id=0, eos_token_id=None,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=4,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     fields.update(kwargs)
     return fields
 
@@ -99,7 +114,9 @@ def test_learned_router_matches_paper_equations(shared, active):
             if shared == 0:
                 expected = routed
             else:
-                shared_gates = [g * shared for g in naive_softmax(project(router.shared_weight))] if shared > 1 else [1.0]
+                shared_gates = (
+                    [g * shared for g in naive_softmax(project(router.shared_weight))] if shared > 1 else [1.0]
+                )
                 alpha1, alpha2 = (2 * a for a in naive_softmax(project(router.stage_weight)))
                 expected = [alpha1 * g for g in shared_gates] + [alpha2 * g for g in routed]
             torch.testing.assert_close(logits[b, t], torch.tensor(routed_logits), rtol=1e-5, atol=1e-5)
@@ -135,9 +152,12 @@ def test_all_heads_active_l2_straight_through_equals_llama_exactly(attn, kv_head
     torch.manual_seed(kv_heads)
     llama = LlamaForCausalLM(LlamaConfig(**tiny_llama_fields(num_key_value_heads=kv_heads))).eval()
     config = MoHLlamaConfig(
-        **tiny_llama_fields(num_key_value_heads=kv_heads), moh_shared_heads=3, moh_active_heads=5, moh_router="l2",
+        **tiny_llama_fields(num_key_value_heads=kv_heads),
+        moh_shared_heads=3,
+        moh_active_heads=5,
+        moh_router="l2",
         moh_straight_through=True,
-    )  # fmt: skip
+    )
     model = MoHLlamaForCausalLM(config).eval()
     model.load_state_dict(llama.state_dict(), strict=True)
     assert set(model.state_dict()) == set(llama.state_dict())
@@ -155,9 +175,10 @@ def test_mhmoe_all_heads_active_l2_straight_through_equals_plain_mhmoe_exactly()
     torch.manual_seed(0)
     plain = MHMoEForCausalLM(tiny_mhmoe(decoder_sparse_step=1)).eval()
     model = MHMoEForCausalLM(
-        tiny_mhmoe(decoder_sparse_step=1, moh_shared_heads=2, moh_active_heads=6, moh_router="l2",
-                   moh_straight_through=True)
-    ).eval()  # fmt: skip
+        tiny_mhmoe(
+            decoder_sparse_step=1, moh_shared_heads=2, moh_active_heads=6, moh_router="l2", moh_straight_through=True
+        )
+    ).eval()
     model.load_state_dict(plain.state_dict(), strict=True)
     x = torch.randint(1, VOCAB, (2, 7))
     assert torch.equal(model(x).logits, plain(x).logits)
@@ -212,9 +233,11 @@ def test_head_skipping_equals_masked_computation(kv_heads, mask_kind, seq):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     # and the masked reference is what the model computes: gates on the per-head outputs of a standard attention
     dense = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(HEADS // kv_heads, 1), value.repeat_interleave(HEADS // kv_heads, 1),
+        query,
+        key.repeat_interleave(HEADS // kv_heads, 1),
+        value.repeat_interleave(HEADS // kv_heads, 1),
         attn_mask=mask if mask is not None else None,
-    ).transpose(1, 2)  # fmt: skip
+    ).transpose(1, 2)
     torch.testing.assert_close(o_proj((dense * gates[..., None]).flatten(2)), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -418,8 +441,10 @@ BAD_MOH = [
     (dict(moh_shared_heads=-1, moh_active_heads=1), "moh_shared_heads must be >= 0"),
     (dict(moh_shared_heads=2, moh_active_heads=0), "moh_active_heads (routed heads active per token) must be >= 1"),
     (dict(moh_shared_heads=2, moh_active_heads=2, moh_router="topk"), "moh_router must be one of"),
-    (dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef=-0.1),
-     "moh_aux_loss_coef must be a finite number >= 0"),
+    (
+        dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef=-0.1),
+        "moh_aux_loss_coef must be a finite number >= 0",
+    ),
 ]
 
 
@@ -503,7 +528,9 @@ def test_mhmoe_with_learned_router_trains_from_scratch():
     assert aux_start > 3.9  # R·Σf·P of a collapsed router (K = 2 is perfect balance)
     assert lm_end < 0.5 * lm_start
     assert aux_end < aux_start - 0.3
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.model.layers[0].self_attn.head_router.parameters())
+    assert any(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in model.model.layers[0].self_attn.head_router.parameters()
+    )
 
 
 def test_fresh_learned_router_learns_token_dependent_routing():

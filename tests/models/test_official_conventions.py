@@ -22,9 +22,20 @@ from mhmoe.models.ops.routing.routing_naive import expert_capacity, route
 
 
 def tiny(**kw):
-    base = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=64, moe_heads=2, num_experts=3, num_experts_per_tok=2,
-                moe_intermediate_size=8, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    base = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        moe_heads=2,
+        num_experts=3,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     base.update(kw)
     return MHMoEConfig(**base)
 
@@ -67,8 +78,9 @@ def official_mhmoe_layer(x, block, top_k):
             if kept[row]:
                 e = int(expert_ids[row])
                 w = block.experts.gate_up_proj[e]
-                out[row] = out[row] + gate[row] * official_ffn(sub[row], w[inter:], w[:inter],
-                                                               block.experts.down_proj[e])  # fmt: skip
+                out[row] = out[row] + gate[row] * official_ffn(
+                    sub[row], w[inter:], w[:inter], block.experts.down_proj[e]
+                )
     merged = F.linear(out.reshape(tokens.shape), block.merge_proj.weight, block.merge_proj.bias)
     return merged.reshape(x.shape)
 
@@ -164,8 +176,10 @@ def test_official_preset():
     bitnet = matched_to_smoe(bitnet_smoe, 2, 2, round_experts_to=1, conventions="official")
     assert (bitnet.bitnet_quantized_layers, bitnet.bitnet_ffn_norm) == ("official", "before_down")
     # kwargs win over the preset
-    assert matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official",
-                                       capacity_factor=2.0).capacity_factor == 2.0  # fmt: skip
+    assert (
+        matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official", capacity_factor=2.0).capacity_factor
+        == 2.0
+    )
     with pytest.raises(ValueError, match="conventions must be one of"):
         matched_to_smoe(smoe, 2, 2, conventions="paper")
 
@@ -269,9 +283,19 @@ def test_bitnet_experts_match_the_official_ffn(ffn_norm):
             e = int(index[n, slot])
             w = experts.gate_up_proj[e]
             gain = None if experts.gate_up_norm is None else experts.gate_up_norm[e]
-            row = row + weights[n, slot] * official_bitnet_ffn(ref_x[n : n + 1], w[inter:], w[:inter],
-                                                               experts.down_proj[e], experts.down_norm[e],
-                                                               experts.eps, gain)[0]  # fmt: skip
+            row = (
+                row
+                + weights[n, slot]
+                * official_bitnet_ffn(
+                    ref_x[n : n + 1],
+                    w[inter:],
+                    w[:inter],
+                    experts.down_proj[e],
+                    experts.down_norm[e],
+                    experts.eps,
+                    gain,
+                )[0]
+            )
         rows.append(row)
     ref = torch.stack(rows)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # quantisers compute in fp32
@@ -302,8 +326,14 @@ MODULE_TYPES = {  # bitnet_quantized_layers -> quantised (attention, dense MLP, 
 
 @pytest.mark.parametrize("layers", list(MODULE_TYPES))
 def test_which_projections_each_bitnet_setting_quantises(layers):
-    model = MHMoEForCausalLM(tiny(linear_type="bitnet_b158", bitnet_quantized_layers=layers, decoder_sparse_step=2,
-                                  shared_expert_intermediate_size=8))  # fmt: skip
+    model = MHMoEForCausalLM(
+        tiny(
+            linear_type="bitnet_b158",
+            bitnet_quantized_layers=layers,
+            decoder_sparse_step=2,
+            shared_expert_intermediate_size=8,
+        )
+    )
     dense, moe = model.model.layers
     attention, mlp, head, experts = MODULE_TYPES[layers]
     assert isinstance(dense.self_attn.q_proj, BitLinear) == attention
@@ -315,8 +345,14 @@ def test_which_projections_each_bitnet_setting_quantises(layers):
 
 
 def test_before_down_drops_the_ffn_input_norms_only():
-    model = MHMoEForCausalLM(tiny(linear_type="bitnet_b158", bitnet_quantized_layers="official", decoder_sparse_step=2,
-                                  bitnet_ffn_norm="before_down"))  # fmt: skip
+    model = MHMoEForCausalLM(
+        tiny(
+            linear_type="bitnet_b158",
+            bitnet_quantized_layers="official",
+            decoder_sparse_step=2,
+            bitnet_ffn_norm="before_down",
+        )
+    )
     dense, moe = model.model.layers
     assert dense.mlp.gate_proj.input_norm is None and dense.mlp.up_proj.input_norm is None
     assert dense.mlp.down_proj.input_norm is not None and dense.self_attn.q_proj.input_norm is not None

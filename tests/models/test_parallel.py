@@ -22,12 +22,13 @@ from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCaus
 from tests.causal_lm_tester import MOE, MOH, TINY, randomise_moh_routers
 
 CASES = {  # every rule of the plans is used by at least one case
-    "mh-moe": lambda: MHMoEForCausalLM(MHMoEConfig(**TINY, **MOE, moe_heads=2, decoder_sparse_step=2,
-                                                   shared_expert_intermediate_size=16)),  # dense + MoE layer
+    "mh-moe": lambda: MHMoEForCausalLM(
+        MHMoEConfig(**TINY, **MOE, moe_heads=2, decoder_sparse_step=2, shared_expert_intermediate_size=16)
+    ),  # dense + MoE layer
     "smoe": lambda: MHMoEForCausalLM(MHMoEConfig(**TINY, **MOE, moe_heads=1)),
     "moh-mh-moe": lambda: MHMoEForCausalLM(MHMoEConfig(**TINY, **MOE, **MOH, moe_heads=2)),  # learned head router
     "moh_llama": lambda: MoHLlamaForCausalLM(MoHLlamaConfig(**TINY, **MOH)),  # l2 head router: gathered norms
-}  # fmt: skip
+}
 EXPERT_CASES = ["mh-moe", "smoe", "moh-mh-moe"]
 # "fsdp-ep": FSDP2 data parallel with experts sharded over the same 2 ranks (both ranks get the same batch here, so the
 # averaged gradients equal the single-process ones)
@@ -61,8 +62,9 @@ def run(model) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, folder: str, port: int):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     for mode, sizes in MODES.items():
         for name in CASES if mode == "tp" else EXPERT_CASES:
@@ -73,17 +75,21 @@ def _worker(rank: int, folder: str, port: int):
             if rank == 0:
                 save_file(results, os.path.join(folder, f"{mode}-{name}.safetensors"))
     for name in PIPELINE_CASES:  # inference only: Transformers' naive pipeline forward returns no loss
-        model = AutoModelForCausalLM.from_pretrained(os.path.join(folder, name), distributed_config=DistributedConfig(
-            pp_size=2), attn_implementation="eager")  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.join(folder, name), distributed_config=DistributedConfig(pp_size=2), attn_implementation="eager"
+        )
         ids, mask, _ = batch()
         with torch.no_grad():
             logits = model(ids, attention_mask=mask).logits
         stage = [type(layer).__name__ != "PipelineIdentityLayer" for layer in model.model.layers]
         if rank == 0:
-            save_file({"logits": logits.contiguous(), "layers_here": torch.tensor(stage)},
-                      os.path.join(folder, f"pp-{name}.safetensors"))  # fmt: skip
-    llama = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "llama"), distributed_config=DistributedConfig(
-        tp_size=2))  # fmt: skip
+            save_file(
+                {"logits": logits.contiguous(), "layers_here": torch.tensor(stage)},
+                os.path.join(folder, f"pp-{name}.safetensors"),
+            )
+    llama = AutoModelForCausalLM.from_pretrained(
+        os.path.join(folder, "llama"), distributed_config=DistributedConfig(tp_size=2)
+    )
     try:
         apply_moh(llama, **MOH)
     except ValueError as error:
@@ -110,8 +116,11 @@ def parallel_runs(tmp_path_factory):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.spawn(_worker, args=(str(folder), port), nprocs=2)
-    parallel = {(mode, name): load_file(folder / f"{mode}-{name}.safetensors")
-                for mode in MODES for name in (CASES if mode == "tp" else EXPERT_CASES)}  # fmt: skip
+    parallel = {
+        (mode, name): load_file(folder / f"{mode}-{name}.safetensors")
+        for mode in MODES
+        for name in (CASES if mode == "tp" else EXPERT_CASES)
+    }
     parallel.update({("pp", name): load_file(folder / f"pp-{name}.safetensors") for name in PIPELINE_CASES})
     parallel["apply_moh_refusal"] = (folder / "apply_moh_refusal.txt").read_text()
     return reference, parallel

@@ -4,8 +4,14 @@ import pytest
 
 from mhmoe import MHMoEConfig, MHMoEModel, from_mixtral_config, matched_moe_settings, matched_to_smoe, moe_layer_cost
 
-PAPER_SMOE = dict(hidden_size=768, num_attention_heads=12, moe_intermediate_size=2048, num_experts=8,
-                  num_experts_per_tok=1, moe_heads=1)  # fmt: skip
+PAPER_SMOE = dict(
+    hidden_size=768,
+    num_attention_heads=12,
+    moe_intermediate_size=2048,
+    num_experts=8,
+    num_experts_per_tok=1,
+    moe_heads=1,
+)
 
 
 @pytest.mark.parametrize("h,k,intermediate,experts", [(2, 2, 768, 40), (3, 3, 512, 96)])
@@ -14,6 +20,7 @@ def test_reproduces_paper_section_3(h, k, intermediate, experts):
     mh = matched_to_smoe(smoe, moe_heads=h, num_experts_per_tok=k, round_experts_to=8)
     assert (mh.moe_intermediate_size, mh.num_experts) == (intermediate, experts)
     assert mh.moe_head_layer and mh.moe_merge_layer and mh.hidden_size == 768
+
     # activated multiply-adds are equal once the router's d·E term (not in the paper's count) is set aside
     def without_router(cfg):
         return moe_layer_cost(cfg).macs_per_token - cfg.hidden_size * cfg.num_experts
@@ -52,14 +59,24 @@ def test_rejects_impossible_matches():
     ],
 )
 def test_cost_counts_real_module_parameters(fields):
-    cfg = MHMoEConfig(vocab_size=50, hidden_size=48, num_attention_heads=4, intermediate_size=32,
-                      num_hidden_layers=2, num_experts=7, num_experts_per_tok=2, moe_intermediate_size=12, **fields)  # fmt: skip
+    cfg = MHMoEConfig(
+        vocab_size=50,
+        hidden_size=48,
+        num_attention_heads=4,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_experts=7,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        **fields,
+    )
     block = MHMoEModel(cfg).layers[0].mlp
     assert sum(p.numel() for p in block.parameters()) == moe_layer_cost(cfg).params
 
 
 def _matched_gap(source: MHMoEConfig, matched: MHMoEConfig) -> tuple[float, int]:
     """(relative parameter gap, activated multiply-add difference without the routers' d·E terms)."""
+
     def without_router(cfg):
         return moe_layer_cost(cfg).macs_per_token - cfg.hidden_size * cfg.num_experts
 
@@ -70,15 +87,22 @@ def _matched_gap(source: MHMoEConfig, matched: MHMoEConfig) -> tuple[float, int]
 def test_matched_to_smoe_from_mixtral_an_mh_moe_source_and_without_head_or_merge():
     from transformers import MixtralConfig
 
-    mixtral = MixtralConfig(hidden_size=768, intermediate_size=2048, num_local_experts=8, num_experts_per_tok=1,
-                            num_attention_heads=12, num_key_value_heads=12)  # fmt: skip
+    mixtral = MixtralConfig(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_local_experts=8,
+        num_experts_per_tok=1,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+    )
     source = from_mixtral_config(mixtral)
     mh = matched_to_smoe(source, moe_heads=2, num_experts_per_tok=2)
     assert mh.router_aux_loss_mode == "per_layer"  # Mixtral's pooled mode needs h=1
     assert (mh.moe_intermediate_size, mh.num_experts) == (768, 40)
     # an MH-MoE source: its experts are d/h wide (Section 3's h=3 config matched back to h=2)
-    h3 = MHMoEConfig(**{**PAPER_SMOE, "moe_heads": 3, "num_experts": 96, "num_experts_per_tok": 3,
-                        "moe_intermediate_size": 512})  # fmt: skip
+    h3 = MHMoEConfig(
+        **{**PAPER_SMOE, "moe_heads": 3, "num_experts": 96, "num_experts_per_tok": 3, "moe_intermediate_size": 512}
+    )
     matched = matched_to_smoe(h3, moe_heads=2, num_experts_per_tok=2, round_experts_to=1)
     params_gap, macs_gap = _matched_gap(h3, matched)
     assert params_gap < 0.012 and macs_gap == 0  # E rounded to an integer: at most half an expert (1.1%) off
@@ -97,5 +121,4 @@ def test_matched_to_smoe_refusals():
     with pytest.raises(ValueError, match="from_mixtral_config"):
         matched_to_smoe(MixtralConfig(), moe_heads=2, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="dense"):
-        matched_to_smoe(MHMoEConfig(**PAPER_SMOE, decoder_sparse_step=0), moe_heads=2,
-                                    num_experts_per_tok=2)  # fmt: skip
+        matched_to_smoe(MHMoEConfig(**PAPER_SMOE, decoder_sparse_step=0), moe_heads=2, num_experts_per_tok=2)

@@ -21,7 +21,6 @@ from transformers import (
 import mhmoe
 from mhmoe import apply_moh
 
-
 VOCAB, HIDDEN, HEADS, HEAD_DIM = 100, 32, 8, 4
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -33,9 +32,16 @@ FAMILIES = {
 def dense(family: str, seed: int = 0, **kwargs):
     config_cls, model_cls = FAMILIES[family]
     fields = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS,
-        num_key_value_heads=4, pad_token_id=0, eos_token_id=None, attn_implementation="eager",
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=4,
+        pad_token_id=0,
+        eos_token_id=None,
+        attn_implementation="eager",
+    )
     fields.update(kwargs)
     torch.manual_seed(seed)
     return model_cls(config_cls(**fields)).eval()
@@ -115,7 +121,9 @@ def test_learned_router_patch_starts_as_the_dense_model():
     assert router.routed_weight.dtype == torch.bfloat16 and router.routed_weight.abs().sum() == 0  # follows q_proj
     new_keys = {key for key in model.state_dict() if ".head_router." in key}
     assert new_keys and len(new_keys) == 3 * 2  # W_s, W_r, W_h per layer
-    assert torch.equal(model(ids, attention_mask=mask).logits, before)  # fp32 gates within rounding of 1, exactly 1 in bf16
+    assert torch.equal(
+        model(ids, attention_mask=mask).logits, before
+    )  # fp32 gates within rounding of 1, exactly 1 in bf16
 
 
 def test_patched_llama_continue_tunes_with_l2_and_straight_through():
@@ -197,5 +205,6 @@ def test_learned_routers_come_back_after_reloading(tmp_path):
     apply_moh(reloaded)
     assert torch.equal(reloaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
     base = apply_moh(AutoModel.from_pretrained(tmp_path, attn_implementation="eager"))
-    torch.testing.assert_close(base(ids, attention_mask=mask).last_hidden_state,
-                               model.model(ids, attention_mask=mask).last_hidden_state)  # fmt: skip
+    torch.testing.assert_close(
+        base(ids, attention_mask=mask).last_hidden_state, model.model(ids, attention_mask=mask).last_hidden_state
+    )

@@ -35,13 +35,36 @@ save_file({"logits": logits, "is_remote": torch.tensor(type(model).__module__.st
 
 def _models():
     torch.manual_seed(0)
-    mhmoe_model = MHMoEForCausalLM(MHMoEConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        moe_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2,
-        moh_shared_heads=2, moh_active_heads=1, max_position_embeddings=64))  # fmt: skip
-    moh_llama = MoHLlamaForCausalLM(MoHLlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, moh_shared_heads=1, moh_active_heads=2, max_position_embeddings=64))  # fmt: skip
+    mhmoe_model = MHMoEForCausalLM(
+        MHMoEConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            moe_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            decoder_sparse_step=2,
+            moh_shared_heads=2,
+            moh_active_heads=1,
+            max_position_embeddings=64,
+        )
+    )
+    moh_llama = MoHLlamaForCausalLM(
+        MoHLlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            moh_shared_heads=1,
+            moh_active_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     return {"mhmoe": mhmoe_model.eval(), "moh_llama": moh_llama.eval()}
 
 
@@ -59,8 +82,19 @@ def test_export_pretrained_loads_in_a_process_without_mhmoe(name, tmp_path):
 
     ids = torch.randint(0, 64, (2, 9))
     save_file({"input_ids": ids}, tmp_path / "in.safetensors")
-    subprocess.run([sys.executable, "-c", SCRIPT, str(folder), str(tmp_path / "in.safetensors"),
-                    str(tmp_path / "out.safetensors")], env=_blocked_env(tmp_path), check=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            str(folder),
+            str(tmp_path / "in.safetensors"),
+            str(tmp_path / "out.safetensors"),
+        ],
+        env=_blocked_env(tmp_path),
+        check=True,
+        timeout=300,
+    )
     out = load_file(tmp_path / "out.safetensors")
     assert bool(out["is_remote"])
     with torch.no_grad():

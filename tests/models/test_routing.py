@@ -24,9 +24,18 @@ def test_route_weights_follow_the_setting(top_k, norm):
 
 def _router_grad(norm_topk_prob, top_k):
     torch.manual_seed(0)
-    config = MHMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_experts=4, num_experts_per_tok=top_k, moe_intermediate_size=16,
-                         norm_topk_prob=norm_topk_prob, initializer_range=0.2)  # fmt: skip
+    config = MHMoEConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_experts=4,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=16,
+        norm_topk_prob=norm_topk_prob,
+        initializer_range=0.2,
+    )
     model = MHMoEForCausalLM(config)
     ids = torch.randint(0, 64, (2, 12))
     model(input_ids=ids, labels=ids).loss.backward()  # the LM loss alone: no aux loss requested

@@ -21,8 +21,14 @@ NAMES = sorted(name for name in SAVED if name != "input_ids")
 def test_the_fixture_covers_every_variant():
     model_types = {json.loads((FIXTURE / name / "config.json").read_text())["model_type"] for name in NAMES}
     assert model_types == {"mhmoe", "moh_llama"}
-    assert set(NAMES) == {"bitnet_moh_l2", "lory_per_head", "mhmoe_moh_learned", "moh_llama_l2", "moh_llama_relative",
-                          "smoe_capacity"}  # fmt: skip
+    assert set(NAMES) == {
+        "bitnet_moh_l2",
+        "lory_per_head",
+        "mhmoe_moh_learned",
+        "moh_llama_l2",
+        "moh_llama_relative",
+        "smoe_capacity",
+    }
     assert json.loads((FIXTURE / "versions.json").read_text())["source"] == "commit 17c8c52"
 
 

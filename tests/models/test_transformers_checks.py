@@ -13,23 +13,34 @@ from transformers.modeling_outputs import ModelOutput
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
 from mhmoe.models.mhmoe.modeling_mhmoe import MHMoEModel
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 CONFIGS = {
     "dense": (MHMoEConfig, dict(TINY, decoder_sparse_step=0)),
     "smoe, every layer MoE": (MHMoEConfig, dict(TINY, **MOE, decoder_sparse_step=1)),
     "mh-moe, every layer MoE": (MHMoEConfig, dict(TINY, **MOE, moe_heads=2)),
     "mh-moe, no merge layer": (MHMoEConfig, dict(TINY, **MOE, moe_heads=2, moe_merge_layer=False)),
-    "dense + moe, shared expert": (MHMoEConfig, dict(TINY, **MOE, decoder_sparse_step=2,
-                                                     shared_expert_intermediate_size=8)),
+    "dense + moe, shared expert": (
+        MHMoEConfig,
+        dict(TINY, **MOE, decoder_sparse_step=2, shared_expert_intermediate_size=8),
+    ),
     "moh learned": (MHMoEConfig, dict(TINY, **MOE, moh_shared_heads=1, moh_active_heads=2)),
-    "moh l2, dense": (MHMoEConfig, dict(TINY, decoder_sparse_step=0, moh_shared_heads=1, moh_active_heads=2,
-                                        moh_router="l2")),
+    "moh l2, dense": (
+        MHMoEConfig,
+        dict(TINY, decoder_sparse_step=0, moh_shared_heads=1, moh_active_heads=2, moh_router="l2"),
+    ),
     "mh-lory": (MHMoEConfig, dict(TINY, **MOE, moe_heads=2, router_type="lory", lory_segment_length=4)),
     "moh_llama without moh": (MoHLlamaConfig, dict(TINY)),
     "moh_llama": (MoHLlamaConfig, dict(TINY, moh_shared_heads=1, moh_active_heads=2)),
-}  # fmt: skip
+}
 MODEL_CLASSES = {MHMoEConfig: MHMoEForCausalLM, MoHLlamaConfig: MoHLlamaForCausalLM}
 
 
@@ -44,21 +55,32 @@ def test_tp_plan_matches_params(name):
     modules = [n for n, _ in model.named_modules() if n]
     assert model.tp_plan, "the plan must not be empty"
     for plan_name, plan in (("tp", model.tp_plan), ("ep", model.ep_plan)):
-        unused = [rule for rule in plan
-                  if not any(_get_parameter_plan(p, {rule: "x"}, is_weight=True) for p in params)
-                  and not any(_get_parameter_plan(m, {rule: "x"}, is_weight=False) for m in modules)]  # fmt: skip
+        unused = [
+            rule
+            for rule in plan
+            if not any(_get_parameter_plan(p, {rule: "x"}, is_weight=True) for p in params)
+            and not any(_get_parameter_plan(m, {rule: "x"}, is_weight=False) for m in modules)
+        ]
         assert not unused, f"{plan_name} plan rules naming nothing in {name}: {unused}"
-    for plan_name, full, got in (("tp", config_class.base_model_tp_plan, config.base_model_tp_plan),
-                                 ("ep", config_class.base_model_ep_plan or {}, config.base_model_ep_plan or {})):
-        applying = {rule for rule in full
-                    if any(_get_parameter_plan(p.removeprefix("model."), {rule: "x"}) for p in params)}  # fmt: skip
+    for plan_name, full, got in (
+        ("tp", config_class.base_model_tp_plan, config.base_model_tp_plan),
+        ("ep", config_class.base_model_ep_plan or {}, config.base_model_ep_plan or {}),
+    ):
+        applying = {
+            rule for rule in full if any(_get_parameter_plan(p.removeprefix("model."), {rule: "x"}) for p in params)
+        }
         assert applying <= set(got), f"{plan_name} rules dropped although {name} has their modules"
 
 
 def test_tp_plan_class_access_is_the_full_plan():
     full = MHMoEConfig.base_model_tp_plan
-    assert {"layers.*.mlp.gate_proj", "layers.*.self_attn.head_router", "layers.*.mlp.shared_expert.up_proj",
-            "layers.*.mlp.head_proj", "layers.*.mlp.experts"} <= set(full)  # fmt: skip
+    assert {
+        "layers.*.mlp.gate_proj",
+        "layers.*.self_attn.head_router",
+        "layers.*.mlp.shared_expert.up_proj",
+        "layers.*.mlp.head_proj",
+        "layers.*.mlp.experts",
+    } <= set(full)
     every_layer_moe = MHMoEConfig(**TINY, **MOE).base_model_tp_plan
     assert "layers.*.mlp.gate_proj" not in every_layer_moe and "layers.*.self_attn.head_router" not in every_layer_moe
     assert "layers.*.self_attn.head_router" not in MoHLlamaConfig(**TINY).base_model_tp_plan

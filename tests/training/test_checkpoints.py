@@ -18,8 +18,15 @@ from tests.training.test_loop import _args, _records, train
 
 
 def _common(corpus, config_json, tokenizer_dir, **overrides):
-    return dict(dict(model_name_or_path=config_json, tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]],
-                     config_overrides="router_jitter_noise=0.2"), **overrides)  # fmt: skip
+    return dict(
+        dict(
+            model_name_or_path=config_json,
+            tokenizer_name_or_path=tokenizer_dir,
+            train_file=[corpus["tiny"]],
+            config_overrides="router_jitter_noise=0.2",
+        ),
+        **overrides,
+    )
 
 
 def _state(folder, step):
@@ -79,8 +86,11 @@ def test_damaged_rng_state_is_refused_by_name(tmp_path, corpus, config_json, tok
         shutil.rmtree(out / name)
     rng = out / "checkpoint-2" / "random_states_0.pkl"
     rng.write_bytes(rng.read_bytes()[:100])  # truncated
-    with pytest.raises(TrainingError, match=r"the RNG state .*checkpoint-2/random_states_0.pkl does not load .*"
-                                            r"--resume_without_rng_state"):  # fmt: skip
+    with pytest.raises(
+        TrainingError,
+        match=r"the RNG state .*checkpoint-2/random_states_0.pkl does not load .*"
+        r"--resume_without_rng_state",
+    ):
         train(_args(out, resume_from_checkpoint="latest", **common))
     assert (out / "checkpoint-2").is_dir()  # nothing removed
     resumed = train(_args(out, resume_from_checkpoint="latest", resume_without_rng_state=True, **common))
@@ -106,8 +116,9 @@ def test_a_second_writer_is_refused(tmp_path, corpus, config_json, tokenizer_dir
     assert (out / "train_summary.json").is_file()
 
 
-def test_a_second_writer_hears_of_the_lock_not_of_the_first_runs_checkpoints(tmp_path, corpus, config_json,
-                                                                             tokenizer_dir):
+def test_a_second_writer_hears_of_the_lock_not_of_the_first_runs_checkpoints(
+    tmp_path, corpus, config_json, tokenizer_dir
+):
     out = tmp_path / "run"
     train(_args(out, save_steps=1, **_common(corpus, config_json, tokenizer_dir)))
     lock = OutputDirLock(str(out)).acquire()  # the first run still going
@@ -168,8 +179,9 @@ def test_non_finite_losses_stop_training(tmp_path, corpus, checkpoint_dir, token
     with torch.no_grad():
         model.model.embed_tokens.weight.fill_(float("nan"))
     model.save_pretrained(broken)
-    common = dict(model_name_or_path=str(broken), tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]],
-                  max_steps=6)  # fmt: skip
+    common = dict(
+        model_name_or_path=str(broken), tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]], max_steps=6
+    )
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped, match=r"the loss was nan at 3 steps in a row \(steps 1-3\)"):
         train(_args(out, **common))
@@ -204,7 +216,10 @@ def test_resuming_past_the_run_length_is_refused_in_words(tmp_path, corpus, conf
     out = tmp_path / "run"
     common = _common(corpus, config_json, tokenizer_dir, save_steps=4)
     train(_args(out, max_steps=4, **common))
-    with pytest.raises(TrainingError, match=r"checkpoint-4 is at step 4, past the 2 steps of this run: pass a "
-                                            r"--max_steps of at least that step"):  # fmt: skip
+    with pytest.raises(
+        TrainingError,
+        match=r"checkpoint-4 is at step 4, past the 2 steps of this run: pass a "
+        r"--max_steps of at least that step",
+    ):
         train(_args(out, max_steps=2, resume_from_checkpoint="latest", **common))
     assert (out / "checkpoint-4" / "train_state.json").is_file()

@@ -32,16 +32,21 @@ def _one_line_error(capsys, argv, status=2):
     return lines[0]
 
 
-@pytest.mark.parametrize("argv, words", [
-    ([], "--model_name_or_path, --output_dir, --train_file are required"),
-    (["--model_name_or_path", "m", "--train_file", "t"], "--output_dir is required"),
-    (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
-    (["--max_steps", "ten"], "argument --max_steps/--max-steps: invalid int value: 'ten'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], "--model_name_or_path, --output_dir, --train_file are required"),
+        (["--model_name_or_path", "m", "--train_file", "t"], "--output_dir is required"),
+        (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
+        (["--max_steps", "ten"], "argument --max_steps/--max-steps: invalid int value: 'ten'"),
+    ],
+)
 def test_usage_errors_are_one_line_before_heavy_imports(argv, words):
     """In a fresh interpreter: the message, status 2, and neither torch nor transformers imported by then."""
-    code = ("import sys\nfrom mhmoe._plumbing.cli import run\ntry:\n    run('mhmoe-train', sys.argv[1:])\n"
-            "finally:\n    print('heavy:', 'torch' in sys.modules, 'transformers' in sys.modules)\n")  # fmt: skip
+    code = (
+        "import sys\nfrom mhmoe._plumbing.cli import run\ntry:\n    run('mhmoe-train', sys.argv[1:])\n"
+        "finally:\n    print('heavy:', 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code, *argv], env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"mhmoe-train: error: {words} (see mhmoe-train --help)", proc.stderr
@@ -64,29 +69,52 @@ def _bad_inputs(tmp_path, corpus, checkpoint_dir):
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     (empty / "model.safetensors").write_bytes(b"")
     return {
-        "string for a number in the config": (config("s.json", {**CONFIG, "hidden_size": "32"}), [],
-                                              r"invalid config .*hidden_size"),
-        "string for a number in --config_overrides": (config("ok.json", CONFIG), ["--config_overrides",
-                                                      "num_experts=four"], r"invalid config .*num_experts"),
-        "moh_active_heads too large": (config("moh.json", {**MOH_CONFIG, "moh_shared_heads": 2,
-                                                           "moh_active_heads": 3}), [],
-                                       r"moh_shared_heads \+ moh_active_heads \(2 \+ 3\) must be <= "
-                                       r"num_attention_heads \(4\)"),
-        "typo in a config key": (config("typo.json", {**CONFIG, "num_expert": 8}), [],
-                                 r"'num_expert' \(did you mean 'num_experts'\?\) is not a mhmoe config field"),
-        "heads do not divide hidden size": (config("heads.json", {**CONFIG, "num_attention_heads": 5,
-                                                                  "num_key_value_heads": 5}), [],
-                                            r"hidden_size \(32\) is not a multiple of num_attention_heads \(5\)"),
+        "string for a number in the config": (
+            config("s.json", {**CONFIG, "hidden_size": "32"}),
+            [],
+            r"invalid config .*hidden_size",
+        ),
+        "string for a number in --config_overrides": (
+            config("ok.json", CONFIG),
+            ["--config_overrides", "num_experts=four"],
+            r"invalid config .*num_experts",
+        ),
+        "moh_active_heads too large": (
+            config("moh.json", {**MOH_CONFIG, "moh_shared_heads": 2, "moh_active_heads": 3}),
+            [],
+            r"moh_shared_heads \+ moh_active_heads \(2 \+ 3\) must be <= "
+            r"num_attention_heads \(4\)",
+        ),
+        "typo in a config key": (
+            config("typo.json", {**CONFIG, "num_expert": 8}),
+            [],
+            r"'num_expert' \(did you mean 'num_experts'\?\) is not a mhmoe config field",
+        ),
+        "heads do not divide hidden size": (
+            config("heads.json", {**CONFIG, "num_attention_heads": 5, "num_key_value_heads": 5}),
+            [],
+            r"hidden_size \(32\) is not a multiple of num_attention_heads \(5\)",
+        ),
         "truncated weights": (str(truncated), [], r"truncated.*model.safetensors is not a complete safetensors file"),
         "empty weights": (str(empty), [], r"empty.*model.safetensors is not a complete safetensors file"),
-        "nan learning rate": (str(checkpoint_dir), ["--learning_rate", "nan"],
-                              r"--learning_rate nan: must be a finite number"),
-    }  # fmt: skip
+        "nan learning rate": (
+            str(checkpoint_dir),
+            ["--learning_rate", "nan"],
+            r"--learning_rate nan: must be a finite number",
+        ),
+    }
 
 
-CASES = ["string for a number in the config", "string for a number in --config_overrides", "moh_active_heads too large",
-         "typo in a config key", "heads do not divide hidden size", "truncated weights", "empty weights",
-         "nan learning rate"]  # fmt: skip
+CASES = [
+    "string for a number in the config",
+    "string for a number in --config_overrides",
+    "moh_active_heads too large",
+    "typo in a config key",
+    "heads do not divide hidden size",
+    "truncated weights",
+    "empty weights",
+    "nan learning rate",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -97,19 +125,49 @@ def test_bad_model_inputs_are_one_line(tmp_path, corpus, checkpoint_dir, tokeniz
         pytest.skip("needs the real moh_llama")
     model, extra, words = _bad_inputs(tmp_path, corpus, checkpoint_dir)[case]
     out = tmp_path / "out"
-    line = _one_line_error(capsys, ["--model_name_or_path", model, "--tokenizer_name_or_path", tokenizer_dir,
-                                    "--train_file", corpus["tiny"], "--output_dir", str(out), "--max_steps", "1",
-                                    "--block_size", "16", "--disable_tqdm", "--no_plot", *extra])  # fmt: skip
+    line = _one_line_error(
+        capsys,
+        [
+            "--model_name_or_path",
+            model,
+            "--tokenizer_name_or_path",
+            tokenizer_dir,
+            "--train_file",
+            corpus["tiny"],
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "1",
+            "--block_size",
+            "16",
+            "--disable_tqdm",
+            "--no_plot",
+            *extra,
+        ],
+    )
     assert re.search(words, line), line
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv", [
-    ["--output_dir", "o", "--train_file", "a", "b", "--max_steps", "3", "--learning_rate", "1e-4"],
-    ["--output-dir", "o", "--plot", "false", "--no_aux_loss", "--lora", "--lora_target_modules", "q_proj", "v_proj"],
-    ["--mixed_precision", "bf16", "--gradient_checkpointing", "true", "--save_total_limit", "2", "--no-plot"],
-    ["--resume_from_checkpoint", "latest", "--tokenizer_vocab_size", "300", "--num_train_epochs", "0.5"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--output_dir", "o", "--train_file", "a", "b", "--max_steps", "3", "--learning_rate", "1e-4"],
+        [
+            "--output-dir",
+            "o",
+            "--plot",
+            "false",
+            "--no_aux_loss",
+            "--lora",
+            "--lora_target_modules",
+            "q_proj",
+            "v_proj",
+        ],
+        ["--mixed_precision", "bf16", "--gradient_checkpointing", "true", "--save_total_limit", "2", "--no-plot"],
+        ["--resume_from_checkpoint", "latest", "--tokenizer_vocab_size", "300", "--num_train_epochs", "0.5"],
+    ],
+)
 def test_light_parser_matches_hf_argument_parser(argv):
     from transformers import HfArgumentParser
 
@@ -136,9 +194,22 @@ def test_second_writer_on_the_command_line(tmp_path, corpus, checkpoint_dir, cap
     out.mkdir()
     lock = OutputDirLock(str(out)).acquire()
     try:
-        line = _one_line_error(capsys, ["--model_name_or_path", checkpoint_dir, "--train_file", corpus["tiny"],
-                                        "--output_dir", str(out), "--max_steps", "1"])  # fmt: skip
+        line = _one_line_error(
+            capsys,
+            [
+                "--model_name_or_path",
+                checkpoint_dir,
+                "--train_file",
+                corpus["tiny"],
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "1",
+            ],
+        )
     finally:
         lock.release()
-    assert line == f"mhmoe-train: error: another mhmoe-train is writing to {out} (process {os.getpid()}): wait for " \
-                   "it to finish, or choose another --output_dir"
+    assert (
+        line == f"mhmoe-train: error: another mhmoe-train is writing to {out} (process {os.getpid()}): wait for "
+        "it to finish, or choose another --output_dir"
+    )

@@ -19,18 +19,52 @@ STEPS = 12
 
 
 def _command(config_json, tokenizer_dir, corpus, out, *extra):
-    return [sys.executable, "-m", "mhmoe.training", "--model_name_or_path", config_json,
-            "--tokenizer_name_or_path", tokenizer_dir, "--train_file", corpus["tiny"], "--output_dir", str(out),
-            "--block_size", "16", "--per_device_train_batch_size", "2", "--learning_rate", "3e-3",
-            "--warmup_steps", "1", "--max_steps", str(STEPS), "--save_steps", "1", "--save_total_limit", "2",
-            "--config_overrides", "router_jitter_noise=0.2", "--seed", "0", "--disable_tqdm", "--no_plot",
-            *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "mhmoe.training",
+        "--model_name_or_path",
+        config_json,
+        "--tokenizer_name_or_path",
+        tokenizer_dir,
+        "--train_file",
+        corpus["tiny"],
+        "--output_dir",
+        str(out),
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_steps",
+        "1",
+        "--max_steps",
+        str(STEPS),
+        "--save_steps",
+        "1",
+        "--save_total_limit",
+        "2",
+        "--config_overrides",
+        "router_jitter_noise=0.2",
+        "--seed",
+        "0",
+        "--disable_tqdm",
+        "--no_plot",
+        *extra,
+    ]
 
 
 def _env():
     src = os.path.dirname(os.path.dirname(os.path.abspath(mhmoe.__file__)))
-    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1",
-                PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    )
 
 
 def _losses(out):
@@ -63,8 +97,12 @@ def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, confi
     while kills < 3:
         done = max((int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")), default=0)
         resume = done > 0
-        proc, started = _start(_command(config_json, tokenizer_dir, corpus, out,
-                                        *(["--resume_from_checkpoint", "latest"] if resume else [])), env)  # fmt: skip
+        proc, started = _start(
+            _command(
+                config_json, tokenizer_dir, corpus, out, *(["--resume_from_checkpoint", "latest"] if resume else [])
+            ),
+            env,
+        )
         resumes += resume
         time.sleep(rng.uniform(0, 0.9 * training_seconds * (STEPS - done + 1) / STEPS))  # within what is left
         if proc.poll() is not None:  # finished before the kill
@@ -77,8 +115,13 @@ def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, confi
         if (out / "train_summary.json").exists():
             break
     if not (out / "train_summary.json").exists():
-        final = subprocess.run(_command(config_json, tokenizer_dir, corpus, out, "--resume_from_checkpoint", "latest"),
-                               env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        final = subprocess.run(
+            _command(config_json, tokenizer_dir, corpus, out, "--resume_from_checkpoint", "latest"),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert final.returncode == 0, final.stderr[-3000:]
         resumes += 1
     assert kills >= 1 and resumes >= 1, moments
@@ -101,8 +144,14 @@ def test_kill_at_exact_moments(tmp_path, corpus, config_json, tokenizer_dir, mom
     save, finishes that save on resume."""
     from tests.training.test_loop import _args, _records, train
 
-    common = dict(model_name_or_path=config_json, tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]],
-                  max_steps=4, save_steps=2, config_overrides="router_jitter_noise=0.2")  # fmt: skip
+    common = dict(
+        model_name_or_path=config_json,
+        tokenizer_name_or_path=tokenizer_dir,
+        train_file=[corpus["tiny"]],
+        max_steps=4,
+        save_steps=2,
+        config_overrides="router_jitter_noise=0.2",
+    )
     out = tmp_path / "run"
     train(_args(out, **common))
     weights = (out / "model.safetensors").read_bytes()
@@ -113,7 +162,9 @@ def test_kill_at_exact_moments(tmp_path, corpus, config_json, tokenizer_dir, mom
     capsys.readouterr()
     train(_args(out, resume_from_checkpoint="latest", **common))
     if moment == "state file":
-        assert (f"skipping {out / 'checkpoint-4'} is not a complete checkpoint (train_state.json is empty)"
-                in capsys.readouterr().err)  # fmt: skip
+        assert (
+            f"skipping {out / 'checkpoint-4'} is not a complete checkpoint (train_state.json is empty)"
+            in capsys.readouterr().err
+        )
     assert (out / "model.safetensors").read_bytes() == weights
     assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]

@@ -14,7 +14,6 @@ import mhmoe.training.loop as train_module
 from mhmoe.training import TrainArguments, TrainingError
 from mhmoe.training import train as _train
 from mhmoe.training.cli import main
-
 from tests.fixtures.training import CONFIG, free_port, fresh_accelerate_state
 
 
@@ -24,9 +23,18 @@ def train(*args, **kwargs):
 
 
 def _args(output_dir, **overrides) -> TrainArguments:
-    fields = dict(output_dir=str(output_dir), block_size=16, per_device_train_batch_size=2,
-                  per_device_eval_batch_size=8, learning_rate=3e-3, warmup_steps=1, max_steps=2, disable_tqdm=True,
-                  plot=False, seed=0)  # fmt: skip
+    fields = dict(
+        output_dir=str(output_dir),
+        block_size=16,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=8,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        max_steps=2,
+        disable_tqdm=True,
+        plot=False,
+        seed=0,
+    )
     fields.update(overrides)
     return TrainArguments(**fields)
 
@@ -41,9 +49,19 @@ def test_from_scratch_run(tmp_path, corpus, config_json):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "run"
-    args = _args(out, model_name_or_path=config_json, train_file=[corpus["train"]], validation_file=[corpus["val"]],
-                 tokenizer_vocab_size=300, max_steps=4, eval_steps=2, save_steps=2, save_total_limit=1, plot=True,
-                 gradient_accumulation_steps=2)  # fmt: skip
+    args = _args(
+        out,
+        model_name_or_path=config_json,
+        train_file=[corpus["train"]],
+        validation_file=[corpus["val"]],
+        tokenizer_vocab_size=300,
+        max_steps=4,
+        eval_steps=2,
+        save_steps=2,
+        save_total_limit=1,
+        plot=True,
+        gradient_accumulation_steps=2,
+    )
     result = train(args)
 
     assert AutoTokenizer.from_pretrained(out).vocab_size == 300  # trained here and saved with the model
@@ -89,8 +107,15 @@ def test_text_file_and_finetune_from_checkpoint(tmp_path, corpus, checkpoint_dir
     from safetensors.torch import load_file
 
     out = tmp_path / "ft"
-    result = train(_args(out, model_name_or_path=checkpoint_dir, train_file=[corpus["txt"]], max_steps=2,
-                         validation_split_percentage=10))  # fmt: skip
+    result = train(
+        _args(
+            out,
+            model_name_or_path=checkpoint_dir,
+            train_file=[corpus["txt"]],
+            max_steps=2,
+            validation_split_percentage=10,
+        )
+    )
     before = load_file(os.path.join(checkpoint_dir, "model.safetensors"))
     after = load_file(out / "model.safetensors")
     assert before.keys() == after.keys()
@@ -110,9 +135,18 @@ def test_train_api_with_model_and_tokenizer_objects(tmp_path, corpus, tokenizer_
     model = MHMoEForCausalLM(MHMoEConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}))
     before = model.lm_head.weight.detach().clone()
     seen = []
-    result = train({"output_dir": str(tmp_path / "api"), "train_file": corpus["train"], "block_size": 16,
-                    "max_steps": 2, "plot": False},
-                   model=model, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), on_log=seen.append)  # fmt: skip
+    result = train(
+        {
+            "output_dir": str(tmp_path / "api"),
+            "train_file": corpus["train"],
+            "block_size": 16,
+            "max_steps": 2,
+            "plot": False,
+        },
+        model=model,
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+        on_log=seen.append,
+    )
     assert result.model is model and not torch.equal(model.lm_head.weight, before)
     assert [r["step"] for r in seen] == [1, 2] and seen == result.history
     progress = capsys.readouterr().err
@@ -135,9 +169,17 @@ def test_example_accelerate_configs_load():
 def test_resume_reproduces_uninterrupted_run(tmp_path, corpus, config_json, tokenizer_dir, monkeypatch):
     """Kill a run after its step-3 checkpoint, resume it with 'latest': steps 4-7 (crossing an epoch boundary, with
     router jitter noise drawing from the RNG) equal the uninterrupted run's, and metrics.jsonl holds each step once."""
-    common = dict(model_name_or_path=config_json, tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]],
-                  validation_file=[corpus["tiny"]], max_steps=7, save_steps=3, eval_steps=4,
-                  config_overrides="router_jitter_noise=0.2", gradient_accumulation_steps=2)  # fmt: skip
+    common = dict(
+        model_name_or_path=config_json,
+        tokenizer_name_or_path=tokenizer_dir,
+        train_file=[corpus["tiny"]],
+        validation_file=[corpus["tiny"]],
+        max_steps=7,
+        save_steps=3,
+        eval_steps=4,
+        config_overrides="router_jitter_noise=0.2",
+        gradient_accumulation_steps=2,
+    )
     reference = train(_args(tmp_path / "reference", **common))
     steps_per_epoch = json.loads((tmp_path / "reference" / "checkpoint-3" / "train_state.json").read_text())
     assert steps_per_epoch["num_train_blocks"] // 4 < 7  # the run wraps into a new epoch after the checkpoint
@@ -177,8 +219,15 @@ def test_moh_llama_supported_when_registered(tmp_path, corpus, tokenizer_dir, mo
     path = tmp_path / "moh.json"
     path.write_text(json.dumps(MOH_CONFIG))
     assert "moh_llama" in train_module.supported_model_types()
-    result = train(_args(tmp_path / "moh", model_name_or_path=str(path), tokenizer_name_or_path=tokenizer_dir,
-                         train_file=[corpus["train"]], validation_file=[corpus["tiny"]]))  # fmt: skip
+    result = train(
+        _args(
+            tmp_path / "moh",
+            model_name_or_path=str(path),
+            tokenizer_name_or_path=tokenizer_dir,
+            train_file=[corpus["train"]],
+            validation_file=[corpus["tiny"]],
+        )
+    )
     assert type(result.model.config) is CONFIG_MAPPING["moh_llama"]
     for record in result.history[:-1]:
         extra = [k for k in record if k.endswith("_loss") and k not in ("loss", "lm_loss")]
@@ -226,16 +275,20 @@ def _bad_cases(tmp_path, corpus, config_json, checkpoint_dir):
         "missing model": (dict(ok, model_name_or_path=str(tmp_path / "nomodel")), "does not exist"),
         "empty data": (dict(ok, train_file=[str(empty)]), "no text in --train_file"),
         "no text field": (dict(ok, train_file=[str(no_field)]), "no text field 'text'"),
-        "too little data": (dict(ok, train_file=[corpus["tiny"]], block_size=32, per_device_train_batch_size=64),
-                            "do not fill one global batch"),
+        "too little data": (
+            dict(ok, train_file=[corpus["tiny"]], block_size=32, per_device_train_batch_size=64),
+            "do not fill one global batch",
+        ),
         "block larger than context": (dict(ok, block_size=64), "larger than the model's context \\(32"),
         "unknown model type": (dict(ok, model_name_or_path=str(unknown)), "model_type 'bert' .* not supported"),
         "unwritable output dir": (dict(ok, output_dir=str(not_a_dir / "out")), "is not writable"),
         "resume without checkpoint": (dict(ok, resume_from_checkpoint="latest"), "no complete checkpoint"),
         "LoRA dropout on experts": (dict(ok, lora=True, lora_dropout=0.1), "has no dropout"),
         "LoRA target typo": (dict(ok, lora=True, lora_target_modules=["qproj"]), r"\['qproj'\] match no module"),
-        "config override typo": (dict(ok, config_overrides="router_aux_los_coef=0.5"),
-                                 "router_aux_los_coef is not a mhmoe config field"),
+        "config override typo": (
+            dict(ok, config_overrides="router_aux_los_coef=0.5"),
+            "router_aux_los_coef is not a mhmoe config field",
+        ),
         "negative save steps": (dict(ok, save_steps=-1), "--save_steps and --eval_steps must be >= 0"),
         "compressed data": (dict(ok, train_file=[str(gzipped)]), "train.txt.gz is not UTF-8 text"),
         "output dir is a file": (dict(ok, output_dir=str(not_a_dir)), "is a file, not a directory"),
@@ -245,12 +298,30 @@ def _bad_cases(tmp_path, corpus, config_json, checkpoint_dir):
     }
 
 
-@pytest.mark.parametrize("case", ["missing train file", "missing validation file", "missing model", "empty data",
-                                  "no text field", "too little data", "block larger than context",
-                                  "unknown model type", "unwritable output dir", "resume without checkpoint",
-                                  "LoRA dropout on experts", "LoRA target typo", "config override typo",
-                                  "negative save steps", "compressed data", "output dir is a file", "broken config",
-                                  "no weights", "override changes shapes"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing train file",
+        "missing validation file",
+        "missing model",
+        "empty data",
+        "no text field",
+        "too little data",
+        "block larger than context",
+        "unknown model type",
+        "unwritable output dir",
+        "resume without checkpoint",
+        "LoRA dropout on experts",
+        "LoRA target typo",
+        "config override typo",
+        "negative save steps",
+        "compressed data",
+        "output dir is a file",
+        "broken config",
+        "no weights",
+        "override changes shapes",
+    ],
+)
 def test_bad_input_fails_before_training(tmp_path, corpus, config_json, checkpoint_dir, case, monkeypatch):
     fields, message = _bad_cases(tmp_path, corpus, config_json, checkpoint_dir)[case]
     out = fields.pop("output_dir", str(tmp_path / "out"))
@@ -290,8 +361,16 @@ def test_an_earlier_run_is_kept_until_training_starts(tmp_path, corpus, checkpoi
 
 def test_cli_reports_errors_and_help(tmp_path, corpus, checkpoint_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--model_name_or_path", checkpoint_dir, "--train_file", str(tmp_path / "missing.txt"),
-              "--output_dir", str(tmp_path / "o")])  # fmt: skip
+        main(
+            [
+                "--model_name_or_path",
+                checkpoint_dir,
+                "--train_file",
+                str(tmp_path / "missing.txt"),
+                "--output_dir",
+                str(tmp_path / "o"),
+            ]
+        )
     assert exit_info.value.code == 2
     assert "mhmoe-train: error: data file not found" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
@@ -327,9 +406,17 @@ def test_transformers_trainer_includes_aux_loss(tmp_path):
     lm = F.cross_entropy(out.logits[0, :-1], block[1:]).item()
     total = lm + 0.5 * out.aux_loss.item() + CONFIG["router_z_loss_coef"] * out.z_loss.item()
 
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
-                             learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
-                             disable_tqdm=True)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Blocks())
     assert trainer.compute_loss(model, batch).item() == pytest.approx(total, rel=1e-5)
     trainer.train()
@@ -347,18 +434,59 @@ def test_ddp_two_processes_match_one(tmp_path, corpus, config_json, tokenizer_di
     multi-process CPU launch is `--multi_gpu` with ACCELERATE_USE_CPU=1, see docs/training.md.)"""
     from safetensors.torch import load_file
 
-    common = ["--model_name_or_path", config_json, "--tokenizer_name_or_path", tokenizer_dir,
-              "--train_file", corpus["train"], "--validation_file", corpus["val"], "--block_size", "16",
-              "--per_device_train_batch_size", "2", "--learning_rate", "3e-3", "--max_steps", "3", "--seed", "0",
-              "--disable_tqdm", "--no_plot"]  # fmt: skip
+    common = [
+        "--model_name_or_path",
+        config_json,
+        "--tokenizer_name_or_path",
+        tokenizer_dir,
+        "--train_file",
+        corpus["train"],
+        "--validation_file",
+        corpus["val"],
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--max_steps",
+        "3",
+        "--seed",
+        "0",
+        "--disable_tqdm",
+        "--no_plot",
+    ]
     src = os.path.join(os.path.dirname(train_module.__file__), "..", "..")
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    env = dict(
+        os.environ,
+        ACCELERATE_USE_CPU="1",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")]),
+    )
     two = tmp_path / "two"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(free_port()),
-              "-m", "mhmoe.training", *common, "--output_dir", str(two)]  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "mhmoe.training",
+        *common,
+        "--output_dir",
+        str(two),
+    ]
     proc = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((two / "train_summary.json").read_text())
@@ -395,11 +523,20 @@ def test_output_folder_card_reads_its_train_summary(tmp_path, corpus, config_jso
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
 
     # --overwrite_output_dir: the earlier run's card is replaced; a README.md that mhmoe did not write is kept
-    train(_args(out, model_name_or_path=config_json, train_file=[corpus["train"]], tokenizer_vocab_size=300,
-                max_steps=3, overwrite_output_dir=True))  # fmt: skip
+    train(
+        _args(
+            out,
+            model_name_or_path=config_json,
+            train_file=[corpus["train"]],
+            tokenizer_vocab_size=300,
+            max_steps=3,
+            overwrite_output_dir=True,
+        )
+    )
     assert "for 3 steps (96 tokens," in (out / "README.md").read_text()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "README.md").write_text("# my notes\n")
-    train(_args(tmp_path / "mine", model_name_or_path=config_json, train_file=[corpus["train"]],
-                tokenizer_vocab_size=300))  # fmt: skip
+    train(
+        _args(tmp_path / "mine", model_name_or_path=config_json, train_file=[corpus["train"]], tokenizer_vocab_size=300)
+    )
     assert (tmp_path / "mine" / "README.md").read_text() == "# my notes\n"

@@ -10,10 +10,9 @@ from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from transformers import AutoModelForCausalLM
 
 import mhmoe  # noqa: F401  (registers the PEFT defaults)
-from mhmoe.training.peft import ATTENTION_TARGETS, expert_target_parameters, lora_config
 from mhmoe.training import TrainArguments
 from mhmoe.training import train as _train
-
+from mhmoe.training.peft import ATTENTION_TARGETS, expert_target_parameters, lora_config
 from tests.fixtures.training import fresh_accelerate_state
 
 
@@ -95,9 +94,21 @@ def test_train_with_lora(tmp_path, corpus, checkpoint_dir):
     from safetensors.torch import load_file
 
     out = tmp_path / "lora"
-    args = TrainArguments(model_name_or_path=checkpoint_dir, train_file=[corpus["train"]], output_dir=str(out),
-                          block_size=16, per_device_train_batch_size=2, max_steps=3, save_steps=2, learning_rate=1e-2,
-                          lora=True, lora_r=4, merge_lora=True, disable_tqdm=True, plot=False)  # fmt: skip
+    args = TrainArguments(
+        model_name_or_path=checkpoint_dir,
+        train_file=[corpus["train"]],
+        output_dir=str(out),
+        block_size=16,
+        per_device_train_batch_size=2,
+        max_steps=3,
+        save_steps=2,
+        learning_rate=1e-2,
+        lora=True,
+        lora_r=4,
+        merge_lora=True,
+        disable_tqdm=True,
+        plot=False,
+    )
     fresh_accelerate_state()
     result = _train(args)
     assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
@@ -119,7 +130,14 @@ def test_train_with_lora(tmp_path, corpus, checkpoint_dir):
 
     # resume a LoRA run from its step-2 checkpoint: step 3 is the same
     fresh_accelerate_state()
-    resumed = _train(TrainArguments(**{**vars(args), "output_dir": str(tmp_path / "resumed"),
-                                       "resume_from_checkpoint": str(out / "checkpoint-2")}))  # fmt: skip
+    resumed = _train(
+        TrainArguments(
+            **{
+                **vars(args),
+                "output_dir": str(tmp_path / "resumed"),
+                "resume_from_checkpoint": str(out / "checkpoint-2"),
+            }
+        )
+    )
     assert resumed.history[0]["step"] == 3
     assert resumed.history[0]["loss"] == pytest.approx(result.history[2]["loss"], rel=1e-6)

@@ -44,9 +44,18 @@ def test_batched_generation_matches_one_by_one(tokenizer):
     from mhmoe import MHMoEConfig, MHMoEForCausalLM
 
     torch.manual_seed(0)
-    config = MHMoEConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_experts=4, moe_intermediate_size=16, moe_heads=2,
-                         max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = MHMoEConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=4,
+        moe_intermediate_size=16,
+        moe_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = MHMoEForCausalLM(config).eval()
     tokenizer.padding_side = "left"
     prompts = ['The "if" statement', "Assignment statements are used to bind names"]
@@ -64,6 +73,7 @@ def test_mhmoe_train_saves_a_tokenizer_with_a_pad_token(tmp_path, corpus, config
     from tests.training.test_loop import _args, train
 
     out = tmp_path / "run"
-    train(_args(out, model_name_or_path=config_json, train_file=[corpus["train"]], tokenizer_vocab_size=300,
-                max_steps=1))  # fmt: skip
+    train(
+        _args(out, model_name_or_path=config_json, train_file=[corpus["train"]], tokenizer_vocab_size=300, max_steps=1)
+    )
     assert AutoTokenizer.from_pretrained(out).pad_token_id == 0

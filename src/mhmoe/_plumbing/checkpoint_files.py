@@ -257,8 +257,10 @@ def recover_output_dir(output_dir: str) -> list[str]:
     if olds and not os.path.lexists(output_dir):
         try:
             os.rename(olds[0], output_dir)
-            done.append(f"restored {output_dir} from {os.path.basename(olds.pop(0))}, which an interrupted "
-                        "replacement had moved aside")  # fmt: skip
+            done.append(
+                f"restored {output_dir} from {os.path.basename(olds.pop(0))}, which an interrupted "
+                "replacement had moved aside"
+            )
         except FileNotFoundError:  # another writer restored it meanwhile
             olds.pop(0)
     for path in temporaries + olds:
@@ -267,8 +269,10 @@ def recover_output_dir(output_dir: str) -> list[str]:
             done.append(f"removed {os.path.basename(path)}, left by an interrupted writer")
     unowned = _unowned_leftovers(output_dir)
     if unowned:
-        done.append(f"left alone: {', '.join(unowned)} (no owner in the name: from an older mhmoe or another program; "
-                    "remove by hand if nothing is writing there)")  # fmt: skip
+        done.append(
+            f"left alone: {', '.join(unowned)} (no owner in the name: from an older mhmoe or another program; "
+            "remove by hand if nothing is writing there)"
+        )
     for line in done:
         logger.warning("%s", line)
     return done
@@ -292,11 +296,14 @@ def check_writable(output_dir: str, error: type[ValueError] = CheckpointError) -
     while not os.path.isdir(existing):
         existing = os.path.dirname(existing)
     if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise error(f"cannot write {output_dir}: {existing} is on a read-only file system; choose another output "
-                    "folder")  # fmt: skip
+        raise error(
+            f"cannot write {output_dir}: {existing} is on a read-only file system; choose another output folder"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise error(f"cannot write {output_dir}: permission denied in {existing} (this user may not create files "
-                    "there); choose another output folder or fix its permissions")  # fmt: skip
+        raise error(
+            f"cannot write {output_dir}: permission denied in {existing} (this user may not create files "
+            "there); choose another output folder or fix its permissions"
+        )
 
 
 def os_error_message(e: OSError, output_dir: str) -> str | None:
@@ -317,10 +324,20 @@ def os_error_message(e: OSError, output_dir: str) -> str | None:
 
 # what a checkpoint needs besides weights and config.json: copied from a source folder as they are (never code)
 SIDE_FILES = (
-    GENERATION_CONFIG_NAME, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt",
-    "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
+    GENERATION_CONFIG_NAME,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 SIDE_FOLDERS = {"additional_chat_templates": ".jinja"}  # folder: the suffix of the files copied from it
 _CODE_KEYS = ("auto_map",)  # tokenizer_config.json keys that make Transformers import code named by the folder
 
@@ -335,8 +352,9 @@ def _allowed_link(path: str, input_dir: str) -> bool:
         return True
     snapshot = os.path.abspath(input_dir)
     snapshots = os.path.dirname(snapshot)
-    return os.path.basename(snapshots) == "snapshots" and _inside(path, os.path.join(os.path.dirname(snapshots),
-                                                                                     "blobs"))  # fmt: skip
+    return os.path.basename(snapshots) == "snapshots" and _inside(
+        path, os.path.join(os.path.dirname(snapshots), "blobs")
+    )
 
 
 def side_files(input_dir: str) -> tuple[list[str], list[str]]:
@@ -352,8 +370,10 @@ def side_files(input_dir: str) -> tuple[list[str], list[str]]:
             candidates = [name]
         elif name in SIDE_FOLDERS and os.path.isdir(path) and not os.path.islink(path):
             candidates = [f"{name}/{n}" for n in sorted(os.listdir(path)) if n.endswith(SIDE_FOLDERS[name])]
-        elif not name.startswith(".") and not name.endswith((".safetensors", *PICKLE_SUFFIXES)) and name not in (
-            CONFIG_NAME, SAFE_INDEX_NAME, "README.md"
+        elif (
+            not name.startswith(".")
+            and not name.endswith((".safetensors", *PICKLE_SUFFIXES))
+            and name not in (CONFIG_NAME, SAFE_INDEX_NAME, "README.md")
         ):
             other.append(name + ("/" if os.path.isdir(path) else ""))
         for relative in candidates:

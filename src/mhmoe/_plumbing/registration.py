@@ -104,5 +104,12 @@ def install() -> None:
     when_imported(MODELING_AUTO, register_models, after_imports_finish=True)
 
 
-__all__ = ["MODEL_TYPES", "config_classes", "install", "model_classes", "register_auto_classes", "register_configs",
-           "register_models"]  # fmt: skip
+__all__ = [
+    "MODEL_TYPES",
+    "config_classes",
+    "install",
+    "model_classes",
+    "register_auto_classes",
+    "register_configs",
+    "register_models",
+]

@@ -24,37 +24,89 @@ from .._plumbing.lazy import lazy_exports
 _EXPORTS = {
     "ConvertArguments": ".arguments",
     **dict.fromkeys(("build_parser", "main"), ".cli"),
-    **dict.fromkeys(("CONVERTED_SUBDIR", "RECOVERY_CSV", "RECOVERY_PNG", "continue_tune_arguments",
-                     "convert_and_continue_tune", "format_recovery", "recovery_curve"), ".continue_tune"),
+    **dict.fromkeys(
+        (
+            "CONVERTED_SUBDIR",
+            "RECOVERY_CSV",
+            "RECOVERY_PNG",
+            "continue_tune_arguments",
+            "convert_and_continue_tune",
+            "format_recovery",
+            "recovery_curve",
+        ),
+        ".continue_tune",
+    ),
     "ConversionError": ".errors",
-    **dict.fromkeys(("DROPPED_TENSOR_SUFFIXES", "FLOAT_DTYPES", "RECORD_NAME", "SOURCE_MODEL_TYPES", "ConversionPlan",
-                     "ShardPlan", "TensorEntry", "plan_conversion"), ".plan"),
+    **dict.fromkeys(
+        (
+            "DROPPED_TENSOR_SUFFIXES",
+            "FLOAT_DTYPES",
+            "RECORD_NAME",
+            "SOURCE_MODEL_TYPES",
+            "ConversionPlan",
+            "ShardPlan",
+            "TensorEntry",
+            "plan_conversion",
+        ),
+        ".plan",
+    ),
     **dict.fromkeys(("CONTINUE_TUNING_DEFAULTS", "head_split"), ".recipe"),
     **dict.fromkeys(("all_heads_active", "verify_conversion"), ".verify"),
     **dict.fromkeys(("ConversionReport", "convert"), ".conversion"),
-}  # fmt: skip
+}
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from .arguments import ConvertArguments
     from .cli import build_parser, main
     from .continue_tune import (
-        CONVERTED_SUBDIR, RECOVERY_CSV, RECOVERY_PNG, continue_tune_arguments, convert_and_continue_tune,
-        format_recovery, recovery_curve,
+        CONVERTED_SUBDIR,
+        RECOVERY_CSV,
+        RECOVERY_PNG,
+        continue_tune_arguments,
+        convert_and_continue_tune,
+        format_recovery,
+        recovery_curve,
     )
+    from .conversion import ConversionReport, convert
     from .errors import ConversionError
     from .plan import (
-        DROPPED_TENSOR_SUFFIXES, FLOAT_DTYPES, RECORD_NAME, SOURCE_MODEL_TYPES, ConversionPlan, ShardPlan,
-        TensorEntry, plan_conversion,
+        DROPPED_TENSOR_SUFFIXES,
+        FLOAT_DTYPES,
+        RECORD_NAME,
+        SOURCE_MODEL_TYPES,
+        ConversionPlan,
+        ShardPlan,
+        TensorEntry,
+        plan_conversion,
     )
     from .recipe import CONTINUE_TUNING_DEFAULTS, head_split
     from .verify import all_heads_active, verify_conversion
-    from .conversion import ConversionReport, convert
 
 __all__ = [
-    "CONTINUE_TUNING_DEFAULTS", "CONVERTED_SUBDIR", "DROPPED_TENSOR_SUFFIXES", "FLOAT_DTYPES", "RECORD_NAME",
-    "RECOVERY_CSV", "RECOVERY_PNG", "SOURCE_MODEL_TYPES",
-    "ConversionError", "ConversionPlan", "ConversionReport", "ConvertArguments", "ShardPlan", "TensorEntry",
-    "all_heads_active", "build_parser", "continue_tune_arguments", "convert", "convert_and_continue_tune",
-    "format_recovery", "head_split", "main", "plan_conversion", "recovery_curve", "verify_conversion",
-]  # fmt: skip
+    "CONTINUE_TUNING_DEFAULTS",
+    "CONVERTED_SUBDIR",
+    "DROPPED_TENSOR_SUFFIXES",
+    "FLOAT_DTYPES",
+    "RECORD_NAME",
+    "RECOVERY_CSV",
+    "RECOVERY_PNG",
+    "SOURCE_MODEL_TYPES",
+    "ConversionError",
+    "ConversionPlan",
+    "ConversionReport",
+    "ConvertArguments",
+    "ShardPlan",
+    "TensorEntry",
+    "all_heads_active",
+    "build_parser",
+    "continue_tune_arguments",
+    "convert",
+    "convert_and_continue_tune",
+    "format_recovery",
+    "head_split",
+    "main",
+    "plan_conversion",
+    "recovery_curve",
+    "verify_conversion",
+]

@@ -20,8 +20,10 @@ class ConvertArguments:
     input_dir: str = field(default=None, metadata={"help": "Dense llama / mistral / qwen2 checkpoint (safetensors)."})
     output_dir: str = field(
         default=None,
-        metadata={"help": "Where the moh_llama checkpoint goes. With --train_file: the continue-tuned model, metrics, "
-                          "checkpoints and recovery curve; the converted (untuned) model is in OUTPUT_DIR/converted."},
+        metadata={
+            "help": "Where the moh_llama checkpoint goes. With --train_file: the continue-tuned model, metrics, "
+            "checkpoints and recovery curve; the converted (untuned) model is in OUTPUT_DIR/converted."
+        },
     )
     shared_heads_ratio: float = field(
         default=SHARED_HEADS_RATIO, metadata={"help": "Fraction of heads shared (the first ones)."}
@@ -36,45 +38,61 @@ class ConvertArguments:
     overwrite: bool = field(default=False, metadata={"help": "Replace a non-empty --output_dir."})
     skip_logit_check: bool = field(
         default=False,
-        metadata={"help": "Skip loading source and converted model to compare logits (for models too large for this "
-                          "machine's memory); names, dtypes and shapes are still checked."},
+        metadata={
+            "help": "Skip loading source and converted model to compare logits (for models too large for this "
+            "machine's memory); names, dtypes and shapes are still checked."
+        },
     )
     probe_file: str | None = field(default=None, metadata={"help": "Text for the probe batch of the logit check."})
     gguf_file: str | None = field(
         default=None,
-        metadata={"help": "Convert this GGUF file inside --input_dir (LLaMA family; dequantised to float32 through "
-                          "Transformers' GGUF support; needs pip install 'mhmoe[gguf]')."},
+        metadata={
+            "help": "Convert this GGUF file inside --input_dir (LLaMA family; dequantised to float32 through "
+            "Transformers' GGUF support; needs pip install 'mhmoe[gguf]')."
+        },
     )
     recipe: str = field(
         default=DEFAULT_RECIPE,
-        metadata={"help": "How shared heads and the routed-head score are chosen: 'paper' (first heads shared, l2 "
-                          "router, weights copied as they are), 'calibrated' (the heads that contribute most on "
-                          "--calibration_file shared, heads permuted within their key/value groups; l2_relative "
-                          "router: query norm over its calibration mean) or 'auto' (calibrated when the source has a "
-                          "tokenizer, else paper).", "choices": ["auto", *RECIPES]},
+        metadata={
+            "help": "How shared heads and the routed-head score are chosen: 'paper' (first heads shared, l2 "
+            "router, weights copied as they are), 'calibrated' (the heads that contribute most on "
+            "--calibration_file shared, heads permuted within their key/value groups; l2_relative "
+            "router: query norm over its calibration mean) or 'auto' (calibrated when the source has a "
+            "tokenizer, else paper).",
+            "choices": ["auto", *RECIPES],
+        },
     )
     shared_heads: str | None = field(
         default=None,
-        metadata={"help": "Override the recipe's shared heads: 'first' or 'importance' (calibrated).",
-                  "choices": list(SHARED_CHOICES)},
+        metadata={
+            "help": "Override the recipe's shared heads: 'first' or 'importance' (calibrated).",
+            "choices": list(SHARED_CHOICES),
+        },
     )
     moh_router: str | None = field(
         default=None,
-        metadata={"help": "Override the recipe's routed-head score: 'l2' (the paper's), 'l2_standardized' or "
-                          "'l2_relative' (per-head calibration statistics).", "choices": list(ROUTER_CHOICES)},
+        metadata={
+            "help": "Override the recipe's routed-head score: 'l2' (the paper's), 'l2_standardized' or "
+            "'l2_relative' (per-head calibration statistics).",
+            "choices": list(ROUTER_CHOICES),
+        },
     )
     calibration_file: str | None = field(
         default=None,
-        metadata={"help": "Calibration text (plain text, or JSONL with a 'text' field) for calibrated recipes; "
-                          "default: Python's own documentation (pydoc_data.topics)."},
+        metadata={
+            "help": "Calibration text (plain text, or JSONL with a 'text' field) for calibrated recipes; "
+            "default: Python's own documentation (pydoc_data.topics)."
+        },
     )
     calibration_tokens: int = field(
         default=CALIBRATION_TOKENS, metadata={"help": "Tokens of calibration text used (blocks of 256)."}
     )
     distill: bool = field(
         default=False,
-        metadata={"help": "Continue-tune against the dense parent's logits (KL at --distill_temperature mixed with "
-                          "the LM loss by --distill_weight); the parent is a frozen copy on the same device."},
+        metadata={
+            "help": "Continue-tune against the dense parent's logits (KL at --distill_temperature mixed with "
+            "the LM loss by --distill_weight); the parent is a frozen copy on the same device."
+        },
     )
     distill_temperature: float = field(default=2.0, metadata={"help": "Temperature T of the distillation KL."})
     distill_weight: float = field(
@@ -87,16 +105,26 @@ class ConvertArguments:
         from .verify import read_probe
 
         return dict(
-            shared_heads_ratio=self.shared_heads_ratio, active_heads_ratio=self.active_heads_ratio,
-            overwrite=self.overwrite, verify_logits=not self.skip_logit_check, probe_text=read_probe(self.probe_file),
-            moh_aux_loss_coef=self.moh_aux_loss_coef, gguf_file=self.gguf_file,
+            shared_heads_ratio=self.shared_heads_ratio,
+            active_heads_ratio=self.active_heads_ratio,
+            overwrite=self.overwrite,
+            verify_logits=not self.skip_logit_check,
+            probe_text=read_probe(self.probe_file),
+            moh_aux_loss_coef=self.moh_aux_loss_coef,
+            gguf_file=self.gguf_file,
             recipe=head_recipe(self.recipe, self.shared_heads, self.moh_router),
-            calibration_file=self.calibration_file, calibration_tokens=self.calibration_tokens,
-        )  # fmt: skip
+            calibration_file=self.calibration_file,
+            calibration_tokens=self.calibration_tokens,
+        )
 
 
-_NOT_CONTINUE_TUNING = ("model_name_or_path", "output_dir", "overwrite_output_dir", "config_overrides",
-                        "tokenizer_vocab_size")  # fmt: skip
+_NOT_CONTINUE_TUNING = (
+    "model_name_or_path",
+    "output_dir",
+    "overwrite_output_dir",
+    "config_overrides",
+    "tokenizer_vocab_size",
+)
 
 
 @functools.cache

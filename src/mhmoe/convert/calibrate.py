@@ -57,8 +57,10 @@ def head_recipe(name: str = DEFAULT_RECIPE, shared_heads: str | None = None, rou
         raise ConversionError(f"--recipe must be one of auto, {', '.join(RECIPES)}, got {name!r}")
     if name == "auto":
         if shared_heads is not None or router is not None:
-            raise ConversionError("--shared_heads and --moh_router change a named recipe: give --recipe paper or "
-                                  "--recipe calibrated with them")  # fmt: skip
+            raise ConversionError(
+                "--shared_heads and --moh_router change a named recipe: give --recipe paper or "
+                "--recipe calibrated with them"
+            )
         return HeadRecipe("auto", "auto", "auto")
     if shared_heads is not None and shared_heads not in SHARED_CHOICES:
         raise ConversionError(f"--shared_heads must be one of {', '.join(SHARED_CHOICES)}, got {shared_heads!r}")
@@ -67,8 +69,9 @@ def head_recipe(name: str = DEFAULT_RECIPE, shared_heads: str | None = None, rou
     base = RECIPES[name]
     recipe = HeadRecipe(name, shared_heads or base.shared_heads, router or base.router)
     if recipe != base:
-        recipe = HeadRecipe(f"{name} (shared heads {recipe.shared_heads}, router {recipe.router})",
-                            recipe.shared_heads, recipe.router)  # fmt: skip
+        recipe = HeadRecipe(
+            f"{name} (shared heads {recipe.shared_heads}, router {recipe.router})", recipe.shared_heads, recipe.router
+        )
     return recipe
 
 
@@ -106,7 +109,7 @@ def read_calibration(path: str | None) -> tuple[str, str]:
                 raise ConversionError(f"--calibration_file {path} line {number} is not JSON") from None
             text = row if isinstance(row, str) else row.get("text") if isinstance(row, dict) else None
             if not isinstance(text, str):
-                raise ConversionError(f"--calibration_file {path} line {number}: no \"text\" string")
+                raise ConversionError(f'--calibration_file {path} line {number}: no "text" string')
             texts.append(text)
         raw = "\n\n".join(texts)
     if not raw.strip():
@@ -198,13 +201,14 @@ def resolve_auto(plan) -> HeadRecipe:
     """--recipe auto: "calibrated" when the source folder has a tokenizer, else "paper" (with a note on the plan)."""
     if any(os.path.isfile(os.path.join(plan.input_dir, name)) for name in TOKENIZER_FILES):
         return RECIPES["calibrated"]
-    plan.notes.append("recipe paper: the source has no tokenizer, which calibration needs (--recipe calibrated with a "
-                      "tokenizer in --input_dir measures the heads)")  # fmt: skip
+    plan.notes.append(
+        "recipe paper: the source has no tokenizer, which calibration needs (--recipe calibrated with a "
+        "tokenizer in --input_dir measures the heads)"
+    )
     return RECIPES["paper"]
 
 
 def _load_source(source_dir: str):
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -215,8 +219,9 @@ def _load_source(source_dir: str):
     return model, tokenizer
 
 
-def choose_heads(plan, recipe: HeadRecipe, calibration_file: str | None = None,
-                 calibration_tokens: int = CALIBRATION_TOKENS) -> HeadChoices:  # fmt: skip
+def choose_heads(
+    plan, recipe: HeadRecipe, calibration_file: str | None = None, calibration_tokens: int = CALIBRATION_TOKENS
+) -> HeadChoices:
     """Measure the source of `plan` on calibration text (unless the recipe needs none), choose every layer's shared
     heads and set the recipe's router (and its statistics, in the permuted head order) on `plan.config`."""
     from .heads import head_order, permute_rows
@@ -245,22 +250,41 @@ def choose_heads(plan, recipe: HeadRecipe, calibration_file: str | None = None,
     config.moh_router = recipe.router
     if recipe.router != "l2":
         config.moh_head_norm_mean = [[round(v, 6) for v in row] for row in permute_rows(stats.norm_mean, orders)]
-        config.moh_head_norm_std = [[round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)]
+        config.moh_head_norm_std = [
+            [round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)
+        ]
     record["calibration"] = {
-        "source": label, "sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": stats.tokens,
-        "block_size": int(blocks.shape[1]), "importance": "mean norm of each head's o_proj contribution",
-    }  # fmt: skip
+        "source": label,
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "tokens": stats.tokens,
+        "block_size": int(blocks.shape[1]),
+        "importance": "mean norm of each head's o_proj contribution",
+    }
     record["layers"] = [
-        {"head_order": order, "shared_source_heads": sorted(order[:shared]),
-         "importance": [round(v, 5) for v in stats.importance[i]]}
+        {
+            "head_order": order,
+            "shared_source_heads": sorted(order[:shared]),
+            "importance": [round(v, 5) for v in stats.importance[i]],
+        }
         for i, order in enumerate(orders)
-    ]  # fmt: skip
+    ]
     identity = all(order == list(range(heads)) for order in orders)
     return HeadChoices(None if identity else orders, record)
 
 
 __all__ = [
-    "CALIBRATION_TOKENS", "DEFAULT_RECIPE", "RECIPES", "ROUTER_CHOICES", "SHARED_CHOICES", "HeadChoices", "HeadRecipe",
-    "HeadStats", "calibration_blocks", "choose_heads", "default_calibration_text", "head_recipe", "measure_heads",
+    "CALIBRATION_TOKENS",
+    "DEFAULT_RECIPE",
+    "RECIPES",
+    "ROUTER_CHOICES",
+    "SHARED_CHOICES",
+    "HeadChoices",
+    "HeadRecipe",
+    "HeadStats",
+    "calibration_blocks",
+    "choose_heads",
+    "default_calibration_text",
+    "head_recipe",
+    "measure_heads",
     "read_calibration",
-]  # fmt: skip
+]

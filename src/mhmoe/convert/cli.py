@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
                 return
             if args.distill:
                 raise ConversionError("--distill continue-tunes: give --train_file")
-            report = convert(args.input_dir, args.output_dir, progress=not tune.disable_tqdm,
-                             **args.conversion_options())  # fmt: skip
+            report = convert(
+                args.input_dir, args.output_dir, progress=not tune.disable_tqdm, **args.conversion_options()
+            )
             print(report.format(), flush=True)
     except (ConversionError, TrainingError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")

@@ -18,15 +18,17 @@ from transformers.utils import CONFIG_NAME
 
 from .._plumbing.checkpoint_files import replace_dir, temporary_dir_next_to
 from .arguments import ConvertArguments, _continue_tune_arguments_class
+from .conversion import check_paths, convert, output_state
 from .errors import ConversionError
 from .recipe import head_split
 from .verify import all_heads_active
-from .conversion import check_paths, convert, output_state
 
 CONVERTED_SUBDIR = "converted"
 DISTILL_RECORD = "distillation.json"
 RECOVERY_CSV = "recovery_curve.csv"
 RECOVERY_PNG = "recovery_curve.png"
+
+
 def continue_tune_arguments(**values):
     return _continue_tune_arguments_class()(**values)
 
@@ -58,8 +60,15 @@ def _convert_for_tuning(args: ConvertArguments, tune, progress: bool):
     check_paths(args.input_dir, out)
     output_state(out, args.overwrite)
     # the training arguments are checked before the conversion, which may take long
-    check_before_training(TrainArguments(model_name_or_path=converted, output_dir=out, **dataclasses.asdict(tune),
-                                         overwrite_output_dir=args.overwrite), model_given=True)  # fmt: skip
+    check_before_training(
+        TrainArguments(
+            model_name_or_path=converted,
+            output_dir=out,
+            **dataclasses.asdict(tune),
+            overwrite_output_dir=args.overwrite,
+        ),
+        model_given=True,
+    )
     if args.distill:  # its settings are checked before the conversion too
         from .distill import Distillation
 
@@ -100,8 +109,9 @@ def _tune(args: ConvertArguments, tune, state):
     from ..training.loop import train
 
     out = args.output_dir
-    train_args = TrainArguments(model_name_or_path=os.path.join(out, CONVERTED_SUBDIR), output_dir=out,
-                                **dataclasses.asdict(tune))  # fmt: skip
+    train_args = TrainArguments(
+        model_name_or_path=os.path.join(out, CONVERTED_SUBDIR), output_dir=out, **dataclasses.asdict(tune)
+    )
     validated = bool(train_args.validation_file) or train_args.validation_split_percentage > 0
     if not validated:
         train_args.eval_at_start = False
@@ -177,8 +187,10 @@ def recovery_curve(output_dir: str, threshold: float = 1.05) -> dict | None:
         f.write("step,tokens,eval_loss,eval_ppl,dense_ppl,ppl_over_dense\n")
         for r in rows:
             ratio = r["eval_ppl"] / dense if dense else float("nan")
-            f.write(f"{r['step']},{r.get('tokens', '')},{r['eval_loss']:.6f},{r['eval_ppl']:.6f},"
-                    f"{dense if dense else ''},{ratio:.6f}\n")  # fmt: skip
+            f.write(
+                f"{r['step']},{r.get('tokens', '')},{r['eval_loss']:.6f},{r['eval_ppl']:.6f},"
+                f"{dense if dense else ''},{ratio:.6f}\n"
+            )
     _plot_recovery(rows, dense, threshold, os.path.join(output_dir, RECOVERY_PNG))
     summary = {
         "dense_ppl": dense,
@@ -227,6 +239,9 @@ def format_recovery(summary: dict) -> str:
         parts.append(f"converted, before tuning {summary['start_ppl']:.3f} (×{summary['start_ppl'] / dense:.3f})")
     parts.append(f"after {summary['final_tokens']:,} tokens {summary['final_ppl']:.3f} (×{summary['final_ratio']:.3f})")
     recovered = summary["tokens_to_recover"]
-    parts.append(f"within {summary['threshold']:g}× from {recovered:,} tokens" if recovered is not None else
-                 f"not within {summary['threshold']:g}× yet")  # fmt: skip
+    parts.append(
+        f"within {summary['threshold']:g}× from {recovered:,} tokens"
+        if recovered is not None
+        else f"not within {summary['threshold']:g}× yet"
+    )
     return "; ".join(parts)

@@ -25,7 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .._plumbing.checkpoint_files import (
-    SAFE_INDEX_NAME, check_writable, copy_side_file, fsync, overlapping, recover_output_dir, replace_dir,
+    SAFE_INDEX_NAME,
+    check_writable,
+    copy_side_file,
+    fsync,
+    overlapping,
+    recover_output_dir,
+    replace_dir,
     temporary_dir_next_to,
 )
 from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_heads, head_recipe
@@ -142,8 +148,9 @@ def _write_checkpoint(plan: ConversionPlan, temporary: str, progress: bool) -> N
     """Shards, index, config and the copied files into `temporary`; the shards' headers re-read and checked."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress,
-               dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=plan.total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress, dynamic_ncols=True
+    )
     # each shard is flushed to disk by a background thread while the next one is copied (fsync drops the GIL)
     with ThreadPoolExecutor(max_workers=1) as flusher:
         flushed = []
@@ -213,13 +220,22 @@ class ConversionReport:
     def of(cls, plan: ConversionPlan, input_dir: str, output_dir: str, seconds: float, verification: dict | None):
         config = plan.config
         return cls(
-            input_dir=input_dir, output_dir=output_dir, source_model_type=plan.source_model_type,
-            num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads, shared_heads=config.moh_shared_heads,
-            routed_active_heads=config.moh_active_heads, shards=len(plan.shards),
-            tensors=sum(len(s.tensors) for s in plan.shards), bytes=plan.total_bytes, seconds=seconds,
-            notes=plan.notes, verification=verification, router=config.moh_router,
-        )  # fmt: skip
+            input_dir=input_dir,
+            output_dir=output_dir,
+            source_model_type=plan.source_model_type,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            shared_heads=config.moh_shared_heads,
+            routed_active_heads=config.moh_active_heads,
+            shards=len(plan.shards),
+            tensors=sum(len(s.tensors) for s in plan.shards),
+            bytes=plan.total_bytes,
+            seconds=seconds,
+            notes=plan.notes,
+            verification=verification,
+            router=config.moh_router,
+        )
 
     @property
     def active_heads(self) -> int:
@@ -286,10 +302,18 @@ def convert(
     output_state(output_dir, overwrite)
     recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
     if gguf_file is not None:
-        options = dict(shared_heads_ratio=shared_heads_ratio, active_heads_ratio=active_heads_ratio,
-                       overwrite=overwrite, verify_logits=verify_logits, probe_text=probe_text,
-                       moh_aux_loss_coef=moh_aux_loss_coef, progress=progress, recipe=recipe,
-                       calibration_file=calibration_file, calibration_tokens=calibration_tokens)  # fmt: skip
+        options = dict(
+            shared_heads_ratio=shared_heads_ratio,
+            active_heads_ratio=active_heads_ratio,
+            overwrite=overwrite,
+            verify_logits=verify_logits,
+            probe_text=probe_text,
+            moh_aux_loss_coef=moh_aux_loss_coef,
+            progress=progress,
+            recipe=recipe,
+            calibration_file=calibration_file,
+            calibration_tokens=calibration_tokens,
+        )
         return _convert_gguf(input_dir, output_dir, gguf_file, **options)
     plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
     plan.notes[:0] = source_notes or []
@@ -305,8 +329,13 @@ def convert(
         _write_checkpoint(plan, temporary, progress)
         if choices.orders is not None:
             config = plan.config
-            permute_checkpoint(temporary, [s.filename for s in plan.shards], choices.orders,
-                               config.num_key_value_heads, config.head_dim)  # fmt: skip
+            permute_checkpoint(
+                temporary,
+                [s.filename for s in plan.shards],
+                choices.orders,
+                config.num_key_value_heads,
+                config.head_dim,
+            )
         copy_seconds = time.time() - start
         verification = verified(input_dir, temporary, probe_text) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
@@ -315,8 +344,12 @@ def convert(
         from ..hub.cards import public_paths
 
         # names, not local paths: the record is published with the model
-        record.update(shared_heads_ratio=shared_heads_ratio, active_heads_ratio=active_heads_ratio,
-                      **public_paths(source_name or input_dir, output_dir), **choices.record)  # fmt: skip
+        record.update(
+            shared_heads_ratio=shared_heads_ratio,
+            active_heads_ratio=active_heads_ratio,
+            **public_paths(source_name or input_dir, output_dir),
+            **choices.record,
+        )
         with open(os.path.join(temporary, RECORD_NAME), "w") as f:
             json.dump(record, f, indent=2)
         _commit(temporary, output_dir, overwrite)
@@ -335,10 +368,10 @@ def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) ->
     dense = temporary_dir_next_to(output_dir)
     try:
         notes = dequantise_gguf(input_dir, gguf_file, dense)
-        report = convert(dense, output_dir, source_name=os.path.join(input_dir, gguf_file), source_notes=notes,
-                         **options)  # fmt: skip
+        report = convert(
+            dense, output_dir, source_name=os.path.join(input_dir, gguf_file), source_notes=notes, **options
+        )
         report.input_dir = os.path.join(input_dir, gguf_file)
     finally:
         shutil.rmtree(dense, ignore_errors=True)
     return report
-

@@ -91,12 +91,14 @@ class Distillation:
 
     def record(self) -> dict:
         return {
-            "temperature": self.temperature, "weight": self.weight,
+            "temperature": self.temperature,
+            "weight": self.weight,
             "loss": "weight * T^2 * KL(parent || model) + (1 - weight) * LM loss (+ MoH balance loss)",
             "parent": "frozen copy of the converted model with every head active (the dense source), same device",
-            "parent_memory_bytes": self.parent_bytes, "parent_forward_seconds": round(self.parent_seconds, 3),
+            "parent_memory_bytes": self.parent_bytes,
+            "parent_forward_seconds": round(self.parent_seconds, 3),
             "parent_forwards": self.steps,
-        }  # fmt: skip
+        }
 
 
 __all__ = ["Distillation", "dense_parent", "distillation_loss"]

@@ -80,8 +80,9 @@ def permute_state_dict(state_dict: dict, orders: list[list[int]], kv_heads: int,
     return {k: permute_tensor(k, v, orders, kv_heads, head_dim) for k, v in state_dict.items()}
 
 
-def permute_checkpoint(directory: str, shard_names: list[str], orders: list[list[int]], kv_heads: int,
-                       head_dim: int) -> None:  # fmt: skip
+def permute_checkpoint(
+    directory: str, shard_names: list[str], orders: list[list[int]], kv_heads: int, head_dim: int
+) -> None:
     """Permute the attention weights of a written checkpoint in place, one shard at a time (same names, dtypes,
     shapes, metadata); the folder is the converter's temporary one."""
     from safetensors import safe_open

@@ -244,8 +244,10 @@ def plan_conversion(
     config, dropped_fields = _moh_config(source_config, model_type, shared, routed_active, moh_aux_loss_coef)
     notes = []
     if dropped_fields:
-        notes.append("config fields without a Llama equivalent, dropped: " +
-                     ", ".join(f"{k}={v!r}" for k, v in dropped_fields.items()))  # fmt: skip
+        notes.append(
+            "config fields without a Llama equivalent, dropped: "
+            + ", ".join(f"{k}={v!r}" for k, v in dropped_fields.items())
+        )
 
     shard_names, weight_map = weight_files(input_dir, ConversionError)
     shards = [read_shard(os.path.join(input_dir, name), name) for name in shard_names]
@@ -262,5 +264,6 @@ def plan_conversion(
 
     copy_files, copy_notes = _files_to_copy(input_dir)
     notes += copy_notes
-    return ConversionPlan(input_dir, model_type, source_config, config, shards, weight_map is not None, copy_files,
-                          notes)  # fmt: skip
+    return ConversionPlan(
+        input_dir, model_type, source_config, config, shards, weight_map is not None, copy_files, notes
+    )

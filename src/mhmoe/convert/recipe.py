@@ -28,9 +28,14 @@ AUX_LOSS_COEF = 0.01
 
 # mhmoe-train's defaults replaced for continue-tuning (every other mhmoe-train default stays)
 CONTINUE_TUNING_DEFAULTS = {
-    "learning_rate": 2e-5, "min_learning_rate": 1e-6, "warmup_steps": 50, "lr_scheduler_type": "cosine",
-    "weight_decay": 0.1, "max_grad_norm": 1.0, "eval_at_start": True,
-}  # fmt: skip
+    "learning_rate": 2e-5,
+    "min_learning_rate": 1e-6,
+    "warmup_steps": 50,
+    "lr_scheduler_type": "cosine",
+    "weight_decay": 0.1,
+    "max_grad_norm": 1.0,
+    "eval_at_start": True,
+}
 
 
 def head_split(num_heads: int, shared_heads_ratio: float, active_heads_ratio: float) -> tuple[int, int]:

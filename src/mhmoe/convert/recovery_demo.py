@@ -33,7 +33,7 @@ def stdlib_sources() -> list[str]:
     skip = (os.sep + "test", os.sep + "idlelib" + os.sep, "site-packages", os.sep + "tests" + os.sep)
     texts = []
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
-        if any(part in path[len(root):] for part in skip):
+        if any(part in path[len(root) :] for part in skip):
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -107,27 +107,56 @@ def run_recovery_demo(
     # 1. the dense parent
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=4 * block_size, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4 * block_size,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
     dense_dir = os.path.join(workdir, "dense")
-    common = dict(train_file=[train_file], validation_file=[val_file], block_size=block_size,
-                  per_device_train_batch_size=batch_size, per_device_eval_batch_size=32, seed=seed,
-                  disable_tqdm=not progress, plot=False, weight_decay=0.1, max_grad_norm=1.0)  # fmt: skip
+    common = dict(
+        train_file=[train_file],
+        validation_file=[val_file],
+        block_size=block_size,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=32,
+        seed=seed,
+        disable_tqdm=not progress,
+        plot=False,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+    )
     dense_ppl = _train_dense_parent(LlamaForCausalLM(config), tokenizer, common, dense_dir, dense_steps, dense_lr)
 
     # 2. convert + continue-tune (the converter's own code path)
-    tune = dict(common, max_steps=tune_steps, learning_rate=tune_lr, min_learning_rate=tune_min_lr,
-                warmup_steps=tune_warmup, eval_steps=eval_steps, eval_at_start=True)  # fmt: skip
+    tune = dict(
+        common,
+        max_steps=tune_steps,
+        learning_rate=tune_lr,
+        min_learning_rate=tune_min_lr,
+        warmup_steps=tune_warmup,
+        eval_steps=eval_steps,
+        eval_at_start=True,
+    )
     reset_accelerate_state()
     moh_dir = os.path.join(workdir, "moh")
     outcome = convert_and_continue_tune(
-        ConvertArguments(input_dir=dense_dir, output_dir=moh_dir, shared_heads_ratio=shared_heads_ratio,
-                         active_heads_ratio=active_heads_ratio, overwrite=True, recipe="paper"),
-        continue_tune_arguments(**tune), progress=progress,
-    )  # fmt: skip
+        ConvertArguments(
+            input_dir=dense_dir,
+            output_dir=moh_dir,
+            shared_heads_ratio=shared_heads_ratio,
+            active_heads_ratio=active_heads_ratio,
+            overwrite=True,
+            recipe="paper",
+        ),
+        continue_tune_arguments(**tune),
+        progress=progress,
+    )
     recovery = outcome["recovery"]
 
     # 3. control: the dense parent continue-tuned the same way
@@ -162,8 +191,9 @@ def _continue_dense(tune: dict, dense_dir: str, output_dir: str) -> float:
     from ..training.prepare import reset_accelerate_state
 
     reset_accelerate_state()
-    continued = train(dict(tune, model_name_or_path=dense_dir, output_dir=output_dir, eval_at_start=False,
-                           overwrite_output_dir=True))  # fmt: skip
+    continued = train(
+        dict(tune, model_name_or_path=dense_dir, output_dir=output_dir, eval_at_start=False, overwrite_output_dir=True)
+    )
     return continued.final_eval["eval_ppl"]
 
 
@@ -173,9 +203,19 @@ def _train_dense_parent(model, tokenizer, common: dict, output_dir: str, steps: 
     from ..training.prepare import reset_accelerate_state
 
     reset_accelerate_state()
-    dense = train(dict(common, output_dir=output_dir, max_steps=steps, learning_rate=lr,
-                       warmup_steps=max(1, steps // 20), min_learning_rate=lr / 10, overwrite_output_dir=True),
-                  model=model, tokenizer=tokenizer)  # fmt: skip
+    dense = train(
+        dict(
+            common,
+            output_dir=output_dir,
+            max_steps=steps,
+            learning_rate=lr,
+            warmup_steps=max(1, steps // 20),
+            min_learning_rate=lr / 10,
+            overwrite_output_dir=True,
+        ),
+        model=model,
+        tokenizer=tokenizer,
+    )
     return dense.final_eval["eval_ppl"]
 
 
@@ -191,8 +231,10 @@ def format_result(r: dict) -> str:
     if r["tokens_to_recover"] is not None:
         lines.append(f"within 5% of dense after {r['tokens_to_recover']:,} tokens")
     if r["dense_continued_ppl"] is not None:
-        lines.append(f"control, dense parent continue-tuned the same way: {r['dense_continued_ppl']:.3f} "
-                     f"(MoH / control ×{r['moh_ppl_after_tuning'] / r['dense_continued_ppl']:.3f})")  # fmt: skip
+        lines.append(
+            f"control, dense parent continue-tuned the same way: {r['dense_continued_ppl']:.3f} "
+            f"(MoH / control ×{r['moh_ppl_after_tuning'] / r['dense_continued_ppl']:.3f})"
+        )
     lines.append(f"({r['seconds']} s; files in {r['workdir']})")
     return "\n".join(lines)
 
@@ -224,13 +266,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="moh-recovery-")
     result = run_recovery_demo(
-        workdir, dense_steps=args.dense_steps, tune_steps=args.tune_steps, eval_steps=args.eval_steps,
-        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size, num_layers=args.num_layers,
-        num_heads=args.num_heads, num_key_value_heads=args.num_key_value_heads, block_size=args.block_size,
-        batch_size=args.batch_size, dense_lr=args.dense_lr, tune_lr=args.tune_lr, tune_min_lr=args.tune_min_lr,
-        seed=args.seed, vocab_size=args.vocab_size, stdlib=args.stdlib, control=not args.no_control,
+        workdir,
+        dense_steps=args.dense_steps,
+        tune_steps=args.tune_steps,
+        eval_steps=args.eval_steps,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        dense_lr=args.dense_lr,
+        tune_lr=args.tune_lr,
+        tune_min_lr=args.tune_min_lr,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        stdlib=args.stdlib,
+        control=not args.no_control,
         progress=args.progress,
-    )  # fmt: skip
+    )
     print(format_result(result))
     if not math.isfinite(result["moh_over_dense"]) or result["moh_over_dense"] > 1.05:
         raise SystemExit(1)

@@ -46,8 +46,9 @@ def read_probe(path: str | None) -> str | None:
     except OSError as e:
         raise ConversionError(f"--probe_file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:  # a binary file: the codec's message names neither the file nor the fix
-        raise ConversionError(f"--probe_file {path} is not UTF-8 text ({e.reason} at byte {e.start}); give a text "
-                              "file") from None  # fmt: skip
+        raise ConversionError(
+            f"--probe_file {path} is not UTF-8 text ({e.reason} at byte {e.start}); give a text file"
+        ) from None
 
 
 def _probe_ids(directory: str, config, probe_text: str | None, rows: int = 2, length: int = 64):

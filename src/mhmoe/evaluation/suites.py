@@ -131,8 +131,22 @@ def simple_evaluate(*args, **kwargs):
 
 BUILTIN_TASK_DIRS = {  # lm-eval task folders the suites use (for a fast TaskManager without the 14k-task index)
     "moh_llm_suite": ["sciq", "piqa", "winogrande", "openbookqa", "logiqa", "truthfulqa"],
-    "moh_llama3_suite": ["mmlu/default", "ceval", "cmmlu", "gsm8k", "truthfulqa", "hellaswag", "logiqa",
-                         "super_glue/boolq", "lambada", "sciq", "piqa", "winogrande", "nq_open", "arc"],  # fmt: skip
+    "moh_llama3_suite": [
+        "mmlu/default",
+        "ceval",
+        "cmmlu",
+        "gsm8k",
+        "truthfulqa",
+        "hellaswag",
+        "logiqa",
+        "super_glue/boolq",
+        "lambada",
+        "sciq",
+        "piqa",
+        "winogrande",
+        "nq_open",
+        "arc",
+    ],
     "mhmoe_ppl": [],
 }
 
@@ -159,5 +173,13 @@ def task_manager(suites=None, include_defaults: bool = False, include_path=None,
     return TaskManager(include_path=paths, include_defaults=include_defaults, metadata=metadata)
 
 
-__all__ = ["BUILTIN_TASK_DIRS", "EVAL_TASKS_ENV", "PAPER_TABLES", "PaperTable", "add_paper_tables", "eval_tasks_dir",
-           "simple_evaluate", "task_manager"]  # fmt: skip
+__all__ = [
+    "BUILTIN_TASK_DIRS",
+    "EVAL_TASKS_ENV",
+    "PAPER_TABLES",
+    "PaperTable",
+    "add_paper_tables",
+    "eval_tasks_dir",
+    "simple_evaluate",
+    "task_manager",
+]

@@ -10,16 +10,25 @@ from typing import TYPE_CHECKING
 
 from .._plumbing.lazy import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {
-    **dict.fromkeys(("ExportError", "export_pretrained", "upload_folder"), ".export"),
-    **dict.fromkeys(("check_exported_code", "write_remote_code"), ".remote_code"),
-    "model_card": ".cards",
-})  # fmt: skip
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        **dict.fromkeys(("ExportError", "export_pretrained", "upload_folder"), ".export"),
+        **dict.fromkeys(("check_exported_code", "write_remote_code"), ".remote_code"),
+        "model_card": ".cards",
+    },
+)
 
 if TYPE_CHECKING:
     from .cards import model_card
     from .export import ExportError, export_pretrained, upload_folder
     from .remote_code import check_exported_code, write_remote_code
 
-__all__ = ["ExportError", "check_exported_code", "export_pretrained", "model_card", "upload_folder",
-           "write_remote_code"]  # fmt: skip
+__all__ = [
+    "ExportError",
+    "check_exported_code",
+    "export_pretrained",
+    "model_card",
+    "upload_folder",
+    "write_remote_code",
+]

@@ -46,9 +46,11 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
         moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         if moe_layers:
             h = config.moe_heads
-            moe = (f"{moe_layers} of {config.num_hidden_layers} layers: {config.num_experts} experts, "
-                   f"top-{config.num_experts_per_tok}, {h} MoE head{'s' if h > 1 else ''} (sub-tokens of width "
-                   f"{config.hidden_size // h}), expert inner size {config.moe_intermediate_size}")  # fmt: skip
+            moe = (
+                f"{moe_layers} of {config.num_hidden_layers} layers: {config.num_experts} experts, "
+                f"top-{config.num_experts_per_tok}, {h} MoE head{'s' if h > 1 else ''} (sub-tokens of width "
+                f"{config.hidden_size // h}), expert inner size {config.moe_intermediate_size}"
+            )
             if config.shared_expert_intermediate_size:
                 moe += f", shared expert inner size {config.shared_expert_intermediate_size}"
             rows.append(("MoE", moe))
@@ -56,22 +58,38 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
             rows.append(("MoE", "none (dense)"))
     if getattr(config, "router_type", "topk") == "lory":  # the MoE row's top-k does not apply
         pools = "one pool per head (MH-Lory v2)" if config.lory_expert_pool == "per_head" else "one shared pool"
-        rows.append(("Lory routing", f"all experts merged into one per {config.lory_segment_length}-token segment, "
-                                     f"routed on the previous segment; {pools}"))  # fmt: skip
+        rows.append(
+            (
+                "Lory routing",
+                f"all experts merged into one per {config.lory_segment_length}-token segment, "
+                f"routed on the previous segment; {pools}",
+            )
+        )
     if getattr(config, "linear_type", "linear") == "bitnet_b158":
-        layers = {"all": "every decoder projection", "official": "attention and FFN projections (not head/merge "
-                  "layers)", "ffn_only": "the FFN projections", "experts": "the routed experts"}.get(
-            config.bitnet_quantized_layers, config.bitnet_quantized_layers)  # fmt: skip
+        layers = {
+            "all": "every decoder projection",
+            "official": "attention and FFN projections (not head/merge layers)",
+            "ffn_only": "the FFN projections",
+            "experts": "the routed experts",
+        }.get(config.bitnet_quantized_layers, config.bitnet_quantized_layers)
         stored = "int8 ternary weights + one scale per matrix" if config.bitnet_packed else "latent fp weights"
         rows.append(("BitNet b1.58", f"{layers} ternary, 8-bit activations; stored as {stored}"))
     if getattr(config, "moh_shared_heads", None) is not None:
         shared, active = config.moh_shared_heads, config.moh_active_heads
         gates = ", straight-through 0/1 gates" if config.moh_straight_through else ""
-        rows.append(("MoH attention", f"{shared} shared + {active} of {heads - shared} routed heads per token = "
-                                      f"{100 * (shared + active) / heads:.1f}% of {heads} heads active; "
-                                      f"`{config.moh_router}` router{gates}"
-                                      + (" (per-head query-norm statistics from calibration text in config.json)"
-                                         if getattr(config, "moh_head_norm_mean", None) else "")))  # fmt: skip
+        rows.append(
+            (
+                "MoH attention",
+                f"{shared} shared + {active} of {heads - shared} routed heads per token = "
+                f"{100 * (shared + active) / heads:.1f}% of {heads} heads active; "
+                f"`{config.moh_router}` router{gates}"
+                + (
+                    " (per-head query-norm statistics from calibration text in config.json)"
+                    if getattr(config, "moh_head_norm_mean", None)
+                    else ""
+                ),
+            )
+        )
     return rows
 
 
@@ -80,17 +98,30 @@ def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
     if not record or "recipe" not in record:
         return []
     recipe = record["recipe"]
-    rows = [("conversion recipe", f"`{recipe['name']}`: shared heads `{recipe['shared_heads']}`, routed-head score "
-                                  f"`{recipe['router']}` (mhmoe-convert)")]  # fmt: skip
+    rows = [
+        (
+            "conversion recipe",
+            f"`{recipe['name']}`: shared heads `{recipe['shared_heads']}`, routed-head score "
+            f"`{recipe['router']}` (mhmoe-convert)",
+        )
+    ]
     calibration = record.get("calibration")
     if calibration:
-        rows.append(("calibration", f"{calibration['source']}, {calibration['tokens']:,} tokens, sha256 "
-                                    f"`{calibration['sha256'][:16]}…`"))  # fmt: skip
+        rows.append(
+            (
+                "calibration",
+                f"{calibration['source']}, {calibration['tokens']:,} tokens, sha256 `{calibration['sha256'][:16]}…`",
+            )
+        )
     layers = record.get("layers") or []
     if layers and recipe["shared_heads"] != "first":
         shown = "; ".join(f"{i}: {layer['shared_source_heads']}" for i, layer in enumerate(layers[:4]))
-        rows.append(("shared heads (source head ids, per layer)",
-                     shown + (f"; … ({len(layers)} layers in moh_conversion.json)" if len(layers) > 4 else "")))
+        rows.append(
+            (
+                "shared heads (source head ids, per layer)",
+                shown + (f"; … ({len(layers)} layers in moh_conversion.json)" if len(layers) > 4 else ""),
+            )
+        )
     return rows
 
 
@@ -102,10 +133,13 @@ def parity_rows(config) -> list[tuple[str, str]]:
 
     cost = moe_layer_cost(config)
     return [
-        ("parameters", f"{cost.params:,} (experts {cost.expert_params:,}, head + merge {cost.head_merge_params:,}, "
-                       f"router {cost.router_params:,}, shared expert {cost.shared_expert_params:,})"),
+        (
+            "parameters",
+            f"{cost.params:,} (experts {cost.expert_params:,}, head + merge {cost.head_merge_params:,}, "
+            f"router {cost.router_params:,}, shared expert {cost.shared_expert_params:,})",
+        ),
         ("activated multiply-adds per token", f"{cost.macs_per_token:,}"),
-    ]  # fmt: skip
+    ]
 
 
 def base_model_name(input_dir: str) -> str:
@@ -136,14 +170,22 @@ def training_text(summary: dict) -> str:
     tokens = (summary.get("step") or 0) * (summary.get("global_batch_blocks") or 0) * (summary.get("block_size") or 0)
     files = [os.path.basename(str(f)) for f in args.get("train_file") or []]
     steps = summary.get("step")
-    parts = [f"Trained with `mhmoe-train` for {steps} step{'' if steps == 1 else 's'}"
-             + (f" ({tokens:,} tokens, {summary['global_batch_blocks']} blocks of {summary['block_size']} per step)"
-                if tokens else "")
-             + (f" on {', '.join(files)}" if files else "") + "."]  # fmt: skip
+    parts = [
+        f"Trained with `mhmoe-train` for {steps} step{'' if steps == 1 else 's'}"
+        + (
+            f" ({tokens:,} tokens, {summary['global_batch_blocks']} blocks of {summary['block_size']} per step)"
+            if tokens
+            else ""
+        )
+        + (f" on {', '.join(files)}" if files else "")
+        + "."
+    ]
     if args.get("learning_rate") is not None:
-        parts.append(f"Learning rate {args['learning_rate']:g} ({args.get('lr_scheduler_type', 'schedule')}), "
-                     f"{summary.get('num_processes', 1)} process(es), mixed precision "
-                     f"{summary.get('mixed_precision', 'no')}.")  # fmt: skip
+        parts.append(
+            f"Learning rate {args['learning_rate']:g} ({args.get('lr_scheduler_type', 'schedule')}), "
+            f"{summary.get('num_processes', 1)} process(es), mixed precision "
+            f"{summary.get('mixed_precision', 'no')}."
+        )
     if args.get("lora"):
         parts.append(f"LoRA (rank {args.get('lora_r')})" + (", merged." if args.get("merge_lora") else "."))
     final = summary.get("final_eval") or {}
@@ -215,38 +257,67 @@ def model_card(
     if getattr(config, "decoder_sparse_step", 0):
         tags.append("mixture-of-experts")
     eval_results = [
-        EvalResult(task_type=r.get("task_type", "text-generation"), dataset_type=r["dataset_type"],
-                   dataset_name=r["dataset_name"], dataset_split=r.get("dataset_split"),
-                   metric_type=r["metric_type"], metric_value=r["metric_value"], metric_name=r.get("metric_name"))
+        EvalResult(
+            task_type=r.get("task_type", "text-generation"),
+            dataset_type=r["dataset_type"],
+            dataset_name=r["dataset_name"],
+            dataset_split=r.get("dataset_split"),
+            metric_type=r["metric_type"],
+            metric_value=r["metric_value"],
+            metric_name=r.get("metric_name"),
+        )
         for r in results or []
-    ]  # fmt: skip
+    ]
     data = ModelCardData(
-        library_name="transformers", pipeline_tag="text-generation", license=license, tags=list(dict.fromkeys(tags)),
-        base_model=base_model, datasets=datasets, model_name=model_name, eval_results=eval_results or None,
-    )  # fmt: skip
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        tags=list(dict.fromkeys(tags)),
+        base_model=base_model,
+        datasets=datasets,
+        model_name=model_name,
+        eval_results=eval_results or None,
+    )
     repo = repo or model_name
     load = ", trust_remote_code=True" if remote_code else ""
     usage = ("import mhmoe  # or, without mhmoe installed: trust_remote_code=True\n" if not remote_code else "") + (
-        f'from transformers import AutoModelForCausalLM{", AutoTokenizer" if has_tokenizer else ""}\n\n'
+        f"from transformers import AutoModelForCausalLM{', AutoTokenizer' if has_tokenizer else ''}\n\n"
         f'model = AutoModelForCausalLM.from_pretrained("{repo}"{load})'
         # the tokenizer too: AutoTokenizer reads config.json, whose auto_map would otherwise ask y/N on the terminal
         + (f'\ntokenizer = AutoTokenizer.from_pretrained("{repo}"{load})' if has_tokenizer else "")
     )
-    summary = (f"A `{config.model_type}` model made with [mhmoe](https://pypi.org/project/mhmoe/)"
-               + (": it loads with `trust_remote_code=True` on torch and transformers alone." if remote_code else "."))
+    summary = f"A `{config.model_type}` model made with [mhmoe](https://pypi.org/project/mhmoe/)" + (
+        ": it loads with `trust_remote_code=True` on torch and transformers alone." if remote_code else "."
+    )
     results_rows = "\n".join(
         f"| {r['dataset_name']}{' (' + r['dataset_split'] + ')' if r.get('dataset_split') else ''} | "
-        f"{r.get('metric_name') or r['metric_type']} | {r['metric_value']:.4g} |" for r in results or []
-    )  # fmt: skip
+        f"{r.get('metric_name') or r['metric_type']} | {r['metric_value']:.4g} |"
+        for r in results or []
+    )
     return ModelCard.from_template(
-        data, template_path=str(templates_dir() / TEMPLATES[kind]), model_name=model_name, summary=summary,
+        data,
+        template_path=str(templates_dir() / TEMPLATES[kind]),
+        model_name=model_name,
+        summary=summary,
         architecture_rows=_table(architecture_rows(config, parameters) + conversion_rows(conversion)),
         parity_rows=_table(parity_rows(config)),
-        training=training or "Not recorded.", results_rows=results_rows, usage=usage, base_model=base_model,
+        training=training or "Not recorded.",
+        results_rows=results_rows,
+        usage=usage,
+        base_model=base_model,
         mhmoe_version=(versions or {}).get("mhmoe", __version__),
         transformers_version=(versions or {}).get("transformers", transformers.__version__),
-    )  # fmt: skip
+    )
 
 
-__all__ = ["architecture_rows", "base_model_name", "conversion_rows", "folder_records", "model_card", "parity_rows",
-           "public_paths", "templates_dir", "training_text"]  # fmt: skip
+__all__ = [
+    "architecture_rows",
+    "base_model_name",
+    "conversion_rows",
+    "folder_records",
+    "model_card",
+    "parity_rows",
+    "public_paths",
+    "templates_dir",
+    "training_text",
+]

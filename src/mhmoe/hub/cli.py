@@ -19,8 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--push_to_hub", metavar="REPO", help="upload the exported folder to this Hub repo id")
     parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
     parser.add_argument("--no_model_card", action="store_true", help="do not write README.md")
-    parser.add_argument("--trust_remote_code", action="store_true",
-                        help="let Transformers run code that SRC_DIR's config or tokenizer names (off: never run)")
+    parser.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="let Transformers run code that SRC_DIR's config or tokenizer names (off: never run)",
+    )
     return parser
 
 
@@ -33,9 +36,15 @@ def main(argv: list[str] | None = None) -> None:
     from .export import ExportError, export_pretrained
 
     try:
-        out = export_pretrained(args.src_dir, args.out_dir, overwrite=args.overwrite, model_card=not args.no_model_card,
-                                push_to_hub=args.push_to_hub, private=args.private or None,
-                                trust_remote_code=args.trust_remote_code)  # fmt: skip
+        out = export_pretrained(
+            args.src_dir,
+            args.out_dir,
+            overwrite=args.overwrite,
+            model_card=not args.no_model_card,
+            push_to_hub=args.push_to_hub,
+            private=args.private or None,
+            trust_remote_code=args.trust_remote_code,
+        )
     except ExportError as e:
         parser.exit(2, f"mhmoe-export: error: {e}\n")
     except OSError as e:  # full disk, read-only file system, permissions: one line saying which and where

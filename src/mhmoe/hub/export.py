@@ -30,13 +30,20 @@ import shutil
 from pathlib import Path
 
 from .._plumbing.checkpoint_files import (
-    CONFIG_NAME, GENERATION_CONFIG_NAME, SAFE_INDEX_NAME, check_writable, drop_code_references, fsync, overlapping,
-    recover_output_dir, replace_dir, temporary_dir_next_to, weight_files,
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    SAFE_INDEX_NAME,
+    check_writable,
+    drop_code_references,
+    fsync,
+    overlapping,
+    recover_output_dir,
+    replace_dir,
+    temporary_dir_next_to,
+    weight_files,
 )
 from .cards import CONVERSION_RECORDS, public_paths
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
-
-
 
 
 def _source_dir(path: str, trust_remote_code: bool = False):
@@ -61,11 +68,15 @@ def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) 
     if os.path.lexists(save_directory) and not os.path.isdir(save_directory):
         raise ExportError(f"{save_directory} exists and is not a directory; choose another save directory")
     if os.path.isdir(save_directory) and os.listdir(save_directory) and not overwrite:
-        raise ExportError(f"{save_directory} exists and is not empty; pass overwrite=True (mhmoe-export --overwrite) "
-                          "to replace it, or choose an empty or new directory")  # fmt: skip
+        raise ExportError(
+            f"{save_directory} exists and is not empty; pass overwrite=True (mhmoe-export --overwrite) "
+            "to replace it, or choose an empty or new directory"
+        )
     if source_dir is not None and overlapping(source_dir, save_directory):
-        raise ExportError(f"save directory {save_directory} must not be the source {source_dir}, inside it, or "
-                          "contain it; choose another directory")  # fmt: skip
+        raise ExportError(
+            f"save directory {save_directory} must not be the source {source_dir}, inside it, or "
+            "contain it; choose another directory"
+        )
     check_writable(save_directory, ExportError)
 
 
@@ -124,13 +135,25 @@ def export_pretrained(
             if (temporary / "tokenizer_config.json").is_file():  # no auto_map naming code that is not exported
                 drop_code_references(str(temporary / "tokenizer_config.json"))
         if source_dir is not None:  # how a converted (and continue-tuned) model was made: its card names the base
-            record = next((os.path.join(source_dir, n) for n in CONVERSION_RECORDS
-                           if os.path.isfile(os.path.join(source_dir, n))), None)  # fmt: skip
+            record = next(
+                (
+                    os.path.join(source_dir, n)
+                    for n in CONVERSION_RECORDS
+                    if os.path.isfile(os.path.join(source_dir, n))
+                ),
+                None,
+            )
             if record is not None:
                 _copy_conversion_record(record, temporary / "moh_conversion.json")
         repo = push_to_hub or os.path.basename(os.path.abspath(save_directory))
-        write_remote_code(temporary, config, model_card=model_card, repo=repo, has_tokenizer=tokenizer is not None,
-                          records_dir=source_dir)  # fmt: skip
+        write_remote_code(
+            temporary,
+            config,
+            model_card=model_card,
+            repo=repo,
+            has_tokenizer=tokenizer is not None,
+            records_dir=source_dir,
+        )
         for path in temporary.rglob("*"):
             if path.is_file():
                 fsync(str(path))
@@ -192,8 +215,13 @@ def _write_weights(folder: Path, source, config, weight_files: list[str] | None)
         GenerationConfig.from_model_config(config).save_pretrained(folder)
 
 
-def upload_folder(folder: str, repo_id: str, private: bool | None = None, token: str | None = None,
-                  commit_message: str = "Upload model exported with mhmoe") -> None:  # fmt: skip
+def upload_folder(
+    folder: str,
+    repo_id: str,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload model exported with mhmoe",
+) -> None:
     """Upload a finished export with `HfApi.upload_folder` (the repo is created if missing). A failure (network,
     authentication, offline mode) raises `ExportError` saying the folder is complete and how to retry."""
     from huggingface_hub import HfApi

@@ -73,16 +73,20 @@ def _flatten_imports(path: Path, package_root: Path) -> tuple[str, list[Path]]:
         if not isinstance(node, ast.ImportFrom) or node.level == 0:
             continue
         if node.module is None:
-            raise ExportError(f"{path}:{node.lineno}: `from {'.' * node.level} import ...` cannot be exported; import "
-                              "from the module file instead (`from .module import name`)")  # fmt: skip
+            raise ExportError(
+                f"{path}:{node.lineno}: `from {'.' * node.level} import ...` cannot be exported; import "
+                "from the module file instead (`from .module import name`)"
+            )
         base = path.parent
         for _ in range(node.level - 1):
             base = base.parent
         target = base.joinpath(*node.module.split(".")).with_suffix(".py")
         if not target.is_file() or package_root not in target.resolve().parents:
-            raise ExportError(f"{path}:{node.lineno}: the relative import of {node.module!r} is not a module file of "
-                              "mhmoe's model layer (mhmoe/models); exported code may import relatively only from its "
-                              "module files")
+            raise ExportError(
+                f"{path}:{node.lineno}: the relative import of {node.module!r} is not a module file of "
+                "mhmoe's model layer (mhmoe/models); exported code may import relatively only from its "
+                "module files"
+            )
         needed.append(target.resolve())
         if node.level != 1 or "." in node.module:
             line = lines[node.lineno - 1]
@@ -142,8 +146,15 @@ def _parameter_count(folder: Path) -> int:
     return total
 
 
-def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: bool | None = None, records_dir=None,
-                      training: str | None = None) -> str:
+def render_model_card(
+    config,
+    classes,
+    folder: Path,
+    repo: str,
+    has_tokenizer: bool | None = None,
+    records_dir=None,
+    training: str | None = None,
+) -> str:
     """The model card (README.md, template model_cards/*.md via `cards.py`): architecture from the config,
     parameters from the exported weights, parity of one MoE layer; the base model (converted models) and the training
     from the records in `records_dir` (default: `folder`): moh_conversion.json, train_summary.json (`training`, when
@@ -157,13 +168,25 @@ def render_model_card(config, classes, folder: Path, repo: str, has_tokenizer: b
     records = folder_records(records_dir if records_dir is not None else folder)
     if training is not None:
         records["training"] = training
-    card = model_card(config, model_name=repo.rsplit("/", 1)[-1], parameters=_parameter_count(folder), repo=repo,
-                      has_tokenizer=has_tokenizer, **records)  # fmt: skip
+    card = model_card(
+        config,
+        model_name=repo.rsplit("/", 1)[-1],
+        parameters=_parameter_count(folder),
+        repo=repo,
+        has_tokenizer=has_tokenizer,
+        **records,
+    )
     return str(card)
 
 
-def write_remote_code(folder: str | os.PathLike, config, model_card: bool = True, repo: str | None = None,
-                      has_tokenizer: bool | None = None, records_dir: str | os.PathLike | None = None) -> None:
+def write_remote_code(
+    folder: str | os.PathLike,
+    config,
+    model_card: bool = True,
+    repo: str | None = None,
+    has_tokenizer: bool | None = None,
+    records_dir: str | os.PathLike | None = None,
+) -> None:
     """Make a saved checkpoint folder load with `trust_remote_code=True` without mhmoe: the flattened modeling code,
     `auto_map` in config.json (AutoConfig, AutoModel, AutoModelForCausalLM) and, with `model_card`, a README.md card
     (an existing README.md is kept). Called by `export_pretrained`, training's final save and the converter.
@@ -182,5 +205,13 @@ def write_remote_code(folder: str | os.PathLike, config, model_card: bool = True
         (folder / "README.md").write_text(card, encoding="utf-8")
 
 
-__all__ = ["ALLOWED_IMPORTS", "TOKENIZER_FILES", "ExportError", "auto_classes", "check_exported_code",
-           "modeling_sources", "render_model_card", "write_remote_code"]  # fmt: skip
+__all__ = [
+    "ALLOWED_IMPORTS",
+    "TOKENIZER_FILES",
+    "ExportError",
+    "auto_classes",
+    "check_exported_code",
+    "modeling_sources",
+    "render_model_card",
+    "write_remote_code",
+]

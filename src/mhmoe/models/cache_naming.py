@@ -11,7 +11,9 @@ import dataclasses
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # "cache" from Transformers 5.24 on, "past_key_values" before
-CACHE = "cache" if "cache" in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+CACHE = (
+    "cache" if "cache" in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+)
 CACHE_NAMES = ("cache", "past_key_values")
 
 

@@ -49,9 +49,13 @@ def add_router_losses(loss, config, attention_mask=None, router_logits=None, moh
     coefficients = {}
     if router_logits:
         losses["aux_loss"] = load_balancing_loss(
-            router_logits, config.num_experts, config.num_experts_per_tok, attention_mask, config.moe_heads,
+            router_logits,
+            config.num_experts,
+            config.num_experts_per_tok,
+            attention_mask,
+            config.moe_heads,
             config.router_aux_loss_mode,
-        )  # fmt: skip
+        )
         losses["z_loss"] = router_z_loss(router_logits, attention_mask, config.moe_heads)
         coefficients.update(aux_loss=config.router_aux_loss_coef, z_loss=config.router_z_loss_coef)
     if moh_router_logits:
@@ -105,14 +109,20 @@ def _causal_lm_forward(
         loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **kwargs)
     # router logits are recorded by capture_outputs (`_can_record_outputs`) when requested
     router_logits = (outputs.get("router_logits"), outputs.get("moh_router_logits"))
-    loss, router_losses = add_router_losses(loss, config, attention_mask, *(router_logits if output_router_logits
-                                                                             else ()))  # fmt: skip
+    loss, router_losses = add_router_losses(
+        loss, config, attention_mask, *(router_logits if output_router_logits else ())
+    )
     output_class = getattr(self, "causal_lm_output_class", MoHCausalLMOutputWithPast)
     fields = {
-        "loss": loss, **router_losses, "logits": logits, CACHE: outputs.get(CACHE),
-        "hidden_states": outputs.hidden_states, "attentions": outputs.attentions,
-        "router_logits": router_logits[0], "moh_router_logits": router_logits[1],
-    }  # fmt: skip
+        "loss": loss,
+        **router_losses,
+        "logits": logits,
+        CACHE: outputs.get(CACHE),
+        "hidden_states": outputs.hidden_states,
+        "attentions": outputs.attentions,
+        "router_logits": router_logits[0],
+        "moh_router_logits": router_logits[1],
+    }
     names = output_class.__dataclass_fields__  # (not dataclasses.fields(): torch.compile cannot trace it)
     return output_class(**{name: value for name, value in fields.items() if name in names})
 
@@ -123,8 +133,9 @@ def causal_lm_forward_returning(output_class: type):
     Transformers reads `forward.__annotations__["return"]` (e.g. its MoE tests look for `router_logits` in the output
     class), so each model class gets its own copy of the function with its own output class as the annotation."""
     inner = _causal_lm_forward
-    forward = types.FunctionType(inner.__code__, inner.__globals__, inner.__name__, inner.__defaults__,
-                                 inner.__closure__)  # fmt: skip
+    forward = types.FunctionType(
+        inner.__code__, inner.__globals__, inner.__name__, inner.__defaults__, inner.__closure__
+    )
     forward.__kwdefaults__ = inner.__kwdefaults__
     forward.__doc__, forward.__qualname__, forward.__module__ = inner.__doc__, inner.__qualname__, inner.__module__
     forward.__annotations__ = {**inner.__annotations__, "return": output_class}
@@ -133,5 +144,10 @@ def causal_lm_forward_returning(output_class: type):
 
 causal_lm_forward = causal_lm_forward_returning(MoHCausalLMOutputWithPast)  # MoH-Llama and the patched families
 
-__all__ = ["MHMoECausalLMOutputWithPast", "MoHCausalLMOutputWithPast", "add_router_losses", "causal_lm_forward",
-           "causal_lm_forward_returning"]  # fmt: skip
+__all__ = [
+    "MHMoECausalLMOutputWithPast",
+    "MoHCausalLMOutputWithPast",
+    "add_router_losses",
+    "causal_lm_forward",
+    "causal_lm_forward_returning",
+]

@@ -12,8 +12,11 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import logging
 
 # names other MoE configs use for our fields: refused instead of silently dropped (`top_k` also breaks save_pretrained)
-MISNAMED_FIELDS = {"top_k": "num_experts_per_tok", "router_top_k": "num_experts_per_tok",
-                   "num_local_experts": "num_experts"}  # fmt: skip
+MISNAMED_FIELDS = {
+    "top_k": "num_experts_per_tok",
+    "router_top_k": "num_experts_per_tok",
+    "num_local_experts": "num_experts",
+}
 
 
 class CheckedOverrides:
@@ -21,8 +24,15 @@ class CheckedOverrides:
     unchecked. Here overrides of config fields join the file's fields first, so the checks see the final config (and
     an override can repair a combination the file would not allow on its own)."""
 
-    _SET_BY_TRANSFORMERS = {"dtype", "torch_dtype", "attn_implementation", "experts_implementation", "name_or_path",
-                            "output_attentions", "num_labels"}  # fmt: skip
+    _SET_BY_TRANSFORMERS = {
+        "dtype",
+        "torch_dtype",
+        "attn_implementation",
+        "experts_implementation",
+        "name_or_path",
+        "output_attentions",
+        "num_labels",
+    }
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -50,8 +60,15 @@ def check_keyword_arguments(config_class: type, kwargs: dict) -> None:
 
 def size_problems(config) -> list[str]:
     """The decoder's sizes that must be >= 1, in words (the other checks divide by them)."""
-    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "head_dim", "max_position_embeddings")  # fmt: skip
+    sizes = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    )
     # head_dim stays None when num_attention_heads < 1 (reported as such)
     values = {name: getattr(config, name) for name in sizes if getattr(config, name) is not None}
     return [f"{name} must be >= 1, got {value}" for name, value in values.items() if not value >= 1]
@@ -62,26 +79,33 @@ def decoder_problems(config) -> list[str]:
     problems = []
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     if heads % kv_heads:
-        problems.append(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads}) for "
-                        "grouped-query attention")  # fmt: skip
+        problems.append(
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads}) for "
+            "grouped-query attention"
+        )
     if hidden % heads and config.head_dim == hidden // heads:  # an explicit other head_dim is allowed (Mistral, Qwen3)
-        problems.append(f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); choose "
-                        "num_attention_heads among the divisors of hidden_size, or set head_dim explicitly")  # fmt: skip
+        problems.append(
+            f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); choose "
+            "num_attention_heads among the divisors of hidden_size, or set head_dim explicitly"
+        )
     if config.head_dim % 2:
         problems.append(f"head_dim ({config.head_dim}) must be even for rotary embeddings")
     step, layers = config.decoder_sparse_step, config.num_hidden_layers
     if step < 0:
         problems.append(f"decoder_sparse_step must be >= 0 (0 = dense model), got {step}")
     elif step > layers:
-        problems.append(f"decoder_sparse_step ({step}) is larger than num_hidden_layers ({layers}), so no layer would "
-                        "be MoE; use 0 for a dense model")  # fmt: skip
+        problems.append(
+            f"decoder_sparse_step ({step}) is larger than num_hidden_layers ({layers}), so no layer would "
+            "be MoE; use 0 for a dense model"
+        )
     if config.intermediate_size < 1 and not all(map(config.is_moe_layer, range(layers))):
         problems.append(f"intermediate_size (the dense layers' MLP width) must be >= 1, got {config.intermediate_size}")
     if config.hidden_act not in ACT2FN:
         problems.append(f"hidden_act {config.hidden_act!r} is not one of Transformers' activations (e.g. 'silu')")
     if config.pad_token_id is not None and not -config.vocab_size <= config.pad_token_id < config.vocab_size:
-        problems.append(f"pad_token_id ({config.pad_token_id}) must lie in the vocabulary (vocab_size "
-                        f"{config.vocab_size})")  # fmt: skip
+        problems.append(
+            f"pad_token_id ({config.pad_token_id}) must lie in the vocabulary (vocab_size {config.vocab_size})"
+        )
     if not (config.rms_norm_eps > 0 and math.isfinite(config.rms_norm_eps)):
         problems.append(f"rms_norm_eps must be a finite number > 0, got {config.rms_norm_eps}")
     for name in ("initializer_range", "attention_dropout"):
@@ -100,5 +124,11 @@ def raise_problems(config, problems: list[str]) -> None:
         raise ValueError(f"Invalid {type(config).__name__}: " + "; ".join(problems) + ".")
 
 
-__all__ = ["MISNAMED_FIELDS", "CheckedOverrides", "check_keyword_arguments", "decoder_problems", "raise_problems",
-           "size_problems"]  # fmt: skip
+__all__ = [
+    "MISNAMED_FIELDS",
+    "CheckedOverrides",
+    "check_keyword_arguments",
+    "decoder_problems",
+    "raise_problems",
+    "size_problems",
+]

@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING
 
 from .._plumbing.lazy import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {
-    **dict.fromkeys(("TrainArguments", "TrainingError"), ".arguments"),
-    **dict.fromkeys(("TrainResult", "train"), ".loop"),
-    "reset_accelerate_state": ".prepare",
-    "main": ".cli",
-})  # fmt: skip
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        **dict.fromkeys(("TrainArguments", "TrainingError"), ".arguments"),
+        **dict.fromkeys(("TrainResult", "train"), ".loop"),
+        "reset_accelerate_state": ".prepare",
+        "main": ".cli",
+    },
+)
 
 if TYPE_CHECKING:
     from .arguments import TrainArguments, TrainingError

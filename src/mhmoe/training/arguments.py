@@ -30,8 +30,12 @@ class TrainArguments:
         metadata={"help": "A checkpoint directory (fine-tune; from_pretrained) or a config JSON (train from scratch)."},
     )
     output_dir: str = field(default=None, metadata={"help": "Where checkpoints, metrics and the final model go."})
-    train_file: list[str] = field(default=None, metadata={"help": "Training text (.txt: one document per file) or "
-                                                                    "JSONL (.jsonl/.json: one document per record)."})
+    train_file: list[str] = field(
+        default=None,
+        metadata={
+            "help": "Training text (.txt: one document per file) or JSONL (.jsonl/.json: one document per record)."
+        },
+    )
     validation_file: list[str] | None = field(default=None, metadata={"help": "Validation text/JSONL file(s)."})
     validation_split_percentage: float = field(
         default=0.0, metadata={"help": "Without --validation_file: hold out this %% of the training blocks."}
@@ -39,8 +43,10 @@ class TrainArguments:
     text_field: str = field(default="text", metadata={"help": "JSONL field holding the text."})
     tokenizer_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Tokenizer directory. Default: the checkpoint's; for a config JSON, a byte-level BPE "
-                          "tokenizer trained on the training data (saved with the model)."},
+        metadata={
+            "help": "Tokenizer directory. Default: the checkpoint's; for a config JSON, a byte-level BPE "
+            "tokenizer trained on the training data (saved with the model)."
+        },
     )
     tokenizer_vocab_size: int | None = field(
         default=None, metadata={"help": "Vocabulary size of a tokenizer trained here (default: the config's)."}
@@ -67,16 +73,20 @@ class TrainArguments:
     )
     min_learning_rate: float = field(
         default=0.0,
-        metadata={"help": "Final learning rate of the cosine schedule (cosine decays to it instead of 0; e.g. the MoH "
-                          "paper's continue-tuning: 2e-5 -> 1e-6)."},
+        metadata={
+            "help": "Final learning rate of the cosine schedule (cosine decays to it instead of 0; e.g. the MoH "
+            "paper's continue-tuning: 2e-5 -> 1e-6)."
+        },
     )
     warmup_steps: int = 0
     warmup_ratio: float = field(default=0.0, metadata={"help": "Warmup as a fraction of the steps (if no steps)."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (0: off)."})
     mixed_precision: str | None = field(
         default=None,
-        metadata={"help": "no, bf16 or fp16 (default: Accelerate's config / environment, else no).",
-                  "choices": ["no", "bf16", "fp16"]},
+        metadata={
+            "help": "no, bf16 or fp16 (default: Accelerate's config / environment, else no).",
+            "choices": ["no", "bf16", "fp16"],
+        },
     )
     gradient_checkpointing: bool = False
     aux_loss: bool = field(
@@ -91,12 +101,18 @@ class TrainArguments:
     save_steps: int = field(default=0, metadata={"help": "Accelerator.save_state every N steps (0: never)."})
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "A checkpoint-N directory, or 'latest' (the newest complete one in "
-                                        "--output_dir; damaged newer ones are skipped and named)."}  # fmt: skip
+        default=None,
+        metadata={
+            "help": "A checkpoint-N directory, or 'latest' (the newest complete one in "
+            "--output_dir; damaged newer ones are skipped and named)."
+        },
     )
     resume_without_rng_state: bool = field(
-        default=False, metadata={"help": "Resume even if the checkpoint's RNG state files do not load (random draws "
-                                         "such as router jitter then differ from the interrupted run)."}  # fmt: skip
+        default=False,
+        metadata={
+            "help": "Resume even if the checkpoint's RNG state files do not load (random draws "
+            "such as router jitter then differ from the interrupted run)."
+        },
     )
     max_nonfinite_steps: int = field(
         default=3,
@@ -104,8 +120,10 @@ class TrainArguments:
     )
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Start afresh in an output_dir that holds checkpoints or a finished run (deletes them once "
-                          "every input is checked)."},  # fmt: skip
+        metadata={
+            "help": "Start afresh in an output_dir that holds checkpoints or a finished run (deletes them once "
+            "every input is checked)."
+        },
     )
     lora: bool = field(default=False, metadata={"help": "Train LoRA adapters (PEFT) instead of all weights."})
     lora_r: int = 8
@@ -121,8 +139,13 @@ class TrainArguments:
     ddp_find_unused_parameters: bool = False
     disable_tqdm: bool = False
     plot: bool = field(default=True, metadata={"help": "Write loss_curve.png (matplotlib)."})
-    similarity_batching: bool = field(default=False, metadata={"help": "Order training documents so neighbours are "
-                                      "similar before packing (Lory's batching; mhmoe.training.data.order_by_similarity)."})
+    similarity_batching: bool = field(
+        default=False,
+        metadata={
+            "help": "Order training documents so neighbours are "
+            "similar before packing (Lory's batching; mhmoe.training.data.order_by_similarity)."
+        },
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -146,18 +169,31 @@ def check_required(args: TrainArguments, model_given: bool = False) -> None:
     names = ("output_dir", "train_file") if model_given else ("model_name_or_path", "output_dir", "train_file")
     missing = [f"--{name}" for name in names if not getattr(args, name)]
     if missing:
-        raise TrainingError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required "
-                            "(see mhmoe-train --help)")  # fmt: skip
+        raise TrainingError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (see mhmoe-train --help)"
+        )
 
 
-FLOAT_ARGUMENTS = ("learning_rate", "min_learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-                   "max_grad_norm", "warmup_ratio", "num_train_epochs", "validation_split_percentage", "lora_dropout")
+FLOAT_ARGUMENTS = (
+    "learning_rate",
+    "min_learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "warmup_ratio",
+    "num_train_epochs",
+    "validation_split_percentage",
+    "lora_dropout",
+)
 
 
 def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
     check_required(args, model_given)
-    not_finite = [f"--{name} {getattr(args, name)}" for name in FLOAT_ARGUMENTS
-                  if not math.isfinite(getattr(args, name))]  # fmt: skip
+    not_finite = [
+        f"--{name} {getattr(args, name)}" for name in FLOAT_ARGUMENTS if not math.isfinite(getattr(args, name))
+    ]
     if not_finite:  # NaN passes every comparison below (nan <= 0 is False) and would train on NaN
         raise TrainingError(f"{', '.join(not_finite)}: must be a finite number")
     if args.max_nonfinite_steps < 0:
@@ -168,8 +204,13 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
         args.validation_file = [args.validation_file]
     if isinstance(args.lora_target_modules, str):
         args.lora_target_modules = [args.lora_target_modules]
-    positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "lora_r")  # fmt: skip
+    positive = (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "lora_r",
+    )
     for name in positive:
         if getattr(args, name) < 1:
             raise TrainingError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -283,8 +324,10 @@ def load_config(args: TrainArguments):
     if from_scratch:
         unknown = sorted(key for key in fields if not hasattr(template, key))
         if unknown:
-            raise TrainingError(f"{path}: {_unknown_keys(unknown, template)} not a {model_type} config field; fix the "
-                                "name or remove it (a config keeps unknown keys silently and trains with the default)")
+            raise TrainingError(
+                f"{path}: {_unknown_keys(unknown, template)} not a {model_type} config field; fix the "
+                "name or remove it (a config keeps unknown keys silently and trains with the default)"
+            )
     try:
         if from_scratch:
             config = AutoConfig.for_model(model_type, **{**fields, **overrides})
@@ -330,8 +373,10 @@ def _check_weight_files(path: str, shards: list[str]) -> None:
             raise TrainingError(f"--model_name_or_path: {e}") from None
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         if os.path.getsize(file) < start + end:
-            raise TrainingError(f"--model_name_or_path: {file} is truncated ({os.path.getsize(file)} bytes, its header "
-                                f"describes {start + end}); download or save it again")  # fmt: skip
+            raise TrainingError(
+                f"--model_name_or_path: {file} is truncated ({os.path.getsize(file)} bytes, its header "
+                f"describes {start + end}); download or save it again"
+            )
 
 
 def _coerce_args(args) -> TrainArguments:
@@ -346,5 +391,13 @@ def _coerce_args(args) -> TrainArguments:
     return TrainArguments(**args)
 
 
-__all__ = ["DENSE_PARENT_TYPES", "TrainArguments", "TrainingError", "TrainingStopped", "check_arguments",
-           "check_required", "load_config", "supported_model_types"]  # fmt: skip
+__all__ = [
+    "DENSE_PARENT_TYPES",
+    "TrainArguments",
+    "TrainingError",
+    "TrainingStopped",
+    "check_arguments",
+    "check_required",
+    "load_config",
+    "supported_model_types",
+]

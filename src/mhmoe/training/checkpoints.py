@@ -102,8 +102,10 @@ def check_rng_states(path: str, processes: int, allow_missing: bool) -> None:
                 raise ValueError("no torch RNG state in it")
         except Exception as e:  # missing, truncated (EOFError, RuntimeError, UnpicklingError) or not a state dict
             if allow_missing:
-                _warn(f"{file} does not load ({type(e).__name__}); resuming without it as --resume_without_rng_state "
-                      "asks (random draws such as router jitter will differ from the interrupted run)")  # fmt: skip
+                _warn(
+                    f"{file} does not load ({type(e).__name__}); resuming without it as --resume_without_rng_state "
+                    "asks (random draws such as router jitter will differ from the interrupted run)"
+                )
                 continue
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TrainingError(
@@ -118,8 +120,11 @@ def check_resume(args: TrainArguments) -> None:
     args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     state = read_state(args.resume_from_checkpoint)
     saved = state.get("args", {})
-    changed = [f"--{key} {saved[key]!r} -> {getattr(args, key)!r}" for key in PARAMETER_SETTINGS
-               if key in saved and saved[key] != getattr(args, key)]  # fmt: skip
+    changed = [
+        f"--{key} {saved[key]!r} -> {getattr(args, key)!r}"
+        for key in PARAMETER_SETTINGS
+        if key in saved and saved[key] != getattr(args, key)
+    ]
     if changed:  # the saved optimizer state belongs to another set of trained parameters
         raise TrainingError(
             f"{args.resume_from_checkpoint} was saved with other trained parameters ({'; '.join(changed)}): "
@@ -184,9 +189,16 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
     if run.is_main:
         run.tokenizer.save_pretrained(temporary)
         fsync_tree(temporary)
-        state = {"step": step, "total_steps": run.total_steps, "global_batch_blocks": run.global_blocks,
-                 "block_size": run.block_size, "seed": args.seed, "num_train_blocks": len(run.train_blocks),
-                 "num_processes": run.world, "args": dataclasses.asdict(args)}  # fmt: skip
+        state = {
+            "step": step,
+            "total_steps": run.total_steps,
+            "global_batch_blocks": run.global_blocks,
+            "block_size": run.block_size,
+            "seed": args.seed,
+            "num_train_blocks": len(run.train_blocks),
+            "num_processes": run.world,
+            "args": dataclasses.asdict(args),
+        }
         write_json_atomic(os.path.join(temporary, STATE_FILE), state)  # the completion marker, last
         if os.path.isdir(final):  # a checkpoint of the same step from before a resume: replaced whole
             remove_dir_atomic(final)
@@ -209,8 +221,12 @@ def resume(run: TrainRun) -> None:
     args = run.args
     if args.resume_from_checkpoint:
         saved = read_state(args.resume_from_checkpoint)
-        for key, now in (("global_batch_blocks", run.global_blocks), ("block_size", run.block_size),
-                         ("seed", args.seed), ("num_train_blocks", len(run.train_blocks))):  # fmt: skip
+        for key, now in (
+            ("global_batch_blocks", run.global_blocks),
+            ("block_size", run.block_size),
+            ("seed", args.seed),
+            ("num_train_blocks", len(run.train_blocks)),
+        ):
             if saved.get(key) != now:
                 run.accelerator.print(
                     f"warning: {key} was {saved.get(key)} in {args.resume_from_checkpoint}, now {now}: the resumed run "
@@ -254,6 +270,16 @@ def _continue_schedule(run: TrainRun, saved_total: int) -> None:
     )
 
 
-__all__ = ["CHECKPOINT_PREFIX", "PARAMETER_SETTINGS", "STATE_FILE", "check_resume", "list_checkpoints", "read_state",
-           "remove_stale_temporaries", "resolve_checkpoint", "resume", "save_checkpoint",
-           "write_json_atomic"]  # fmt: skip
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "PARAMETER_SETTINGS",
+    "STATE_FILE",
+    "check_resume",
+    "list_checkpoints",
+    "read_state",
+    "remove_stale_temporaries",
+    "resolve_checkpoint",
+    "resume",
+    "save_checkpoint",
+    "write_json_atomic",
+]

@@ -139,8 +139,13 @@ def train_loop(run: TrainRun, reference_eval=None) -> dict | None:
 
     args, total = run.args, run.total_steps
     _print_run(run)
-    progress = tqdm(total=total, initial=run.start_step, disable=not run.is_main or args.disable_tqdm,
-                    desc="training", dynamic_ncols=True)  # fmt: skip
+    progress = tqdm(
+        total=total,
+        initial=run.start_step,
+        disable=not run.is_main or args.disable_tqdm,
+        desc="training",
+        dynamic_ncols=True,
+    )
     if run.start_step == 0 and run.val_blocks is not None:
         evaluate_before_training(run, reference_eval)
     run.model.train()
@@ -262,8 +267,15 @@ def forward_backward_step(run: TrainRun, batch: torch.Tensor) -> tuple[torch.Ten
 
 def evaluate(run: TrainRun, step: int) -> dict:
     """Validation record at `step`: LM loss / perplexity, aux losses, routing load, training tokens seen so far."""
-    record = _evaluate(run.accelerator, run.model, run.val_blocks, run.args.per_device_eval_batch_size, run.config,
-                       run.forward_kwargs, step)  # fmt: skip
+    record = _evaluate(
+        run.accelerator,
+        run.model,
+        run.val_blocks,
+        run.args.per_device_eval_batch_size,
+        run.config,
+        run.forward_kwargs,
+        step,
+    )
     record["tokens"] = step * run.global_blocks * run.block_size
     return record
 
@@ -281,5 +293,15 @@ def evaluate_before_training(run: TrainRun, reference_eval=None) -> None:
         run.accelerator.print(f"validation before training: perplexity {run.history[-1]['eval_ppl']:.2f}")
 
 
-__all__ = ["TrainResult", "TrainRun", "TrainingError", "TrainingStopped", "check_before_training", "evaluate",
-           "forward_backward_step", "train", "train_loop", "train_step"]  # fmt: skip
+__all__ = [
+    "TrainResult",
+    "TrainRun",
+    "TrainingError",
+    "TrainingStopped",
+    "check_before_training",
+    "evaluate",
+    "forward_backward_step",
+    "train",
+    "train_loop",
+    "train_step",
+]

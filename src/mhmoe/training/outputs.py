@@ -18,8 +18,13 @@ from .state import TrainRun
 
 SUMMARY_FILE = "train_summary.json"
 # what a finished run leaves in --output_dir (besides the tokenizer): refused without --overwrite_output_dir
-RUN_OUTPUTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "adapter_model.safetensors", "adapter_config.json",
-               SUMMARY_FILE)  # fmt: skip
+RUN_OUTPUTS = (
+    SAFE_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    SUMMARY_FILE,
+)
 
 
 def check_output_dir(args: TrainArguments, model_given: bool) -> None:
@@ -31,9 +36,13 @@ def check_output_dir(args: TrainArguments, model_given: bool) -> None:
 def check_output_location(args: TrainArguments, model_given: bool) -> None:
     """Before anything is created there (the lock file): writable, and not the model being trained."""
     _check_writable(args.output_dir)
-    if not model_given and os.path.isdir(args.model_name_or_path) and (
-        os.path.realpath(args.model_name_or_path) == os.path.realpath(args.output_dir)
-        or (args.overwrite_output_dir and overlapping(args.model_name_or_path, args.output_dir))
+    if (
+        not model_given
+        and os.path.isdir(args.model_name_or_path)
+        and (
+            os.path.realpath(args.model_name_or_path) == os.path.realpath(args.output_dir)
+            or (args.overwrite_output_dir and overlapping(args.model_name_or_path, args.output_dir))
+        )
     ):
         raise TrainingError(
             f"--output_dir {args.output_dir!r} would replace or delete the model being trained "
@@ -124,8 +133,14 @@ def _rewrite_card(folder: str, model, training: str, records_dir: str | None = N
 
     from ..hub.remote_code import auto_classes, render_model_card
 
-    card = render_model_card(model.config, auto_classes(model.config), Path(folder), Path(folder).resolve().name,
-                             records_dir=records_dir, training=training)  # fmt: skip
+    card = render_model_card(
+        model.config,
+        auto_classes(model.config),
+        Path(folder),
+        Path(folder).resolve().name,
+        records_dir=records_dir,
+        training=training,
+    )
     temporary = f"{card_path}.tmp-{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as f:
         f.write(card)
@@ -154,11 +169,18 @@ def save_final(run: TrainRun, final_eval: dict | None):
             run.tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
         if args.plot:
             plot_metrics(run.metrics_path, os.path.join(args.output_dir, PLOT_FILE))
-        summary = {"step": run.total_steps, "num_processes": run.world,
-                   "distributed_type": accelerator.distributed_type.value,
-                   "mixed_precision": accelerator.mixed_precision, "global_batch_blocks": run.global_blocks,
-                   "block_size": run.block_size, "trainable_parameters": run.trainable, "parameters": run.total_params,
-                   "final_eval": final_eval, "args": dataclasses.asdict(args)}  # fmt: skip
+        summary = {
+            "step": run.total_steps,
+            "num_processes": run.world,
+            "distributed_type": accelerator.distributed_type.value,
+            "mixed_precision": accelerator.mixed_precision,
+            "global_batch_blocks": run.global_blocks,
+            "block_size": run.block_size,
+            "trainable_parameters": run.trainable,
+            "parameters": run.total_params,
+            "final_eval": final_eval,
+            "args": dataclasses.asdict(args),
+        }
         # the card was written before the tokenizer and the summary existed: again, with both
         from ..hub.cards import training_text
 
@@ -170,5 +192,12 @@ def save_final(run: TrainRun, final_eval: dict | None):
     return unwrapped
 
 
-__all__ = ["RUN_OUTPUTS", "SUMMARY_FILE", "check_output_contents", "check_output_dir", "check_output_location",
-           "prepare_output_dir", "save_final"]  # fmt: skip
+__all__ = [
+    "RUN_OUTPUTS",
+    "SUMMARY_FILE",
+    "check_output_contents",
+    "check_output_dir",
+    "check_output_location",
+    "prepare_output_dir",
+    "save_final",
+]

@@ -72,8 +72,10 @@ def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
     args, config = run.args, run.config
     if tokenizer is None:
         source = args.tokenizer_name_or_path
-        if source is None and args.resume_from_checkpoint and os.path.isfile(
-            os.path.join(args.resume_from_checkpoint, "tokenizer_config.json")
+        if (
+            source is None
+            and args.resume_from_checkpoint
+            and os.path.isfile(os.path.join(args.resume_from_checkpoint, "tokenizer_config.json"))
         ):
             source = args.resume_from_checkpoint
         if source is None and not run.from_scratch:
@@ -132,8 +134,9 @@ def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> No
         order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(args.seed))
         val_blocks, train_blocks = train_blocks[order[:held_out]], train_blocks[order[held_out:]]
     if val_blocks is None and (args.eval_at_start or reference_eval):
-        raise TrainingError("--eval_at_start (and a reference evaluation) need --validation_file or "
-                            "--validation_split_percentage")  # fmt: skip
+        raise TrainingError(
+            "--eval_at_start (and a reference evaluation) need --validation_file or --validation_split_percentage"
+        )
     run.train_blocks, run.val_blocks = train_blocks, val_blocks
 
     run.global_blocks = args.per_device_train_batch_size * args.gradient_accumulation_steps * run.world
@@ -166,8 +169,10 @@ def build_model(run: TrainRun, model) -> None:
                 )
             except RuntimeError as e:  # weights whose shapes the (overridden) config does not have
                 first = str(e).strip().splitlines()[0]
-                raise TrainingError(f"the weights in {args.model_name_or_path} do not fit its config (a "
-                                    f"--config_overrides that changes shapes?): {first}") from None  # fmt: skip
+                raise TrainingError(
+                    f"the weights in {args.model_name_or_path} do not fit its config (a "
+                    f"--config_overrides that changes shapes?): {first}"
+                ) from None
     if args.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # the v5 name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -180,9 +185,13 @@ def build_model(run: TrainRun, model) -> None:
 
         try:
             peft_config = lora_config(
-                model, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                target_modules=args.lora_target_modules, experts=args.lora_experts,
-            )  # fmt: skip
+                model,
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                target_modules=args.lora_target_modules,
+                experts=args.lora_experts,
+            )
             model = get_peft_model(model, peft_config)
         except ValueError as e:
             raise TrainingError(f"LoRA: {e}") from None
@@ -214,13 +223,24 @@ def build_optimizer(run: TrainRun) -> None:
     if args.min_learning_rate > 0:  # cosine down to the final learning rate
         schedule, schedule_kwargs = "cosine_with_min_lr", {"min_lr": args.min_learning_rate}
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * run.total_steps)
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=run.total_steps,
-                              scheduler_specific_kwargs=schedule_kwargs)  # fmt: skip
+    scheduler = get_scheduler(
+        schedule,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=run.total_steps,
+        scheduler_specific_kwargs=schedule_kwargs,
+    )
     if using_deepspeed:
         run.model, run.optimizer, run.scheduler = accelerator.prepare(run.model, optimizer, scheduler)
     else:
         run.optimizer, run.scheduler = accelerator.prepare(optimizer, scheduler)
 
 
-__all__ = ["build_data", "build_model", "build_optimizer", "reset_accelerate_state", "setup_accelerator",
-           "setup_tokenizer"]  # fmt: skip
+__all__ = [
+    "build_data",
+    "build_model",
+    "build_optimizer",
+    "reset_accelerate_state",
+    "setup_accelerator",
+    "setup_tokenizer",
+]

@@ -26,31 +26,116 @@ def _kernels(dtype: str, tile: dict, precision: str = "tf32"):
     p, i32 = f"*{dtype}", "i32"
     experts = dict(tile, UPCAST=False, PRECISION=precision)
     return [
-        ("routing.softmax_topk", rt._softmax_topk_kernel,
-         dict(logits_ptr=p, weights_ptr="*fp32", experts_ptr="*i64", num_rows=i32, num_experts=i32, stride_row=i32),
-         dict(TOP_K=3, RENORM=True, BLOCK_K=4, BLOCK_N=16, BLOCK_E=128)),
-        ("routing.block_histogram", rt._block_histogram_kernel,
-         dict(ids_ptr="*i64", counts_ptr="*i32", num_ids=i32, num_bins=i32), dict(BLOCK=32, BLOCK_B=128)),
-        ("routing.stable_scatter", rt._stable_scatter_kernel,
-         dict(ids_ptr="*i64", base_ptr="*i64", pos_ptr="*i64", order_ptr="*i64", num_ids=i32, num_bins=i32),
-         dict(WRITE_ORDER=True, BLOCK=32, BLOCK_B=128)),
-        ("head_router.l2_head_gates", hr._l2_head_gates_kernel,
-         dict(q_ptr=p, gates_ptr="*fp32", logits_ptr="*fp32", index_ptr="*i64", num_rows=i32, stride_row=i32,
-              stride_head=i32, shared=i32, routed=i32, head_dim=i32, std_min="fp32"),
-         dict(ACTIVE=4, STRAIGHT=False, BLOCK_M=8, BLOCK_R=16, BLOCK_D=64, BLOCK_K=4, BLOCK_S=4)),
-        ("experts.gate_up", ex._gate_up_kernel,
-         dict(x_ptr=p, order_ptr="*i64", offsets_ptr="*i32", w_ptr=p, h_ptr=p, num_experts=i32, width=i32, inter=i32,
-              top_k=i32, stride_x=i32, stride_we=i32, stride_wo=i32, stride_wi=i32), dict(experts, BLOCK_E=128)),
-        ("experts.down_scatter", ex._down_scatter_kernel,
-         dict(h_ptr=p, order_ptr="*i64", offsets_ptr="*i32", w_ptr=p, slots_ptr="*fp32", num_experts=i32, width=i32,
-              inter=i32, stride_we=i32, stride_wo=i32, stride_wi=i32), dict(experts, BLOCK_E=128)),
-        ("experts.grouped_gemm", ex._grouped_gemm_kernel,
-         dict(a_ptr=p, offsets_ptr="*i32", b_ptr=p, c_ptr="*fp32", num_experts=i32, inner=i32, cols_total=i32,
-              stride_am=i32, stride_be=i32, stride_bk=i32, stride_bn=i32), dict(experts, BLOCK_E=128)),
-        ("experts.weight_grad", ex._weight_grad_kernel,
-         dict(g_ptr=p, a_ptr=p, offsets_ptr="*i32", out_ptr="*fp32", num_experts=i32, num_splits=i32, g_cols=i32,
-              a_cols=i32, stride_gm=i32, stride_am=i32), experts),
-    ]  # fmt: skip
+        (
+            "routing.softmax_topk",
+            rt._softmax_topk_kernel,
+            dict(logits_ptr=p, weights_ptr="*fp32", experts_ptr="*i64", num_rows=i32, num_experts=i32, stride_row=i32),
+            dict(TOP_K=3, RENORM=True, BLOCK_K=4, BLOCK_N=16, BLOCK_E=128),
+        ),
+        (
+            "routing.block_histogram",
+            rt._block_histogram_kernel,
+            dict(ids_ptr="*i64", counts_ptr="*i32", num_ids=i32, num_bins=i32),
+            dict(BLOCK=32, BLOCK_B=128),
+        ),
+        (
+            "routing.stable_scatter",
+            rt._stable_scatter_kernel,
+            dict(ids_ptr="*i64", base_ptr="*i64", pos_ptr="*i64", order_ptr="*i64", num_ids=i32, num_bins=i32),
+            dict(WRITE_ORDER=True, BLOCK=32, BLOCK_B=128),
+        ),
+        (
+            "head_router.l2_head_gates",
+            hr._l2_head_gates_kernel,
+            dict(
+                q_ptr=p,
+                gates_ptr="*fp32",
+                logits_ptr="*fp32",
+                index_ptr="*i64",
+                num_rows=i32,
+                stride_row=i32,
+                stride_head=i32,
+                shared=i32,
+                routed=i32,
+                head_dim=i32,
+                std_min="fp32",
+            ),
+            dict(ACTIVE=4, STRAIGHT=False, BLOCK_M=8, BLOCK_R=16, BLOCK_D=64, BLOCK_K=4, BLOCK_S=4),
+        ),
+        (
+            "experts.gate_up",
+            ex._gate_up_kernel,
+            dict(
+                x_ptr=p,
+                order_ptr="*i64",
+                offsets_ptr="*i32",
+                w_ptr=p,
+                h_ptr=p,
+                num_experts=i32,
+                width=i32,
+                inter=i32,
+                top_k=i32,
+                stride_x=i32,
+                stride_we=i32,
+                stride_wo=i32,
+                stride_wi=i32,
+            ),
+            dict(experts, BLOCK_E=128),
+        ),
+        (
+            "experts.down_scatter",
+            ex._down_scatter_kernel,
+            dict(
+                h_ptr=p,
+                order_ptr="*i64",
+                offsets_ptr="*i32",
+                w_ptr=p,
+                slots_ptr="*fp32",
+                num_experts=i32,
+                width=i32,
+                inter=i32,
+                stride_we=i32,
+                stride_wo=i32,
+                stride_wi=i32,
+            ),
+            dict(experts, BLOCK_E=128),
+        ),
+        (
+            "experts.grouped_gemm",
+            ex._grouped_gemm_kernel,
+            dict(
+                a_ptr=p,
+                offsets_ptr="*i32",
+                b_ptr=p,
+                c_ptr="*fp32",
+                num_experts=i32,
+                inner=i32,
+                cols_total=i32,
+                stride_am=i32,
+                stride_be=i32,
+                stride_bk=i32,
+                stride_bn=i32,
+            ),
+            dict(experts, BLOCK_E=128),
+        ),
+        (
+            "experts.weight_grad",
+            ex._weight_grad_kernel,
+            dict(
+                g_ptr=p,
+                a_ptr=p,
+                offsets_ptr="*i32",
+                out_ptr="*fp32",
+                num_experts=i32,
+                num_splits=i32,
+                g_cols=i32,
+                a_cols=i32,
+                stride_gm=i32,
+                stride_am=i32,
+            ),
+            experts,
+        ),
+    ]
 
 
 def _compile(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4, num_stages: int = 3) -> int:
@@ -87,8 +172,11 @@ def main(argv=None) -> int:
     failures = 0
     for arch in args.arch:
         jobs = [("bf16", k) for k in _kernels("bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32))]
-        jobs += [("fp32", k) for k in _kernels("fp32", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), "ieee")
-                 if k[0] == "experts.grouped_gemm"]  # fmt: skip
+        jobs += [
+            ("fp32", k)
+            for k in _kernels("fp32", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), "ieee")
+            if k[0] == "experts.grouped_gemm"
+        ]
         for dtype, (name, fn, signature, constexprs) in jobs:
             try:
                 shared = _compile(fn, signature, constexprs, arch)
@@ -112,8 +200,10 @@ def main(argv=None) -> int:
                     fits = shared <= SHARED_MEMORY[arch]
                     failures += int(config in kept and not fits)  # the prune let through a config that cannot run
                     note = ("" if fits else " (more than the GPU has)") + ("" if config in kept else ", pruned")
-                    print(f"sm_{arch} {dtype} {name} {tile} w{config.num_warps} s{config.num_stages}: shared {shared} B"
-                          f"{note}")  # fmt: skip
+                    print(
+                        f"sm_{arch} {dtype} {name} {tile} w{config.num_warps} s{config.num_stages}: shared {shared} B"
+                        f"{note}"
+                    )
     return 1 if failures else 0
 
 

@@ -20,9 +20,13 @@ from .spread_model import spread_model
 pytestmark = pytest.mark.skipif(not experts_triton.HAS_TRITON, reason="triton is not installed")
 
 CASES = [  # (N, W, I, E, K, drop fraction)
-    (37, 5, 7, 13, 3, 0.0), (37, 8, 16, 13, 3, 0.3), (29, 24, 40, 3, 2, 0.0), (20, 16, 16, 1, 1, 0.0),
-    (23, 12, 20, 7, 1, 0.2), (11, 16, 24, 40, 8, 0.0),
-]  # fmt: skip
+    (37, 5, 7, 13, 3, 0.0),
+    (37, 8, 16, 13, 3, 0.3),
+    (29, 24, 40, 3, 2, 0.0),
+    (20, 16, 16, 1, 1, 0.0),
+    (23, 12, 20, 7, 1, 0.2),
+    (11, 16, 24, 40, 8, 0.0),
+]
 
 
 def _problem(num_rows, width, inter, num_experts, top_k, drop, seed=0):
@@ -65,8 +69,15 @@ def test_every_row_on_one_expert_and_block_sizes():
 
 
 def test_reference_is_the_models_eager_loop():
-    config = MHMoEConfig(hidden_size=16, moe_heads=2, num_attention_heads=1, head_dim=2, num_experts=7,
-                         num_experts_per_tok=3, moe_intermediate_size=12)  # fmt: skip
+    config = MHMoEConfig(
+        hidden_size=16,
+        moe_heads=2,
+        num_attention_heads=1,
+        head_dim=2,
+        num_experts=7,
+        num_experts_per_tok=3,
+        moe_intermediate_size=12,
+    )
     experts = MHMoEExperts(config)
     x, index, weights, gate_up, down = _problem(19, 8, 12, 7, 3, 0.3, seed=5)
     with torch.no_grad():
@@ -147,8 +158,9 @@ def test_bf16():
         scale = float(t.abs().max())
         kernel_error, naive_error = float((k.float() - t).abs().max()), float((n.float() - t).abs().max())
         assert kernel_error <= 1.5 * naive_error + scale / 256, (name, kernel_error, naive_error, scale)
-        torch.testing.assert_close(k.float(), t, rtol=1.6e-2, atol=2e-2 * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            k.float(), t, rtol=1.6e-2, atol=2e-2 * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_custom_op_opcheck():
@@ -159,8 +171,10 @@ def test_custom_op_opcheck():
     args = (x.requires_grad_(), gate_up.requires_grad_(), down.requires_grad_(), order, offsets, 2, [], 2)
     opcheck(torch.ops.mhmoe.triton_experts.default, args)
     grad = torch.randn(order.numel(), 8)
-    opcheck(torch.ops.mhmoe.triton_experts_backward.default, (grad, x.detach(), gate_up.detach(), down.detach(),
-                                                              order, offsets, 2, [], 0))  # fmt: skip
+    opcheck(
+        torch.ops.mhmoe.triton_experts_backward.default,
+        (grad, x.detach(), gate_up.detach(), down.detach(), order, offsets, 2, [], 0),
+    )
 
 
 def test_torch_compile_and_export_trace_the_op():
@@ -214,14 +228,17 @@ def test_tile_configs():
         module.interpreting = original
     assert {c.kwargs["BLOCK_M"] for c in gpu} >= {64, 128} and {c.kwargs["BLOCK_N"] for c in gpu} >= {64, 128}
     assert {c.num_warps for c in gpu} == {4, 8} and {c.num_stages for c in gpu} >= {3, 4}
-    fits = {dtype: experts_triton._fitting(gpu, {"x": torch.empty(0, dtype=dtype), "width": 64})
-            for dtype in (torch.bfloat16, torch.float32)}  # fmt: skip
+    fits = {
+        dtype: experts_triton._fitting(gpu, {"x": torch.empty(0, dtype=dtype), "width": 64})
+        for dtype in (torch.bfloat16, torch.float32)
+    }
     big = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}  # 3 stages × 24K elements: 144 KiB in bf16, 288 in fp32
     assert big in [c.kwargs for c in fits[torch.bfloat16]] and big not in [c.kwargs for c in fits[torch.float32]]
     assert len(fits[torch.bfloat16]) == len(gpu) and 0 < len(fits[torch.float32]) < len(gpu)
     with pytest.raises(ValueError, match="block_m, block_n and block_k together"):
-        experts_triton.experts_forward(*_problem(5, 8, 8, 2, 1, 0.0), *sort_by_expert(torch.zeros(5, 1).long(), 2),
-                                       block_m=16)  # fmt: skip
+        experts_triton.experts_forward(
+            *_problem(5, 8, 8, 2, 1, 0.0), *sort_by_expert(torch.zeros(5, 1).long(), 2), block_m=16
+        )
 
 
 def _cuda_problem(dtype, seed=0):
@@ -245,8 +262,9 @@ def test_cuda_fp32(tf32, monkeypatch):
     for name, h, t in zip(NAMES, have, truth):
         scale = float(t.abs().max())
         tol = 5e-3 if tf32 else 2e-5
-        torch.testing.assert_close(h.double().cpu(), t, rtol=tol, atol=tol * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            h.double().cpu(), t, rtol=tol, atol=tol * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @CUDA
@@ -257,16 +275,26 @@ def test_cuda_bf16():
     have = _outputs_and_grads(lambda *a: experts_triton.experts_forward(*a, order, offsets), problem, torch.bfloat16)
     for name, h, t in zip(NAMES, have, truth):
         scale = float(t.abs().max())
-        torch.testing.assert_close(h.double().cpu(), t, rtol=2e-2, atol=2e-2 * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            h.double().cpu(), t, rtol=2e-2, atol=2e-2 * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_model_with_experts_implementation_triton(monkeypatch):
     """`experts_implementation="triton"` (the experts op's triton backend, ops/backends.py) runs a whole MH-MoE model
     (h=2, capacity drops) with the `grouped_mm` path's logits and gradients."""
-    config = MHMoEConfig(vocab_size=37, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, moe_heads=2, num_experts=6, num_experts_per_tok=2,
-                         moe_intermediate_size=16, capacity_factor=0.75)  # fmt: skip
+    config = MHMoEConfig(
+        vocab_size=37,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        moe_heads=2,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        capacity_factor=0.75,
+    )
     model = spread_model(config)
     ids = torch.randint(0, 37, (2, 7), generator=torch.Generator().manual_seed(3))
     calls = []

@@ -17,8 +17,14 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
-    run = subprocess.run([sys.executable, "-m", "tests.models.ops.gpu_compile", "--arch", "90"], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.models.ops.gpu_compile", "--arch", "90"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if run.returncode == 77:
         pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stdout + run.stderr

@@ -19,8 +19,13 @@ pytestmark = pytest.mark.skipif(not head_router_triton.HAS_TRITON, reason="trito
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU-only kernel checks)")
 
 CASES = [  # (M, H, S, K, hd): M not a multiple of the 8-row blocks; hd 5 and 12 not powers of two
-    (37, 8, 2, 3, 12), (37, 8, 0, 1, 8), (19, 4, 2, 2, 5), (21, 6, 3, 1, 16), (13, 3, 2, 1, 4), (9, 16, 4, 8, 8),
-]  # fmt: skip
+    (37, 8, 2, 3, 12),
+    (37, 8, 0, 1, 8),
+    (19, 4, 2, 2, 5),
+    (21, 6, 3, 1, 16),
+    (13, 3, 2, 1, 4),
+    (9, 16, 4, 8, 8),
+]
 
 
 def _grads(fn, queries, straight_through, shared, active):
@@ -37,8 +42,9 @@ def _grads(fn, queries, straight_through, shared, active):
 def test_kernel_matches_reference(case, straight_through):
     rows, heads, shared, active, head_dim = case
     queries = torch.randn(rows, heads, head_dim, generator=torch.Generator().manual_seed(rows + heads))
-    kernel = _grads(lambda *a: l2_head_gates_triton(*a[:3], a[3], block_rows=8), queries, straight_through, shared,
-                    active)  # fmt: skip
+    kernel = _grads(
+        lambda *a: l2_head_gates_triton(*a[:3], a[3], block_rows=8), queries, straight_through, shared, active
+    )
     reference = _grads(l2_head_gates, queries, straight_through, shared, active)
     assert torch.equal(kernel[2], reference[2])
     for have, want in zip(kernel[:2] + kernel[3:], reference[:2] + reference[3:]):
@@ -108,8 +114,15 @@ def test_nan_and_inf_queries_give_in_range_heads(straight_through):
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
-@given(rows=st.integers(1, 40), routed=st.integers(1, 12), shared=st.integers(0, 4), head_dim=st.integers(1, 20),
-       active=st.integers(1, 12), straight_through=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+@given(
+    rows=st.integers(1, 40),
+    routed=st.integers(1, 12),
+    shared=st.integers(0, 4),
+    head_dim=st.integers(1, 20),
+    active=st.integers(1, 12),
+    straight_through=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_properties(rows, routed, shared, head_dim, active, straight_through, seed):
     active = min(active, routed)
     queries = torch.randn(rows, shared + routed, head_dim, generator=torch.Generator().manual_seed(seed))
@@ -132,8 +145,9 @@ def test_bf16_queries(straight_through):
     at fp32 tolerance; the queries' gradient comes back in bf16, at bf16 tolerance."""
     rows, heads, shared, active, head_dim = 37, 8, 2, 3, 12
     queries = torch.randn(rows, heads, head_dim, generator=torch.Generator().manual_seed(11)).bfloat16()
-    kernel = _grads(lambda *a: l2_head_gates_triton(*a[:3], a[3], block_rows=8), queries, straight_through, shared,
-                    active)  # fmt: skip
+    kernel = _grads(
+        lambda *a: l2_head_gates_triton(*a[:3], a[3], block_rows=8), queries, straight_through, shared, active
+    )
     reference = _grads(l2_head_gates, queries, straight_through, shared, active)
     assert torch.equal(kernel[2], reference[2])
     assert kernel[0].dtype == kernel[1].dtype == torch.float32 and kernel[3].dtype == torch.bfloat16
@@ -150,10 +164,22 @@ def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatc
     from mhmoe.models.ops import backends
 
     monkeypatch.delenv(backends.ROUTING_BACKEND_ENV, raising=False)
-    config = MHMoEConfig(vocab_size=41, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, moe_heads=2, num_experts=5, num_experts_per_tok=2,
-                         moe_intermediate_size=16, moh_shared_heads=1, moh_active_heads=2, moh_router="l2",
-                         moh_straight_through=straight_through, output_router_logits=True)  # fmt: skip
+    config = MHMoEConfig(
+        vocab_size=41,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        moe_heads=2,
+        num_experts=5,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        moh_shared_heads=1,
+        moh_active_heads=2,
+        moh_router="l2",
+        moh_straight_through=straight_through,
+        output_router_logits=True,
+    )
     model = spread_model(config)
     ids = torch.randint(0, 41, (2, 7), generator=torch.Generator().manual_seed(2))
     calls = []

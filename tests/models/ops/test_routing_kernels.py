@@ -21,8 +21,16 @@ pytestmark = pytest.mark.skipif(not routing_triton.HAS_TRITON, reason="triton is
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU-only kernel checks)")
 
 SHAPES = [  # (N, E, K): N not a multiple of the blocks used below
-    (37, 1, 1), (37, 3, 1), (37, 3, 2), (50, 7, 3), (29, 40, 2), (45, 40, 8), (33, 96, 3), (21, 96, 8), (1, 3, 3),
-]  # fmt: skip
+    (37, 1, 1),
+    (37, 3, 1),
+    (37, 3, 2),
+    (50, 7, 3),
+    (29, 40, 2),
+    (45, 40, 8),
+    (33, 96, 3),
+    (21, 96, 8),
+    (1, 3, 3),
+]
 
 
 def _logits(num_rows, num_experts, seed=0, scale=2.0):
@@ -77,8 +85,9 @@ def test_bf16_logits(shape):
 @pytest.mark.parametrize("shape", [(50, 7, 3), (45, 40, 8), (37, 3, 1)], ids=["E7-K3", "E40-K8", "E3-K1"])
 def test_capacity_matches_reference(shape, capacity):
     num_rows, num_experts, top_k = shape
-    (weights, experts, grad), (ref_weights, ref_experts, ref_grad) = _both(_logits(*shape[:2], seed=3), top_k,
-                                                                           capacity=capacity)  # fmt: skip
+    (weights, experts, grad), (ref_weights, ref_experts, ref_grad) = _both(
+        _logits(*shape[:2], seed=3), top_k, capacity=capacity
+    )
     assert torch.equal(experts, ref_experts)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
@@ -231,8 +240,11 @@ def test_counting_sort_properties(ids, block):
 def test_backend_switch(monkeypatch):
     logits = _logits(9, 5)
     calls = []
-    monkeypatch.setitem(routing.IMPLEMENTATIONS["routing.route"], "triton",
-                        lambda *args: calls.append("triton") or routing_triton.route(*args))  # fmt: skip
+    monkeypatch.setitem(
+        routing.IMPLEMENTATIONS["routing.route"],
+        "triton",
+        lambda *args: calls.append("triton") or routing_triton.route(*args),
+    )
     monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
     routing.route(logits, 2)
     assert calls == []  # CPU default: the reference
@@ -291,17 +303,29 @@ def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatc
     """A whole MH-MoE model (h=3, E=7, top-3) with routing_backend="triton" gives the torch path's logits, losses and
     gradients; the kernels really ran (route and sort)."""
     monkeypatch.delenv(routing.ROUTING_BACKEND_ENV, raising=False)
-    config = MHMoEConfig(vocab_size=53, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, moe_heads=3, num_experts=7, num_experts_per_tok=3,
-                         moe_intermediate_size=16, capacity_factor=capacity_factor,
-                         output_router_logits=True)  # fmt: skip
+    config = MHMoEConfig(
+        vocab_size=53,
+        hidden_size=24,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        moe_heads=3,
+        num_experts=7,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        capacity_factor=capacity_factor,
+        output_router_logits=True,
+    )
     model = spread_model(config)
     ids = torch.randint(0, 53, (2, 9), generator=torch.Generator().manual_seed(1))
     calls = []
     for name in ("routing.route", "routing.sort_by_expert"):
         original = routing.IMPLEMENTATIONS[name]["triton"]
-        monkeypatch.setitem(routing.IMPLEMENTATIONS[name], "triton",
-                            lambda *a, original=original, name=name: calls.append(name) or original(*a))  # fmt: skip
+        monkeypatch.setitem(
+            routing.IMPLEMENTATIONS[name],
+            "triton",
+            lambda *a, original=original, name=name: calls.append(name) or original(*a),
+        )
 
     results = []
     for backend in ("torch", "triton"):

@@ -5,12 +5,17 @@ from typing import TYPE_CHECKING
 
 from ..._plumbing.lazy import lazy_exports
 
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "MHMoEConfig": ".configuration_mhmoe",
-    **dict.fromkeys(("MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel"), ".modeling_mhmoe"),
-    **dict.fromkeys(("MoELayerCost", "matched_moe_settings", "moe_layer_cost"), ".parity"),
-    **dict.fromkeys(("conventions_fields", "from_llama_config", "from_mixtral_config", "matched_to_smoe"), ".matching"),
-})  # fmt: skip
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "MHMoEConfig": ".configuration_mhmoe",
+        **dict.fromkeys(("MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel"), ".modeling_mhmoe"),
+        **dict.fromkeys(("MoELayerCost", "matched_moe_settings", "moe_layer_cost"), ".parity"),
+        **dict.fromkeys(
+            ("conventions_fields", "from_llama_config", "from_mixtral_config", "matched_to_smoe"), ".matching"
+        ),
+    },
+)
 
 if TYPE_CHECKING:
     from .configuration_mhmoe import MHMoEConfig
@@ -19,7 +24,15 @@ if TYPE_CHECKING:
     from .parity import MoELayerCost, matched_moe_settings, moe_layer_cost
 
 __all__ = [
-    "MHMoEConfig", "MHMoEForCausalLM", "MHMoEModel", "MHMoEPreTrainedModel",
-    "MoELayerCost", "matched_moe_settings", "moe_layer_cost",
-    "conventions_fields", "from_llama_config", "from_mixtral_config", "matched_to_smoe",
-]  # fmt: skip
+    "MHMoEConfig",
+    "MHMoEForCausalLM",
+    "MHMoEModel",
+    "MHMoEPreTrainedModel",
+    "MoELayerCost",
+    "matched_moe_settings",
+    "moe_layer_cost",
+    "conventions_fields",
+    "from_llama_config",
+    "from_mixtral_config",
+    "matched_to_smoe",
+]

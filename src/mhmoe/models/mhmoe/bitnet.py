@@ -35,7 +35,11 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..ops.backends import sort_by_expert
 from ..ops.experts.grouped_gemm import (
-    GROUPED_MM_TILE, TORCH_GROUPED_MM, autocast_dtype, kernel_accepts, tiled_grouped_mm,
+    GROUPED_MM_TILE,
+    TORCH_GROUPED_MM,
+    autocast_dtype,
+    kernel_accepts,
+    tiled_grouped_mm,
 )
 from .experts import sub_token_width
 
@@ -113,8 +117,9 @@ class _CachedQuantization:
 class BitLinear(nn.Linear, _CachedQuantization):
     """`nn.Linear` with BitNet b1.58 quantisation (latent full-precision `weight`; PEFT's LoRA wraps it as a Linear)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6,
-                 input_norm: bool = True):  # fmt: skip
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6, input_norm: bool = True
+    ):
         super().__init__(in_features, out_features, bias=bias)
         self.input_norm = BitNetRMSNorm(in_features, eps=eps) if input_norm else None  # None: 8-bit input as is
 
@@ -130,8 +135,9 @@ class BitLinear(nn.Linear, _CachedQuantization):
 class PackedBitLinear(nn.Module):
     """Inference-only BitLinear holding int8 ternary `weight` and its fp32 `weight_scale` (an exported checkpoint)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6,
-                 input_norm: bool = True):  # fmt: skip
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, eps: float = 1e-6, input_norm: bool = True
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
@@ -222,8 +228,10 @@ class BitNetExperts(nn.Module, _CachedQuantization):
         self.intermediate_dim = config.moe_intermediate_size
         self.eps = config.rms_norm_eps
         self.packed = bool(config.bitnet_packed)
-        shapes = {"gate_up_proj": (self.num_experts, 2 * self.intermediate_dim, self.hidden_dim),
-                  "down_proj": (self.num_experts, self.hidden_dim, self.intermediate_dim)}  # fmt: skip
+        shapes = {
+            "gate_up_proj": (self.num_experts, 2 * self.intermediate_dim, self.hidden_dim),
+            "down_proj": (self.num_experts, self.hidden_dim, self.intermediate_dim),
+        }
         for name, shape in shapes.items():
             if self.packed:
                 scale_shape = (self.num_experts, self._PARTS[name]) if self._PARTS[name] > 1 else (self.num_experts,)
@@ -250,13 +258,16 @@ class BitNetExperts(nn.Module, _CachedQuantization):
         half of gate_up)."""
         if self.packed:
             return self._unpacked(torch.float32)
-        return tuple(dequantize(*quantize_weight(w, self._PARTS[n]), w.dtype)
-                     for n, w in zip(("gate_up_proj", "down_proj"), self._latent()))  # fmt: skip
+        return tuple(
+            dequantize(*quantize_weight(w, self._PARTS[n]), w.dtype)
+            for n, w in zip(("gate_up_proj", "down_proj"), self._latent())
+        )
 
     def _unpacked(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed ternary weights times their scales, in `dtype`."""
-        return tuple(dequantize(getattr(self, n), getattr(self, f"{n}_scale"), dtype)
-                     for n in ("gate_up_proj", "down_proj"))  # fmt: skip
+        return tuple(
+            dequantize(getattr(self, n), getattr(self, f"{n}_scale"), dtype) for n in ("gate_up_proj", "down_proj")
+        )
 
     def _latent(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj.detach(), self.down_proj.detach()
@@ -265,7 +276,8 @@ class BitNetExperts(nn.Module, _CachedQuantization):
         if self.packed:
             return self._unpacked(dtype)
         return self._quantized_for_forward("gate_up_proj", self.gate_up_proj, 2), self._quantized_for_forward(
-            "down_proj", self.down_proj)  # fmt: skip
+            "down_proj", self.down_proj
+        )
 
     def _gate_up_gain(self, experts: torch.Tensor) -> torch.Tensor | None:
         return None if self.gate_up_norm is None else self.gate_up_norm.index_select(0, experts)
@@ -335,8 +347,9 @@ class BitNetB158:
     BitLinear (PackedBitLinear with `bitnet_packed`), the others `nn.Linear`; the routed experts are `BitNetExperts`."""
 
     @staticmethod
-    def linear(config, in_features: int, out_features: int, bias: bool = False, role: str = "attention",
-               ffn_in: bool = False) -> nn.Module:  # fmt: skip
+    def linear(
+        config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", ffn_in: bool = False
+    ) -> nn.Module:
         """A projection of `role`; `ffn_in`: an FFN's gate/up projection, without its sub-layer norm under
         `bitnet_ffn_norm="before_down"`."""
         if not is_quantized(config, role):
@@ -355,21 +368,35 @@ class BitNetB158:
         refused)."""
         problems, bitnet = [], config.linear_type == "bitnet_b158"
         if config.bitnet_quantized_layers not in BITNET_QUANTIZED_LAYERS:
-            problems.append(f"bitnet_quantized_layers must be one of {BITNET_QUANTIZED_LAYERS} ('all': every decoder "
-                            f"projection; 'official': attention and FFNs, not head/merge layers or routers; 'ffn_only': "
-                            f"the FFNs; 'experts': the routed experts), got "
-                            f"{config.bitnet_quantized_layers!r}")  # fmt: skip
+            problems.append(
+                f"bitnet_quantized_layers must be one of {BITNET_QUANTIZED_LAYERS} ('all': every decoder "
+                f"projection; 'official': attention and FFNs, not head/merge layers or routers; 'ffn_only': "
+                f"the FFNs; 'experts': the routed experts), got "
+                f"{config.bitnet_quantized_layers!r}"
+            )
         if config.bitnet_ffn_norm not in BITNET_FFN_NORMS:
             problems.append(f"bitnet_ffn_norm must be one of {BITNET_FFN_NORMS}, got {config.bitnet_ffn_norm!r}")
         if bitnet and config.bitnet_quantized_layers == "experts" and config.decoder_sparse_step == 0:
-            problems.append("bitnet_quantized_layers='experts' quantises nothing in a dense model "
-                            "(decoder_sparse_step=0); use 'all'")  # fmt: skip
+            problems.append(
+                "bitnet_quantized_layers='experts' quantises nothing in a dense model "
+                "(decoder_sparse_step=0); use 'all'"
+            )
         if config.bitnet_packed and not bitnet:
             problems.append("bitnet_packed=True needs linear_type='bitnet_b158' (it marks exported ternary weights)")
         return problems
 
 
 __all__ = [
-    "BITNET_FFN_NORMS", "BITNET_QUANTIZED_LAYERS", "QUANTIZED_ROLES", "BitLinear", "BitNetB158", "BitNetExperts",
-    "BitNetRMSNorm", "PackedBitLinear", "is_quantized", "packed_model", "quantize_activations", "quantize_weight",
-]  # fmt: skip
+    "BITNET_FFN_NORMS",
+    "BITNET_QUANTIZED_LAYERS",
+    "QUANTIZED_ROLES",
+    "BitLinear",
+    "BitNetB158",
+    "BitNetExperts",
+    "BitNetRMSNorm",
+    "PackedBitLinear",
+    "is_quantized",
+    "packed_model",
+    "quantize_activations",
+    "quantize_weight",
+]

@@ -116,8 +116,10 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
             problems = decoder_problems(self) + router_type_problems(self) + linear_type_problems(self)
             problems += moh_config_problems(self)
         if self.routing_backend is not None and self.routing_backend not in ROUTING_BACKENDS:
-            problems.append(f"routing_backend must be one of {tuple(ROUTING_BACKENDS)} or None (by device), got "
-                            f"{self.routing_backend!r}")  # fmt: skip
+            problems.append(
+                f"routing_backend must be one of {tuple(ROUTING_BACKENDS)} or None (by device), got "
+                f"{self.routing_backend!r}"
+            )
         raise_problems(self, problems)
 
     def is_moe_layer(self, layer_idx: int) -> bool:

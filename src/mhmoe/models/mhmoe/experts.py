@@ -17,6 +17,7 @@ from transformers.integrations.moe import grouped_mm_experts_forward as _TRANSFO
 
 from ..ops.backends import EXPERTS_BACKENDS, experts
 
+
 def sub_token_width(config) -> int:
     """W: the width of the sub-tokens an MoE block routes, hidden_size // moe_heads (the experts' and routers' input)."""
     return config.hidden_size // config.moe_heads
@@ -31,9 +32,17 @@ def _library_forward(implementation: str):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         config = getattr(self, "config", None)
-        return experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn,
-                       backend=EXPERTS_BACKENDS[implementation], routing_backend=getattr(config, "routing_backend", None),
-                       may_drop=getattr(config, "capacity_factor", None) is not None)  # fmt: skip
+        return experts(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.gate_up_proj,
+            self.down_proj,
+            self.act_fn,
+            backend=EXPERTS_BACKENDS[implementation],
+            routing_backend=getattr(config, "routing_backend", None),
+            may_drop=getattr(config, "capacity_factor", None) is not None,
+        )
 
     forward.__name__ = f"{implementation}_experts_forward"
     return forward
@@ -46,8 +55,9 @@ grouped_experts_forward = LIBRARY_EXPERTS_FUNCTIONS["grouped_mm"]
 
 def eager_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
     """The "eager" experts implementation: the experts op's naive reference, a loop over the experts."""
-    return experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn,
-                   backend="naive")  # fmt: skip
+    return experts(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn, backend="naive"
+    )
 
 
 def _drop_sentinels(experts_forward):
@@ -113,5 +123,13 @@ class MHMoEExperts(nn.Module):
         return eager_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
-__all__ = ["LIBRARY_EXPERTS_FUNCTIONS", "LIBRARY_EXPERTS_IMPLEMENTATIONS", "MHMOE_EXPERTS_FUNCTIONS", "MHMoEExperts",
-           "MHMoEExpertsInterface", "eager_experts_forward", "grouped_experts_forward", "sub_token_width"]  # fmt: skip
+__all__ = [
+    "LIBRARY_EXPERTS_FUNCTIONS",
+    "LIBRARY_EXPERTS_IMPLEMENTATIONS",
+    "MHMOE_EXPERTS_FUNCTIONS",
+    "MHMoEExperts",
+    "MHMoEExpertsInterface",
+    "eager_experts_forward",
+    "grouped_experts_forward",
+    "sub_token_width",
+]

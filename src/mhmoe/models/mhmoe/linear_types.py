@@ -16,8 +16,9 @@ class Linear:
     """`linear_type="linear"`: `nn.Linear` projections and full-precision SwiGLU experts (`experts.MHMoEExperts`)."""
 
     @staticmethod
-    def linear(config, in_features: int, out_features: int, bias: bool = False, role: str = "attention",
-               ffn_in: bool = False) -> nn.Module:  # fmt: skip
+    def linear(
+        config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", ffn_in: bool = False
+    ) -> nn.Module:
         return nn.Linear(in_features, out_features, bias=bias)
 
     @staticmethod
@@ -32,8 +33,9 @@ class Linear:
 LINEAR_TYPES = {"linear": Linear, "bitnet_b158": BitNetB158}
 
 
-def make_linear(config, in_features: int, out_features: int, bias: bool = False, role: str = "attention",
-                ffn_in: bool = False) -> nn.Module:  # fmt: skip
+def make_linear(
+    config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", ffn_in: bool = False
+) -> nn.Module:
     """The decoder projection of `role` that `config.linear_type` builds."""
     return LINEAR_TYPES[config.linear_type].linear(config, in_features, out_features, bias, role, ffn_in)
 

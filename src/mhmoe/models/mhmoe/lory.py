@@ -57,8 +57,11 @@ class LoryRouter(nn.Module):
     def forward(self, means: torch.Tensor) -> torch.Tensor:
         """means (B, h, W) -> routing weights (B, h, E) fp32 (softmax over each head's pool)."""
         weight = self.weight.float().view(self.num_pools, self.num_experts, -1)  # (P, E, W)
-        logits = torch.einsum("bhw,hew->bhe" if self.num_pools > 1 else "bhw,ew->bhe",
-                              means.float(), weight if self.num_pools > 1 else weight[0])  # fmt: skip
+        logits = torch.einsum(
+            "bhw,hew->bhe" if self.num_pools > 1 else "bhw,ew->bhe",
+            means.float(),
+            weight if self.num_pools > 1 else weight[0],
+        )
         return torch.softmax(logits, dim=-1)
 
 
@@ -122,17 +125,23 @@ class MHLoryBlock(nn.Module):
         """The lory_* fields, and what Lory does not combine with when chosen, in words."""
         problems, lory = [], config.router_type == "lory"
         if config.lory_expert_pool not in LORY_EXPERT_POOLS:
-            problems.append(f"lory_expert_pool must be one of {LORY_EXPERT_POOLS} ('shared': MH-Lory v1; 'per_head': "
-                            f"v2), got {config.lory_expert_pool!r}")  # fmt: skip
+            problems.append(
+                f"lory_expert_pool must be one of {LORY_EXPERT_POOLS} ('shared': MH-Lory v1; 'per_head': "
+                f"v2), got {config.lory_expert_pool!r}"
+            )
         if not config.lory_segment_length >= 1:
             problems.append(f"lory_segment_length must be >= 1 tokens, got {config.lory_segment_length}")
         if lory and config.capacity_factor is not None:
-            problems.append("capacity_factor applies to top-k routing; router_type='lory' merges all experts (use None)")
+            problems.append(
+                "capacity_factor applies to top-k routing; router_type='lory' merges all experts (use None)"
+            )
         if lory and config.router_jitter_noise:
             problems.append("router_jitter_noise applies to top-k routing; use 0 with router_type='lory'")
         if lory and config.linear_type != "linear":
-            problems.append(f"router_type='lory' with linear_type={config.linear_type!r} is not supported (quantising "
-                            "merged experts is not defined by either paper); choose one")  # fmt: skip
+            problems.append(
+                f"router_type='lory' with linear_type={config.linear_type!r} is not supported (quantising "
+                "merged experts is not defined by either paper); choose one"
+            )
         return problems
 
     def forward(self, hidden_states: torch.Tensor, cache=None) -> torch.Tensor:

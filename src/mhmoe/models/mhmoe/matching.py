@@ -11,8 +11,13 @@ from .parity import matched_moe_settings
 
 CONVENTIONS = ("library", "official")
 # The official MH-MoE code (torchscale xmoe + Tutel, yushuiwx/MH-MoE) where this library's defaults differ.
-OFFICIAL_ROUTING = dict(norm_topk_prob=False, capacity_factor=1.0, capacity_rounding="official",
-                        router_aux_loss_mode="top1_sum", router_aux_loss_coef=0.01)  # fmt: skip
+OFFICIAL_ROUTING = dict(
+    norm_topk_prob=False,
+    capacity_factor=1.0,
+    capacity_rounding="official",
+    router_aux_loss_mode="top1_sum",
+    router_aux_loss_coef=0.01,
+)
 OFFICIAL_BITNET = dict(bitnet_quantized_layers="official", bitnet_ffn_norm="before_down")
 
 
@@ -32,7 +37,6 @@ def conventions_fields(conventions: str, config) -> dict:
     if get("linear_type", "linear") == "bitnet_b158":
         fields.update(OFFICIAL_BITNET)
     return fields
-
 
 
 def from_llama_config(llama_config, **kwargs) -> MHMoEConfig:
@@ -68,9 +72,13 @@ def from_mixtral_config(mixtral_config, **kwargs) -> MHMoEConfig:
 
 
 def matched_to_smoe(
-    smoe_config: MHMoEConfig, moe_heads: int, num_experts_per_tok: int, round_experts_to: int = 8,
-    conventions: str = "library", **kwargs,
-) -> MHMoEConfig:  # fmt: skip
+    smoe_config: MHMoEConfig,
+    moe_heads: int,
+    num_experts_per_tok: int,
+    round_experts_to: int = 8,
+    conventions: str = "library",
+    **kwargs,
+) -> MHMoEConfig:
     """The MH-MoE config whose MoE layers match `smoe_config`'s activated FLOPs and total parameters.
 
     Head and merge layers are counted, on both sides (`moe_head_layer=False` / `moe_merge_layer=False` in `kwargs`
@@ -136,12 +144,34 @@ def _expect_model_type(config, model_type: str, method: str) -> None:
 def _shared_fields(config) -> dict:
     """The LLaMA-family fields that carry over unchanged."""
     names = (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
-        "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings",
-        "rope_parameters", "attention_dropout",
-    )  # fmt: skip
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "initializer_range",
+        "rms_norm_eps",
+        "use_cache",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "attention_dropout",
+    )
     return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
 
-__all__ = ["CONVENTIONS", "OFFICIAL_BITNET", "OFFICIAL_ROUTING", "conventions_fields", "from_llama_config",
-           "from_mixtral_config", "matched_to_smoe"]  # fmt: skip
+
+__all__ = [
+    "CONVENTIONS",
+    "OFFICIAL_BITNET",
+    "OFFICIAL_ROUTING",
+    "conventions_fields",
+    "from_llama_config",
+    "from_mixtral_config",
+    "matched_to_smoe",
+]

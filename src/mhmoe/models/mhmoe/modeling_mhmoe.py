@@ -71,10 +71,15 @@ class MHMoEAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )  # the backend (eager, sdpa, flex, flash, or one a user registered)
         return attention_forward(
-            self, hidden_states, position_embeddings, attention_mask, either_cache(cache, past_key_values),
+            self,
+            hidden_states,
+            position_embeddings,
+            attention_mask,
+            either_cache(cache, past_key_values),
             self.config.sliding_window,
-            attention_interface=attention_interface, **kwargs,
-        )  # fmt: skip
+            attention_interface=attention_interface,
+            **kwargs,
+        )
 
 
 class MHMoEDecoderLayer(GradientCheckpointingLayer):

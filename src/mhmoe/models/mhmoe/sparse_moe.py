@@ -53,15 +53,19 @@ def moe_block_problems(config) -> list[str]:
     problems = []
     if config.decoder_sparse_step > 0:
         if config.moe_heads < 1 or config.hidden_size % config.moe_heads:
-            problems.append(f"hidden_size ({config.hidden_size}) must be divisible by moe_heads ({config.moe_heads}); "
-                            "choose moe_heads among the divisors of hidden_size")  # fmt: skip
+            problems.append(
+                f"hidden_size ({config.hidden_size}) must be divisible by moe_heads ({config.moe_heads}); "
+                "choose moe_heads among the divisors of hidden_size"
+            )
         if config.num_experts < 1:
             problems.append(f"num_experts must be >= 1, got {config.num_experts}")
         if config.moe_intermediate_size < 1:
             problems.append(f"moe_intermediate_size must be >= 1, got {config.moe_intermediate_size}")
     if config.shared_expert_intermediate_size < 0:
-        problems.append(f"shared_expert_intermediate_size must be >= 0 (0 = no shared expert), got "
-                        f"{config.shared_expert_intermediate_size}")  # fmt: skip
+        problems.append(
+            f"shared_expert_intermediate_size must be >= 0 (0 = no shared expert), got "
+            f"{config.shared_expert_intermediate_size}"
+        )
     if config.moe_layer_bias and not (config.moe_head_layer or config.moe_merge_layer):
         problems.append("moe_layer_bias=True needs a head or merge layer (moe_head_layer / moe_merge_layer)")
     for name in ("router_aux_loss_coef", "router_z_loss_coef"):
@@ -91,8 +95,14 @@ class MHMoETopKRouter(nn.Module):
         # fp32 also under autocast (Accelerate's mixed precision), which would cast the linear back down
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             router_logits = nn.functional.linear(hidden_states.float(), self.weight.float())  # (N, E)
-        weights, experts = route(router_logits, self.top_k, self.norm_topk_prob, self.capacity_factor,
-                                 self.routing_backend, self.capacity_rounding)  # fmt: skip
+        weights, experts = route(
+            router_logits,
+            self.top_k,
+            self.norm_topk_prob,
+            self.capacity_factor,
+            self.routing_backend,
+            self.capacity_rounding,
+        )
         return router_logits, weights, experts
 
 
@@ -118,30 +128,36 @@ class MHMoESparseMoeBlock(nn.Module):
         """The top-k routing fields, in words (checked whatever the router_type, as a set field must be valid)."""
         problems = []
         if config.decoder_sparse_step > 0 and not 1 <= config.num_experts_per_tok <= config.num_experts:
-            problems.append(f"num_experts_per_tok ({config.num_experts_per_tok}) must be between 1 and num_experts "
-                            f"({config.num_experts})")  # fmt: skip
+            problems.append(
+                f"num_experts_per_tok ({config.num_experts_per_tok}) must be between 1 and num_experts "
+                f"({config.num_experts})"
+            )
         if config.norm_topk_prob not in NORM_TOPK_PROB:
             problems.append(f"norm_topk_prob must be True, False or 'always', got {config.norm_topk_prob!r}")
         if config.router_aux_loss_mode not in AUX_LOSS_MODES:
-            problems.append(f"router_aux_loss_mode must be one of {AUX_LOSS_MODES}, got "
-                            f"{config.router_aux_loss_mode!r}")  # fmt: skip
+            problems.append(
+                f"router_aux_loss_mode must be one of {AUX_LOSS_MODES}, got {config.router_aux_loss_mode!r}"
+            )
         if config.router_aux_loss_mode == "mixtral" and config.moe_heads != 1:
             problems.append("router_aux_loss_mode='mixtral' pools token-level statistics and needs moe_heads=1")
         noise = config.router_jitter_noise
         if not (noise >= 0 and math.isfinite(noise)):
             problems.append(f"router_jitter_noise must be a finite number >= 0, got {noise}")
         elif noise >= 1:
-            problems.append(f"router_jitter_noise must be < 1 (inputs are scaled by U(1 - noise, 1 + noise)), got "
-                            f"{noise}")  # fmt: skip
+            problems.append(
+                f"router_jitter_noise must be < 1 (inputs are scaled by U(1 - noise, 1 + noise)), got {noise}"
+            )
         capacity = config.capacity_factor
         if capacity is not None and not (capacity > 0 and math.isfinite(capacity)):
             problems.append(f"capacity_factor must be a finite number > 0 or None (dropless), got {capacity}")
         if config.capacity_rounding not in CAPACITY_ROUNDINGS:
             problems.append(f"capacity_rounding must be one of {CAPACITY_ROUNDINGS}, got {config.capacity_rounding!r}")
         elif config.capacity_rounding == "official" and capacity is None:
-            problems.append("capacity_rounding='official' rounds a capacity, but capacity_factor is None "
-                            "(dropless); set capacity_factor=1.0 (the official code's) or use "
-                            "capacity_rounding='switch'")  # fmt: skip
+            problems.append(
+                "capacity_rounding='official' rounds a capacity, but capacity_factor is None "
+                "(dropless); set capacity_factor=1.0 (the official code's) or use "
+                "capacity_rounding='switch'"
+            )
         return problems
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -149,7 +165,9 @@ class MHMoESparseMoeBlock(nn.Module):
         sub_tokens = self.head_proj(hidden_states) if self.head_proj is not None else hidden_states
         sub_tokens = sub_tokens.reshape(-1, self.sub_token_width)  # (B·T·h, W), token-major
         if self.training and self.jitter_noise > 0:
-            sub_tokens = sub_tokens * torch.empty_like(sub_tokens).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
+            sub_tokens = sub_tokens * torch.empty_like(sub_tokens).uniform_(
+                1 - self.jitter_noise, 1 + self.jitter_noise
+            )
         _, weights, experts = self.gate(sub_tokens)
         out = self.experts(sub_tokens, experts, weights)  # (B·T·h, W)
         out = out.reshape(batch_size, seq_len, hidden_dim)  # concatenate each token's sub-tokens
@@ -160,5 +178,12 @@ class MHMoESparseMoeBlock(nn.Module):
         return out
 
 
-__all__ = ["CAPACITY_ROUNDINGS", "NORM_TOPK_PROB", "MHMoEMLP", "MHMoESparseMoeBlock", "MHMoETopKRouter",
-           "moe_block_parts", "moe_block_problems"]  # fmt: skip
+__all__ = [
+    "CAPACITY_ROUNDINGS",
+    "NORM_TOPK_PROB",
+    "MHMoEMLP",
+    "MHMoESparseMoeBlock",
+    "MHMoETopKRouter",
+    "moe_block_parts",
+    "moe_block_problems",
+]

@@ -77,8 +77,15 @@ class MoHRouter(nn.Module):
     reads_query_norms = False  # scores from the routed heads' pre-RoPE query norms
     score_straight_through = False  # moh_straight_through="scores" is defined for it (a parameter-free router)
 
-    def __init__(self, hidden_size: int, num_heads: int, shared_heads: int, active_heads: int,
-                 straight_through: bool | str = False, head_norm_stats=None):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        shared_heads: int,
+        active_heads: int,
+        straight_through: bool | str = False,
+        head_norm_stats=None,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.shared_heads = shared_heads
@@ -91,9 +98,14 @@ class MoHRouter(nn.Module):
     def from_config(cls, config, layer_idx: int | None = None) -> "MoHRouter":
         """The router `config.moh_router` names, for layer `layer_idx`."""
         router_class = HEAD_ROUTERS[config.moh_router]
-        router = router_class(config.hidden_size, config.num_attention_heads, config.moh_shared_heads,
-                              config.moh_active_heads, config.moh_straight_through,
-                              router_class.layer_statistics(config, layer_idx))  # fmt: skip
+        router = router_class(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.moh_shared_heads,
+            config.moh_active_heads,
+            config.moh_straight_through,
+            router_class.layer_statistics(config, layer_idx),
+        )
         router.routing_backend = getattr(config, "routing_backend", None)
         return router
 
@@ -146,7 +158,9 @@ class LearnedRouter(MoHRouter):
     weights [α1, α2] = softmax(W_h x) ×2. All three matrices start at zero, so every gate starts at exactly 1 (uniform)
     and a fresh layer with all heads active is plain multi-head attention."""
 
-    def __init__(self, hidden_size, num_heads, shared_heads, active_heads, straight_through=False, head_norm_stats=None):
+    def __init__(
+        self, hidden_size, num_heads, shared_heads, active_heads, straight_through=False, head_norm_stats=None
+    ):
         super().__init__(hidden_size, num_heads, shared_heads, active_heads, straight_through)
         self.routed_weight = nn.Parameter(torch.zeros(self.routed_heads, hidden_size))  # W_r
         self.shared_weight = self.stage_weight = None
@@ -190,10 +204,14 @@ class L2Router(MoHRouter):
 
     def forward(self, hidden_states, query_states, head_norms=None):
         # the fused kernel reads the queries' own heads (not tensor parallelism's gathered norms) and has no eq. 9-10
-        if (head_norms is None and self.straight_through != "scores"
-                and routing_backend(query_states, self.routing_backend)[0] == "triton"):  # fmt: skip
-            return l2_head_gates(query_states, self.shared_heads, self.active_heads, self.straight_through,
-                                 self.routing_backend)  # fmt: skip
+        if (
+            head_norms is None
+            and self.straight_through != "scores"
+            and routing_backend(query_states, self.routing_backend)[0] == "triton"
+        ):
+            return l2_head_gates(
+                query_states, self.shared_heads, self.active_heads, self.straight_through, self.routing_backend
+            )
         return super().forward(hidden_states, query_states, head_norms)
 
 
@@ -205,7 +223,9 @@ class CalibratedRouter(MoHRouter):
     reads_query_norms = True
     score_straight_through = True
 
-    def __init__(self, hidden_size, num_heads, shared_heads, active_heads, straight_through=False, head_norm_stats=None):
+    def __init__(
+        self, hidden_size, num_heads, shared_heads, active_heads, straight_through=False, head_norm_stats=None
+    ):
         super().__init__(hidden_size, num_heads, shared_heads, active_heads, straight_through)
         if head_norm_stats is None:
             raise ValueError(f"moh_router {self.name!r} needs per-head query-norm statistics (head_norm_stats)")
@@ -222,8 +242,10 @@ class CalibratedRouter(MoHRouter):
         """The statistics: present, (layers × heads), finite and > 0."""
         mean, std = getattr(config, "moh_head_norm_mean", None), getattr(config, "moh_head_norm_std", None)
         if mean is None or std is None:
-            return [f"moh_router {cls.name!r} needs moh_head_norm_mean and moh_head_norm_std (per layer, per head "
-                    "query-norm statistics, measured by mhmoe-convert --calibration_file)"]  # fmt: skip
+            return [
+                f"moh_router {cls.name!r} needs moh_head_norm_mean and moh_head_norm_std (per layer, per head "
+                "query-norm statistics, measured by mhmoe-convert --calibration_file)"
+            ]
         shape = (getattr(config, "num_hidden_layers", None), config.num_attention_heads)
         for name, rows in (("moh_head_norm_mean", mean), ("moh_head_norm_std", std)):
             if len(rows) != shape[0] or any(len(row) != shape[1] for row in rows):
@@ -266,5 +288,13 @@ class L2RelativeRouter(CalibratedRouter):
         return norms / mean
 
 
-__all__ = ["HEAD_ROUTERS", "L2_STD_MIN", "MoHRouter", "head_router", "l2_scores", "routed_gates", "straight_through",
-           "topk_mask"]  # fmt: skip
+__all__ = [
+    "HEAD_ROUTERS",
+    "L2_STD_MIN",
+    "MoHRouter",
+    "head_router",
+    "l2_scores",
+    "routed_gates",
+    "straight_through",
+    "topk_mask",
+]

@@ -102,8 +102,9 @@ class MoHAttentionMixin:
     """Put before a Llama-style attention class (Llama, Mistral, Qwen2) to route its heads; plain attention when the
     module has no head router."""
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
-                **kwargs):  # fmt: skip
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None, **kwargs
+    ):
         cache = either_cache(cache, past_key_values)  # the model passes `past_key_values` before Transformers 5.24
         if getattr(self, "head_router", None) is None:
             return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)

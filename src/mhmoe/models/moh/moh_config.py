@@ -25,12 +25,16 @@ def moh_config_problems(config) -> list[str]:
         problems.append(f"moh_aux_loss_coef must be a finite number >= 0, got {config.moh_aux_loss_coef}")
     straight = config.moh_straight_through
     if not any(straight is value or (isinstance(value, str) and straight == value) for value in MOH_STRAIGHT_THROUGH):
-        problems.append(f"moh_straight_through must be False, True or 'scores' (the paper's eq. 9-10), got {straight!r}")
+        problems.append(
+            f"moh_straight_through must be False, True or 'scores' (the paper's eq. 9-10), got {straight!r}"
+        )
     elif straight == "scores" and router is not None and not router.score_straight_through:
         able = [name for name, cls in HEAD_ROUTERS.items() if cls.score_straight_through]
         names = ", ".join(repr(name) for name in able[:-1]) + f" or {able[-1]!r}"
-        problems.append(f"moh_straight_through='scores' (eq. 9-10 on a parameter-free router's softmax scores) needs "
-                        f"moh_router {names}; use True with the {config.moh_router} router")  # fmt: skip
+        problems.append(
+            f"moh_straight_through='scores' (eq. 9-10 on a parameter-free router's softmax scores) needs "
+            f"moh_router {names}; use True with the {config.moh_router} router"
+        )
     if (shared is None) != (active is None):
         problems.append(
             f"moh_shared_heads and moh_active_heads must be set together (both None = plain multi-head attention), "

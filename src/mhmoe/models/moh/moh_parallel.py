@@ -19,7 +19,6 @@ Shape legend: B batch, T tokens, H heads, h = H / tp heads on this rank. Runs on
 import torch
 import torch.distributed as dist
 
-
 try:  # Transformers' tensor-parallel styles (5.x); without them the model works, only this TP style is missing
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
     from transformers.distributed.tensor_parallel import TensorParallelLayer

@@ -94,6 +94,9 @@ class MoHLlamaForCausalLM(MoHLlamaPreTrainedModel, LlamaForCausalLM, GenerationM
 
 
 __all__ = [
-    "MoHCausalLMOutputWithPast", "MoHLlamaAttention", "MoHLlamaForCausalLM", "MoHLlamaModel",
+    "MoHCausalLMOutputWithPast",
+    "MoHLlamaAttention",
+    "MoHLlamaForCausalLM",
+    "MoHLlamaModel",
     "MoHLlamaPreTrainedModel",
-]  # fmt: skip
+]

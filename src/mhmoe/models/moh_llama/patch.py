@@ -15,12 +15,12 @@ from safetensors import safe_open
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from transformers.models.mistral.modeling_mistral import MistralAttention, MistralForCausalLM, MistralModel
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCausalLM, Qwen2Model
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from transformers.utils.output_capturing import (
     _CAN_RECORD_REGISTRY,
     OutputRecorder,
     install_output_capuring_hook,
 )
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from ..causal_lm import causal_lm_forward
 from ..moh.head_routers import MoHRouter

@@ -92,8 +92,11 @@ def _run(op: str, tensor: torch.Tensor, requested: str | None, *args, **kwargs):
     try:
         return implementation(*args, **kwargs)
     except Exception as error:  # a default choice must not stop training: say so once, record it, run the reference
-        record_fallback(op, error, f"; no kernel is chosen by default from now on (set {ROUTING_BACKEND_ENV}=triton "
-                                   "to see the error raised)")  # fmt: skip
+        record_fallback(
+            op,
+            error,
+            f"; no kernel is chosen by default from now on (set {ROUTING_BACKEND_ENV}=triton to see the error raised)",
+        )
         return IMPLEMENTATIONS[op][DEFAULT.get(op, "naive")](*args, **kwargs)
 
 
@@ -174,8 +177,9 @@ def experts(
         if not is_silu(act_fn):
             raise ValueError(f"the triton experts implement SiLU experts only, got {type(act_fn).__name__}")
         return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, order, offsets)
-    return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets,
-                          may_drop)
+    return implementation(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, may_drop
+    )
 
 
 def record_fallback(op: str, error: BaseException, note: str = "") -> bool:
@@ -201,4 +205,3 @@ def reset_fallbacks() -> None:
     """Forget recorded failures (tests; a harness between runs): kernels are chosen by default again."""
     with _LOCK:
         _FALLBACKS.clear()
-

@@ -14,6 +14,7 @@ import torch
 
 from .grouped_gemm import autocast_dtype, grouped_mm, traced_grouped_mm
 
+
 class BufferPool:
     """Large CPU buffers of the expert computation, kept from one step to the next.
 
@@ -335,9 +336,9 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-
-def _traced_experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos,
-                            dropped):  # fmt: skip
+def _traced_experts_forward(
+    hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped
+):
     """The computation of `_experts_forward` from differentiable ops, for torch.compile / torch.export.
 
     Rows past offsets[-1] (dropped assignments) come out of the grouped GEMMs undefined: the gathered input rows are

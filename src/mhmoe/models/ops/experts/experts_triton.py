@@ -35,7 +35,6 @@ forward is 1.41x Mixtral's against 1.48x on torch's grouped GEMM, but forward+ba
 Imports without triton (exported checkpoints): the kernels are then plain functions, never launched.
 """
 
-
 import torch
 
 from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
@@ -65,11 +64,26 @@ def _tile_rows(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.cons
 
 @_jit
 def _gate_up_kernel(
-    x_ptr, order_ptr, offsets_ptr, w_ptr, h_ptr, num_experts, width, inter, top_k,
-    stride_x, stride_we, stride_wo, stride_wi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    order_ptr,
+    offsets_ptr,
+    w_ptr,
+    h_ptr,
+    num_experts,
+    width,
+    inter,
+    top_k,
+    stride_x,
+    stride_we,
+    stride_wo,
+    stride_wi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """h[rows, cols] = silu(x[src] @ gate[e]ᵀ) · (x[src] @ up[e]ᵀ) for one tile of rows and BLOCK_N inner columns."""
     expert, rows, row_ok, valid = _tile_rows(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,8 +95,9 @@ def _gate_up_kernel(
     for k0 in range(0, tl.where(valid, width, 0), BLOCK_K):  # no loop at all in a tile without rows
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < width
-        a = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
+        a = tl.load(
+            x_ptr + src[:, None].to(tl.int64) * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
         w_mask = k_ok[:, None] & col_ok[None, :]
         gate = tl.load(w_base + cols[None, :] * stride_wo + ks[:, None] * stride_wi, mask=w_mask, other=0.0)
         up = tl.load(w_base + (inter + cols[None, :]) * stride_wo + ks[:, None] * stride_wi, mask=w_mask, other=0.0)
@@ -91,17 +106,33 @@ def _gate_up_kernel(
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
     hidden = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], hidden.to(h_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+    tl.store(
+        h_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :],
+        hidden.to(h_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @_jit
 def _down_scatter_kernel(
-    h_ptr, order_ptr, offsets_ptr, w_ptr, slots_ptr, num_experts, width, inter,
-    stride_we, stride_wo, stride_wi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    order_ptr,
+    offsets_ptr,
+    w_ptr,
+    slots_ptr,
+    num_experts,
+    width,
+    inter,
+    stride_we,
+    stride_wo,
+    stride_wi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """slots[order[rows], cols] = (h[rows] @ down[e]ᵀ)[:, cols]: each assignment's expert output, in its own slot."""
     expert, rows, row_ok, valid = _tile_rows(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,10 +142,14 @@ def _down_scatter_kernel(
     for k0 in range(0, tl.where(valid, inter, 0), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
-        w = tl.load(w_base + cols[None, :] * stride_wo + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)  # fmt: skip
+        a = tl.load(
+            h_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(
+            w_base + cols[None, :] * stride_wo + ks[:, None] * stride_wi,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
@@ -125,11 +160,24 @@ def _down_scatter_kernel(
 
 @_jit
 def _grouped_gemm_kernel(
-    a_ptr, offsets_ptr, b_ptr, c_ptr, num_experts, inner, cols_total,
-    stride_am, stride_be, stride_bk, stride_bn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    offsets_ptr,
+    b_ptr,
+    c_ptr,
+    num_experts,
+    inner,
+    cols_total,
+    stride_am,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """c[rows] = a[rows] @ b[e] for one tile of expert-sorted rows; b[e] is read through strides (transposes free)."""
     expert, rows, row_ok, valid = _tile_rows(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,23 +187,44 @@ def _grouped_gemm_kernel(
     for k0 in range(0, tl.where(valid, inner, 0), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inner
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)  # fmt: skip
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    tl.store(c_ptr + rows[:, None].to(tl.int64) * cols_total + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+    tl.store(
+        c_ptr + rows[:, None].to(tl.int64) * cols_total + cols[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 @_jit
 def _weight_grad_kernel(
-    g_ptr, a_ptr, offsets_ptr, out_ptr, num_experts, num_splits, g_cols, a_cols, stride_gm, stride_am,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    g_ptr,
+    a_ptr,
+    offsets_ptr,
+    out_ptr,
+    num_experts,
+    num_splits,
+    g_cols,
+    a_cols,
+    stride_gm,
+    stride_am,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """out[split, e] (G, A) = Σ over chunk `split` of expert e's sorted rows of g[row]ᵀ a[row]: a (BLOCK_M, BLOCK_N)
     output tile per program, BLOCK_K rows per step; the expert's rows are cut into `num_splits` chunks of whole
     BLOCK_K steps (empty chunks, and experts without rows, give 0)."""
@@ -173,10 +242,16 @@ def _weight_grad_kernel(
     for r0 in range(start, stop, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         ok = rows < stop
-        g = tl.load(g_ptr + rows[None, :].to(tl.int64) * stride_gm + g_idx[:, None],
-                    mask=ok[None, :] & (g_idx < g_cols)[:, None], other=0.0)  # fmt: skip
-        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + a_idx[None, :],
-                    mask=ok[:, None] & (a_idx < a_cols)[None, :], other=0.0)  # fmt: skip
+        g = tl.load(
+            g_ptr + rows[None, :].to(tl.int64) * stride_gm + g_idx[:, None],
+            mask=ok[None, :] & (g_idx < g_cols)[:, None],
+            other=0.0,
+        )
+        a = tl.load(
+            a_ptr + rows[:, None].to(tl.int64) * stride_am + a_idx[None, :],
+            mask=ok[:, None] & (a_idx < a_cols)[None, :],
+            other=0.0,
+        )
         if UPCAST:
             g, a = g.to(tl.float32), a.to(tl.float32)
         acc = tl.dot(g, a, acc, input_precision=PRECISION)
@@ -196,11 +271,18 @@ def _configs() -> list:
     if interpreting():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-        (64, 64, 32, 4, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 4), (128, 128, 32, 8, 3),
-        (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (32, 64, 32, 4, 4),
-    ]  # fmt: skip
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-            for m, n, k, w, st in tiles]  # fmt: skip
+        (64, 64, 32, 4, 3),
+        (64, 128, 32, 4, 4),
+        (128, 64, 32, 4, 4),
+        (128, 128, 32, 8, 3),
+        (64, 128, 64, 4, 3),
+        (128, 128, 64, 8, 3),
+        (32, 64, 32, 4, 4),
+    ]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+        for m, n, k, w, st in tiles
+    ]
 
 
 SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined operand tiles a config may ask for (A100: 164 KiB, H100: 227)
@@ -272,9 +354,22 @@ class _Plan:
         inner, cols = b.shape[1:]
         out = torch.zeros(a.shape[0], cols, dtype=torch.float32, device=a.device)
         if a.shape[0]:
-            _launch(_grouped_gemm_kernel, _grouped_gemm_tuned, self.blocks, self.grid(a.shape[0], cols), a,
-                    self.offsets, b, out, self.num_experts, inner, cols, a.stride(0), *b.stride(),
-                    BLOCK_E=self.block_e)  # fmt: skip
+            _launch(
+                _grouped_gemm_kernel,
+                _grouped_gemm_tuned,
+                self.blocks,
+                self.grid(a.shape[0], cols),
+                a,
+                self.offsets,
+                b,
+                out,
+                self.num_experts,
+                inner,
+                cols,
+                a.stride(0),
+                *b.stride(),
+                BLOCK_E=self.block_e,
+            )
         return out
 
     def weight_grad(self, g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -286,15 +381,35 @@ class _Plan:
         def grid(meta):
             return num_experts * splits, triton.cdiv(g_cols, meta["BLOCK_M"]), triton.cdiv(a_cols, meta["BLOCK_N"])
 
-        _launch(_weight_grad_kernel, _weight_grad_tuned, self.blocks, grid, g, a, self.offsets, out, num_experts,
-                splits, g_cols, a_cols, g.stride(0), a.stride(0))  # fmt: skip
+        _launch(
+            _weight_grad_kernel,
+            _weight_grad_tuned,
+            self.blocks,
+            grid,
+            g,
+            a,
+            self.offsets,
+            out,
+            num_experts,
+            splits,
+            g_cols,
+            a_cols,
+            g.stride(0),
+            a.stride(0),
+        )
         return out[0] if splits == 1 else out.sum(0)  # the chunks' partial sums, in a fixed order
 
 
 def _experts_op(
-    hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, order: torch.Tensor,
-    offsets: torch.Tensor, top_k: int, blocks: list[int], num_splits: int,
-) -> torch.Tensor:  # fmt: skip
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor,
+    top_k: int,
+    blocks: list[int],
+    num_splits: int,
+) -> torch.Tensor:
     """slots (N·K, W) fp32 = each assignment's unweighted expert output (0 for dropped ones): the fused kernels."""
     plan = _Plan(order, offsets, gate_up_proj.shape[0], blocks, num_splits)
     width, inter = hidden_states.shape[1], down_proj.shape[-1]
@@ -302,19 +417,54 @@ def _experts_op(
     hidden = torch.empty(order.numel(), inter, dtype=x.dtype, device=x.device)  # (S, I) act(gate)·up, sorted
     slots = torch.zeros(order.numel(), width, dtype=torch.float32, device=x.device)  # (N·K, W)
     if order.numel():
-        _launch(_gate_up_kernel, _gate_up_tuned, plan.blocks, plan.grid(order.numel(), inter), x, order, offsets,
-                gate_up_proj, hidden, plan.num_experts, width, inter, top_k, x.stride(0), *gate_up_proj.stride(),
-                BLOCK_E=plan.block_e)  # fmt: skip
-        _launch(_down_scatter_kernel, _down_scatter_tuned, plan.blocks, plan.grid(order.numel(), width), hidden, order,
-                offsets, down_proj, slots, plan.num_experts, width, inter, *down_proj.stride(),
-                BLOCK_E=plan.block_e)  # fmt: skip
+        _launch(
+            _gate_up_kernel,
+            _gate_up_tuned,
+            plan.blocks,
+            plan.grid(order.numel(), inter),
+            x,
+            order,
+            offsets,
+            gate_up_proj,
+            hidden,
+            plan.num_experts,
+            width,
+            inter,
+            top_k,
+            x.stride(0),
+            *gate_up_proj.stride(),
+            BLOCK_E=plan.block_e,
+        )
+        _launch(
+            _down_scatter_kernel,
+            _down_scatter_tuned,
+            plan.blocks,
+            plan.grid(order.numel(), width),
+            hidden,
+            order,
+            offsets,
+            down_proj,
+            slots,
+            plan.num_experts,
+            width,
+            inter,
+            *down_proj.stride(),
+            BLOCK_E=plan.block_e,
+        )
     return slots
 
 
 def _experts_backward_op(
-    grad_slots: torch.Tensor, hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-    order: torch.Tensor, offsets: torch.Tensor, top_k: int, blocks: list[int], num_splits: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    grad_slots: torch.Tensor,
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor,
+    top_k: int,
+    blocks: list[int],
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the rows, gate_up_proj and down_proj: gate/up recomputed with a grouped GEMM; grouped GEMMs and
     the split-K weight gradients as kernels; the SiLU derivative and the gathers in PyTorch."""
     plan = _Plan(order, offsets, gate_up_proj.shape[0], blocks, num_splits)
@@ -349,8 +499,11 @@ def _register_ops() -> None:
 
     @backward.register_fake
     def _(grad_slots, hidden_states, gate_up_proj, down_proj, order, offsets, top_k, blocks, num_splits):
-        return (hidden_states.new_empty(hidden_states.shape), gate_up_proj.new_empty(gate_up_proj.shape),
-                down_proj.new_empty(down_proj.shape))  # contiguous, as the kernels' gradients
+        return (
+            hidden_states.new_empty(hidden_states.shape),
+            gate_up_proj.new_empty(gate_up_proj.shape),
+            down_proj.new_empty(down_proj.shape),
+        )  # contiguous, as the kernels' gradients
 
     def setup_context(ctx, inputs, output):
         hidden_states, gate_up_proj, down_proj, order, offsets, top_k, blocks, num_splits = inputs
@@ -395,9 +548,9 @@ def experts_forward(
         raise ValueError(f"give block_m, block_n and block_k together (or none: autotuned), got {pinned}")
     num_rows, top_k = top_k_index.shape
     blocks = [] if block_m is None else pinned
-    slots = torch.ops.mhmoe.triton_experts(hidden_states, gate_up_proj, down_proj, order, offsets, top_k, blocks,
-                                           num_splits or 0)  # fmt: skip
+    slots = torch.ops.mhmoe.triton_experts(
+        hidden_states, gate_up_proj, down_proj, order, offsets, top_k, blocks, num_splits or 0
+    )
     slots = slots.view(num_rows, top_k, -1)  # (N, K, W) fp32
     out = torch.bmm(top_k_weights.float().unsqueeze(1), slots).squeeze(1)  # (N, W): Σ_k weight·slot
     return out.to(hidden_states.dtype)
-

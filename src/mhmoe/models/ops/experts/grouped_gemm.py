@@ -142,7 +142,6 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-
 def traced_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """`grouped_mm` for traced graphs: torch's kernel where its fake kernel traces (bf16), else the opaque
     `mhmoe::grouped_mm` op (the same eager code, seen by the compiler as one call with static shapes)."""
@@ -150,7 +149,6 @@ def traced_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -
     if TORCH_GROUPED_MM is not None and b.dtype == torch.bfloat16 and (not b.is_cuda or kernel_accepts(b)):
         return TORCH_GROUPED_MM(a, b, offs=offsets)
     return torch.ops.mhmoe.grouped_mm(a, b, offsets)
-
 
 
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

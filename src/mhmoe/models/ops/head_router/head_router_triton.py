@@ -8,29 +8,45 @@ Shape legend as in head_router_naive.py; BLOCK_* are powers of two (R, hd, K pad
 Imports without triton (exported checkpoints): the kernel is then a plain function, never launched.
 """
 
-
 import torch
-
-from .head_router_naive import L2_STD_MIN, l2_head_gates
 
 from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
 from ..triton_compat import jit as _jit
+from .head_router_naive import L2_STD_MIN, l2_head_gates
 
 
 @_jit
 def _l2_head_gates_kernel(
-    q_ptr, gates_ptr, logits_ptr, index_ptr, num_rows, stride_row, stride_head, shared, routed, head_dim, std_min,
-    ACTIVE: tl.constexpr, STRAIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    gates_ptr,
+    logits_ptr,
+    index_ptr,
+    num_rows,
+    stride_row,
+    stride_head,
+    shared,
+    routed,
+    head_dim,
+    std_min,
+    ACTIVE: tl.constexpr,
+    STRAIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     heads = tl.arange(0, BLOCK_R)
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < num_rows
     head_ok = heads < routed
-    offs = (rows[:, None, None].to(tl.int64) * stride_row + (shared + heads)[None, :, None] * stride_head
-            + dims[None, None, :])  # fmt: skip
+    offs = (
+        rows[:, None, None].to(tl.int64) * stride_row
+        + (shared + heads)[None, :, None] * stride_head
+        + dims[None, None, :]
+    )
     mask = row_ok[:, None, None] & head_ok[None, :, None] & (dims < head_dim)[None, None, :]
     q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_R, BLOCK_D)
     norms = tl.sqrt(tl.sum(q * q, axis=2))  # (BLOCK_M, BLOCK_R)
@@ -73,8 +89,11 @@ def _l2_head_gates_kernel(
     shared_cols = tl.arange(0, BLOCK_S)
     ones = tl.full((BLOCK_M, BLOCK_S), 1.0, tl.float32)
     tl.store(gates_ptr + gate_rows + shared_cols[None, :], ones, mask=row_ok[:, None] & (shared_cols < shared)[None, :])
-    tl.store(index_ptr + rows[:, None].to(tl.int64) * ACTIVE + kcols[None, :], index.to(tl.int64),
-             mask=row_ok[:, None] & (kcols < ACTIVE)[None, :])  # fmt: skip
+    tl.store(
+        index_ptr + rows[:, None].to(tl.int64) * ACTIVE + kcols[None, :],
+        index.to(tl.int64),
+        mask=row_ok[:, None] & (kcols < ACTIVE)[None, :],
+    )
 
 
 def _next_power_of_2(n: int) -> int:
@@ -95,10 +114,25 @@ def _launch(queries, shared_heads, active_heads, straight_through, block_rows):
         block_rows = max(1, budget // (block_r * block_d))
     if num_rows:
         _l2_head_gates_kernel[(-(-num_rows // block_rows),)](
-            queries, gates, logits, index, num_rows, queries.stride(0), queries.stride(1), shared_heads, routed,
-            head_dim, L2_STD_MIN, ACTIVE=active_heads, STRAIGHT=straight_through, BLOCK_M=block_rows, BLOCK_R=block_r,
-            BLOCK_D=block_d, BLOCK_K=_next_power_of_2(active_heads), BLOCK_S=_next_power_of_2(max(shared_heads, 1)),
-        )  # fmt: skip
+            queries,
+            gates,
+            logits,
+            index,
+            num_rows,
+            queries.stride(0),
+            queries.stride(1),
+            shared_heads,
+            routed,
+            head_dim,
+            L2_STD_MIN,
+            ACTIVE=active_heads,
+            STRAIGHT=straight_through,
+            BLOCK_M=block_rows,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            BLOCK_K=_next_power_of_2(active_heads),
+            BLOCK_S=_next_power_of_2(max(shared_heads, 1)),
+        )
     return gates, logits, index
 
 
@@ -136,6 +170,8 @@ def l2_head_gates_triton(
         raise ValueError("the triton head-router kernel runs on CUDA tensors (or under TRITON_INTERPRET=1)")
     num_heads = queries.shape[1]
     if not 0 <= shared_heads < num_heads or not 1 <= active_heads <= num_heads - shared_heads:
-        raise ValueError(f"need 0 <= shared_heads < heads and 1 <= active_heads <= routed heads, got shared_heads="
-                         f"{shared_heads}, active_heads={active_heads} of {num_heads} heads")  # fmt: skip
+        raise ValueError(
+            f"need 0 <= shared_heads < heads and 1 <= active_heads <= routed heads, got shared_heads="
+            f"{shared_heads}, active_heads={active_heads} of {num_heads} heads"
+        )
     return _L2HeadGates.apply(queries, shared_heads, active_heads, straight_through, block_rows)

@@ -30,7 +30,9 @@ def route(
     if renormalises(norm_topk_prob, top_k):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if capacity_factor is not None:
-        kept = within_capacity(experts, num_experts, expert_capacity(capacity_factor, num_rows, top_k, num_experts, capacity_rounding))
+        kept = within_capacity(
+            experts, num_experts, expert_capacity(capacity_factor, num_rows, top_k, num_experts, capacity_rounding)
+        )
         experts = torch.where(kept, experts, num_experts)
         weights = weights * kept
     return weights, experts

@@ -18,21 +18,29 @@ This file must import without triton (exported checkpoints load on torch + trans
 plain functions that are never launched, and `HAS_TRITON` is False.
 """
 
-
 import torch
-
-from .routing_naive import expert_capacity, renormalises
 
 from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
 from ..triton_compat import jit as _jit
+from .routing_naive import expert_capacity, renormalises
+
 MAX_TOP_K = 8
 
 
 @_jit
 def _softmax_topk_kernel(
-    logits_ptr, weights_ptr, experts_ptr, num_rows, num_experts, stride_row,
-    TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    weights_ptr,
+    experts_ptr,
+    num_rows,
+    num_experts,
+    stride_row,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """BLOCK_N rows per program: (BLOCK_N, BLOCK_E) logits -> fp32 softmax -> K rounds of (max, lowest id at the max)
     -> weights (N, K) fp32 (renormalised when RENORM) and experts (N, K) int64, in descending order.
 
@@ -84,9 +92,16 @@ def _block_histogram_kernel(ids_ptr, counts_ptr, num_ids, num_bins, BLOCK: tl.co
 
 @_jit
 def _stable_scatter_kernel(
-    ids_ptr, base_ptr, pos_ptr, order_ptr, num_ids, num_bins,
-    WRITE_ORDER: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
+    ids_ptr,
+    base_ptr,
+    pos_ptr,
+    order_ptr,
+    num_ids,
+    num_bins,
+    WRITE_ORDER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """pos[i] = base[program, ids[i]] + (equal ids before i in the block); order[pos[i]] = i when WRITE_ORDER."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -100,7 +115,6 @@ def _stable_scatter_kernel(
     tl.store(pos_ptr + offs, pos, mask=valid)
     if WRITE_ORDER:
         tl.store(order_ptr + pos, offs, mask=valid)
-
 
 
 def _next_power_of_2(n: int) -> int:
@@ -142,9 +156,16 @@ def counting_sort(
     bin_starts = torch.cumsum(bin_counts, 0) - bin_counts  # (B,) exclusive scan over bins
     base = bin_starts + (torch.cumsum(counts, 0, dtype=torch.int64) - counts)  # (programs, B), then over programs
     _stable_scatter_kernel[(num_blocks,)](
-        ids, base, pos, order if write_order else pos, num_ids, num_bins,
-        WRITE_ORDER=write_order, BLOCK=block, BLOCK_B=block_b,
-    )  # fmt: skip
+        ids,
+        base,
+        pos,
+        order if write_order else pos,
+        num_ids,
+        num_bins,
+        WRITE_ORDER=write_order,
+        BLOCK=block,
+        BLOCK_B=block_b,
+    )
     return pos, order, bin_counts
 
 
@@ -156,8 +177,10 @@ def softmax_topk(
     _check(router_logits)
     num_rows, num_experts = router_logits.shape
     if not 1 <= top_k <= min(MAX_TOP_K, num_experts):
-        raise ValueError(f"the triton routing kernel takes 1 <= top_k <= min({MAX_TOP_K}, num_experts), got top_k="
-                         f"{top_k} with {num_experts} experts; use the torch backend")  # fmt: skip
+        raise ValueError(
+            f"the triton routing kernel takes 1 <= top_k <= min({MAX_TOP_K}, num_experts), got top_k="
+            f"{top_k} with {num_experts} experts; use the torch backend"
+        )
     return _SoftmaxTopK.apply(router_logits, top_k, renormalise, block_rows)
 
 
@@ -171,9 +194,18 @@ def _softmax_topk_forward(logits, top_k, renormalise, block_rows):
         block_rows = max(1, (2**14 if interpreting() else 2**11) // block_e)
     if num_rows:
         _softmax_topk_kernel[(-(-num_rows // block_rows),)](
-            logits, weights, experts, num_rows, num_experts, logits.stride(0),
-            TOP_K=top_k, RENORM=renormalise, BLOCK_K=_next_power_of_2(top_k), BLOCK_N=block_rows, BLOCK_E=block_e,
-        )  # fmt: skip
+            logits,
+            weights,
+            experts,
+            num_rows,
+            num_experts,
+            logits.stride(0),
+            TOP_K=top_k,
+            RENORM=renormalise,
+            BLOCK_K=_next_power_of_2(top_k),
+            BLOCK_N=block_rows,
+            BLOCK_E=block_e,
+        )
     return weights, experts
 
 
