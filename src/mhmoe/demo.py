@@ -94,8 +94,8 @@ def train_model(args, data_dir: Path, out: Path):
 
 def reload_and_check(model_dir: Path, trained, val_blocks: torch.Tensor):
     """Reload through the Auto classes; the reloaded model must give the trained model's logits."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=False).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     with torch.no_grad():
         diff = (model(val_blocks[:2]).logits - trained.eval()(val_blocks[:2]).logits).abs().max().item()
     if diff > 1e-5:

@@ -133,7 +133,8 @@ def test_nan_source_weights_are_named(tmp_path, capsys):
 
 
 def _plant(source: Path, outside: Path) -> None:
-    """Code, an auto_map naming it, links out of and inside the folder, extra files and chat templates."""
+    """Code, an auto_map naming it, a link inside the folder, extra files and chat templates (a link out of the folder
+    is refused whole: tests/hub/test_trust.py)."""
     marker = outside / "PLANTED_CODE_RAN"
     (source / "evil_tokenizer.py").write_text(
         f"open({str(marker)!r}, 'w').close()\nfrom transformers import PreTrainedTokenizerFast\n"
@@ -142,8 +143,6 @@ def _plant(source: Path, outside: Path) -> None:
     config = json.loads((source / "tokenizer_config.json").read_text())
     config["auto_map"] = {"AutoTokenizer": [None, "evil_tokenizer.EvilTokenizer"]}
     (source / "tokenizer_config.json").write_text(json.dumps(config))
-    (outside / "secret.txt").write_text("private key")
-    os.symlink(outside / "secret.txt", source / "vocab.txt")  # a tokenizer file name, linking out of the folder
     (source / "extra").mkdir()
     (source / "extra" / "merges_real.txt").write_text("#version: 0.2\n")
     os.symlink("extra/merges_real.txt", source / "merges.txt")  # a link that stays inside: copied as a file
@@ -155,8 +154,8 @@ def _plant(source: Path, outside: Path) -> None:
 
 
 def test_only_checkpoint_files_are_copied(tmp_path, tokenizer_dir, capsys):
-    """Weights, config, generation config, tokenizer and chat templates; never code (nor an auto_map naming it), never
-    the target of a link out of the folder, nothing else; the notes say what was left."""
+    """Weights, config, generation config, tokenizer and chat templates; never code (nor an auto_map naming it), nothing
+    else; the notes say what was left."""
     from transformers import AutoTokenizer
 
     from mhmoe import MoHLlamaConfig
@@ -186,7 +185,6 @@ def test_only_checkpoint_files_are_copied(tmp_path, tokenizer_dir, capsys):
     assert not any(p.is_symlink() for p in out.rglob("*"))
     assert (out / "merges.txt").read_text() == "#version: 0.2\n"
     assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
-    assert "not copied, symbolic links out of the folder: vocab.txt" in printed
     assert "evil_tokenizer.py" in printed and "run.sh" in printed and "dropped auto_map" in printed
 
     AutoTokenizer.from_pretrained(out, trust_remote_code=True)  # the output's own code only

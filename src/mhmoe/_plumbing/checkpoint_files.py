@@ -342,26 +342,14 @@ SIDE_FOLDERS = {"additional_chat_templates": ".jinja"}  # folder: the suffix of 
 _CODE_KEYS = ("auto_map",)  # tokenizer_config.json keys that make Transformers import code named by the folder
 
 
-def _inside(path: str, folder: str) -> bool:
-    return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
-
-
-def _allowed_link(path: str, input_dir: str) -> bool:
-    """A symbolic link that stays in the folder, or a Hugging Face cache snapshot's link into its repo's blobs/."""
-    if _inside(path, input_dir):
-        return True
-    snapshot = os.path.abspath(input_dir)
-    snapshots = os.path.dirname(snapshot)
-    return os.path.basename(snapshots) == "snapshots" and _inside(
-        path, os.path.join(os.path.dirname(snapshots), "blobs")
-    )
-
-
 def side_files(input_dir: str) -> tuple[list[str], list[str]]:
     """(relative paths of the files to copy beside the weights, notes on what was not copied and why).
 
     Only `SIDE_FILES` and the chat templates of `SIDE_FOLDERS`, as regular files (a symbolic link only when it stays in
-    the folder, or points into a Hugging Face cache's blobs/). Never code (`*.py`) or anything else."""
+    the folder, or points into a Hugging Face cache's blobs/: `trust.link_allowed`). Never code (`*.py`) or anything
+    else."""
+    from .trust import link_allowed
+
     copy, links, other = [], [], []
     for name in sorted(os.listdir(input_dir)):
         path = os.path.join(input_dir, name)
@@ -378,7 +366,7 @@ def side_files(input_dir: str) -> tuple[list[str], list[str]]:
             other.append(name + ("/" if os.path.isdir(path) else ""))
         for relative in candidates:
             full = os.path.join(input_dir, relative)
-            if os.path.islink(full) and not _allowed_link(full, input_dir):
+            if os.path.islink(full) and not link_allowed(full, input_dir):
                 links.append(relative)
             elif os.path.isfile(full):
                 copy.append(relative)

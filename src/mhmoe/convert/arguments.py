@@ -87,6 +87,14 @@ class ConvertArguments:
     calibration_tokens: int = field(
         default=CALIBRATION_TOKENS, metadata={"help": "Tokens of calibration text used (blocks of 256)."}
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Let Transformers run the Python code the source's tokenizer names in its auto_map (for "
+            "calibration and the logit check; only for folders you trust). Off: such a tokenizer is "
+            "refused. The code is never copied into the output."
+        },
+    )
     distill: bool = field(
         default=False,
         metadata={
@@ -115,6 +123,7 @@ class ConvertArguments:
             recipe=head_recipe(self.recipe, self.shared_heads, self.moh_router),
             calibration_file=self.calibration_file,
             calibration_tokens=self.calibration_tokens,
+            trust_remote_code=self.trust_remote_code,
         )
 
 
@@ -124,6 +133,7 @@ _NOT_CONTINUE_TUNING = (
     "overwrite_output_dir",
     "config_overrides",
     "tokenizer_vocab_size",
+    "trust_remote_code",
 )
 
 

@@ -208,19 +208,33 @@ def resolve_auto(plan) -> HeadRecipe:
     return RECIPES["paper"]
 
 
-def _load_source(source_dir: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_source(source_dir: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    from ..hub.trust import load_tokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source_dir)
+        tokenizer = load_tokenizer(
+            source_dir,
+            ConversionError,
+            trust_remote_code,
+            what="tokenizer (calibration needs it; --recipe paper does not)",
+        )
     except (OSError, ValueError, TypeError, KeyError) as e:
+        if isinstance(e, ConversionError):
+            raise
         raise ConversionError(f"calibration needs the source's tokenizer in {source_dir}: {type(e).__name__}") from None
-    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype="auto").eval()  # the checkpoint dtype
+    # the checkpoint dtype; a LLaMA-family model: Transformers' own classes, never the folder's code
+    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype="auto", trust_remote_code=False).eval()
     return model, tokenizer
 
 
 def choose_heads(
-    plan, recipe: HeadRecipe, calibration_file: str | None = None, calibration_tokens: int = CALIBRATION_TOKENS
+    plan,
+    recipe: HeadRecipe,
+    calibration_file: str | None = None,
+    calibration_tokens: int = CALIBRATION_TOKENS,
+    trust_remote_code: bool = False,
 ) -> HeadChoices:
     """Measure the source of `plan` on calibration text (unless the recipe needs none), choose every layer's shared
     heads and set the recipe's router (and its statistics, in the permuted head order) on `plan.config`."""
@@ -235,7 +249,7 @@ def choose_heads(
     if calibration_tokens < 2:
         raise ConversionError(f"--calibration_tokens must be >= 2, got {calibration_tokens}")
     text, label = read_calibration(calibration_file)
-    model, tokenizer = _load_source(plan.input_dir)
+    model, tokenizer = _load_source(plan.input_dir, trust_remote_code)
     blocks = calibration_blocks(tokenizer, text, calibration_tokens, CALIBRATION_BLOCK)
     if int(blocks.max()) >= config.vocab_size:
         raise ConversionError("the source's tokenizer gives token ids beyond the model's vocabulary")

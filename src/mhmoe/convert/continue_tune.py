@@ -98,7 +98,9 @@ def _distilled_model(args: ConvertArguments, train_args):
     from .distill import Distillation
 
     distillation = Distillation(args.distill_temperature, args.distill_weight)
-    model = MoHLlamaForCausalLM.from_pretrained(train_args.model_name_or_path, dtype=torch.float32)
+    model = MoHLlamaForCausalLM.from_pretrained(
+        train_args.model_name_or_path, dtype=torch.float32, trust_remote_code=False
+    )
     distillation.attach(model)
     return model, distillation
 

@@ -180,7 +180,7 @@ def _add_remote_code(temporary: str, output_dir: str) -> None:
     from ..hub.remote_code import write_remote_code
     from ..models.moh_llama import MoHLlamaConfig
 
-    config = MoHLlamaConfig.from_pretrained(temporary)
+    config = MoHLlamaConfig.from_pretrained(temporary, trust_remote_code=False)
     write_remote_code(temporary, config, repo=os.path.basename(os.path.abspath(output_dir)))
 
 
@@ -285,6 +285,7 @@ def convert(
     calibration_tokens: int = CALIBRATION_TOKENS,
     source_name: str | None = None,
     source_notes: list[str] | None = None,
+    trust_remote_code: bool = False,
 ) -> ConversionReport:
     """Convert `input_dir` (llama / mistral / qwen2, safetensors; or `gguf_file` inside it) into a moh_llama
     checkpoint at `output_dir`.
@@ -295,7 +296,8 @@ def convert(
     docstring. `verify_logits=False` skips loading the models (names, dtypes and shapes are still checked).
     `source_name`: the source as moh_conversion.json and the card name it (default `input_dir`'s folder name or Hub
     repo id; never a local path). `source_notes`: how the source was read (GGUF dequantisation), first among the
-    report's and moh_conversion.json's notes.
+    report's and moh_conversion.json's notes. `trust_remote_code`: let Transformers run the code the source's tokenizer
+    names (calibration, the logit check); the model's code is always Transformers' own and no code is copied.
     """
     start = time.time()
     check_paths(input_dir, output_dir)
@@ -319,7 +321,7 @@ def convert(
     plan.notes[:0] = source_notes or []
     _check_disk_space(plan, output_dir)
     calibration_start = time.time()
-    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens)
+    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens, trust_remote_code)
     if "calibration" in choices.record:
         choices.record["calibration"]["seconds"] = round(time.time() - calibration_start, 3)
     start += time.time() - calibration_start  # "copied in" counts the copy (and the permutation), not calibration
@@ -337,7 +339,7 @@ def convert(
                 config.head_dim,
             )
         copy_seconds = time.time() - start
-        verification = verified(input_dir, temporary, probe_text) if verify_logits else None
+        verification = verified(input_dir, temporary, probe_text, trust_remote_code) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
         report.recipe = choices.record["recipe"]["name"]
         record = dataclasses.asdict(report)

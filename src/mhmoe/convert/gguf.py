@@ -24,6 +24,9 @@ def check_gguf_source(input_dir: str, gguf_file: str) -> str:
     if os.path.basename(gguf_file) != gguf_file:
         raise ConversionError(f"--gguf_file {gguf_file} must be a file name inside --input_dir {input_dir}")
     path = os.path.join(input_dir, gguf_file)
+    from ..hub.trust import check_links
+
+    check_links(input_dir, ConversionError, "--input_dir")  # nothing is read through a link out of the folder
     if not os.path.isfile(path):
         raise ConversionError(f"--gguf_file {gguf_file}: no such file in --input_dir {input_dir}")
     with open(path, "rb") as f:
@@ -38,7 +41,7 @@ def _gguf_config(input_dir: str, gguf_file: str):
     from .plan import SOURCE_MODEL_TYPES
 
     try:
-        config = AutoConfig.from_pretrained(input_dir, gguf_file=gguf_file)
+        config = AutoConfig.from_pretrained(input_dir, gguf_file=gguf_file, trust_remote_code=False)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ConversionError(f"cannot read the GGUF file {gguf_file}: {str(e).splitlines()[0]}") from None
     if config.model_type not in SOURCE_MODEL_TYPES:
@@ -58,7 +61,9 @@ def dequantise_gguf(input_dir: str, gguf_file: str, dense_dir: str) -> list[str]
     check_gguf_source(input_dir, gguf_file)
     config = _gguf_config(input_dir, gguf_file)
     try:
-        model = AutoModelForCausalLM.from_pretrained(input_dir, gguf_file=gguf_file, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            input_dir, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False
+        )
     except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as e:
         raise ConversionError(f"cannot dequantise {gguf_file}: {str(e).splitlines()[0]}") from None
     model.hf_quantizer = None  # dequantised fp32 weights: nothing is quantised any more
@@ -69,7 +74,8 @@ def dequantise_gguf(input_dir: str, gguf_file: str, dense_dir: str) -> list[str]
     del model
     notes = [f"dequantised {gguf_file} (GGUF) to float32 through Transformers' GGUF support"]
     try:
-        AutoTokenizer.from_pretrained(input_dir, gguf_file=gguf_file).save_pretrained(dense_dir)
+        tokenizer = AutoTokenizer.from_pretrained(input_dir, gguf_file=gguf_file, trust_remote_code=False)
+        tokenizer.save_pretrained(dense_dir)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         notes.append(f"no tokenizer in the GGUF file ({type(e).__name__}): the probe uses random token ids")
     return notes

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from transformers.utils import CONFIG_NAME
 
 from .._plumbing.checkpoint_files import SAFE_INDEX_NAME, read_header, read_model_type, side_files, weight_files
+from ..hub.trust import check_links
 from .errors import ConversionError
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, SHARED_HEADS_RATIO, head_split, moh_fields
 
@@ -90,6 +91,7 @@ def _source_config(input_dir: str):
         raise ConversionError(f"--input_dir {input_dir} is not a directory")
     if not os.path.isfile(config_path):
         raise ConversionError(f"{input_dir} is not a Transformers checkpoint: no {CONFIG_NAME}")
+    check_links(input_dir, ConversionError, "--input_dir")  # nothing is read through a link out of the folder
     model_type = read_model_type(config_path, ConversionError)
     if model_type == "moh_llama":
         raise ConversionError(f"{input_dir} is already a moh_llama (Mixture-of-Head) checkpoint")

@@ -51,14 +51,16 @@ def read_probe(path: str | None) -> str | None:
         ) from None
 
 
-def _probe_ids(directory: str, config, probe_text: str | None, rows: int = 2, length: int = 64):
+def _probe_ids(
+    directory: str, config, probe_text: str | None, rows: int = 2, length: int = 64, trust_remote_code: bool = False
+):
     import torch
 
     length = min(length, config.max_position_embeddings)
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
         text = probe_text or _PROBE_TEXT
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if ids and max(ids) < config.vocab_size:
@@ -84,7 +86,9 @@ def _refuse_non_finite(model, source_dir: str) -> None:
         )
 
 
-def verify_conversion(source_dir: str, converted_dir: str, probe_text: str | None = None) -> dict:
+def verify_conversion(
+    source_dir: str, converted_dir: str, probe_text: str | None = None, trust_remote_code: bool = False
+) -> dict:
     """Load the source, then the converted model (one at a time, checkpoint dtype, CPU) and compare on a probe batch.
 
     Returns `all_heads_max_abs_diff` (converted with every head active vs source; must be ~0), `all_heads_equal`,
@@ -104,14 +108,16 @@ def verify_conversion(source_dir: str, converted_dir: str, probe_text: str | Non
 
     source = AutoModelForCausalLM.from_pretrained(source_dir, dtype="auto", trust_remote_code=False).eval()
     _refuse_non_finite(source, source_dir)
-    ids, probe_kind = _probe_ids(source_dir, source.config, probe_text)
+    ids, probe_kind = _probe_ids(source_dir, source.config, probe_text, trust_remote_code=trust_remote_code)
     with torch.no_grad():
         reference = source(ids).logits.float()
     dtype = next(source.parameters()).dtype
     del source
     gc.collect()
 
-    converted, info = MoHLlamaForCausalLM.from_pretrained(converted_dir, dtype="auto", output_loading_info=True)
+    converted, info = MoHLlamaForCausalLM.from_pretrained(
+        converted_dir, dtype="auto", output_loading_info=True, trust_remote_code=False
+    )
     converted.eval()
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:
@@ -140,9 +146,11 @@ def verify_conversion(source_dir: str, converted_dir: str, probe_text: str | Non
     }
 
 
-def verified(source_dir: str, converted_dir: str, probe_text: str | None = None) -> dict:
+def verified(
+    source_dir: str, converted_dir: str, probe_text: str | None = None, trust_remote_code: bool = False
+) -> dict:
     """`verify_conversion`, refusing a converted model that with every head active is not its source."""
-    verification = verify_conversion(source_dir, converted_dir, probe_text)
+    verification = verify_conversion(source_dir, converted_dir, probe_text, trust_remote_code)
     if not verification["source_logits_finite"]:
         raise ConversionError(
             f"verification failed: the source model's own logits on the probe are not finite (NaN or inf) in "

@@ -152,9 +152,13 @@ def main(argv: list[str] | None = None) -> None:
         with _cli_patches(captured, suites_only):
             parser.execute(args)
     except ValueError as e:  # user mistakes lm-eval and the mhmoe_ppl tasks report as ValueError: one line, no trace
-        if not str(e).startswith(_USER_ERRORS):
+        from ..hub.trust import code_refusal
+
+        pretrained = args.model_args.get("pretrained", "") if isinstance(args.model_args, dict) else ""
+        refusal = code_refusal(e, pretrained, "model or tokenizer", "--model_args ...,trust_remote_code=True")
+        if refusal is None and not str(e).startswith(_USER_ERRORS):
             raise
-        _exit_with_error(str(e))
+        _exit_with_error(refusal or str(e))
     if captured and captured[-1]:
         summary = _format_summary(captured[-1])
         if summary:
@@ -202,6 +206,16 @@ def _model_args_problem(model: str, model_args) -> str | None:
         path = model_args.get(key)
         if isinstance(path, str) and not os.path.isdir(path) and _offline() and not _cached_on_hub(path):
             return f"{key}={path}: no such directory, and the Hub is offline (HF_HUB_OFFLINE=1) with no cached copy"
+    from ..hub.trust import links_out
+
+    for key in ("pretrained", "peft"):  # nothing is read through a link out of a checkpoint folder
+        path = model_args.get(key)
+        found = links_out(path) if isinstance(path, str) and os.path.isdir(path) else []
+        if found:
+            return (
+                f"{key}={path} holds symbolic links out of the folder ({', '.join(found[:3])}); nothing is read "
+                "through them: copy the files into the folder if you mean to use them, or remove the links"
+            )
     if isinstance(pretrained, str) and os.path.isdir(pretrained):
         has = {name: os.path.isfile(os.path.join(pretrained, name)) for name in ("config.json", "adapter_config.json")}
         if has["adapter_config.json"] and not has["config.json"]:

@@ -73,11 +73,20 @@ class MHMoELM(HFLM):
 
     Model args: everything HFLM takes (`pretrained`, `dtype`, `peft`, `batch_size`, `max_length`, `device`, ...);
     `backend` defaults to "causal" (mhmoe model types are not in Transformers' static causal-LM list);
-    `routing_stats=false` turns the forward hooks off.
+    `routing_stats=false` turns the forward hooks off; `trust_remote_code` (default false: code a checkpoint folder names
+    is never run) is passed to Transformers.
     """
 
-    def __init__(self, pretrained, backend: str = "causal", routing_stats: bool | str = True, **kwargs):
-        super().__init__(pretrained=pretrained, backend=backend, **kwargs)
+    def __init__(
+        self,
+        pretrained,
+        backend: str = "causal",
+        routing_stats: bool | str = True,
+        trust_remote_code: bool | str = False,
+        **kwargs,
+    ):
+        trust = _as_bool(trust_remote_code)
+        super().__init__(pretrained=pretrained, backend=backend, trust_remote_code=trust, **kwargs)
         self.routing = RoutingStatistics(self.model) if _as_bool(routing_stats) else None
         _ACTIVE["tokenizer"] = self.tokenizer
 

@@ -44,20 +44,26 @@ from .._plumbing.checkpoint_files import (
 )
 from .cards import CONVERSION_RECORDS, public_paths
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
+from .trust import check_links, load_config, load_tokenizer
+
+
+def _first_line(error: Exception) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def _source_dir(path: str, trust_remote_code: bool = False):
     """(config, weight file names) of a checkpoint directory of an mhmoe model type."""
-    from transformers import AutoConfig
-
     if not os.path.isdir(path):
         raise ExportError(f"source {path} is not a directory (give a checkpoint directory or a model object)")
     if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
         raise ExportError(f"source {path} is not a Transformers checkpoint: no {CONFIG_NAME}")
+    check_links(path, ExportError, "source")  # nothing is read (re-saved, uploaded) through a link out of it
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = load_config(path, ExportError, trust_remote_code)
     except (OSError, TypeError, ValueError, KeyError) as e:
-        raise ExportError(f"cannot read the config of {path}: {e}") from None
+        if isinstance(e, ExportError):
+            raise
+        raise ExportError(f"cannot read the config of {path}: {_first_line(e)}") from None
     auto_classes(config)
     shards, weight_map = weight_files(path, ExportError)
     return config, shards + ([] if weight_map is None else [SAFE_INDEX_NAME])
@@ -104,7 +110,7 @@ def export_pretrained(
     source folder names is never run). Raises `ExportError` for anything refused (nothing is written then), and for a
     failed upload (the exported folder stays; the message gives the command that retries the upload).
     """
-    from transformers import AutoTokenizer, PreTrainedModel
+    from transformers import PreTrainedModel
 
     save_directory = os.fspath(save_directory)
     source_dir = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
@@ -123,7 +129,8 @@ def export_pretrained(
         model, weight_files = _bitnet_packed(model), None  # int8 ternary weights + scales, not the latent weights
         config = model.config
     if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+        check_links(tokenizer, ExportError, "tokenizer folder")
+        tokenizer = load_tokenizer(tokenizer, ExportError, trust_remote_code)
     classes = auto_classes(config)
     modeling_sources(classes.values())  # refuses code that cannot be exported before anything is written
 
@@ -174,7 +181,7 @@ def _bitnet_packed(model):
     from ..models.mhmoe.modeling_mhmoe import MHMoEForCausalLM
 
     if isinstance(model, (str, os.PathLike)):
-        model = MHMoEForCausalLM.from_pretrained(model)
+        model = MHMoEForCausalLM.from_pretrained(model, trust_remote_code=False)
     return packed_model(model)
 
 
@@ -226,6 +233,7 @@ def upload_folder(
     authentication, offline mode) raises `ExportError` saying the folder is complete and how to retry."""
     from huggingface_hub import HfApi
 
+    check_links(folder, ExportError, "the folder to upload")  # never uploads what a link out of it points to
     try:
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)

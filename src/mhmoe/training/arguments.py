@@ -48,6 +48,14 @@ class TrainArguments:
             "tokenizer trained on the training data (saved with the model)."
         },
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Let Transformers run the Python code a tokenizer folder names in its auto_map (only for "
+            "folders you trust; off: such a tokenizer is refused). The model's code is always mhmoe's or "
+            "Transformers' own."
+        },
+    )
     tokenizer_vocab_size: int | None = field(
         default=None, metadata={"help": "Vocabulary size of a tokenizer trained here (default: the config's)."}
     )
@@ -253,6 +261,12 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
         )
     if args.tokenizer_name_or_path is not None and not os.path.isdir(args.tokenizer_name_or_path):
         raise TrainingError(f"--tokenizer_name_or_path {args.tokenizer_name_or_path!r} is not a directory")
+    from ..hub.trust import check_links
+
+    if not model_given:
+        check_links(args.model_name_or_path, TrainingError, "--model_name_or_path")
+    if args.tokenizer_name_or_path is not None:
+        check_links(args.tokenizer_name_or_path, TrainingError, "--tokenizer_name_or_path")
 
 
 def _read(paths: list[str], text_field: str) -> list[str]:
@@ -332,7 +346,7 @@ def load_config(args: TrainArguments):
         if from_scratch:
             config = AutoConfig.for_model(model_type, **{**fields, **overrides})
         else:
-            config = AutoConfig.from_pretrained(path, **overrides)
+            config = AutoConfig.from_pretrained(path, trust_remote_code=False, **overrides)  # mhmoe's own classes
     except Exception as e:  # ValueError/TypeError, huggingface_hub's StrictDataclass*Error (not ValueErrors)
         if not isinstance(e, (TypeError, ValueError)) and type(e).__module__.split(".")[0] != "huggingface_hub":
             raise

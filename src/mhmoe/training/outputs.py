@@ -51,7 +51,11 @@ def check_output_location(args: TrainArguments, model_given: bool) -> None:
 
 
 def check_output_contents(args: TrainArguments) -> None:
-    """With the folder's lock held: the checkpoint to resume, or no earlier run unless overwriting."""
+    """With the folder's lock held: no link out of the folder, the checkpoint to resume, or no earlier run unless
+    overwriting."""
+    from ..hub.trust import check_links
+
+    check_links(args.output_dir, TrainingError, "--output_dir")
     if args.resume_from_checkpoint:
         check_resume(args)
     elif not args.overwrite_output_dir:

@@ -67,7 +67,7 @@ def setup_accelerator(args: TrainArguments):
 
 def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
     """The tokenizer: given, from the checkpoint being resumed, from the model directory, or trained here on main."""
-    from transformers import AutoTokenizer
+    from ..hub.trust import load_tokenizer
 
     args, config = run.args, run.config
     if tokenizer is None:
@@ -82,10 +82,13 @@ def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
             source = args.model_name_or_path
         if source is not None:
             try:
-                tokenizer = AutoTokenizer.from_pretrained(source)
+                tokenizer = load_tokenizer(source, TrainingError, args.trust_remote_code)
             except (OSError, ValueError) as e:
+                if isinstance(e, TrainingError):
+                    raise
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise TrainingError(
-                    f"no tokenizer could be loaded from {source} ({e}); pass --tokenizer_name_or_path"
+                    f"no tokenizer could be loaded from {source} ({first}); pass --tokenizer_name_or_path"
                 ) from None
         else:
             vocab_size = args.tokenizer_vocab_size or config.vocab_size
@@ -97,7 +100,7 @@ def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
             if run.is_main:
                 train_tokenizer(train_docs, vocab_size, config.max_position_embeddings).save_pretrained(args.output_dir)
             run.accelerator.wait_for_everyone()
-            tokenizer = AutoTokenizer.from_pretrained(args.output_dir)  # every process: the same files
+            tokenizer = load_tokenizer(args.output_dir, TrainingError)  # every process: the same files
     if len(tokenizer) > config.vocab_size:
         raise TrainingError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}"
@@ -164,8 +167,9 @@ def build_model(run: TrainRun, model) -> None:
             model = AutoModelForCausalLM.from_config(run.config)
         else:
             try:
+                # mhmoe's or Transformers' own classes, never the folder's code
                 model = AutoModelForCausalLM.from_pretrained(
-                    args.model_name_or_path, config=run.config, dtype=torch.float32
+                    args.model_name_or_path, config=run.config, dtype=torch.float32, trust_remote_code=False
                 )
             except RuntimeError as e:  # weights whose shapes the (overridden) config does not have
                 first = str(e).strip().splitlines()[0]
