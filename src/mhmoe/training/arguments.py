@@ -393,6 +393,36 @@ def _check_weight_files(path: str, shards: list[str]) -> None:
             )
 
 
+PATH_ARGUMENTS = (
+    "model_name_or_path",
+    "output_dir",
+    "train_file",
+    "validation_file",
+    "tokenizer_name_or_path",
+    "resume_from_checkpoint",
+)
+
+
+def recorded_args(args: TrainArguments) -> dict:
+    """The arguments as the run's records keep them (train_state.json, train_summary.json): a path inside the output
+    folder relative to it, any other path by its name only; never a machine's local path."""
+    values = dataclasses.asdict(args)
+    output_dir = os.path.abspath(args.output_dir)
+
+    def public(path):
+        if not isinstance(path, str) or path == "latest":
+            return path
+        full = os.path.abspath(path)
+        if full == output_dir or full.startswith(output_dir + os.sep):
+            return os.path.relpath(full, output_dir)
+        return os.path.basename(full)
+
+    for key in PATH_ARGUMENTS:
+        value = values[key]
+        values[key] = [public(p) for p in value] if isinstance(value, list) else public(value)
+    return values
+
+
 def _coerce_args(args) -> TrainArguments:
     if isinstance(args, TrainArguments):
         return dataclasses.replace(args)
@@ -413,5 +443,6 @@ __all__ = [
     "check_arguments",
     "check_required",
     "load_config",
+    "recorded_args",
     "supported_model_types",
 ]

@@ -1,18 +1,20 @@
 """Checkpoints of a training run: `checkpoint-N` folders in the output folder, written every --save_steps and
 resumed with --resume_from_checkpoint (a folder, or "latest").
 
-A checkpoint is `Accelerator.save_state` (model, optimizer, scheduler, RNG states) plus the tokenizer and the state file
-`train_state.json`. Complete or absent: everything is written into a hidden `.checkpoint-N.tmp` folder, every file is
-flushed to disk, `train_state.json` is written last (itself through a temporary file and a rename: the completion
-marker), and only then is the folder renamed to `checkpoint-N`. A kill at any moment leaves either the previous
-checkpoints alone or the new one complete; the next run removes the hidden leftovers. `latest` takes the newest
-checkpoint whose state file reads back and says which newer ones it skipped; an RNG state file that does not load is
-refused by name (`--resume_without_rng_state` goes on without it).
+A checkpoint is `Accelerator.save_state` (model, optimizer, scheduler, RNG states), the tokenizer, what makes the
+folder load with `from_pretrained` (config.json and generation_config.json; with --lora the adapter files), the state
+file `train_state.json`, and last its manifest (`manifest.py`: every file's size and SHA-256). Complete or absent:
+everything is written into a hidden `.checkpoint-N.tmp` folder, every file is flushed to disk while it is hashed, the
+manifest is written, and only then is the folder renamed to `checkpoint-N`. A kill at any moment leaves either the
+previous checkpoints alone or the new one complete; the next run removes the hidden leftovers. Resuming verifies the
+manifest (a flipped byte, a truncated, empty or missing file, a step that disagrees with the folder's name are refused
+in one line naming the file); `latest` takes the newest checkpoint that verifies and says which newer ones it skipped
+and why. A checkpoint without a manifest (from an older mhmoe) is resumed with a warning, unverified; an RNG state
+file that does not load is refused by name (`--resume_without_rng_state` goes on without it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -20,7 +22,8 @@ import shutil
 import sys
 
 from .._plumbing.checkpoint_files import fsync, write_json_atomic
-from .arguments import TrainArguments, TrainingError
+from .arguments import TrainArguments, TrainingError, recorded_args
+from .manifest import MANIFEST_FILE, ManifestError, read_manifest, seal, verify
 from .metrics import PLOT_FILE, plot_metrics
 from .state import TrainRun
 
@@ -37,7 +40,8 @@ def _warn(message: str) -> None:
 
 
 def read_state(path: str) -> dict:
-    """The state file of checkpoint folder `path`; raises `TrainingError` saying why the checkpoint is not complete."""
+    """The state file of checkpoint folder `path`; raises `TrainingError` saying why the checkpoint is not complete.
+    Cheap (no hashing): `verify_checkpoint` also checks every file against the manifest."""
     state_path = os.path.join(path, STATE_FILE)
     if not os.path.isfile(state_path):
         raise TrainingError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
@@ -48,8 +52,30 @@ def read_state(path: str) -> dict:
         size = os.path.getsize(state_path)
         what = "is empty" if size == 0 else f"is not valid JSON ({e})"
         raise TrainingError(f"{path} is not a complete checkpoint ({STATE_FILE} {what})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
         raise TrainingError(f"{path} is not a complete checkpoint ({STATE_FILE} has no step)")
+    named = re.fullmatch(CHECKPOINT_PREFIX + r"(\d+)", os.path.basename(os.path.abspath(path)))
+    if step < 0 or (named and int(named.group(1)) != step):
+        expected = f"{int(named.group(1))}, as the folder's name says" if named else "a step >= 0"
+        raise TrainingError(
+            f"{state_path} says step {step}, not {expected}: the state file was edited or belongs to another checkpoint"
+        )
+    return state
+
+
+def verify_checkpoint(path: str) -> dict:
+    """`read_state`, then every file against the checkpoint's manifest; returns the state. A checkpoint of an older
+    mhmoe (no manifest) passes with a warning."""
+    state = read_state(path)
+    try:
+        manifest = read_manifest(path)
+        if manifest is None:
+            _warn(f"{path} has no {MANIFEST_FILE} (written by an older mhmoe): its files cannot be verified")
+            return state
+        verify(path, manifest)
+    except ManifestError as e:
+        raise TrainingError(f"{path} is damaged: {e}") from None
     return state
 
 
@@ -72,20 +98,35 @@ def list_checkpoints(directory: str, complete: bool = True) -> list[tuple[int, s
 
 
 def resolve_checkpoint(checkpoint: str, output_dir: str) -> str:
+    """The checkpoint folder to resume: `checkpoint` itself once it verifies, or for "latest" the newest checkpoint
+    in `output_dir` that verifies (the newer ones skipped are named, with the reason)."""
     if checkpoint == "latest":
         skipped = []
         for _, path in reversed(list_checkpoints(output_dir, complete=False)):
             try:
-                read_state(path)
+                verify_checkpoint(path)
             except TrainingError as e:
                 skipped.append(str(e))
                 continue
             for reason in skipped:
                 _warn(f"--resume_from_checkpoint latest: skipping {reason}")
+            if skipped:
+                _warn(f"--resume_from_checkpoint latest: resuming from {path}, the newest checkpoint that verifies")
             return path
         detail = f" ({'; '.join(skipped)})" if skipped else ""
         raise TrainingError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}{detail}")
-    read_state(checkpoint)
+    if not os.path.isdir(checkpoint):
+        raise TrainingError(f"--resume_from_checkpoint {checkpoint}: no such folder (or 'latest')")
+    from ..hub.trust import check_links
+
+    check_links(checkpoint, TrainingError, "--resume_from_checkpoint")
+    try:
+        verify_checkpoint(checkpoint)
+    except TrainingError as e:
+        raise TrainingError(
+            f"--resume_from_checkpoint: {e}; resume from another checkpoint (`latest` takes the "
+            "newest one that verifies)"
+        ) from None
     return checkpoint
 
 
@@ -137,14 +178,6 @@ def check_resume(args: TrainArguments) -> None:
 # writing
 
 
-def fsync_tree(path: str) -> None:
-    """Flush every file under `path` and the folders' entries to disk."""
-    for root, _, files in os.walk(path):
-        for name in files:
-            fsync(os.path.join(root, name))
-        fsync(root)
-
-
 def remove_dir_atomic(path: str) -> None:
     """Rename a folder to a hidden temporary name, then delete it: a kill midway never leaves a half-deleted
     `checkpoint-N` that still looks like a checkpoint."""
@@ -174,9 +207,27 @@ def remove_stale_temporaries(directory: str) -> list[str]:
     return removed
 
 
+def _write_loadable(run: TrainRun, folder: str) -> None:
+    """What makes a checkpoint folder load with `from_pretrained` (and evaluate, export) beside Accelerate's
+    model.safetensors: config.json and generation_config.json; with --lora the adapter (adapter_config.json,
+    adapter_model.safetensors: load it over the base model, e.g. `mhmoe-eval --model_args pretrained=BASE,peft=DIR`)."""
+    model = run.accelerator.unwrap_model(run.model)
+    if run.args.lora:
+        model.save_pretrained(folder)
+        return
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):  # sharded states (FSDP): not a model folder
+        return
+    config = model.config
+    if not config.architectures:
+        config.architectures = [type(model).__name__]
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
 def save_checkpoint(run: TrainRun, step: int) -> None:
-    """`Accelerator.save_state` + tokenizer + the state file into a hidden temporary folder, flushed, then renamed to
-    `checkpoint-{step}` (see the module docstring)."""
+    """`Accelerator.save_state` + tokenizer + config + the state file into a hidden temporary folder, flushed and
+    hashed into its manifest, then renamed to `checkpoint-{step}` (see the module docstring)."""
     args, accelerator = run.args, run.accelerator
     final = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{step}")
     temporary = os.path.join(args.output_dir, f".{CHECKPOINT_PREFIX}{step}{TEMPORARY_SUFFIX}")
@@ -188,7 +239,7 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
     accelerator.wait_for_everyone()  # every process's files are written
     if run.is_main:
         run.tokenizer.save_pretrained(temporary)
-        fsync_tree(temporary)
+        _write_loadable(run, temporary)
         state = {
             "step": step,
             "total_steps": run.total_steps,
@@ -197,9 +248,12 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
             "seed": args.seed,
             "num_train_blocks": len(run.train_blocks),
             "num_processes": run.world,
-            "args": dataclasses.asdict(args),
+            "metrics_records": run.metrics_records,
+            "args": recorded_args(args),
         }
-        write_json_atomic(os.path.join(temporary, STATE_FILE), state)  # the completion marker, last
+        with open(os.path.join(temporary, STATE_FILE), "w") as f:
+            json.dump(state, f, indent=2)
+        seal(temporary)  # every file flushed and hashed, the manifest written last: the completion marker
         if os.path.isdir(final):  # a checkpoint of the same step from before a resume: replaced whole
             remove_dir_atomic(final)
         os.replace(temporary, final)
@@ -217,8 +271,9 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
 
 
 def resume(run: TrainRun) -> None:
-    """Load a checkpoint's state (model, optimizer, scheduler, RNG) and keep the metrics up to its step."""
+    """Load a checkpoint's state (model, optimizer, scheduler, RNG) and keep the metrics logged up to it."""
     args = run.args
+    saved = {}
     if args.resume_from_checkpoint:
         saved = read_state(args.resume_from_checkpoint)
         for key, now in (
@@ -232,7 +287,14 @@ def resume(run: TrainRun) -> None:
                     f"warning: {key} was {saved.get(key)} in {args.resume_from_checkpoint}, now {now}: the resumed run "
                     "will not see the same data order as the interrupted one"
                 )
-        run.accelerator.load_state(args.resume_from_checkpoint)
+        try:
+            run.accelerator.load_state(args.resume_from_checkpoint)
+        except Exception as e:  # a checkpoint of an older mhmoe (no manifest) with a damaged file
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise TrainingError(
+                f"--resume_from_checkpoint: {args.resume_from_checkpoint} does not load "
+                f"({type(e).__name__}: {first}); resume from another checkpoint"
+            ) from None
         run.start_step = saved["step"]
         if run.start_step > run.total_steps:
             raise TrainingError(
@@ -242,10 +304,10 @@ def resume(run: TrainRun) -> None:
         saved_total = saved.get("total_steps")
         if saved_total is not None and saved_total != run.total_steps:
             _continue_schedule(run, saved_total)
-    if run.is_main:  # keep the metrics up to the resumed step; drop those of steps that will be redone
+    if run.is_main:  # keep the metrics logged up to the checkpoint; drop those of what will be redone
         from .metrics import keep_metrics_up_to
 
-        keep_metrics_up_to(run.metrics_path, run.start_step)
+        run.metrics_records = keep_metrics_up_to(run.metrics_path, run.start_step, saved.get("metrics_records"))
     run.accelerator.wait_for_everyone()
 
 
@@ -281,5 +343,6 @@ __all__ = [
     "resolve_checkpoint",
     "resume",
     "save_checkpoint",
+    "verify_checkpoint",
     "write_json_atomic",
 ]

@@ -64,21 +64,29 @@ def _read_metrics(path: str) -> list[dict]:
     return records
 
 
-def keep_metrics_up_to(path: str, step: int) -> None:
-    """On resume: keep the records up to `step` (those of steps to be redone go), without ever leaving a shorter or
-    missing log behind: the kept records go to a temporary file that replaces metrics.jsonl in one rename."""
+def keep_metrics_up_to(path: str, step: int, records: int | None = None) -> int:
+    """On resume: keep what was logged up to the checkpoint being resumed (what was logged after it, to be redone,
+    goes), without ever leaving a shorter or missing log behind: the kept records go to a temporary file that replaces
+    metrics.jsonl in one rename. `records`: how many records the log held when the checkpoint was written (its state
+    file says); the first that many are kept, so a record logged after the checkpoint of the same step (the final
+    validation) is not kept twice. Without it, the records of steps up to `step`. Returns the number kept."""
     if not os.path.isfile(path):
         if step == 0:
-            return
-        records = []
+            return 0
+        kept = []
     else:
-        records = [r for r in _read_metrics(path) if step and r.get("step", 0) <= step]
+        kept = _read_metrics(path)
+        if records is not None and records <= len(kept):
+            kept = kept[:records]
+        else:
+            kept = [r for r in kept if step and r.get("step", 0) <= step]
     temporary = f"{path}.tmp-{os.getpid()}"
     with open(temporary, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.writelines(json.dumps(r) + "\n" for r in kept)
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
+    return len(kept)
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> None:

@@ -4,14 +4,13 @@ summary)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .._plumbing.checkpoint_files import overlapping
-from .arguments import TrainArguments, TrainingError
+from .arguments import TrainArguments, TrainingError, recorded_args
 from .checkpoints import check_resume, list_checkpoints, remove_stale_temporaries, write_json_atomic
 from .metrics import METRICS_FILE, PLOT_FILE, plot_metrics
 from .state import TrainRun
@@ -183,7 +182,7 @@ def save_final(run: TrainRun, final_eval: dict | None):
             "trainable_parameters": run.trainable,
             "parameters": run.total_params,
             "final_eval": final_eval,
-            "args": dataclasses.asdict(args),
+            "args": recorded_args(args),
         }
         # the card was written before the tokenizer and the summary existed: again, with both
         from ..hub.cards import training_text

@@ -53,6 +53,7 @@ class TrainRun:
     loss_names: list[str] | None = None  # the extra *_loss outputs, in the order the step sums them
     permutation: tuple[int, torch.Tensor] | None = None  # (epoch, its block order)
     history: list[dict] = field(default_factory=list)
+    metrics_records: int = 0  # records in metrics.jsonl (earlier runs' included): checkpoints keep the count
 
     @property
     def is_main(self) -> bool:
@@ -68,6 +69,7 @@ class TrainRun:
 
     def log(self, record: dict) -> None:
         self.history.append(record)
+        self.metrics_records += 1
         if self.is_main:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
