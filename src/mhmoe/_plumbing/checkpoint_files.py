@@ -111,6 +111,22 @@ def weight_files(input_dir: str, error: type[ValueError] = CheckpointError) -> t
     raise error(f"no weights in {input_dir} (expected {SAFE_WEIGHTS_NAME} or {SAFE_INDEX_NAME})")
 
 
+def check_weight_files(folder: str, error: type[ValueError] = CheckpointError) -> list[str]:
+    """The safetensors weight files of `folder` (`weight_files`: pickle-only folders refused), each read back whole:
+    a truncated or empty file (a download cut short) is refused by name instead of failing deep inside loading."""
+    shards, _ = weight_files(folder, error)
+    for shard in shards:
+        file = os.path.join(folder, shard)
+        header, start = read_header(file, error)
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if os.path.getsize(file) < start + end:
+            raise error(
+                f"{file} is truncated ({os.path.getsize(file)} bytes, its header describes {start + end}); "
+                "download or save it again"
+            )
+    return shards
+
+
 def overlapping(a: str, b: str) -> bool:
     """Whether the directories `a` and `b` are the same, or one lies inside the other (symbolic links resolved)."""
     a, b = os.path.realpath(a), os.path.realpath(b)
@@ -307,17 +323,56 @@ def check_writable(output_dir: str, error: type[ValueError] = CheckpointError) -
 
 
 def os_error_message(e: OSError, output_dir: str) -> str | None:
-    """One line saying which problem an OSError met while writing `output_dir` is (full disk or quota, read-only file
-    system, permission) and where; None for other errors."""
+    """One line saying which problem an OSError met while writing `output_dir` is (full disk or quota, a file size
+    limit, read-only file system, permission) and where; None for other errors."""
     where = e.filename if e.filename else output_dir
     detail = f"{e.strerror or e} at {where}" if where != output_dir else f"{e.strerror or e}"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"not enough disk space to write {output_dir} ({detail}); free some space or choose another folder"
+    if e.errno == errno.EFBIG:
+        return (
+            f"cannot write {output_dir}: a file grew past the largest file allowed ({detail}; the file system's "
+            "limit or this shell's `ulimit -f`); raise the limit or choose another folder"
+        )
     if e.errno == errno.EROFS:
         return f"cannot write {output_dir}: read-only file system ({detail}); choose another folder"
     if e.errno in (errno.EACCES, errno.EPERM):
         return f"cannot write {output_dir}: permission denied ({detail}); choose another folder or fix its permissions"
     return None
+
+
+_WRITE_FAILED = re.compile(r"iostream error|file write failed|PytorchStreamWriter failed|Error while serializing")
+
+
+def write_error_message(e: BaseException, output_dir: str) -> str | None:
+    """`os_error_message` for any error met while writing `output_dir`: an OSError, safetensors' SafetensorError
+    (`... (os error 28)`), or torch.save's RuntimeError (which loses the error number: a full disk or a file size
+    limit is then told from the file system's free space and this process's limit). None for other errors."""
+    if isinstance(e, OSError):
+        return os_error_message(e, output_dir)
+    text = str(e)
+    match = re.search(r"os error (\d+)", text)
+    if match:
+        code = int(match.group(1))
+        return os_error_message(OSError(code, os.strerror(code)), output_dir)
+    if not _WRITE_FAILED.search(text):
+        return None
+    existing = os.path.abspath(output_dir)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if free < 64 * 1024 * 1024:
+        return os_error_message(OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free:,} bytes free"), output_dir)
+    try:
+        import resource
+
+        limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+    except ImportError:  # Windows
+        limited = False
+    if limited:
+        return os_error_message(OSError(errno.EFBIG, os.strerror(errno.EFBIG)), output_dir)
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return f"writing {output_dir} failed ({first}); is the disk full or damaged?"
 
 
 # ---------------------------------------------------------------------------------- the files beside the weights

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.input_dir or not args.output_dir:
         parser.error("--input_dir and --output_dir are required")
 
-    from .._plumbing.checkpoint_files import os_error_message
+    from .._plumbing.checkpoint_files import write_error_message
     from ..training.arguments import TrainingError
     from .continue_tune import convert_and_continue_tune
     from .conversion import convert
@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> None:
             print(report.format(), flush=True)
     except (ConversionError, TrainingError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except OSError as e:  # full disk, read-only file system, permissions: one line saying which and where
-        message = os_error_message(e, args.output_dir)
+    except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
+        message = write_error_message(e, args.output_dir)
         if message is None:
             raise
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
+        parser.exit(1, f"{parser.prog}: error: {message}\n")
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():

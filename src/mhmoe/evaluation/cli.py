@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -63,15 +64,38 @@ def _requested_tasks(tasks) -> list[str]:
     return [t for item in items if isinstance(item, str) for t in item.split(",") if t]
 
 
+def _quiet_git_hash():
+    """lm-eval's `get_git_commit_hash` without git's `fatal: not a git repository` on the terminal."""
+    import subprocess
+
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, OSError):
+        return None
+
+
+class _DropMetadataHint(logging.Filter):
+    """lm-eval's hint that a task takes `--metadata`, printed by every task that reads local files even when it was
+    given."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "can be passed to `--metadata`" not in record.getMessage()
+
+
 @contextlib.contextmanager
-def _cli_patches(captured: list, suites_only: bool):
-    """Patch the two names lm-eval's `run` command looks up at call time: `lm_eval.simple_evaluate` (to add the paper
-    table rows) and, when every requested task is one of ours, `lm_eval.tasks.TaskManager` (to index only
-    `eval_tasks/` and the lm-eval task folders the suites build on instead of all ~14k tasks: ~10 s less per run)."""
+def _cli_patches(captured: list, suites_only: bool, metadata_given: bool = False):
+    """Patch the names lm-eval's `run` command looks up at call time: `lm_eval.simple_evaluate` (to add the paper
+    table rows), `lm_eval.evaluator.get_git_commit_hash` (git's complaint outside a repository silenced) and, when
+    every requested task is one of ours, `lm_eval.tasks.TaskManager` (to index only `eval_tasks/` and the lm-eval task
+    folders the suites build on instead of all ~14k tasks: ~10 s less per run). With `metadata_given`, lm-eval's hint
+    to pass `--metadata` is dropped."""
     import lm_eval
+    import lm_eval.evaluator
     import lm_eval.tasks
 
     original_evaluate, original_manager = lm_eval.simple_evaluate, lm_eval.tasks.TaskManager
+    original_git = getattr(lm_eval.evaluator, "get_git_commit_hash", None)
+    hint_filter = _DropMetadataHint()
 
     def evaluate_and_add_tables(*a, **k):
         results = add_paper_tables(original_evaluate(*a, **k))
@@ -86,10 +110,19 @@ def _cli_patches(captured: list, suites_only: bool):
     lm_eval.simple_evaluate = evaluate_and_add_tables
     if suites_only:
         lm_eval.tasks.TaskManager = SuiteTaskManager
+    if original_git is not None:
+        lm_eval.evaluator.get_git_commit_hash = _quiet_git_hash
+    loggers = [logging.getLogger(name) for name in ("lm_eval", "lm_eval.api.task")]
+    for logger in loggers if metadata_given else []:
+        logger.addFilter(hint_filter)
     try:
         yield
     finally:
         lm_eval.simple_evaluate, lm_eval.tasks.TaskManager = original_evaluate, original_manager
+        if original_git is not None:
+            lm_eval.evaluator.get_git_commit_hash = original_git
+        for logger in loggers:
+            logger.removeFilter(hint_filter)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
             _exit_with_error(f"this installation has no eval_tasks/ folder (set ${EVAL_TASKS_ENV})")
         print(tasks_dir)
         return
+    if not argv:
+        _exit_with_error(
+            "give the checkpoint and the tasks: --model_args pretrained=DIR --tasks TASKS (see mhmoe-eval --help)"
+        )
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
@@ -117,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         parser = HarnessCLI()
         _name_the_parsers(parser)
         args = parser.parse_args()  # reads sys.argv (and inserts `run` for the legacy form)
+    except ValueError as e:  # lm-eval's dict arguments (--model_args, --metadata) raise it for text that is not JSON
+        _exit_with_error(f"{e} (see mhmoe-eval run --help)")
     finally:
         sys.argv = saved_argv
     from . import lm_eval_model  # noqa: F401 - registers the `mhmoe` lm-eval model (imports torch and Transformers)
@@ -144,12 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     ours = _suite_names(tasks_dir)
     suites_only = bool(requested) and all(name in ours for name in requested)
 
-    problem = _model_args_problem(args.model, args.model_args)
+    problem = _run_arguments_problem(args) or _model_args_problem(args.model, args.model_args)
     if problem:
         _exit_with_error(problem)
     captured: list = []
     try:
-        with _cli_patches(captured, suites_only):
+        with _cli_patches(captured, suites_only, metadata_given=bool(args.metadata)):
             parser.execute(args)
     except ValueError as e:  # user mistakes lm-eval and the mhmoe_ppl tasks report as ValueError: one line, no trace
         from ..hub.trust import code_refusal
@@ -159,6 +198,20 @@ def main(argv: list[str] | None = None) -> None:
         if refusal is None and not str(e).startswith(_USER_ERRORS):
             raise
         _exit_with_error(refusal or str(e))
+    except ConnectionError as e:  # a Hub dataset, offline or unreachable (the datasets library raises this)
+        _exit_with_error(
+            f"{e}: its data is neither in the datasets cache nor in a folder of that name here; run "
+            "once online to cache it, or run from a folder holding a copy (eval_tasks/README.md, "
+            "'Offline evaluation')"
+        )
+    except Exception as e:  # full disk, file size limit, read-only, permissions writing --output_path: one line
+        from .._plumbing.checkpoint_files import write_error_message
+
+        message = write_error_message(e, getattr(args, "output_path", None) or "the results")
+        if message is None:
+            raise
+        print(f"mhmoe-eval: error: {message}", file=sys.stderr)
+        raise SystemExit(1) from None
     if captured and captured[-1]:
         summary = _format_summary(captured[-1])
         if summary:
@@ -168,10 +221,32 @@ def main(argv: list[str] | None = None) -> None:
 _USER_ERRORS = ("Tasks not found", "mhmoe_ppl_")  # lm-eval's unknown tasks; the ppl tasks' missing data
 
 
+DESCRIPTION = (
+    "Evaluate mhmoe checkpoints with lm-eval: lm-eval's command line with the `mhmoe` model (lm-eval's "
+    "HFLM for every mhmoe model type, with routing statistics) as the default --model, mhmoe's suites "
+    "(eval_tasks/) on the include path, and the papers' table rows and the routing statistics added to "
+    "the results."
+)
+EXAMPLES = """examples:
+  mhmoe-eval --model_args pretrained=DIR --tasks moh_llm_suite           MoH Table 4 (0-shot)
+  mhmoe-eval --model_args pretrained=DIR --tasks moh_llama3_suite        MoH Table 5 / Table E
+  mhmoe-eval --model_args pretrained=DIR,max_length=2048 --tasks mhmoe_ppl_wikipedia \\
+      --metadata '{"wikipedia_path": "valid.jsonl"}'                     perplexity on a local file
+  mhmoe-eval --model_args pretrained=BASE_DIR,peft=ADAPTER_DIR --tasks moh_llm_suite
+  mhmoe-eval --model_args pretrained=DIR --tasks moh_llm_suite --limit 10 --output_path results/
+  mhmoe-eval ls tasks                                                    lm-eval's tasks and mhmoe's suites
+  mhmoe-eval --print_tasks_dir                                           eval_tasks/, for plain lm-eval
+
+`run` is implied (mhmoe-eval --tasks ... = mhmoe-eval run --tasks ...); all its options: mhmoe-eval run --help.
+DIR is a checkpoint folder (mhmoe-train's output or one of its checkpoint-N folders, mhmoe-convert's, an export);
+code a folder names runs only with --model_args ...,trust_remote_code=True. Suites and data: eval_tasks/README.md."""
+RUN_EXAMPLES = EXAMPLES.split("\n\n")[0]
+
+
 def _name_the_parsers(cli) -> None:
     """lm-eval's parsers (the command's and each subcommand's) call themselves `lm-eval` and print their usage before
-    an error: here they are `mhmoe-eval` and a usage error is one line, `mhmoe-eval: error: MESSAGE (see ... --help)`,
-    exit status 2."""
+    an error: here they are `mhmoe-eval` with mhmoe's description and examples, and a usage error is one line,
+    `mhmoe-eval: error: MESSAGE (see ... --help)`, exit status 2."""
     main_parser, subparsers = getattr(cli, "_parser", None), getattr(cli, "_subparsers", None)
     parsers = [("", main_parser), *((f" {n}", p) for n, p in getattr(subparsers, "choices", {}).items())]
     for suffix, parser in parsers:
@@ -180,6 +255,15 @@ def _name_the_parsers(cli) -> None:
         parser.prog = f"mhmoe-eval{suffix}"
         if isinstance(parser.usage, str):
             parser.usage = parser.usage.replace("lm-eval", "mhmoe-eval")
+        if suffix in ("", " run"):  # lm-eval's text shows `lm-eval run --model hf ...`
+            import argparse
+            import textwrap
+
+            parser.description = textwrap.fill(DESCRIPTION, 100)
+            parser.epilog = EXAMPLES if suffix == "" else RUN_EXAMPLES
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        elif isinstance(parser.epilog, str):
+            parser.epilog = parser.epilog.replace("lm-eval", "mhmoe-eval")
 
         def one_line_error(message: str, prog=parser.prog) -> None:
             print(f"mhmoe-eval: error: {message} (see {prog} --help)", file=sys.stderr)
@@ -220,6 +304,48 @@ def _model_args_problem(model: str, model_args) -> str | None:
         has = {name: os.path.isfile(os.path.join(pretrained, name)) for name in ("config.json", "adapter_config.json")}
         if has["adapter_config.json"] and not has["config.json"]:
             return f"pretrained={pretrained} is a LoRA adapter folder: use pretrained=BASE_MODEL_DIR,peft={pretrained}"
+        return _weights_problem("pretrained", pretrained, model_args)
+    return None
+
+
+def _run_arguments_problem(args) -> str | None:
+    """--batch_size and --limit values lm-eval would only fail on after loading the model, in words."""
+    batch_size = str(getattr(args, "batch_size", "") or "")
+    if batch_size.lstrip("-").isdigit() and int(batch_size) < 1:
+        return f"--batch_size {batch_size}: give a number >= 1, 'auto' or 'auto:N'"
+    limit = getattr(args, "limit", None)
+    if limit is not None and not (limit > 0 and math.isfinite(limit)):
+        return f"--limit {limit:g}: give a number of examples per task (>= 1) or a fraction in (0, 1)"
+    return None
+
+
+def _weights_problem(key: str, path: str, model_args: dict) -> str | None:
+    """The weights of checkpoint folder `path` are safetensors that read back whole (pickles are never loaded), and
+    --model_args max_length fits the model's positions."""
+    from .._plumbing.checkpoint_files import CheckpointError, check_weight_files, read_model_type
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None  # Transformers says what is missing
+    try:
+        check_weight_files(path, CheckpointError)
+        model_type = read_model_type(os.path.join(path, "config.json"))
+    except CheckpointError as e:
+        return f"{key}={path}: {e}"
+    import json
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        positions = json.load(f).get("max_position_embeddings")
+    max_length = model_args.get("max_length")
+    if (
+        isinstance(positions, int)
+        and max_length is not None
+        and str(max_length).isdigit()
+        and int(max_length) > positions
+    ):
+        return (
+            f"max_length={max_length} is longer than the {positions} positions of {path} (a {model_type} "
+            f"model): give max_length <= {positions}"
+        )
     return None
 
 

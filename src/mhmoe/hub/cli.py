@@ -28,11 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`mhmoe-export SRC_DIR OUT_DIR [--overwrite] [--push_to_hub REPO]`; refusals exit with status 2 and a message."""
+    """`mhmoe-export SRC_DIR OUT_DIR [--overwrite] [--push_to_hub REPO]`; refusals exit with status 2 and one line, a
+    full disk or another problem of the machine with status 1."""
     parser = build_parser()
     args = parser.parse_args(argv)
 
-    from .._plumbing.checkpoint_files import os_error_message
+    from .._plumbing.checkpoint_files import write_error_message
     from .export import ExportError, export_pretrained
 
     try:
@@ -47,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ExportError as e:
         parser.exit(2, f"mhmoe-export: error: {e}\n")
-    except OSError as e:  # full disk, read-only file system, permissions: one line saying which and where
-        message = os_error_message(e, args.out_dir)
+    except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
+        message = write_error_message(e, args.out_dir)
         if message is None:
             raise
-        parser.exit(2, f"mhmoe-export: error: {message}\n")
+        parser.exit(1, f"mhmoe-export: error: {message}\n")
     print(f"exported {args.src_dir} -> {out}" + (f" (uploaded to {args.push_to_hub})" if args.push_to_hub else ""))
 
 

@@ -204,6 +204,24 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
     ]
     if not_finite:  # NaN passes every comparison below (nan <= 0 is False) and would train on NaN
         raise TrainingError(f"{', '.join(not_finite)}: must be a finite number")
+    if not 0 <= args.seed < 2**32:  # what numpy's seed (set_seed) takes
+        raise TrainingError(f"--seed {args.seed}: must be in [0, 2**32 - 1] (numpy's seed range)")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise TrainingError(f"--{name} {getattr(args, name)}: must be in [0, 1)")
+    for name in ("adam_epsilon", "weight_decay"):
+        if getattr(args, name) < 0:
+            raise TrainingError(f"--{name} {getattr(args, name)}: must be >= 0")
+    if args.merge_lora and not args.lora:
+        raise TrainingError(
+            "--merge_lora merges the LoRA adapters into the model: give --lora too (or leave --merge_lora out)"
+        )
+    if args.max_steps > 0 and args.warmup_steps > args.max_steps:
+        raise TrainingError(
+            f"--warmup_steps {args.warmup_steps} is more than the run's --max_steps {args.max_steps}: "
+            f"the learning rate would never reach --learning_rate; give at most {args.max_steps} "
+            "(or --warmup_ratio)"
+        )
     if args.max_nonfinite_steps < 0:
         raise TrainingError(f"--max_nonfinite_steps must be >= 0 (0: never stop), got {args.max_nonfinite_steps}")
     if isinstance(args.train_file, str):
@@ -302,7 +320,7 @@ def load_config(args: TrainArguments):
     name, values of the wrong type and invalid combinations in one line each, and damaged weight files."""
     from transformers import AutoConfig
 
-    from .._plumbing.checkpoint_files import read_model_type, weight_files
+    from .._plumbing.checkpoint_files import read_model_type
 
     path = args.model_name_or_path
     from_scratch = os.path.isfile(path)
@@ -320,11 +338,7 @@ def load_config(args: TrainArguments):
         if not os.path.isfile(config_file):
             raise TrainingError(f"{path} is not a checkpoint directory (no config.json)")
         model_type = read_model_type(config_file, TrainingError)
-        try:
-            shards, _ = weight_files(path, TrainingError)  # safetensors only; pickles are refused, never unpickled
-        except TrainingError as e:
-            raise TrainingError(f"--model_name_or_path: {e}") from None
-        _check_weight_files(path, shards)
+        _check_weight_files(path)
     supported = supported_model_types()
     if model_type not in supported:
         raise TrainingError(
@@ -375,22 +389,14 @@ def _one_line(error: Exception) -> str:
     return " ".join(lines) or type(error).__name__
 
 
-def _check_weight_files(path: str, shards: list[str]) -> None:
+def _check_weight_files(path: str) -> None:
     """Each safetensors file reads back whole (a truncated or empty download would fail deep inside from_pretrained)."""
-    from .._plumbing.checkpoint_files import read_header
+    from .._plumbing.checkpoint_files import check_weight_files
 
-    for shard in shards:
-        file = os.path.join(path, shard)
-        try:
-            header, start = read_header(file, TrainingError)
-        except TrainingError as e:
-            raise TrainingError(f"--model_name_or_path: {e}") from None
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if os.path.getsize(file) < start + end:
-            raise TrainingError(
-                f"--model_name_or_path: {file} is truncated ({os.path.getsize(file)} bytes, its header "
-                f"describes {start + end}); download or save it again"
-            )
+    try:
+        check_weight_files(path, TrainingError)  # safetensors only; pickles are refused, never unpickled
+    except TrainingError as e:
+        raise TrainingError(f"--model_name_or_path: {e}") from None
 
 
 PATH_ARGUMENTS = (
@@ -424,15 +430,53 @@ def recorded_args(args: TrainArguments) -> dict:
 
 
 def _coerce_args(args) -> TrainArguments:
+    """`args` (TrainArguments, a dict or a Namespace of its fields) as a new TrainArguments; unknown names raise
+    `TrainingError`, values of the wrong type `TypeError`, each in one line."""
     if isinstance(args, TrainArguments):
-        return dataclasses.replace(args)
+        args = dataclasses.replace(args)
+        _check_types({f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArguments)})
+        return args
     if not isinstance(args, dict):
         args = vars(args)
     names = {f.name for f in dataclasses.fields(TrainArguments)}
     unknown = sorted(set(args) - names)
     if unknown:
         raise TrainingError(f"unknown training arguments: {', '.join(unknown)}")
+    _check_types(args)
     return TrainArguments(**args)
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _check_types(values: dict) -> None:
+    """Each value has its field's type (an int for an int, a number for a float, ...; None where the default is
+    None): `train({"max_steps": "2"})` is refused in one line instead of failing later with another error."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(TrainArguments)
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainArguments)}
+    for name, value in values.items():
+        hint = hints[name]
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if value is None and (type(None) in options or defaults[name] is None):
+            continue
+        for option in options:
+            if typing.get_origin(option) is list:
+                if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                    break
+            elif option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                break
+            elif option is int and isinstance(value, int) and not isinstance(value, bool):
+                break
+            elif option in (bool, str) and isinstance(value, option):
+                break
+        else:
+            wanted = " or ".join(
+                _TYPE_WORDS.get(o, "a list of strings" if typing.get_origin(o) is list else "None") for o in options
+            )
+            raise TypeError(f"training argument {name}={value!r}: must be {wanted}, not {type(value).__name__}")
 
 
 __all__ = [

@@ -15,15 +15,17 @@ file that does not load is refused by name (`--resume_without_rng_state` goes on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from .._plumbing.checkpoint_files import fsync, write_json_atomic
 from .arguments import TrainArguments, TrainingError, recorded_args
-from .manifest import MANIFEST_FILE, ManifestError, read_manifest, seal, verify
+from .manifest import MANIFEST_FILE, ManifestError, Sealer, read_manifest, verify
 from .metrics import PLOT_FILE, plot_metrics
 from .state import TrainRun
 
@@ -226,44 +228,71 @@ def _write_loadable(run: TrainRun, folder: str) -> None:
 
 
 def save_checkpoint(run: TrainRun, step: int) -> None:
-    """`Accelerator.save_state` + tokenizer + config + the state file into a hidden temporary folder, flushed and
-    hashed into its manifest, then renamed to `checkpoint-{step}` (see the module docstring)."""
+    """`Accelerator.save_state` + tokenizer + config + the state file into a hidden temporary folder; then, in a
+    background thread while training goes on, every file flushed and hashed into the manifest and the folder renamed
+    to `checkpoint-{step}` (see the module docstring). `wait_for_checkpoint` waits for it (the next checkpoint, the
+    final save and the end of `train` do)."""
     args, accelerator = run.args, run.accelerator
+    wait_for_checkpoint(run)
     final = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{step}")
     temporary = os.path.join(args.output_dir, f".{CHECKPOINT_PREFIX}{step}{TEMPORARY_SUFFIX}")
+    sealer = None
     if run.is_main:
         shutil.rmtree(temporary, ignore_errors=True)
         os.makedirs(temporary)
+        sealer = Sealer(temporary)  # hashes and flushes each file in the background once it is written
     accelerator.wait_for_everyone()
-    accelerator.save_state(temporary)
-    accelerator.wait_for_everyone()  # every process's files are written
-    if run.is_main:
-        run.tokenizer.save_pretrained(temporary)
-        _write_loadable(run, temporary)
-        state = {
-            "step": step,
-            "total_steps": run.total_steps,
-            "global_batch_blocks": run.global_blocks,
-            "block_size": run.block_size,
-            "seed": args.seed,
-            "num_train_blocks": len(run.train_blocks),
-            "num_processes": run.world,
-            "metrics_records": run.metrics_records,
-            "args": recorded_args(args),
-        }
-        with open(os.path.join(temporary, STATE_FILE), "w") as f:
-            json.dump(state, f, indent=2)
-        seal(temporary)  # every file flushed and hashed, the manifest written last: the completion marker
-        if os.path.isdir(final):  # a checkpoint of the same step from before a resume: replaced whole
-            remove_dir_atomic(final)
-        os.replace(temporary, final)
-        fsync(args.output_dir)
-        if args.save_total_limit:
-            for _, old in list_checkpoints(args.output_dir, complete=False)[: -args.save_total_limit]:
-                remove_dir_atomic(old)
-        if args.plot:
-            plot_metrics(run.metrics_path, os.path.join(args.output_dir, PLOT_FILE))
+    try:
+        with sealer.hashing_writes() if sealer is not None else contextlib.nullcontext():
+            accelerator.save_state(temporary)
+        accelerator.wait_for_everyone()  # every process's files are written
+        if run.is_main:
+            run.tokenizer.save_pretrained(temporary)
+            _write_loadable(run, temporary)
+            state = {
+                "step": step,
+                "total_steps": run.total_steps,
+                "global_batch_blocks": run.global_blocks,
+                "block_size": run.block_size,
+                "seed": args.seed,
+                "num_train_blocks": len(run.train_blocks),
+                "num_processes": run.world,
+                "metrics_records": run.metrics_records,
+                "args": recorded_args(args),
+            }
+            with open(os.path.join(temporary, STATE_FILE), "w") as f:
+                json.dump(state, f, indent=2)
+            if args.plot:
+                plot_metrics(run.metrics_path, os.path.join(args.output_dir, PLOT_FILE))
+            run.pending_checkpoint = _COMPLETER.submit(_complete, sealer, temporary, final, args)
+    except BaseException:
+        if sealer is not None and run.pending_checkpoint is None:
+            sealer.close()
+        raise
     accelerator.wait_for_everyone()
+
+
+def _complete(sealer: Sealer, temporary: str, final: str, args: TrainArguments) -> None:
+    """The background half of a checkpoint: the manifest written last, the folder renamed into place, the oldest
+    checkpoints beyond --save_total_limit removed."""
+    sealer.finish()  # every file flushed and hashed, the manifest written last: the completion marker
+    if os.path.isdir(final):  # a checkpoint of the same step from before a resume: replaced whole
+        remove_dir_atomic(final)
+    os.replace(temporary, final)
+    fsync(args.output_dir)
+    if args.save_total_limit:
+        for _, old in list_checkpoints(args.output_dir, complete=False)[: -args.save_total_limit]:
+            remove_dir_atomic(old)
+
+
+_COMPLETER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mhmoe-checkpoint")
+
+
+def wait_for_checkpoint(run: TrainRun) -> None:
+    """Wait until the checkpoint being completed in the background is in place; its error, if any, is raised here."""
+    pending, run.pending_checkpoint = run.pending_checkpoint, None
+    if pending is not None:
+        pending.result()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -344,5 +373,6 @@ __all__ = [
     "resume",
     "save_checkpoint",
     "verify_checkpoint",
+    "wait_for_checkpoint",
     "write_json_atomic",
 ]

@@ -16,7 +16,7 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (`mhmoe-train`); usage and input errors exit with status 2 and a one-line message, a run
-    stopped by non-finite losses with status 1."""
+    stopped by non-finite losses or by a problem of the machine (a full disk) with status 1."""
     parser = build_parser()
     (args,) = parse_or_exit(parser, argv)
     try:
@@ -26,6 +26,13 @@ def main(argv: list[str] | None = None) -> None:
         train(args)
     except TrainingError as e:
         parser.exit(1 if isinstance(e, TrainingStopped) else 2, f"mhmoe-train: error: {e}\n")
+    except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
+        from .._plumbing.checkpoint_files import write_error_message
+
+        message = write_error_message(e, args.output_dir or ".")
+        if message is None:
+            raise
+        parser.exit(1, f"mhmoe-train: error: {message}\n")
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -37,7 +37,7 @@ from .arguments import (
     load_config,
     supported_model_types,
 )
-from .checkpoints import resume, save_checkpoint
+from .checkpoints import resume, save_checkpoint, wait_for_checkpoint
 from .lock import OutputDirLock, OutputDirLocked
 from .metrics import _loss_fields, _token_nll_sum
 from .metrics import validate as _evaluate  # looked up at call time: tests interrupt a run here
@@ -116,9 +116,22 @@ def _train(args, model, tokenizer, on_log, reference_eval) -> TrainResult:
     build_optimizer(run)
     prepare_output_dir(run)
     resume(run)
-    final_eval = train_loop(run, reference_eval)
-    unwrapped = save_final(run, final_eval)
+    try:
+        final_eval = train_loop(run, reference_eval)
+        unwrapped = save_final(run, final_eval)
+    except BaseException:
+        _finish_checkpoint_quietly(run)  # a checkpoint completing in the background is put in place first
+        raise
     return TrainResult(args.output_dir, run.total_steps, run.history, final_eval, unwrapped, run.tokenizer)
+
+
+def _finish_checkpoint_quietly(run: TrainRun) -> None:
+    """While another error stops the run: let the checkpoint being completed in the background finish (its own
+    error, if any, is not the one to report)."""
+    try:
+        wait_for_checkpoint(run)
+    except Exception:
+        pass
 
 
 def check_before_training(args, model_given: bool = False) -> None:

@@ -1,14 +1,15 @@
 """A checkpoint's manifest: the size and SHA-256 of every file in it, written last, checked before resuming.
 
-`seal(folder)` flushes every file of a finished checkpoint folder to disk and hashes it at the same time (the hashes
-are computed from the page cache while the disk flush waits on the device; benchmarks/checkpoint_hash.py measures what
-this adds to a checkpoint), then writes `manifest.json` atomically: the last file written, the checkpoint's
-completion marker. `verify(folder)` reads every listed file back and raises `ManifestError` naming the first that is
+`Sealer(folder)` hashes (from the page cache) and flushes to disk every file Accelerate writes into a checkpoint folder
+in background threads, each as soon as it is written, beside the writing of the next; `finish()` adds the files
+written otherwise and writes `manifest.json` atomically: the last file written, the checkpoint's completion marker
+(benchmarks/checkpoint_hash.py measures what this adds to a checkpoint). `verify(folder)` reads every listed file back and raises `ManifestError` naming the first that is
 missing, not a regular file, of another size or another hash (a flipped byte, a truncated or emptied file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -45,23 +46,84 @@ def _files(folder: str) -> list[str]:
     return sorted(found)
 
 
-def seal(folder: str) -> dict:
-    """Flush every file under `folder` to disk while hashing it, then write the manifest (flushed, atomically) and
-    flush the folders. Returns the manifest."""
-    files = _files(folder)
-    paths = [os.path.join(folder, *relative.split("/")) for relative in files]
-    with ThreadPoolExecutor(max_workers=1) as flusher:  # the disk flushes in the background, the hashes here
-        flushed = flusher.submit(lambda: [fsync(path) for path in paths])
+class Sealer:
+    """Seal a checkpoint folder while it is being written. Create it before the folder's first file is written and
+    write the files inside `hashing_writes()` (Accelerate's `save_state`): each file Accelerate writes is hashed and
+    flushed in background threads as soon as it is closed, beside the writing of the next (hashlib and fsync release
+    the GIL). `finish()` hashes and flushes what was written otherwise (tokenizer, config, state file), waits for the
+    background work and writes the manifest (flushed, atomically), then flushes the folders."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._hashes: dict[str, object] = {}  # relative path -> Future of its SHA-256
+        self._flushes = []
+        self._hash_pool = ThreadPoolExecutor(max_workers=2)  # two files at once: the model and the optimizer state
+        self._flush_pool = ThreadPoolExecutor(max_workers=1)
+
+    def _relative(self, path: str) -> str:
+        return os.path.relpath(os.path.abspath(path), os.path.abspath(self.folder)).replace(os.sep, "/")
+
+    def add(self, path: str) -> None:
+        """Start hashing and flushing the finished file `path` (inside the folder) in the background."""
+        relative = self._relative(path)
+        if relative not in self._hashes and os.path.isfile(path):
+            self._hashes[relative] = self._hash_pool.submit(sha256_file, path)
+            self._flushes.append(self._flush_pool.submit(fsync, path))
+
+    @contextlib.contextmanager
+    def hashing_writes(self):
+        """Inside: every file Accelerate's `save` writes into the folder is handed to `add` once written."""
+        try:
+            import accelerate.checkpointing as checkpointing
+        except ImportError:
+            yield
+            return
+        original = getattr(checkpointing, "save", None)
+        if original is None:  # another Accelerate: the files are hashed by finish()
+            yield
+            return
+
+        def save_then_hash(obj, f, *args, **kwargs):
+            original(obj, f, *args, **kwargs)
+            if isinstance(f, (str, os.PathLike)) and not self._relative(os.fspath(f)).startswith(".."):
+                self.add(os.fspath(f))
+
+        checkpointing.save = save_then_hash
+        try:
+            yield
+        finally:
+            checkpointing.save = original
+
+    def finish(self) -> dict:
+        try:
+            for relative in _files(self.folder):
+                self.add(os.path.join(self.folder, *relative.split("/")))
+            digests = {relative: future.result() for relative, future in self._hashes.items()}
+            for flush in self._flushes:
+                flush.result()
+        finally:
+            self.close()
         entries = {
-            relative: {"size": os.path.getsize(path), "sha256": sha256_file(path)}
-            for relative, path in zip(files, paths)
+            relative: {
+                "size": os.path.getsize(os.path.join(self.folder, *relative.split("/"))),
+                "sha256": digests[relative],
+            }
+            for relative in sorted(digests)
         }
-        flushed.result()
-    manifest = {"format": FORMAT, "files": entries}
-    write_json_atomic(os.path.join(folder, MANIFEST_FILE), manifest)
-    for root, _, _ in os.walk(folder):
-        fsync(root)
-    return manifest
+        manifest = {"format": FORMAT, "files": entries}
+        write_json_atomic(os.path.join(self.folder, MANIFEST_FILE), manifest)
+        for root, _, _ in os.walk(self.folder):
+            fsync(root)
+        return manifest
+
+    def close(self) -> None:
+        self._hash_pool.shutdown(wait=True)
+        self._flush_pool.shutdown(wait=True)
+
+
+def seal(folder: str) -> dict:
+    """Flush every file under `folder` to disk while hashing it, then write the manifest (`Sealer` in one go)."""
+    return Sealer(folder).finish()
 
 
 def read_manifest(folder: str) -> dict | None:
@@ -110,4 +172,4 @@ def verify(folder: str, manifest: dict | None = None) -> None:
             )
 
 
-__all__ = ["MANIFEST_FILE", "ManifestError", "read_manifest", "seal", "sha256_file", "verify"]
+__all__ = ["MANIFEST_FILE", "ManifestError", "Sealer", "read_manifest", "seal", "sha256_file", "verify"]

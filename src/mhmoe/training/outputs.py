@@ -11,7 +11,13 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .._plumbing.checkpoint_files import overlapping
 from .arguments import TrainArguments, TrainingError, recorded_args
-from .checkpoints import check_resume, list_checkpoints, remove_stale_temporaries, write_json_atomic
+from .checkpoints import (
+    check_resume,
+    list_checkpoints,
+    remove_stale_temporaries,
+    wait_for_checkpoint,
+    write_json_atomic,
+)
 from .metrics import METRICS_FILE, PLOT_FILE, plot_metrics
 from .state import TrainRun
 
@@ -154,6 +160,7 @@ def save_final(run: TrainRun, final_eval: dict | None):
     """The unwrapped model (full, or the adapter with --lora; merged too with --merge_lora), tokenizer, loss plot and
     run summary. Returns the unwrapped model."""
     args, accelerator = run.args, run.accelerator
+    wait_for_checkpoint(run)  # the last checkpoint is in place before the final save
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(run.model)
     unwrapped = accelerator.unwrap_model(run.model)

@@ -153,6 +153,12 @@ def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> No
         run.total_steps = args.max_steps
     else:
         run.total_steps = max(1, math.ceil(args.num_train_epochs * run.steps_per_epoch))
+        if args.warmup_steps > run.total_steps:
+            raise TrainingError(
+                f"--warmup_steps {args.warmup_steps} is more than the run's {run.total_steps} steps "
+                f"(--num_train_epochs {args.num_train_epochs:g}): the learning rate would never reach "
+                f"--learning_rate; give at most {run.total_steps} (or --warmup_ratio)"
+            )
 
 
 def build_model(run: TrainRun, model) -> None:

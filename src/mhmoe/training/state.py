@@ -54,6 +54,7 @@ class TrainRun:
     permutation: tuple[int, torch.Tensor] | None = None  # (epoch, its block order)
     history: list[dict] = field(default_factory=list)
     metrics_records: int = 0  # records in metrics.jsonl (earlier runs' included): checkpoints keep the count
+    pending_checkpoint: Any = None  # a Future: the checkpoint being completed in the background (checkpoints.py)
 
     @property
     def is_main(self) -> bool:
