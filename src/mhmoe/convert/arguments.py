@@ -13,6 +13,20 @@ from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, RECIPES, ROUTER_CHOIC
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, CONTINUE_TUNING_DEFAULTS, SHARED_HEADS_RATIO
 
 
+class Ratio(float):
+    """A fraction on the command line: a decimal (0.75) or a quotient (7/9)."""
+
+    def __new__(cls, value):
+        if isinstance(value, str) and "/" in value:
+            from fractions import Fraction
+
+            try:
+                value = float(Fraction(value.strip()))
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"not a fraction: {value!r}") from None
+        return super().__new__(cls, value)
+
+
 @dataclass
 class ConvertArguments:
     """The conversion (`convert_llama_to_moh.py` also takes every continue-tuning flag of mhmoe-train)."""
@@ -25,12 +39,27 @@ class ConvertArguments:
             "checkpoints and recovery curve; the converted (untuned) model is in OUTPUT_DIR/converted."
         },
     )
-    shared_heads_ratio: float = field(
-        default=SHARED_HEADS_RATIO, metadata={"help": "Fraction of heads shared (the first ones)."}
+    shared_heads_ratio: Ratio = field(
+        default=SHARED_HEADS_RATIO,
+        metadata={
+            "help": "Fraction of each layer's heads that are shared (always on), e.g. 0.5 or 1/3; which heads: "
+            "--shared_heads_by (the recipe's choice by default)."
+        },
     )
-    active_heads_ratio: float = field(
+    active_heads_ratio: Ratio = field(
         default=ACTIVE_HEADS_RATIO,
-        metadata={"help": "Fraction of ALL heads active per token (shared + routed), e.g. 0.75."},
+        metadata={"help": "Fraction of ALL heads active per token (shared + routed), e.g. 0.75 or 7/9."},
+    )
+    shared_heads: str | None = field(
+        default=None,
+        metadata={"help": "Shared heads per layer as a count, e.g. 3 (of 9), instead of --shared_heads_ratio."},
+    )
+    active_heads: int | None = field(
+        default=None,
+        metadata={
+            "help": "Heads active per token per layer as a count (shared + routed), e.g. 7 (of 9), instead of "
+            "--active_heads_ratio."
+        },
     )
     moh_aux_loss_coef: float = field(
         default=AUX_LOSS_COEF, metadata={"help": "β of the MoH load-balance loss (eq. 7)."}
@@ -62,10 +91,11 @@ class ConvertArguments:
             "choices": ["auto", *RECIPES],
         },
     )
-    shared_heads: str | None = field(
+    shared_heads_by: str | None = field(
         default=None,
         metadata={
-            "help": "Override the recipe's shared heads: 'first' or 'importance' (calibrated).",
+            "help": "Override the recipe's choice of shared heads: 'first' (the paper) or 'importance' (the "
+            "heads that contribute most on calibration text).",
             "choices": list(SHARED_CHOICES),
         },
     )
@@ -107,20 +137,45 @@ class ConvertArguments:
         default=0.5, metadata={"help": "loss = weight × T² × KL(parent || model) + (1 − weight) × LM loss."}
     )
 
+    def head_counts(self) -> tuple[int | None, str | None]:
+        """(--shared_heads as a count, the shared-head choice): `--shared_heads first|importance`, its earlier
+        meaning, is still taken as --shared_heads_by (with a note)."""
+        from .errors import ConversionError
+
+        value, choice = self.shared_heads, self.shared_heads_by
+        if value is None or str(value).isdigit():
+            return (None if value is None else int(value)), choice
+        if value in SHARED_CHOICES and choice in (None, value):
+            import sys
+
+            print(
+                f"mhmoe-convert: note: --shared_heads {value} is now --shared_heads_by {value} (--shared_heads "
+                "counts the shared heads)",
+                file=sys.stderr,
+            )
+            return None, value
+        raise ConversionError(
+            f"--shared_heads {value!r}: give a number of heads (e.g. --shared_heads 3); which heads "
+            f"are shared is --shared_heads_by ({', '.join(SHARED_CHOICES)})"
+        )
+
     def conversion_options(self) -> dict:
         """The keyword arguments of `convert` these arguments give (besides input and output folders)."""
         from .calibrate import head_recipe
         from .verify import read_probe
 
+        shared_heads, shared_heads_by = self.head_counts()
         return dict(
             shared_heads_ratio=self.shared_heads_ratio,
             active_heads_ratio=self.active_heads_ratio,
+            shared_heads=shared_heads,
+            active_heads=self.active_heads,
             overwrite=self.overwrite,
             verify_logits=not self.skip_logit_check,
             probe_text=read_probe(self.probe_file),
             moh_aux_loss_coef=self.moh_aux_loss_coef,
             gguf_file=self.gguf_file,
-            recipe=head_recipe(self.recipe, self.shared_heads, self.moh_router),
+            recipe=head_recipe(self.recipe, shared_heads_by, self.moh_router),
             calibration_file=self.calibration_file,
             calibration_tokens=self.calibration_tokens,
             trust_remote_code=self.trust_remote_code,

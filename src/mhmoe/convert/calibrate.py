@@ -58,12 +58,12 @@ def head_recipe(name: str = DEFAULT_RECIPE, shared_heads: str | None = None, rou
     if name == "auto":
         if shared_heads is not None or router is not None:
             raise ConversionError(
-                "--shared_heads and --moh_router change a named recipe: give --recipe paper or "
+                "--shared_heads_by and --moh_router change a named recipe: give --recipe paper or "
                 "--recipe calibrated with them"
             )
         return HeadRecipe("auto", "auto", "auto")
     if shared_heads is not None and shared_heads not in SHARED_CHOICES:
-        raise ConversionError(f"--shared_heads must be one of {', '.join(SHARED_CHOICES)}, got {shared_heads!r}")
+        raise ConversionError(f"--shared_heads_by must be one of {', '.join(SHARED_CHOICES)}, got {shared_heads!r}")
     if router is not None and router not in ROUTER_CHOICES:
         raise ConversionError(f"--moh_router must be one of {', '.join(ROUTER_CHOICES)}, got {router!r}")
     base = RECIPES[name]

@@ -27,18 +27,30 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point; refusals exit with status 2 and a one-line message, nothing left at --output_dir."""
+    """Console entry point; refusals exit with status 2 and a one-line message, nothing left at --output_dir; a full
+    disk or another problem of the machine with status 1; Ctrl-C with status 130 and one line saying how to go on."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, tune = parse_or_exit(parser, argv)
     if not args.input_dir or not args.output_dir:
         parser.error("--input_dir and --output_dir are required")
+    _fit_recipe_warmup(tune, argv)
+    if int(os.environ.get("RANK", "0")) == 0:  # at once: loading torch and Transformers takes seconds
+        print(
+            f"{parser.prog}: {args.input_dir} -> {args.output_dir}: loading torch and Transformers",
+            file=sys.stderr,
+            flush=True,
+        )
 
     from .._plumbing.checkpoint_files import write_error_message
     from ..training.arguments import TrainingError
-    from .continue_tune import convert_and_continue_tune
-    from .conversion import convert
 
     try:
+        from .continue_tune import convert_and_continue_tune
+        from .conversion import convert
+
         if tune.train_file:
             convert_and_continue_tune(args, tune, progress=not tune.disable_tqdm)
         else:
@@ -52,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.input_dir, args.output_dir, progress=not tune.disable_tqdm, **args.conversion_options()
             )
             print(report.format(), flush=True)
+    except KeyboardInterrupt:
+        parser.exit(130, f"\n{parser.prog}: interrupted; {_how_to_go_on(args, tune)}\n")
     except (ConversionError, TrainingError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
@@ -63,6 +77,43 @@ def main(argv: list[str] | None = None) -> None:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _fit_recipe_warmup(tune, argv: list[str]) -> None:
+    """The recipe's warmup (50 steps) in a continue-tuning run of fewer steps, when --warmup_steps was not given: a
+    tenth of the steps instead, said in a note (mhmoe-train refuses a warmup longer than the run)."""
+    from .recipe import CONTINUE_TUNING_DEFAULTS
+
+    given = any(a.split("=")[0] in ("--warmup_steps", "--warmup-steps") for a in argv)
+    default = CONTINUE_TUNING_DEFAULTS["warmup_steps"]
+    if tune.train_file and not given and 0 < tune.max_steps < tune.warmup_steps == default:
+        import sys
+
+        print(
+            f"mhmoe-convert: note: the recipe's {tune.warmup_steps} warmup steps are more than --max_steps "
+            f"{tune.max_steps}: warming up for {tune.max_steps // 10} (give --warmup_steps to choose)",
+            file=sys.stderr,
+        )
+        tune.warmup_steps = tune.max_steps // 10
+
+
+def _how_to_go_on(args, tune) -> str:
+    """After Ctrl-C: nothing was written (a conversion writes its folder whole at the end), or the continue-tuning
+    run resumes from its newest checkpoint."""
+    from ..training.checkpoints import list_checkpoints
+
+    checkpoints = list_checkpoints(args.output_dir) if tune.train_file else []
+    if checkpoints:
+        return (
+            f"the continue-tuning saved {os.path.basename(checkpoints[-1][1])}: run the same command with "
+            "--resume_from_checkpoint latest to go on from it"
+        )
+    if tune.train_file and os.path.isdir(os.path.join(args.output_dir, "converted")):
+        return (
+            f"the converted model is in {os.path.join(args.output_dir, 'converted')}, no checkpoint yet "
+            "(--save_steps): run the same command with --overwrite to start over"
+        )
+    return f"nothing was written to {args.output_dir}: run the same command again"
 
 
 __all__ = ["build_parser", "main"]

@@ -40,7 +40,10 @@ def _check_converted(converted: str, args: ConvertArguments) -> None:
         raise ConversionError(f"--resume_from_checkpoint: no converted model in {converted}")
     with open(config_path) as f:
         config = json.load(f)
-    want = head_split(config["num_attention_heads"], args.shared_heads_ratio, args.active_heads_ratio)
+    shared_heads, _ = args.head_counts()
+    want = head_split(
+        config["num_attention_heads"], args.shared_heads_ratio, args.active_heads_ratio, shared_heads, args.active_heads
+    )
     got = (config.get("moh_shared_heads"), config.get("moh_active_heads"))
     if config.get("model_type") != "moh_llama" or got != want:
         raise ConversionError(

@@ -38,7 +38,16 @@ from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_he
 from .errors import ConversionError
 from .heads import permute_checkpoint
 from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
-from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, GATES, ROUTER, SHARED_HEADS_RATIO
+from .recipe import (
+    ACTIVE_HEADS_RATIO,
+    AUX_LOSS_COEF,
+    GATES,
+    ROUTER,
+    SHARED_HEADS_RATIO,
+    check_aux_loss_coef,
+    check_number,
+    head_split,
+)
 from .verify import verified
 
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -286,6 +295,8 @@ def convert(
     source_name: str | None = None,
     source_notes: list[str] | None = None,
     trust_remote_code: bool = False,
+    shared_heads: int | None = None,
+    active_heads: int | None = None,
 ) -> ConversionReport:
     """Convert `input_dir` (llama / mistral / qwen2, safetensors; or `gguf_file` inside it) into a moh_llama
     checkpoint at `output_dir`.
@@ -298,8 +309,15 @@ def convert(
     repo id; never a local path). `source_notes`: how the source was read (GGUF dequantisation), first among the
     report's and moh_conversion.json's notes. `trust_remote_code`: let Transformers run the code the source's tokenizer
     names (calibration, the logit check); the model's code is always Transformers' own and no code is copied.
+    `shared_heads` / `active_heads`: the head split as counts per layer (active = shared + routed) instead of the
+    ratios. Arguments of the wrong type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).
     """
     start = time.time()
+    _check_numbers(
+        shared_heads_ratio if shared_heads is None else 0.0,
+        active_heads_ratio if active_heads is None else 0.0,
+        moh_aux_loss_coef,
+    )
     check_paths(input_dir, output_dir)
     output_state(output_dir, overwrite)
     recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -315,9 +333,14 @@ def convert(
             recipe=recipe,
             calibration_file=calibration_file,
             calibration_tokens=calibration_tokens,
+            trust_remote_code=trust_remote_code,
+            shared_heads=shared_heads,
+            active_heads=active_heads,
         )
         return _convert_gguf(input_dir, output_dir, gguf_file, **options)
-    plan = plan_conversion(input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef)
+    plan = plan_conversion(
+        input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads
+    )
     plan.notes[:0] = source_notes or []
     _check_disk_space(plan, output_dir)
     calibration_start = time.time()
@@ -361,12 +384,27 @@ def convert(
     return report
 
 
+def _check_numbers(shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef) -> None:
+    """Before anything is read: the ratios and β are finite numbers (a TypeError for a string or None)."""
+    check_number("--shared_heads_ratio", shared_heads_ratio)
+    check_number("--active_heads_ratio", active_heads_ratio)
+    check_aux_loss_coef(moh_aux_loss_coef)
+
+
 def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) -> ConversionReport:
     """`convert` of a GGUF file: dequantised into a dense checkpoint in a temporary folder (gguf.py), converted from
     there, the temporary folder removed."""
-    from .gguf import check_gguf_source, dequantise_gguf
+    from .gguf import check_gguf_source, dequantise_gguf, gguf_config
 
     check_gguf_source(input_dir, gguf_file)
+    heads = gguf_config(input_dir, gguf_file).num_attention_heads  # the head split is checked before dequantising
+    head_split(
+        heads,
+        options["shared_heads_ratio"],
+        options["active_heads_ratio"],
+        options["shared_heads"],
+        options["active_heads"],
+    )
     dense = temporary_dir_next_to(output_dir)
     try:
         notes = dequantise_gguf(input_dir, gguf_file, dense)

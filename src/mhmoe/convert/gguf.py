@@ -35,7 +35,8 @@ def check_gguf_source(input_dir: str, gguf_file: str) -> str:
     return path
 
 
-def _gguf_config(input_dir: str, gguf_file: str):
+def gguf_config(input_dir: str, gguf_file: str):
+    """The config of the GGUF file's model (read from its metadata, no weights), refusing other model types."""
     from transformers import AutoConfig
 
     from .plan import SOURCE_MODEL_TYPES
@@ -59,7 +60,7 @@ def dequantise_gguf(input_dir: str, gguf_file: str, dense_dir: str) -> list[str]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_gguf_source(input_dir, gguf_file)
-    config = _gguf_config(input_dir, gguf_file)
+    config = gguf_config(input_dir, gguf_file)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             input_dir, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False
@@ -81,4 +82,4 @@ def dequantise_gguf(input_dir: str, gguf_file: str, dense_dir: str) -> list[str]
     return notes
 
 
-__all__ = ["GGUF_MISSING", "check_gguf_source", "dequantise_gguf"]
+__all__ = ["GGUF_MISSING", "check_gguf_source", "dequantise_gguf", "gguf_config"]

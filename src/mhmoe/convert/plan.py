@@ -22,7 +22,14 @@ from transformers.utils import CONFIG_NAME
 from .._plumbing.checkpoint_files import SAFE_INDEX_NAME, read_header, read_model_type, side_files, weight_files
 from ..hub.trust import check_links
 from .errors import ConversionError
-from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, SHARED_HEADS_RATIO, head_split, moh_fields
+from .recipe import (
+    ACTIVE_HEADS_RATIO,
+    AUX_LOSS_COEF,
+    SHARED_HEADS_RATIO,
+    check_aux_loss_coef,
+    head_split,
+    moh_fields,
+)
 
 SOURCE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 RECORD_NAME = "moh_conversion.json"
@@ -102,8 +109,20 @@ def _source_config(input_dir: str):
         )
     try:
         return AutoConfig.from_pretrained(input_dir, trust_remote_code=False), model_type
-    except (OSError, TypeError, ValueError) as e:
-        raise ConversionError(f"invalid {model_type} config {config_path}: {e}") from None
+    except Exception as e:  # OSError, TypeError, ValueError; huggingface_hub's StrictDataclass*Error (not ValueErrors)
+        if not _config_error(e):
+            raise
+        raise ConversionError(f"invalid {model_type} config {config_path}: {_one_line(e)}") from None
+
+
+def _config_error(e: Exception) -> bool:
+    """An error a config's values cause: TypeError/ValueError/OSError, or huggingface_hub's validation errors."""
+    return isinstance(e, (OSError, TypeError, ValueError)) or type(e).__module__.split(".")[0] == "huggingface_hub"
+
+
+def _one_line(e: Exception) -> str:
+    """An error's message on one line (huggingface_hub's validation errors span several, the cause indented last)."""
+    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
 
 
 def _check_attention(config, model_type: str) -> None:
@@ -143,8 +162,10 @@ def _moh_config(source_config, model_type: str, shared: int, routed_active: int,
     )
     try:
         config = MoHLlamaConfig(**fields, **moh_fields(shared, routed_active, aux_loss_coef))
-    except (TypeError, ValueError) as e:
-        raise ConversionError(f"the source config does not make a valid moh_llama config: {e}") from None
+    except Exception as e:
+        if not _config_error(e):
+            raise
+        raise ConversionError(f"the source config does not make a valid moh_llama config: {_one_line(e)}") from None
     config.architectures = ["MoHLlamaForCausalLM"]
     return config, dropped
 
@@ -237,12 +258,16 @@ def plan_conversion(
     shared_heads_ratio: float = SHARED_HEADS_RATIO,
     active_heads_ratio: float = ACTIVE_HEADS_RATIO,
     moh_aux_loss_coef: float = AUX_LOSS_COEF,
+    shared_heads: int | None = None,
+    active_heads: int | None = None,
 ) -> ConversionPlan:
-    """Read and check the source (config, index, every shard's header); nothing is written."""
+    """Read and check the source (config, index, every shard's header); nothing is written. `shared_heads` /
+    `active_heads`: counts instead of the ratios (`recipe.head_split`)."""
+    check_aux_loss_coef(moh_aux_loss_coef)
     source_config, model_type = _source_config(input_dir)
     _check_attention(source_config, model_type)
     heads = source_config.num_attention_heads
-    shared, routed_active = head_split(heads, shared_heads_ratio, active_heads_ratio)
+    shared, routed_active = head_split(heads, shared_heads_ratio, active_heads_ratio, shared_heads, active_heads)
     config, dropped_fields = _moh_config(source_config, model_type, shared, routed_active, moh_aux_loss_coef)
     notes = []
     if dropped_fields:

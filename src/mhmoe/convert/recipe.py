@@ -38,34 +38,80 @@ CONTINUE_TUNING_DEFAULTS = {
 }
 
 
-def head_split(num_heads: int, shared_heads_ratio: float, active_heads_ratio: float) -> tuple[int, int]:
+def check_number(name: str, value, error: type[Exception] = ConversionError) -> float:
+    """`value` as a finite real number; a string, None or a bool raise `TypeError`, NaN or infinity `error`, each in
+    one line naming the argument."""
+    import math
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__} ({value!r})")
+    if not math.isfinite(value):
+        raise error(f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _count(name: str, value, num_heads: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number of heads, not {type(value).__name__} ({value!r})")
+    if not 0 <= value <= num_heads:
+        raise ConversionError(f"{name} {value} must be between 0 and the model's {num_heads} heads")
+    return value
+
+
+def head_split(
+    num_heads: int,
+    shared_heads_ratio: float = SHARED_HEADS_RATIO,
+    active_heads_ratio: float = ACTIVE_HEADS_RATIO,
+    shared_heads: int | None = None,
+    active_heads: int | None = None,
+) -> tuple[int, int]:
     """(shared heads, routed heads active per token) for `num_heads` query heads.
 
-    `active_heads_ratio` counts all active heads (shared + routed): 32 heads, 0.5, 0.75 -> (16, 8). Refuses ratios that
-    do not give whole heads, no routed head, or no active routed head.
+    `active_heads_ratio` counts all active heads (shared + routed): 32 heads, 0.5, 0.75 -> (16, 8). `shared_heads` /
+    `active_heads` give the counts instead of the ratios (9 heads: 3 and 7 -> (3, 4)). A ratio within 0.001 of a
+    whole number of heads is that number (0.3333 of 9 heads is 3). Refuses ratios that do not give whole heads, no
+    routed head, or no active routed head.
     """
-    shared_float = num_heads * shared_heads_ratio
-    active_float = num_heads * active_heads_ratio
+    words = []
+    if shared_heads is None:
+        ratio = check_number("--shared_heads_ratio", shared_heads_ratio)
+        if not 0 <= ratio < 1:
+            raise ConversionError(f"--shared_heads_ratio must be in [0, 1), got {shared_heads_ratio}")
+        shared_float, words = num_heads * ratio, [f"shared ratio {shared_heads_ratio}"]
+    else:
+        shared_float = _count("--shared_heads", shared_heads, num_heads)
+    if active_heads is None:
+        ratio = check_number("--active_heads_ratio", active_heads_ratio)
+        if not 0 < ratio <= 1:
+            raise ConversionError(f"--active_heads_ratio must be in (0, 1], got {active_heads_ratio}")
+        active_float = num_heads * ratio
+        words.append(f"active ratio {active_heads_ratio}")
+    else:
+        active_float = _count("--active_heads", active_heads, num_heads)
     shared, active = round(shared_float), round(active_float)
-    if not 0 <= shared_heads_ratio < 1:
-        raise ConversionError(f"--shared_heads_ratio must be in [0, 1), got {shared_heads_ratio}")
-    if not 0 < active_heads_ratio <= 1:
-        raise ConversionError(f"--active_heads_ratio must be in (0, 1], got {active_heads_ratio}")
-    if abs(shared_float - shared) > 1e-6 or abs(active_float - active) > 1e-6:
+    tolerance = min(1e-3 * num_heads, 0.25)  # ratios written to 3-4 decimals (0.3333 of 9 heads)
+    if abs(shared_float - shared) > tolerance or abs(active_float - active) > tolerance:
         raise ConversionError(
-            f"ratios give no integer head split: {num_heads} heads × shared ratio {shared_heads_ratio} = "
-            f"{shared_float:g} shared, × active ratio {active_heads_ratio} = {active_float:g} active heads (choose "
-            f"ratios that are multiples of 1/{num_heads})"
+            f"{' and '.join(words)} give no whole number of heads of {num_heads}: {shared_float:.4g} shared, "
+            f"{active_float:.4g} active (use multiples of 1/{num_heads}, or counts: --shared_heads N --active_heads M)"
         )
     if shared >= num_heads:
         raise ConversionError(f"{shared} shared heads of {num_heads} leave no head to route")
     if active <= shared:
         raise ConversionError(
-            f"--active_heads_ratio {active_heads_ratio} ({active} heads) must exceed --shared_heads_ratio "
-            f"{shared_heads_ratio} ({shared} heads): it counts shared + routed heads, and at least one routed head "
-            "must be active"
+            f"{active} active heads must be more than the {shared} shared heads: the active heads count shared + "
+            "routed heads, and at least one routed head must be active"
         )
     return shared, active - shared
+
+
+def check_aux_loss_coef(value) -> float:
+    """β of the MoH balance loss: a finite number >= 0."""
+    value = check_number("--moh_aux_loss_coef", value)
+    if value < 0:
+        raise ConversionError(f"--moh_aux_loss_coef must be >= 0 (0: no balance loss), got {value:g}")
+    return value
 
 
 def moh_fields(shared: int, routed_active: int, aux_loss_coef: float) -> dict:

@@ -42,7 +42,13 @@ def read_probe(path: str | None) -> str | None:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read()
+            text = f.read()
+        if not text.strip():
+            raise ConversionError(
+                f"--probe_file {path} holds no text (the logit check needs some; leave --probe_file "
+                "out for the built-in probe)"
+            )
+        return text
     except OSError as e:
         raise ConversionError(f"--probe_file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:  # a binary file: the codec's message names neither the file nor the fix

@@ -16,7 +16,8 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (`mhmoe-train`); usage and input errors exit with status 2 and a one-line message, a run
-    stopped by non-finite losses or by a problem of the machine (a full disk) with status 1."""
+    stopped by non-finite losses or by a problem of the machine (a full disk) with status 1, Ctrl-C with status 130
+    and one line saying how to go on."""
     parser = build_parser()
     (args,) = parse_or_exit(parser, argv)
     try:
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
         from .loop import train
 
         train(args)
+    except KeyboardInterrupt:
+        parser.exit(130, f"\nmhmoe-train: interrupted; {_how_to_go_on(args)}\n")
     except TrainingError as e:
         parser.exit(1 if isinstance(e, TrainingStopped) else 2, f"mhmoe-train: error: {e}\n")
     except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
@@ -37,6 +40,22 @@ def main(argv: list[str] | None = None) -> None:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _how_to_go_on(args) -> str:
+    """After Ctrl-C: resume from the newest checkpoint, or start over."""
+    import os
+
+    from .checkpoints import list_checkpoints
+
+    checkpoints = list_checkpoints(args.output_dir) if args.output_dir else []
+    if checkpoints:
+        return (
+            f"run the same command with --resume_from_checkpoint latest to go on from "
+            f"{os.path.join(args.output_dir, os.path.basename(checkpoints[-1][1]))}"
+        )
+    when = f"every {args.save_steps} steps" if args.save_steps else "none with --save_steps 0"
+    return f"no checkpoint was written yet ({when}): run the same command again to start over"
 
 
 __all__ = ["build_parser", "main"]

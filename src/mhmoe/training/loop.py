@@ -214,9 +214,15 @@ def _print_run(run: TrainRun) -> None:
         f"mhmoe-train: {run.config.model_type}, {run.trainable:,} trainable / {run.total_params:,} parameters; "
         f"{len(run.train_blocks)} blocks × {run.block_size} tokens, {run.steps_per_epoch} steps/epoch, steps "
         f"{run.start_step} → {run.total_steps}, global batch {run.global_blocks} blocks ({run.world} process(es) × "
-        f"{args.per_device_train_batch_size} × {args.gradient_accumulation_steps} accum), "
-        f"{accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision}"
+        f"{args.per_device_train_batch_size} × {args.gradient_accumulation_steps} accum), {_distribution(run)}, "
+        f"mixed precision {accelerator.mixed_precision}"
     )
+
+
+def _distribution(run: TrainRun) -> str:
+    """How the run is spread, in words (Accelerate says "NO" for a single process)."""
+    kind = run.accelerator.distributed_type.value
+    return f"single process on {run.accelerator.device.type}" if kind == "NO" else kind
 
 
 def _epoch_permutation(run: TrainRun, epoch: int) -> torch.Tensor:

@@ -170,6 +170,7 @@ def build_model(run: TrainRun, model) -> None:
     set_seed(args.seed)
     if model is None:
         if run.from_scratch:
+            _check_fits_in_memory(run.config)
             model = AutoModelForCausalLM.from_config(run.config)
         else:
             try:
@@ -208,6 +209,37 @@ def build_model(run: TrainRun, model) -> None:
     run.forward_kwargs = {**_moe_forward_kwargs(run.config, args.aux_loss), "use_cache": False}
     run.trainable, run.total_params = _num_trainable(model)
     run.model = model
+
+
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_experts",
+    "moe_intermediate_size",
+)
+
+
+def _check_fits_in_memory(config) -> None:
+    """A model built from a config must fit in this machine's memory: its parameters are counted on the meta device
+    first (a vocab_size of 10**12 would otherwise fail deep inside the allocator)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this platform
+        return
+    if 4 * parameters > memory:
+        sizes = ", ".join(f"{k}={getattr(config, k)}" for k in SIZE_FIELDS if getattr(config, k, None) is not None)
+        raise TrainingError(
+            f"the config makes a model of {parameters:,} parameters ({4 * parameters / 1e9:,.1f} GB in "
+            f"float32, about 4x that to train), more than this machine's {memory / 1e9:.1f} GB of "
+            f"memory; check its sizes ({sizes})"
+        )
 
 
 def build_optimizer(run: TrainRun) -> None:
