@@ -45,7 +45,7 @@ class FlushOnly:
         pass
 
     def finish(self) -> None:
-        from mhmoe.hub.checkpoint_files import fsync
+        from mhmoe._plumbing.checkpoint_files import fsync
 
         for root, _, names in os.walk(self.folder):
             for name in names:

@@ -11,6 +11,7 @@ encodes them: it is taken from the metadata `tokenizer`, else `pretrained` (both
 CLI), else from the `mhmoe` lm-eval model built in this process. Without any, the task reports word/byte metrics only.
 """
 
+import errno
 import glob
 import logging
 import os
@@ -104,6 +105,8 @@ def load_corpus(mhmoe_corpus: str, **metadata) -> datasets.DatasetDict:
         raise ValueError(f"{task}: {e}") from None
     except Exception as e:  # noqa: BLE001 - datasets' reader errors (DatasetGenerationError, ...): one line
         cause = e.__cause__ or e
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise cause from None  # the datasets cache could not be written: the machine's problem, not the data's
         raise ValueError(f"{task}: cannot read {path} ({type(cause).__name__}: {cause})") from None
     ds = ds.filter(lambda doc: bool(doc["original"] and doc["original"].strip()))
     if len(ds) == 0:

@@ -82,15 +82,29 @@ def test_head_split():
     assert head_split(8, 0.5, 0.75) == (4, 2)
     assert head_split(8, 0.25, 1.0) == (2, 6)
     assert head_split(12, 0.0, 0.5) == (0, 6)
+    assert head_split(9, 0.3333, 0.7778) == (3, 4)  # ratios written to 4 decimals
+    assert head_split(9, 1 / 3, 7 / 9) == (3, 4)
+    assert head_split(9, shared_heads=3, active_heads=7) == (3, 4)  # counts instead of ratios
+    assert head_split(9, 0.5, shared_heads=3, active_heads=7) == (3, 4)
     for heads, shared, active, message in [
-        (8, 0.3, 0.75, "no integer head split"),
-        (8, 0.5, 0.7, "no integer"),
-        (8, 0.5, 0.5, "must exceed"),
+        (8, 0.3, 0.75, r"shared ratio 0.3 and active ratio 0.75 give no whole number of heads of 8: 2.4 shared"),
+        (8, 0.5, 0.7, "no whole number"),
+        (9, 0.33, 0.7778, r"--shared_heads N --active_heads M"),
+        (8, 0.5, 0.5, "4 active heads must be more than the 4 shared heads"),
         (8, 1.0, 1.0, "must be in \\[0, 1\\)"),
         (8, 0.5, 1.5, "must be in \\(0, 1\\]"),
+        (8, float("nan"), 0.75, "--shared_heads_ratio must be a finite number, got nan"),
+        (8, 0.5, float("inf"), "--active_heads_ratio must be a finite number, got inf"),
     ]:
         with pytest.raises(ConversionError, match=message):
             head_split(heads, shared, active)
+    for value in ("0.5", None, True):
+        with pytest.raises(TypeError, match=r"--shared_heads_ratio must be a number, not"):
+            head_split(8, value, 0.75)
+    with pytest.raises(ConversionError, match=r"--active_heads 12 must be between 0 and the model's 9 heads"):
+        head_split(9, shared_heads=3, active_heads=12)
+    with pytest.raises(TypeError, match=r"--shared_heads must be a whole number of heads, not str"):
+        head_split(9, shared_heads="3", active_heads=7)
 
 
 def test_entry_points():

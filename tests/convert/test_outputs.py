@@ -295,7 +295,7 @@ def test_read_only_target_is_not_a_full_disk(tmp_path):
         ("export", f'{sys.executable} -m mhmoe.hub "{source}" "$MNT/out"'),
     ):
         proc = _in_private_mount(command, tmp_path / name, "1m", read_only=True)
-        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.returncode == 1, proc.stderr[-2000:]  # a problem of the machine, not of the arguments
         (line,) = proc.stderr.strip().splitlines()
         assert "read-only file system" in line and "/out" in line and "disk space" not in line, line
 
@@ -313,14 +313,14 @@ def test_disk_full_while_writing_is_one_line(tmp_path):
     proc = _in_private_mount(script, tmp_path / "convert", str(size), read_only=False)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("mhmoe-convert: error: not enough disk space to write") and "/out" in line, line
-    assert proc.stdout.strip().splitlines()[-1] == "status 2", proc.stdout  # and `ls -A` printed nothing after
+    assert proc.stdout.strip().splitlines()[-1] == "status 1", proc.stdout  # and `ls -A` printed nothing after
 
     convert(str(source), str(tmp_path / "moh"), verify_logits=False, progress=False)  # mhmoe-export, the same
     script = f'{sys.executable} -m mhmoe.hub "{tmp_path / "moh"}" "$MNT/out"; echo "status $?"; ls -A "$MNT"'
     proc = _in_private_mount(script, tmp_path / "export", str(size), read_only=False)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("mhmoe-export: error: not enough disk space to write") and "/out" in line, line
-    assert proc.stdout.strip().splitlines()[-1] == "status 2", proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "status 1", proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------ fault injection

@@ -305,20 +305,50 @@ def _unowned_leftovers(output_dir: str) -> list[str]:
         return []
 
 
-def check_writable(output_dir: str, error: type[ValueError] = CheckpointError) -> None:
-    """Refuse, in one line, an `output_dir` that cannot be written: on a read-only file system, or in a folder this
-    user may not add to (where it and its temporary folder are made)."""
+def machine_error(error: type[ValueError], message: str) -> ValueError:
+    """`error(message)` marked as a problem of the machine (full disk, read-only, permissions), not of the command's
+    arguments: the command lines exit with status 1 for it (`exit_status`), 2 for the others."""
+    problem = error(message)
+    problem.exit_status = 1
+    return problem
+
+
+def exit_status(error: BaseException) -> int:
+    """1 for a problem of the machine (`machine_error`), 2 for a refused argument or input."""
+    return getattr(error, "exit_status", 2)
+
+
+def size_words(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
+
+
+def check_writable(output_dir: str, error: type[ValueError] = CheckpointError, needed: int | None = None) -> None:
+    """Refuse, in one line, an `output_dir` that cannot be written: on a read-only file system, in a folder this user
+    may not add to (where it and its temporary folder are made), or (`needed` bytes) on a file system with less free
+    space. Raised as `machine_error`s."""
     existing = os.path.dirname(os.path.abspath(output_dir))
     while not os.path.isdir(existing):
         existing = os.path.dirname(existing)
     if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise error(
-            f"cannot write {output_dir}: {existing} is on a read-only file system; choose another output folder"
+        raise machine_error(
+            error, f"cannot write {output_dir}: {existing} is on a read-only file system; choose another output folder"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise error(
-            f"cannot write {output_dir}: permission denied in {existing} (this user may not create files "
-            "there); choose another output folder or fix its permissions"
+        raise machine_error(
+            error,
+            f"cannot write {output_dir}: permission denied in {existing} (this user may not "
+            "create files there); choose another output folder or fix its permissions",
+        )
+    free = shutil.disk_usage(existing).free
+    if needed is not None and needed > free:
+        raise machine_error(
+            error,
+            f"not enough disk space to write {output_dir}: {size_words(needed)} needed, "
+            f"{size_words(free)} free in {existing}; free some space or choose another "
+            "folder",
         )
 
 

@@ -38,13 +38,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--input_dir and --output_dir are required")
     _fit_recipe_warmup(tune, argv)
     if int(os.environ.get("RANK", "0")) == 0:  # at once: loading torch and Transformers takes seconds
-        print(
-            f"{parser.prog}: {args.input_dir} -> {args.output_dir}: loading torch and Transformers",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"{parser.prog}: {args.input_dir} -> {args.output_dir}: loading torch and Transformers", flush=True)
 
-    from .._plumbing.checkpoint_files import write_error_message
+    from .._plumbing.checkpoint_files import exit_status, write_error_message
     from ..training.arguments import TrainingError
 
     try:
@@ -67,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         parser.exit(130, f"\n{parser.prog}: interrupted; {_how_to_go_on(args, tune)}\n")
     except (ConversionError, TrainingError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        parser.exit(exit_status(e), f"{parser.prog}: error: {e}\n")
     except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
         message = write_error_message(e, args.output_dir)
         if message is None:

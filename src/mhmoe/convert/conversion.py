@@ -142,15 +142,7 @@ def check_paths(input_dir: str, output_dir: str) -> None:
 
 
 def _check_disk_space(plan: ConversionPlan, output_dir: str) -> None:
-    check_writable(output_dir, ConversionError)  # a read-only target is not a full disk
-    existing = os.path.dirname(os.path.abspath(output_dir))
-    while not os.path.isdir(existing):
-        existing = os.path.dirname(existing)
-    free = shutil.disk_usage(existing).free
-    if plan.total_bytes > free:
-        raise ConversionError(
-            f"not enough disk space: {plan.total_bytes / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free"
-        )
+    check_writable(output_dir, ConversionError, needed=plan.total_bytes)  # a read-only target is not a full disk
 
 
 def _write_checkpoint(plan: ConversionPlan, temporary: str, progress: bool) -> None:

@@ -74,6 +74,36 @@ def _quiet_git_hash():
         return None
 
 
+class _SaveFailure(logging.Filter):
+    """lm-eval logs a failure to save the results (a warning, then the exception's repr) and goes on with exit status
+    0: kept here (and off the terminal) so that the command can stop with one line."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed, self.detail = False, None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Could not save results"):
+            self.failed = True
+            return False
+        if self.failed and self.detail is None:
+            self.detail = message
+            return False
+        return True
+
+    def error(self):
+        """The OSError the failure was (from its repr), else None."""
+        import errno
+        import re
+
+        match = re.match(r"(\w+)\((\d+), ", self.detail or "")
+        if match and int(match.group(2)) in errno.errorcode:
+            code = int(match.group(2))
+            return OSError(code, os.strerror(code))
+        return None
+
+
 class _DropMetadataHint(logging.Filter):
     """lm-eval's hint that a task takes `--metadata`, printed by every task that reads local files even when it was
     given."""
@@ -187,9 +217,20 @@ def main(argv: list[str] | None = None) -> None:
     if problem:
         _exit_with_error(problem)
     captured: list = []
+    saving = _SaveFailure()
+    tracker_log = logging.getLogger("lm_eval.loggers.evaluation_tracker")
+    tracker_log.addFilter(saving)
     try:
         with _cli_patches(captured, suites_only, metadata_given=bool(args.metadata)):
             parser.execute(args)
+        if saving.failed and saving.error() is None:
+            print(
+                f"mhmoe-eval: error: the results could not be saved to {args.output_path} ({saving.detail})",
+                file=sys.stderr,
+            )
+            raise SystemExit(1)
+        if saving.failed:
+            raise saving.error()
     except ValueError as e:  # user mistakes lm-eval and the mhmoe_ppl tasks report as ValueError: one line, no trace
         from ..hub.trust import code_refusal
 
@@ -207,11 +248,15 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # full disk, file size limit, read-only, permissions writing --output_path: one line
         from .._plumbing.checkpoint_files import write_error_message
 
-        message = write_error_message(e, getattr(args, "output_path", None) or "the results")
+        filename = getattr(e, "filename", None)  # the datasets cache, or --output_path
+        where = os.path.dirname(filename) if isinstance(filename, str) else getattr(args, "output_path", None)
+        message = write_error_message(e, where or "the results")
         if message is None:
             raise
         print(f"mhmoe-eval: error: {message}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        tracker_log.removeFilter(saving)
     if captured and captured[-1]:
         summary = _format_summary(captured[-1])
         if summary:

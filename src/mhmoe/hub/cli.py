@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
 
-    from .._plumbing.checkpoint_files import write_error_message
+    from .._plumbing.checkpoint_files import exit_status, write_error_message
     from .export import ExportError, export_pretrained
 
     try:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
             trust_remote_code=args.trust_remote_code,
         )
     except ExportError as e:
-        parser.exit(2, f"mhmoe-export: error: {e}\n")
+        parser.exit(exit_status(e), f"mhmoe-export: error: {e}\n")
     except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
         message = write_error_message(e, args.out_dir)
         if message is None:

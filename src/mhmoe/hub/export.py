@@ -33,6 +33,7 @@ from .._plumbing.checkpoint_files import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     SAFE_INDEX_NAME,
+    check_weight_files,
     check_writable,
     drop_code_references,
     fsync,
@@ -40,7 +41,6 @@ from .._plumbing.checkpoint_files import (
     recover_output_dir,
     replace_dir,
     temporary_dir_next_to,
-    weight_files,
 )
 from .cards import CONVERSION_RECORDS, public_paths
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
@@ -64,9 +64,56 @@ def _source_dir(path: str, trust_remote_code: bool = False):
         if isinstance(e, ExportError):
             raise
         raise ExportError(f"cannot read the config of {path}: {_first_line(e)}") from None
-    auto_classes(config)
-    shards, weight_map = weight_files(path, ExportError)
-    return config, shards + ([] if weight_map is None else [SAFE_INDEX_NAME])
+    classes = auto_classes(config)
+    shards = check_weight_files(path, ExportError)
+    _check_weights_fit_config(path, config, shards, classes["AutoModelForCausalLM"])
+    index = os.path.isfile(os.path.join(path, SAFE_INDEX_NAME))
+    return config, shards + ([SAFE_INDEX_NAME] if index else [])
+
+
+def _check_weights_fit_config(path: str, config, shards: list[str], model_class) -> None:
+    """The tensors of the weight files are the ones the config's model has, with its shapes: a config.json that does
+    not describe its weights (another vocab_size, more layers) would export fine and fail to load."""
+    import torch
+
+    from .._plumbing.checkpoint_files import read_header
+
+    with torch.device("meta"):
+        model = model_class(config)
+    expected = {name: list(t.shape) for name, t in model.state_dict().items()}
+    found = {}
+    for shard in shards:
+        header, _ = read_header(os.path.join(path, shard), ExportError)
+        found.update({name: info["shape"] for name, info in header.items() if name != "__metadata__"})
+    tied = {"lm_head.weight"} if getattr(config.get_text_config(), "tie_word_embeddings", False) else set()
+    missing = sorted(set(expected) - set(found) - tied)
+    unexpected = sorted(set(found) - set(expected))
+    mismatched = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
+    if missing or unexpected or mismatched:
+        problems = [
+            f"{len(names)} {what} (e.g. {example})"
+            for names, what, example in (
+                (missing, "tensors the config needs are missing", missing[:1] and missing[0]),
+                (unexpected, "tensors the config has no place for", unexpected[:1] and unexpected[0]),
+                (
+                    mismatched,
+                    "tensors have other shapes",
+                    mismatched[:1]
+                    and f"{mismatched[0]}: {found[mismatched[0]]} in "
+                    f"the weights, {expected[mismatched[0]]} in the config",
+                ),
+            )
+            if names
+        ]
+        sizes = ", ".join(
+            f"{k}={getattr(config, k)}"
+            for k in ("vocab_size", "hidden_size", "num_hidden_layers")
+            if getattr(config, k, None) is not None
+        )
+        raise ExportError(
+            f"the weights in {path} do not match its config.json ({sizes}): {'; '.join(problems)}; fix "
+            "config.json or export the folder the weights came from"
+        )
 
 
 def _check_target(save_directory: str, overwrite: bool, source_dir: str | None) -> None:

@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         parser.exit(130, f"\nmhmoe-train: interrupted; {_how_to_go_on(args)}\n")
     except TrainingError as e:
-        parser.exit(1 if isinstance(e, TrainingStopped) else 2, f"mhmoe-train: error: {e}\n")
+        from .._plumbing.checkpoint_files import exit_status
+
+        parser.exit(1 if isinstance(e, TrainingStopped) else exit_status(e), f"mhmoe-train: error: {e}\n")
     except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
         from .._plumbing.checkpoint_files import write_error_message
 

@@ -85,7 +85,11 @@ def _check_writable(directory: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise TrainingError(f"--output_dir {directory!r} is not writable ({existing} does not take new files)")
+        from .._plumbing.checkpoint_files import machine_error
+
+        raise machine_error(
+            TrainingError, f"--output_dir {directory!r} is not writable ({existing} does not take new files)"
+        )
 
 
 def _remove_run_outputs(output_dir: str) -> None:

@@ -1,0 +1,205 @@
+"""What goes wrong outside the program, in every command line: a file size limit (`ulimit -f`, errno 27) and a full
+disk (errno 28, a real small tmpfs) are one line with exit status 1; Ctrl-C is one line saying how to go on (exit
+status 130)."""
+
+import json
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.convert.test_convert import _llama_dir
+from tests.convert.test_outputs import _env, _in_private_mount
+from tests.hub.test_trust import _run
+
+COMMANDS = ["mhmoe-train", "mhmoe-convert", "mhmoe-export", "mhmoe-eval"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, tokenizer_dir, corpus):
+    """A dense Llama (mhmoe-convert's input) and its MoH conversion (the other commands'), and each command's argv
+    writing into OUT (mhmoe-eval: its results)."""
+    from mhmoe.convert import convert
+
+    root = tmp_path_factory.mktemp("faults")
+    llama = _llama_dir(root / "llama", tokenizer_dir)
+    convert(str(llama), str(root / "moh"), verify_logits=False, progress=False, recipe="paper")
+    moh = str(root / "moh")
+
+    def argv(command: str, out: str) -> list[str]:
+        return {
+            "mhmoe-train": [
+                "--model_name_or_path",
+                moh,
+                "--train_file",
+                corpus["tiny"],
+                "--output_dir",
+                out,
+                "--max_steps",
+                "2",
+                "--save_steps",
+                "1",
+                "--block_size",
+                "16",
+                "--disable_tqdm",
+                "--no_plot",
+            ],
+            "mhmoe-convert": [
+                "--input_dir",
+                str(llama),
+                "--output_dir",
+                out,
+                "--skip_logit_check",
+                "--recipe",
+                "paper",
+                "--disable_tqdm",
+            ],
+            "mhmoe-export": [moh, out],
+            "mhmoe-eval": [
+                "--model_args",
+                f"pretrained={moh}",
+                "--tasks",
+                "mhmoe_ppl_wikipedia",
+                "--metadata",
+                json.dumps({"wikipedia_path": corpus["val"]}),
+                "--limit",
+                "1",
+                "--output_path",
+                out,
+            ],
+        }[command]
+
+    return argv
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_file_size_limit_is_one_line(inputs, tmp_path, capsys, command):
+    """Under `ulimit -f` (here this process's RLIMIT_FSIZE, lowered for the command): the first write past it fails
+    with EFBIG (Python ignores SIGXFSZ), told in one line, exit status 1."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+    try:
+        status = _run(command, inputs(command, str(tmp_path / "out")))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(f"{command}: ")]
+    assert status == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert (
+        lines[0].startswith(f"{command}: error: cannot write ")
+        and "a file grew past the largest file allowed" in lines[0]
+        and "ulimit -f" in lines[0]
+    ), lines
+
+
+def test_full_disk_is_one_line_in_every_command(inputs, tmp_path):
+    """A real file system of 16 KB (a tmpfs in a private mount namespace) as the output of each command: ENOSPC,
+    told in one line naming the folder, exit status 1."""
+    script = (
+        "import json, os, sys\nfrom mhmoe._plumbing.cli import run\ncommand = sys.argv[1]\n"
+        "argv = [a.replace('MNT_OUT', os.environ['MNT'] + '/out-' + command) for a in json.loads(sys.argv[2])]\n"
+        "try:\n    run(command, argv)\nexcept SystemExit as e:\n    sys.exit(e.code)\n"
+    )
+    lines = []
+    for command in COMMANDS:
+        argv = json.dumps(inputs(command, "MNT_OUT"))
+        lines.append(
+            f"""{sys.executable} -c "{script}" {command} '{argv}' 2> "{tmp_path}/{command}.err"; """
+            f'echo "status {command} $?"'
+        )
+    proc = _in_private_mount("\n".join(lines), tmp_path, "16k", read_only=False)
+    statuses = dict(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("status "))
+    for command in COMMANDS:
+        err = (tmp_path / f"{command}.err").read_text()
+        found = [line for line in err.splitlines() if line.startswith(f"{command}: ")]
+        assert statuses.get(command) == "1" and len(found) == 1 and "Traceback" not in err, (command, err[-3000:])
+        assert found[0].startswith(f"{command}: error: not enough disk space to write ") and "/out" in found[0], found
+
+
+def test_ctrl_c_in_training_says_how_to_resume(checkpoint_dir, corpus, tmp_path):
+    """SIGINT to a running mhmoe-train: one line naming the newest checkpoint and the flag that resumes from it, exit
+    status 130; the resumed run finishes."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "mhmoe.training",
+        "--model_name_or_path",
+        checkpoint_dir,
+        "--train_file",
+        corpus["train"],
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "100000",
+        "--save_steps",
+        "1",
+        "--block_size",
+        "16",
+        "--disable_tqdm",
+        "--no_plot",
+    ]
+    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the summary line: the loop starts
+        if line.startswith("mhmoe-train: "):
+            break
+    while not list(out.glob("checkpoint-*")):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.startswith("mhmoe-train")]  # (Transformers' loading bar too)
+    assert proc.returncode == 130 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(
+        "mhmoe-train: interrupted; run the same command with --resume_from_checkpoint latest "
+        f"to go on from {out}/checkpoint-"
+    ), lines
+
+
+@pytest.mark.parametrize("tune", [False, True], ids=["convert", "convert and continue-tune"])
+def test_ctrl_c_in_conversion_says_what_is_left(inputs, tmp_path, corpus, capsys, monkeypatch, tune):
+    """Ctrl-C (KeyboardInterrupt) while converting leaves nothing and says so; while continue-tuning, after a
+    checkpoint, it names the checkpoint and how to resume. One line, exit status 130."""
+    import mhmoe.convert.write as write
+    import mhmoe.training.loop as loop
+
+    out = tmp_path / "out"
+    argv = inputs("mhmoe-convert", str(out))
+    if tune:
+        argv += [
+            "--train_file",
+            corpus["tiny"],
+            "--max_steps",
+            "4",
+            "--save_steps",
+            "1",
+            "--block_size",
+            "16",
+            "--warmup_steps",
+            "1",
+        ]
+        real_step, calls = loop.train_step, []
+
+        def step_then_interrupt(run, step):
+            calls.append(step)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real_step(run, step)
+
+        monkeypatch.setattr(loop, "train_step", step_then_interrupt)
+    else:
+        monkeypatch.setattr(write, "_check_written", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    status = _run("mhmoe-convert", argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mhmoe-")]  # (Transformers' loading bar too)
+    assert status == 130 and len(lines) == 1 and "Traceback" not in err, err
+    if tune:
+        assert lines[0] == (
+            "mhmoe-convert: interrupted; the continue-tuning saved checkpoint-2: run the same command "
+            "with --resume_from_checkpoint latest to go on from it"
+        ), lines
+    else:
+        assert lines[0] == f"mhmoe-convert: interrupted; nothing was written to {out}: run the same command again"
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
