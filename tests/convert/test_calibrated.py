@@ -307,13 +307,46 @@ def test_gguf_input_converts_and_verifies(tmp_path, tokenizer_dir, capsys):
     printed = capsys.readouterr().out
     assert "dequantised tiny.gguf (GGUF)" in printed and "-> OK" in printed
     record = json.loads((out / "moh_conversion.json").read_text())
-    assert record["input_dir"].endswith("tiny.gguf") and record["verification"]["all_heads_equal"]
+    assert record["input_dir"] == "gguf" and record["verification"]["all_heads_equal"]  # the folder, not the file
+    assert "base_model: gguf\n" in (out / "README.md").read_text()
     assert "dequantised tiny.gguf" in record["notes"][0]  # the GGUF notes are in the record written with the folder
     assert (out / "tokenizer.json").is_file() and not _leftovers(tmp_path, "out")
     moh = MoHLlamaForCausalLM.from_pretrained(str(out)).eval()
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), all_heads_active(moh):  # the GGUF's weights, independent of the converter's own check
         torch.testing.assert_close(moh(ids).logits, reference(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_gguf_head_split_is_checked_before_dequantising(tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """Ratios that give no whole heads, or counts: known from the GGUF's metadata, before the (long) dequantisation."""
+    import mhmoe.convert.gguf as gguf_module
+
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    _tiny_gguf(folder / "tiny.gguf", tokenizer_dir)
+
+    def never(*args, **kwargs):
+        raise AssertionError("dequantised before the head split was checked")
+
+    monkeypatch.setattr(gguf_module, "dequantise_gguf", never)
+    for flags, words in (
+        (["--shared_heads_ratio", "0.3"], "give no whole number of heads of 8"),
+        (["--shared_heads", "2", "--active_heads", "9"], "--active_heads 9 must be between 0 and"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(
+                [
+                    "--input_dir",
+                    str(folder),
+                    "--gguf_file",
+                    "tiny.gguf",
+                    "--output_dir",
+                    str(tmp_path / "o"),
+                    "--disable_tqdm",
+                    *flags,
+                ]
+            )
+        assert exit_info.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_gguf_refusals(tmp_path, capsys, monkeypatch):

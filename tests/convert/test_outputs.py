@@ -449,3 +449,124 @@ def test_export_of_a_continue_tuned_model_names_base_and_training(tmp_path, toke
     assert "base_model: Tiny-Llama" in card and "Trained with `mhmoe-train` for 1 step (" in card
     record = (out / "converted" / "moh_conversion.json").read_bytes()
     assert (tmp_path / "exported" / "moh_conversion.json").read_bytes() == record
+
+
+# --------------------------------------------------------------------------------------------- values, head counts
+
+
+def _huge_heads(source: Path) -> None:
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(
+        json.dumps({**config, "num_attention_heads": 2**40, "num_key_value_heads": 2**40})
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, change, words",
+    [
+        (["--active_heads_ratio", "nan"], None, "--active_heads_ratio must be a finite number, got nan"),
+        (["--moh_aux_loss_coef=-1"], None, "--moh_aux_loss_coef must be >= 0 \\(0: no balance loss\\), got -1"),
+        (["--moh_aux_loss_coef", "nan"], None, "--moh_aux_loss_coef must be a finite number, got nan"),
+        (
+            [],
+            _huge_heads,
+            "invalid llama config .*: .*The hidden size \\(32\\) is not a multiple of the number of "
+            "attention heads \\(1099511627776\\)",
+        ),
+        (["--probe_file", "EMPTY"], None, "--probe_file .*empty.txt holds no text"),
+        (["--shared_heads", "x"], None, "--shared_heads 'x': give a number of heads \\(e.g. --shared_heads 3\\)"),
+        (
+            ["--shared_heads_ratio", "0.3"],
+            None,
+            "shared ratio 0.3 and active ratio 0.75 give no whole number of heads of "
+            "8: 2.4 shared, 6 active \\(use multiples of 1/8, or counts: "
+            "--shared_heads N --active_heads M\\)",
+        ),
+        (
+            ["--shared_heads_ratio", "1/0"],
+            None,
+            "argument --shared_heads_ratio/--shared-heads-ratio: invalid Ratio value",
+        ),
+    ],
+)
+def test_bad_conversion_values_are_one_line(tmp_path, capsys, flags, change, words):
+    """Values that gave tracebacks (NaN ratio, negative or NaN β, a config of 2**40 heads) or were taken silently (an
+    empty probe file): one line naming the value and what is allowed, status 2, nothing written."""
+    import re
+
+    source = _llama_dir(tmp_path / "llama")
+    if change is not None:
+        change(source)
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    flags = [str(tmp_path / "empty.txt") if f == "EMPTY" else f for f in flags]
+    capsys.readouterr()  # (writing the source)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input_dir", str(source), "--output_dir", str(tmp_path / "out"), "--disable_tqdm", *flags])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(words, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_head_counts_and_fractions(tmp_path, capsys):
+    """`--shared_heads 2 --active_heads 6`, `--shared_heads_ratio 1/4 --active_heads_ratio 3/4` and 0.25 / 0.75 make the
+    same model (8 heads: 2 shared + 4 of 6 routed); `--shared_heads first`, the flag's earlier meaning, still chooses
+    the shared heads, with a note."""
+    source = _llama_dir(tmp_path / "llama")
+    for name, flags in (
+        ("counts", ["--shared_heads", "2", "--active_heads", "6"]),
+        ("fractions", ["--shared_heads_ratio", "1/4", "--active_heads_ratio", "3/4"]),
+        ("decimals", ["--shared_heads_ratio", "0.25", "--active_heads_ratio", "0.75"]),
+        ("legacy", ["--shared_heads", "first", "--recipe", "paper", "--shared_heads_ratio", "0.25"]),
+    ):
+        main(
+            [
+                "--input_dir",
+                str(source),
+                "--output_dir",
+                str(tmp_path / name),
+                "--disable_tqdm",
+                "--skip_logit_check",
+                *flags,
+            ]
+        )
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert (config["moh_shared_heads"], config["moh_active_heads"]) == (2, 4), name
+    err = capsys.readouterr().err
+    assert "--shared_heads first is now --shared_heads_by first" in err
+
+
+@pytest.mark.parametrize(
+    "options, error, words",
+    [
+        (dict(shared_heads_ratio="0.5"), TypeError, "--shared_heads_ratio must be a number, not str ('0.5')"),
+        (dict(shared_heads_ratio=None), TypeError, "--shared_heads_ratio must be a number, not NoneType (None)"),
+        (dict(shared_heads_ratio=float("inf")), ValueError, "--shared_heads_ratio must be a finite number, got inf"),
+        (dict(moh_aux_loss_coef=-1), ValueError, "--moh_aux_loss_coef must be >= 0 (0: no balance loss), got -1"),
+        (dict(shared_heads="3", active_heads=6), TypeError, "--shared_heads must be a whole number of heads, not str"),
+    ],
+)
+def test_python_api_refuses_bad_values_in_one_line(tmp_path, options, error, words):
+    source = _llama_dir(tmp_path / "llama")
+    with pytest.raises(error) as raised:
+        convert(str(source), str(tmp_path / "out"), progress=False, **options)
+    assert str(raised.value).startswith(words) and "\n" not in str(raised.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_progress_is_shown_at_once(tmp_path):
+    """The first line comes before torch and Transformers are imported (they take seconds)."""
+    source = _llama_dir(tmp_path / "llama")
+    code = (
+        "import sys, time\nfrom mhmoe.convert.cli import main\nstart = time.perf_counter()\n"
+        "sys.stdout.write = (lambda write: lambda text: (write(f'{time.perf_counter() - start:.3f} ' + text) if "
+        "text.strip() else write(text)))(sys.stdout.write)\n"
+        f"main(['--input_dir', {str(source)!r}, '--output_dir', {str(tmp_path / 'out')!r}, '--disable_tqdm', "
+        "'--skip_logit_check'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = proc.stdout.splitlines()[0]
+    seconds, text = first.split(" ", 1)
+    assert text.startswith("mhmoe-convert: ") and "loading torch and Transformers" in text, first
+    assert float(seconds) < 2.0, first

@@ -37,3 +37,19 @@ def test_help_names_mhmoe_eval(capsys):
         eval_cli.main(["run", "--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and out.startswith("usage: mhmoe-eval run ")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"]])
+def test_help_is_mhmoe_evals_own(argv, capsys):
+    """`mhmoe-eval --help` describes mhmoe-eval with mhmoe examples (not lm-eval's `--model hf` ones), exit 0; so does
+    the epilog of `mhmoe-eval run --help`."""
+    with pytest.raises(SystemExit) as exit_info:
+        eval_cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage: mhmoe-eval ")
+    assert "Evaluate mhmoe checkpoints with lm-eval" in out and "--model hf" not in out and "lm-eval run" not in out
+    assert "mhmoe-eval --model_args pretrained=DIR --tasks moh_llm_suite" in out and "checkpoint-N" in out
+    with pytest.raises(SystemExit):
+        eval_cli.main(["run", "--help"])
+    run_help = capsys.readouterr().out
+    assert "--model hf" not in run_help and "mhmoe-eval --model_args pretrained=DIR --tasks moh_llm_suite" in run_help

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -294,7 +295,9 @@ def test_peft_adapter(work, tmp_path):
 
 def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     """Missing checkpoints, an adapter given as the model, unknown tasks, a ppl task without data or with a --metadata
-    path that is missing, empty or blank: exit 2 with the reason in one line, no traceback."""
+    path that is missing, empty or blank, --metadata that is not JSON, --batch_size 0, --limit -1, a truncated or
+    pickle-only model, max_length past the model's positions, a Hub suite offline without its data, no arguments:
+    exit 2 with the reason in one line, no traceback."""
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
@@ -302,6 +305,12 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     blank.write_text('{"text": "  "}\n')
     (adapter / "adapter_config.json").write_text("{}")
     ckpt = str(work["ckpt"])
+    truncated, pickled = tmp_path / "truncated", tmp_path / "pickled"
+    for folder in (truncated, pickled):
+        shutil.copytree(ckpt, folder)
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")  # a pickle-only checkpoint's file name
     cases = [
         (["--tasks", "mhmoe_ppl_c4"], "give the checkpoint with --model_args pretrained=DIR"),
         (["--model_args", f"pretrained={tmp_path / 'missing'}", "--tasks", "mhmoe_ppl_c4"], "no such directory"),
@@ -358,6 +367,40 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
                 json.dumps({"c4_path": str(blank)}),
             ],
             "mhmoe_ppl_c4: .*blank.jsonl holds no non-empty documents",
+        ),
+        (
+            ["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--metadata", "{bad"],
+            "Invalid JSON: {bad. Hint: Use double quotes for JSON strings. \\(see mhmoe-eval run --help\\)",
+        ),
+        (
+            ["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--batch_size", "0"],
+            "--batch_size 0: give a number >= 1, 'auto' or 'auto:N'",
+        ),
+        (
+            ["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--limit", "-1"],
+            "--limit -1: give a number of examples per task \\(>= 1\\) or a fraction in \\(0, 1\\)",
+        ),
+        (
+            ["--model_args", f"pretrained={truncated}", "--tasks", "mhmoe_ppl_c4"],
+            "pretrained=.*truncated: .*model.safetensors is not a complete safetensors file",
+        ),
+        (
+            ["--model_args", f"pretrained={pickled}", "--tasks", "mhmoe_ppl_c4"],
+            "pretrained=.*pickled: .*pickled holds only pickle checkpoints \\(pytorch_model.bin\\); they are never "
+            "unpickled",
+        ),
+        (
+            ["--model_args", f"pretrained={ckpt},max_length=100000", "--tasks", "mhmoe_ppl_c4"],
+            "max_length=100000 is longer than the 2048 positions of .*ckpt \\(a mhmoe model\\): give max_length <= 2048",
+        ),
+        (
+            ["--model_args", f"pretrained={ckpt}", "--tasks", "moh_llm_suite", "--limit", "1"],
+            "Couldn't reach '[^']+' on the Hub \\(OfflineModeIsEnabled\\): its data is neither in the datasets cache nor "
+            "in a folder of that name here",
+        ),
+        (
+            [],
+            "give the checkpoint and the tasks: --model_args pretrained=DIR --tasks TASKS \\(see mhmoe-eval --help\\)",
         ),
     ]
     for argv, message in cases:

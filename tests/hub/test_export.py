@@ -481,3 +481,39 @@ def test_export_drops_local_paths_of_an_older_conversion_record(checkpoint_dir, 
     assert json.loads(record) == {"input_dir": "Tiny-Llama", "output_dir": "converted", "shared_heads": 2}
     card = (tmp_path / "exported" / "README.md").read_text()
     assert "base_model: Tiny-Llama" in card and str(tmp_path) not in card + record
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            {"vocab_size": 1000, "num_hidden_layers": 6},
+            r"\(vocab_size=1000, hidden_size=32, num_hidden_layers=6\): 40 tensors "
+            r"the config needs are missing \(e.g. model.layers.2.input_layernorm.weight\); "
+            r"2 tensors have other shapes \(e.g. lm_head.weight: \[320, 32\] in the "
+            r"weights, \[1000, 32\] in the config\)",
+        ),
+        (
+            {"num_hidden_layers": 1, "decoder_sparse_step": 1},
+            r"14 tensors the config has no place for \(e.g. model.layers.0.mlp.down_proj.weight\)",
+        ),
+    ],
+)
+def test_a_config_that_does_not_describe_its_weights_is_refused(checkpoint_dir, tmp_path, capsys, change, words):
+    """config.json saying 6 layers and 1000 tokens over 2-layer, 320-token weights (or 1 layer): refused in one line
+    before anything is written; the export would otherwise not load."""
+    import re
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(checkpoint_dir, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(source), str(tmp_path / "out")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and line.startswith(
+        f"mhmoe-export: error: the weights in {source} do not match its config.json"
+    ), line
+    assert re.search(words, line), line
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)

@@ -213,3 +213,105 @@ def test_second_writer_on_the_command_line(tmp_path, corpus, checkpoint_dir, cap
         line == f"mhmoe-train: error: another mhmoe-train is writing to {out} (process {os.getpid()}): wait for "
         "it to finish, or choose another --output_dir"
     )
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--seed", "-1"], "--seed -1: must be in [0, 2**32 - 1] (numpy's seed range)"),
+        (["--seed", str(2**70)], f"--seed {2**70}: must be in [0, 2**32 - 1]"),
+        (["--adam_beta1", "1.5"], "--adam_beta1 1.5: must be in [0, 1)"),
+        (["--adam_beta2", "-0.1"], "--adam_beta2 -0.1: must be in [0, 1)"),
+        (["--weight_decay", "-0.1"], "--weight_decay -0.1: must be >= 0"),
+        (["--adam_epsilon=-1e-8"], "--adam_epsilon -1e-08: must be >= 0"),
+        (["--merge_lora"], "--merge_lora merges the LoRA adapters into the model: give --lora too"),
+        (
+            ["--warmup_steps", "100", "--max_steps", "2"],
+            "--warmup_steps 100 is more than the run's --max_steps 2: the "
+            "learning rate would never reach --learning_rate; give at most 2",
+        ),
+        (
+            ["--warmup_steps", "100", "--max_steps", "-1", "--num_train_epochs", "1"],
+            "--warmup_steps 100 is more than the run's 12 steps (--num_train_epochs 1)",
+        ),
+    ],
+)
+def test_bad_training_values_are_one_line(tmp_path, corpus, checkpoint_dir, capsys, extra, words):
+    """Values torch, numpy or the schedule would take with a traceback (or silently): one line naming the value and
+    what is allowed, status 2, nothing written."""
+    out = tmp_path / "out"
+    line = _one_line_error(
+        capsys,
+        [
+            "--model_name_or_path",
+            checkpoint_dir,
+            "--train_file",
+            corpus["tiny"],
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "1",
+            "--block_size",
+            "16",
+            "--per_device_train_batch_size",
+            "2",
+            "--disable_tqdm",
+            "--no_plot",
+            *extra,
+        ],
+    )
+    assert line == f"mhmoe-train: error: {words}" or line.startswith(f"mhmoe-train: error: {words}"), line
+    assert not out.exists()
+
+
+def test_a_config_too_large_for_the_machine_is_one_line(tmp_path, corpus, tokenizer_dir, capsys):
+    """vocab_size 10**12: refused before any weight is allocated (the size is counted on the meta device)."""
+    config = tmp_path / "huge.json"
+    config.write_text(json.dumps({**CONFIG, "vocab_size": 10**12}))
+    line = _one_line_error(
+        capsys,
+        [
+            "--model_name_or_path",
+            str(config),
+            "--tokenizer_name_or_path",
+            tokenizer_dir,
+            "--train_file",
+            corpus["tiny"],
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "1",
+            "--block_size",
+            "16",
+            "--disable_tqdm",
+            "--no_plot",
+        ],
+    )
+    assert (
+        line.startswith("mhmoe-train: error: the config makes a model of 64,000,000,016,096 parameters")
+        and "more than this machine's" in line
+        and "vocab_size=1000000000000" in line
+    ), line
+
+
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"max_steps": "2"}, "training argument max_steps='2': must be an integer, not str"),
+        ({"learning_rate": "3e-4"}, "training argument learning_rate='3e-4': must be a number, not str"),
+        ({"lora": "yes"}, "training argument lora='yes': must be true or false, not str"),
+        ({"train_file": [1]}, "training argument train_file=[1]: must be a list of strings, not list"),
+    ],
+)
+def test_python_api_refuses_wrong_types_in_one_line(tmp_path, corpus, checkpoint_dir, values, words):
+    from mhmoe.training import train
+
+    args = {
+        "model_name_or_path": checkpoint_dir,
+        "train_file": [corpus["tiny"]],
+        "output_dir": str(tmp_path / "o"),
+        **values,
+    }
+    with pytest.raises(TypeError) as error:
+        train(args)
+    assert str(error.value) == words

@@ -400,9 +400,9 @@ def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) ->
     dense = temporary_dir_next_to(output_dir)
     try:
         notes = dequantise_gguf(input_dir, gguf_file, dense)
-        report = convert(
-            dense, output_dir, source_name=os.path.join(input_dir, gguf_file), source_notes=notes, **options
-        )
+        # the record and the card's base_model name the folder (a Hub repo id in a Hugging Face cache), the notes
+        # the GGUF file
+        report = convert(dense, output_dir, source_name=input_dir, source_notes=notes, **options)
         report.input_dir = os.path.join(input_dir, gguf_file)
     finally:
         shutil.rmtree(dense, ignore_errors=True)
