@@ -7,20 +7,14 @@ continue-tuning). It sits at the top of the package because it runs every job. T
 text; every 10th topic held out), so nothing is downloaded.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import time
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from .convert.recovery_demo import format_result, run_recovery_demo, write_corpus
-from .evaluation.analysis import expert_load, head_load, plot_load
-from .models.mhmoe.configuration_mhmoe import MHMoEConfig
-from .training.data import read_files, tokenize_and_pack
-from .training.loop import train
-from .training.prepare import reset_accelerate_state
+# torch, Transformers and the library's jobs are imported where they are used: `--help` and a usage error print at once
 
 PROMPT = 'The "if" statement is used'
 
@@ -49,8 +43,10 @@ MODEL_SIZES = {
 }
 
 
-def demo_config(size: str, vocab_size: int, block_size: int) -> MHMoEConfig:
+def demo_config(size: str, vocab_size: int, block_size: int):
     """An MH-MoE model whose attention is MoH (learned two-stage router), with both balance losses on."""
+    from .models.mhmoe.configuration_mhmoe import MHMoEConfig
+
     return MHMoEConfig(
         vocab_size=vocab_size,
         max_position_embeddings=block_size,
@@ -67,6 +63,10 @@ def demo_config(size: str, vocab_size: int, block_size: int) -> MHMoEConfig:
 
 def train_model(args, data_dir: Path, out: Path):
     """Write the config JSON and train from it with `mhmoe.training` (which trains the BPE tokenizer on the data)."""
+    from .convert.recovery_demo import write_corpus
+    from .training.loop import train
+    from .training.prepare import reset_accelerate_state
+
     train_file, val_file = write_corpus(str(data_dir))
     config_path = out / "mhmoe_moh_config.json"
     demo_config("quick" if args.quick else "default", args.vocab_size, args.block_size).to_json_file(config_path)
@@ -92,8 +92,11 @@ def train_model(args, data_dir: Path, out: Path):
     return result, train_file, val_file
 
 
-def reload_and_check(model_dir: Path, trained, val_blocks: torch.Tensor):
+def reload_and_check(model_dir: Path, trained, val_blocks):
     """Reload through the Auto classes; the reloaded model must give the trained model's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=False).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     with torch.no_grad():
@@ -122,7 +125,8 @@ def lm_eval_perplexity(model_dir: Path, val_file: str, block_size: int, limit: i
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mhmoe.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mhmoe-demo", description=__doc__.splitlines()[0])
+    parser.error = lambda message: parser.exit(2, f"mhmoe-demo: error: {message} (see mhmoe-demo --help)\n")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 600, 40 with --quick)")
     parser.add_argument("--output_dir", default="outputs/demo", help="where data, models, plots and results go")
     parser.add_argument("--seed", type=int, default=0)
@@ -135,11 +139,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (40 if args.quick else 600)
     args.vocab_size = args.vocab_size if args.vocab_size is not None else (512 if args.quick else 4096)
+    for name, low in (("steps", 1), ("batch_size", 1), ("block_size", 2), ("vocab_size", 259)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name} {getattr(args, name)}: must be >= {low}")
+    if not args.lr > 0:
+        parser.error(f"--lr {args.lr}: must be > 0")
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from .convert.recovery_demo import format_result, run_recovery_demo
+    from .evaluation.analysis import expert_load, head_load, plot_load
+    from .training.data import read_files, tokenize_and_pack
+
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

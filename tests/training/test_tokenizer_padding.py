@@ -1,5 +1,5 @@
-"""Tokenizers made by `mhmoe.training.data.train_tokenizer` (and so by mhmoe-train and the demo) pad: Trainer's
-`DataCollatorForLanguageModeling` and batched generation work without setting a pad token first."""
+"""Tokenizers made by `mhmoe.training.data.train_tokenizer` (and so by mhmoe-train and the demo) pad, on the left:
+Trainer's `DataCollatorForLanguageModeling` and batched generation work without setting a pad token or side first."""
 
 import pytest
 import torch
@@ -57,7 +57,7 @@ def test_batched_generation_matches_one_by_one(tokenizer):
         pad_token_id=tokenizer.pad_token_id,
     )
     model = MHMoEForCausalLM(config).eval()
-    tokenizer.padding_side = "left"
+    assert tokenizer.padding_side == "left"  # as saved: batched generate pads in front of the prompts, without warning
     prompts = ['The "if" statement', "Assignment statements are used to bind names"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():

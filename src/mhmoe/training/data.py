@@ -82,7 +82,7 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, model_max_length:
     """A byte-level BPE tokenizer trained on `documents` (`<unk>`=0, `<s>`=1, `</s>`=2, like Llama's ids).
 
     Returns a Transformers fast tokenizer that `save_pretrained` / `AutoTokenizer.from_pretrained` round-trip. Its pad
-    token is `<unk>` (id 0; byte-level BPE never emits it), so padding (batched generation, Trainer's
+    token is `<unk>` (id 0; byte-level BPE never emits it), on the left, so padding (batched generation, Trainer's
     `DataCollatorForLanguageModeling`) works out of the box; not `</s>`: the collator masks pad ids out of the labels,
     and a pad equal to EOS would stop the model from learning to end documents.
     """
@@ -108,6 +108,7 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, model_max_length:
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<unk>",
+        padding_side="left",  # a decoder-only model generates after its prompt: batched prompts are padded in front
         model_max_length=model_max_length,
     )
 
