@@ -28,3 +28,6 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "held-out perplexity" in printed and "greedy sample" in printed and "mhmoe-eval" in printed
     assert json.loads((out / "demo_summary.json").read_text())["ppl_after"] == summary["ppl_after"]
+    from tests.test_no_local_paths import local_paths
+
+    assert local_paths(out, [tmp_path]) == {}  # its records name no local path

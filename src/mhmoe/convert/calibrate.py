@@ -137,9 +137,10 @@ class HeadStats:
     tokens: int
 
 
-def measure_heads(model, blocks) -> HeadStats:
+def measure_heads(model, blocks, progress: bool = False) -> HeadStats:
     """One pass of the dense `model` (Llama-style attention) over `blocks` (N, T), hooks on q_proj and o_proj."""
     import torch
+    from tqdm.auto import tqdm
 
     config = model.config
     heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None)
@@ -174,7 +175,13 @@ def measure_heads(model, blocks) -> HeadStats:
         hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(on_output(i)))
     try:
         with torch.no_grad():
-            for start in range(0, len(blocks), 4):
+            for start in tqdm(
+                range(0, len(blocks), 4),
+                desc="calibrating heads",
+                unit="batch",
+                disable=not progress,
+                dynamic_ncols=True,
+            ):
                 model(blocks[start : start + 4].to(model.device))
     finally:
         for hook in hooks:
@@ -235,6 +242,7 @@ def choose_heads(
     calibration_file: str | None = None,
     calibration_tokens: int = CALIBRATION_TOKENS,
     trust_remote_code: bool = False,
+    progress: bool = False,
 ) -> HeadChoices:
     """Measure the source of `plan` on calibration text (unless the recipe needs none), choose every layer's shared
     heads and set the recipe's router (and its statistics, in the permuted head order) on `plan.config`."""
@@ -253,7 +261,7 @@ def choose_heads(
     blocks = calibration_blocks(tokenizer, text, calibration_tokens, CALIBRATION_BLOCK)
     if int(blocks.max()) >= config.vocab_size:
         raise ConversionError("the source's tokenizer gives token ids beyond the model's vocabulary")
-    stats = measure_heads(model, blocks)
+    stats = measure_heads(model, blocks, progress)
     del model
     shared, kv = config.moh_shared_heads, config.num_key_value_heads
     heads = config.num_attention_heads

@@ -336,7 +336,7 @@ def convert(
     plan.notes[:0] = source_notes or []
     _check_disk_space(plan, output_dir)
     calibration_start = time.time()
-    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens, trust_remote_code)
+    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress)
     if "calibration" in choices.record:
         choices.record["calibration"]["seconds"] = round(time.time() - calibration_start, 3)
     start += time.time() - calibration_start  # "copied in" counts the copy (and the permutation), not calibration
@@ -399,6 +399,8 @@ def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) ->
     )
     dense = temporary_dir_next_to(output_dir)
     try:
+        if options.get("progress", True):
+            print(f"dequantising {gguf_file} to float32 (the whole model, in memory)", flush=True)
         notes = dequantise_gguf(input_dir, gguf_file, dense)
         # the record and the card's base_model name the folder (a Hub repo id in a Hugging Face cache), the notes
         # the GGUF file

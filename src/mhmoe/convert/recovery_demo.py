@@ -178,7 +178,7 @@ def run_recovery_demo(
         "dense_tokens": dense_steps * tokens_per_step,
         "tune_tokens": tune_steps * tokens_per_step,
         "seconds": round(time.time() - started, 1),
-        "workdir": workdir,
+        "workdir": os.path.basename(os.path.abspath(workdir)),  # its name: the record never holds a local path
     }
     with open(os.path.join(workdir, "recovery_demo.json"), "w") as f:
         json.dump(result, f, indent=2)

@@ -64,6 +64,25 @@ def _requested_tasks(tasks) -> list[str]:
     return [t for item in items if isinstance(item, str) for t in item.split(",") if t]
 
 
+def _public(value):
+    """A local path (one that exists here) as the results name it: a Hugging Face cache snapshot by its repo id, any
+    other by its file or folder name; anything else as it is."""
+    if isinstance(value, str) and os.path.isabs(value) and os.path.exists(value):
+        from ..hub.cards import base_model_name
+
+        return base_model_name(value)
+    return value
+
+
+def _without_local_paths(obj):
+    """`obj` (the results lm-eval saves with --output_path) with every local path replaced by `_public`."""
+    if isinstance(obj, dict):
+        return {key: _without_local_paths(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_without_local_paths(value) for value in obj)
+    return _public(obj)
+
+
 def _quiet_git_hash():
     """lm-eval's `get_git_commit_hash` without git's `fatal: not a git repository` on the terminal."""
     import subprocess
@@ -125,10 +144,13 @@ def _cli_patches(captured: list, suites_only: bool, metadata_given: bool = False
 
     original_evaluate, original_manager = lm_eval.simple_evaluate, lm_eval.tasks.TaskManager
     original_git = getattr(lm_eval.evaluator, "get_git_commit_hash", None)
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
+
+    original_name = GeneralConfigTracker.__dict__.get("_get_model_name")
     hint_filter = _DropMetadataHint()
 
     def evaluate_and_add_tables(*a, **k):
-        results = add_paper_tables(original_evaluate(*a, **k))
+        results = _without_local_paths(add_paper_tables(original_evaluate(*a, **k)))
         captured.append(results)
         return results
 
@@ -142,6 +164,8 @@ def _cli_patches(captured: list, suites_only: bool, metadata_given: bool = False
         lm_eval.tasks.TaskManager = SuiteTaskManager
     if original_git is not None:
         lm_eval.evaluator.get_git_commit_hash = _quiet_git_hash
+    if isinstance(original_name, staticmethod):  # the results' model name and folder: never a local path
+        GeneralConfigTracker._get_model_name = staticmethod(lambda args: _public(original_name.__func__(args)))
     loggers = [logging.getLogger(name) for name in ("lm_eval", "lm_eval.api.task")]
     for logger in loggers if metadata_given else []:
         logger.addFilter(hint_filter)
@@ -151,6 +175,8 @@ def _cli_patches(captured: list, suites_only: bool, metadata_given: bool = False
         lm_eval.simple_evaluate, lm_eval.tasks.TaskManager = original_evaluate, original_manager
         if original_git is not None:
             lm_eval.evaluator.get_git_commit_hash = original_git
+        if isinstance(original_name, staticmethod):
+            GeneralConfigTracker._get_model_name = original_name
         for logger in loggers:
             logger.removeFilter(hint_filter)
 
