@@ -366,7 +366,7 @@ def test_output_dir_rules_and_interrupted_write(tmp_path, monkeypatch, capsys):
     with pytest.raises(ConversionError, match="exists and is not empty; pass --overwrite"):
         convert(str(source), str(out), progress=False)
     assert (out / "keep.txt").read_text() == "mine"
-    with pytest.raises(ConversionError, match="no integer head split"):
+    with pytest.raises(ConversionError, match="give no whole number of heads"):
         convert(str(source), str(out), 0.5, 0.7, overwrite=True, progress=False)
     with pytest.raises(ConversionError, match="must not be --input_dir, inside it"):
         convert(str(source), str(source / "sub"), progress=False)
