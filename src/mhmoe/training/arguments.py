@@ -111,8 +111,8 @@ class TrainArguments:
     resume_from_checkpoint: str | None = field(
         default=None,
         metadata={
-            "help": "A checkpoint-N directory, or 'latest' (the newest complete one in "
-            "--output_dir; damaged newer ones are skipped and named)."
+            "help": "A checkpoint-N directory, or 'latest' (the newest one in --output_dir whose "
+            "files match its manifest; damaged newer ones are skipped and named)."
         },
     )
     resume_without_rng_state: bool = field(
