@@ -129,7 +129,7 @@ def main() -> None:
     from mhmoe.training.data import read_files, train_tokenizer
 
     torch.set_num_threads(2)
-    root = tempfile.mkdtemp(prefix="checkpoint-hash-", dir=".")
+    root = tempfile.mkdtemp(prefix="checkpoint-hash-")
     try:
         data = write_corpus(os.path.join(root, "data"))
         tokenizer = os.path.join(root, "tokenizer")
