@@ -156,8 +156,9 @@ def main() -> None:
         for variant in VARIANTS:
             checkpoint = statistics.median(results[(plot, variant)])
             run = statistics.median(runs[(plot, variant)])
+            setting = "--plot (default)" if plot else "--no_plot"
             print(
-                f"{'--plot (default)' if plot else '--no_plot':>16} {variant:>16}: checkpoint {1000 * checkpoint:6.1f} "
+                f"{setting:>16} {variant:>16}: checkpoint {1000 * checkpoint:6.1f} "
                 f"ms (x{checkpoint / before:.3f}, {1000 * (checkpoint - before):+6.1f} ms), run {run:6.2f} s "
                 f"(x{run / before_run:.3f})"
             )

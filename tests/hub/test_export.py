@@ -488,9 +488,8 @@ def test_export_drops_local_paths_of_an_older_conversion_record(checkpoint_dir, 
     [
         (
             {"vocab_size": 1000, "num_hidden_layers": 6},
-            r"\(vocab_size=1000, hidden_size=32, num_hidden_layers=6\): 40 tensors "
-            r"the config needs are missing \(e.g. model.layers.2.input_layernorm.weight\); "
-            r"2 tensors have other shapes \(e.g. lm_head.weight: \[320, 32\] in the "
+            r"\(vocab_size=1000, hidden_size=32, num_hidden_layers=6\): 40 tensors the config needs are missing \(e.g. "
+            r"model.layers.2.input_layernorm.weight\); 2 tensors have other shapes \(e.g. lm_head.weight: \[320, 32\] in the "
             r"weights, \[1000, 32\] in the config\)",
         ),
         (

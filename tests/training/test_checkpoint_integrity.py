@@ -195,9 +195,8 @@ def test_every_checkpoint_loads_exports_and_evaluates(finished, tmp_path, corpus
         at_2 = AutoModelForCausalLM.from_pretrained(finished / "checkpoint-2", trust_remote_code=False).eval()
         assert torch.equal(at_4(ids).logits, final) and not torch.equal(at_2(ids).logits, final)
     exported = export_pretrained(str(finished / "checkpoint-2"), tmp_path / "exported")
-    assert (exported / "model.safetensors").read_bytes() == (
-        finished / "checkpoint-2" / "model.safetensors"
-    ).read_bytes()
+    weights = (finished / "checkpoint-2" / "model.safetensors").read_bytes()
+    assert (exported / "model.safetensors").read_bytes() == weights
     eval_cli.main(
         [
             "--model_args",

@@ -90,18 +90,14 @@ def _check_weights_fit_config(path: str, config, shards: list[str], model_class)
     unexpected = sorted(set(found) - set(expected))
     mismatched = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
     if missing or unexpected or mismatched:
+        first = mismatched[0] if mismatched else None
+        shape = f"{first}: {found.get(first)} in the weights, {expected.get(first)} in the config"
         problems = [
             f"{len(names)} {what} (e.g. {example})"
             for names, what, example in (
                 (missing, "tensors the config needs are missing", missing[:1] and missing[0]),
                 (unexpected, "tensors the config has no place for", unexpected[:1] and unexpected[0]),
-                (
-                    mismatched,
-                    "tensors have other shapes",
-                    mismatched[:1]
-                    and f"{mismatched[0]}: {found[mismatched[0]]} in "
-                    f"the weights, {expected[mismatched[0]]} in the config",
-                ),
+                (mismatched, "tensors have other shapes", shape),
             )
             if names
         ]
