@@ -70,7 +70,7 @@ VARIANTS = ("manifest", "manifest in line", "before")
 def run_once(root: str, data: tuple[str, str], tokenizer: str, config: str, steps: int, plot: bool, variant: str):
     import mhmoe.training.checkpoints as checkpoints
     import mhmoe.training.loop as loop
-    from mhmoe.training.setup import reset_accelerate_state
+    from mhmoe.training.prepare import reset_accelerate_state
 
     times = []
     real = loop.save_checkpoint, checkpoints.Sealer, checkpoints._COMPLETER
