@@ -461,6 +461,14 @@ def _huge_heads(source: Path) -> None:
     )
 
 
+def _negative_rope_theta(source: Path) -> None:
+    """Llama's config takes it (and the model trains to NaN); the moh_llama config it would become refuses it."""
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(
+        json.dumps({**config, "rope_parameters": {"rope_type": "default", "rope_theta": -10000.0}})
+    )
+
+
 @pytest.mark.parametrize(
     "flags, change, words",
     [
@@ -472,6 +480,12 @@ def _huge_heads(source: Path) -> None:
             _huge_heads,
             "invalid llama config .*: .*The hidden size \\(32\\) is not a multiple of the number of "
             "attention heads \\(1099511627776\\)",
+        ),
+        (
+            [],
+            _negative_rope_theta,
+            "the source config does not make a valid moh_llama config: .*rope_theta .* must be a finite number > 0, "
+            "got -10000.0",
         ),
         (["--probe_file", "EMPTY"], None, "--probe_file .*empty.txt holds no text"),
         (["--shared_heads", "x"], None, "--shared_heads 'x': give a number of heads \\(e.g. --shared_heads 3\\)"),

@@ -1,6 +1,7 @@
 """What mhmoe's configs check beyond Transformers' own: overrides of `from_pretrained` checked together with the
-file's fields (MHMoEConfig and MoHLlamaConfig), misnamed and misspelt keyword arguments, the MHMoE decoder's own
-fields, and one `ValueError` listing every problem.
+file's fields (MHMoEConfig and MoHLlamaConfig), misnamed and misspelt keyword arguments, RoPE and the special token
+ids (which Transformers only warns about, or refuses with a KeyError), the MHMoE decoder's own fields, and one
+`ValueError` listing every problem.
 """
 
 import dataclasses
@@ -9,7 +10,6 @@ import math
 
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.utils import logging
 
 # names other MoE configs use for our fields: refused instead of silently dropped (`top_k` also breaks save_pretrained)
 MISNAMED_FIELDS = {
@@ -42,20 +42,67 @@ class CheckedOverrides:
 
 
 def check_keyword_arguments(config_class: type, kwargs: dict) -> None:
-    """Refuse the names other MoE configs give our fields (`MISNAMED_FIELDS`), and warn by name about unknown keyword
-    arguments that look like a misspelt field (`num_expert` for `num_experts`): a config keeps unknown arguments as
-    attributes, so the field would silently keep its default."""
-    misnamed = [f"{name} (use {MISNAMED_FIELDS[name]})" for name in kwargs if name in MISNAMED_FIELDS]
-    if misnamed:
-        raise ValueError(f"Invalid {config_class.__name__}: unknown argument(s) {', '.join(misnamed)}.")
+    """Refuse the names other MoE configs give our fields (`MISNAMED_FIELDS`) and unknown keyword arguments that look
+    like a misspelt field (`num_expert` for `num_experts`): a config keeps unknown arguments as attributes, so the
+    field would silently keep its default. Other unknown names stay attributes, as in Transformers."""
     fields = [field.name for field in dataclasses.fields(config_class)]
+    wrong = []
     for name in kwargs:
         close = difflib.get_close_matches(name, fields, n=1, cutoff=0.85)
-        if close and not hasattr(PreTrainedConfig, name):
-            logging.get_logger(__name__).warning(
-                f"{config_class.__name__}: unknown argument {name!r} is not a config field (did you mean "
-                f"{close[0]!r}?); it is kept as an attribute and {close[0]} keeps its value"
+        if name in MISNAMED_FIELDS:
+            wrong.append(f"{name!r} (use {MISNAMED_FIELDS[name]!r})")
+        elif close and not hasattr(PreTrainedConfig, name):
+            wrong.append(f"{name!r} (did you mean {close[0]!r}?)")
+    if wrong:
+        raise ValueError(
+            f"Invalid {config_class.__name__}: unknown argument(s) {', '.join(wrong)}; fix the name (a config keeps an "
+            "unknown argument as an attribute, and the field keeps its default)."
+        )
+
+
+def rope_problems(config) -> list[str]:
+    """`rope_parameters` (or the legacy `rope_scaling` / `rope_theta`, merged into it by Transformers), in words: a
+    rope_type the rotary embedding knows, the keys that type needs, and a finite `rope_theta` > 0 (a negative one
+    trains to NaN). Transformers only warns about an unknown type and raises a KeyError for a missing key."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = getattr(config, "rope_parameters", None)
+    if not parameters:
+        return []
+    if not isinstance(parameters, dict):
+        return [f"rope_parameters must be a dict with rope_type and rope_theta, got {parameters!r}"]
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type not in known:
+        return [f"rope_parameters' rope_type must be one of {known}, got {rope_type!r}"]
+    problems = []
+    theta = parameters.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        problems.append(f"rope_theta (rope_parameters' base wavelength) must be a finite number > 0, got {theta!r}")
+    validate = getattr(config, f"_validate_{rope_type}_rope_parameters", None)
+    try:  # Transformers' own check of the type's keys and values, its exceptions as problems
+        if validate is not None:
+            validate(dict(parameters), ignore_keys=getattr(config, "ignore_keys_at_rope_validation", None))
+    except (KeyError, TypeError, ValueError) as e:
+        problems.append(str(e.args[0] if e.args else e))
+    return problems
+
+
+def token_id_problems(config) -> list[str]:
+    """`bos_token_id` / `eos_token_id` (an id or a list of ids) inside the vocabulary: Transformers only warns, and an
+    id past the embedding fails in generation or indexes the wrong row. (`pad_token_id`: `decoder_problems`.)"""
+    problems = []
+    for name in ("bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+        outside = [i for i in ids if isinstance(i, int) and not 0 <= i < config.vocab_size]
+        if outside:
+            shown = value if isinstance(value, (list, tuple)) else outside[0]
+            problems.append(
+                f"{name} ({shown}) must lie in the vocabulary: 0 to {config.vocab_size - 1} (vocab_size "
+                f"{config.vocab_size}), or be None"
             )
+    return problems
 
 
 def size_problems(config) -> list[str]:
@@ -71,7 +118,19 @@ def size_problems(config) -> list[str]:
     )
     # head_dim stays None when num_attention_heads < 1 (reported as such)
     values = {name: getattr(config, name) for name in sizes if getattr(config, name) is not None}
-    return [f"{name} must be >= 1, got {value}" for name, value in values.items() if not value >= 1]
+    heads, hidden = values.get("num_attention_heads", 0), values.get("hidden_size", 0)
+    problems = []
+    for name, value in values.items():
+        if value >= 1:
+            continue
+        if name == "head_dim" and heads > hidden >= 1:  # head_dim = hidden_size // num_attention_heads = 0
+            problems.append(
+                f"num_attention_heads ({heads}) must be <= hidden_size ({hidden}) (each head gets hidden_size // "
+                "num_attention_heads channels), or set head_dim explicitly"
+            )
+        else:
+            problems.append(f"{name} must be >= 1, got {value}")
+    return problems
 
 
 def decoder_problems(config) -> list[str]:
@@ -130,5 +189,7 @@ __all__ = [
     "check_keyword_arguments",
     "decoder_problems",
     "raise_problems",
+    "rope_problems",
     "size_problems",
+    "token_id_problems",
 ]

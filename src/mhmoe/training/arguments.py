@@ -349,8 +349,8 @@ def load_config(args: TrainArguments):
     unknown = sorted(key for key in overrides if not hasattr(template, key))
     if unknown:  # a config takes any key silently: a typo would train with the default and save the typo
         raise TrainingError(f"--config_overrides: {', '.join(unknown)} is not a {model_type} config field")
-    if from_scratch:
-        unknown = sorted(key for key in fields if not hasattr(template, key))
+    if from_scratch:  # rope_theta: the legacy key (Llama's config.json) Transformers moves into rope_parameters
+        unknown = sorted(key for key in fields if not hasattr(template, key) and key != "rope_theta")
         if unknown:
             raise TrainingError(
                 f"{path}: {_unknown_keys(unknown, template)} not a {model_type} config field; fix the "

@@ -4,7 +4,15 @@ from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
-from ..config_checks import CheckedOverrides, check_keyword_arguments, decoder_problems, raise_problems, size_problems
+from ..config_checks import (
+    CheckedOverrides,
+    check_keyword_arguments,
+    decoder_problems,
+    raise_problems,
+    rope_problems,
+    size_problems,
+    token_id_problems,
+)
 from ..moh.moh_config import moh_config_problems
 from ..ops.backends import ROUTING_BACKENDS
 from .linear_types import linear_type_problems
@@ -113,7 +121,8 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
         super().validate_architecture()
         problems = size_problems(self)
         if not problems:  # the other checks divide by the sizes
-            problems = decoder_problems(self) + router_type_problems(self) + linear_type_problems(self)
+            problems = decoder_problems(self) + rope_problems(self) + token_id_problems(self)
+            problems += router_type_problems(self) + linear_type_problems(self)
             problems += moh_config_problems(self)
         if self.routing_backend is not None and self.routing_backend not in ROUTING_BACKENDS:
             problems.append(

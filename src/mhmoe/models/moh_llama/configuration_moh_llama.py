@@ -3,7 +3,14 @@
 from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
-from ..config_checks import CheckedOverrides, raise_problems
+from ..config_checks import (
+    CheckedOverrides,
+    check_keyword_arguments,
+    raise_problems,
+    rope_problems,
+    size_problems,
+    token_id_problems,
+)
 from ..mhmoe.plans import ConfigPlan, moh_has_module
 from ..moh.moh_config import moh_config_problems
 
@@ -53,8 +60,15 @@ class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
     moh_head_norm_mean: list | None = None
     moh_head_norm_std: list | None = None
 
+    def __post_init__(self, **kwargs):
+        check_keyword_arguments(type(self), kwargs)
+        raise_problems(self, size_problems(self))  # LlamaConfig divides by num_attention_heads
+        super().__post_init__(**kwargs)
+        self.validate_architecture()  # a ValueError (from the strict validators: huggingface_hub's own error class)
+
     def validate_architecture(self):
         super().validate_architecture()
+        raise_problems(self, size_problems(self) + rope_problems(self) + token_id_problems(self))
         raise_problems(self, moh_config_problems(self))
 
     @classmethod
