@@ -17,12 +17,17 @@ MARKER = "PLANTED_CODE_RAN"
 
 
 def test_every_from_pretrained_in_src_says_whether_code_may_run():
-    """Every `*.from_pretrained(...)` call of the package passes `trust_remote_code` explicitly: none falls back to
-    Transformers' default, which asks y/N on the terminal and runs the folder's code on `y`."""
+    """Every `*.from_pretrained(...)` (AutoConfig, AutoTokenizer, the model classes) and `*.from_config(...)` call of
+    the package passes `trust_remote_code` explicitly: none falls back to Transformers' default, which asks y/N on the
+    terminal and runs the folder's code on `y`."""
     calls, missing = 0, []
     for path in sorted(SRC.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "from_pretrained":
+            if not isinstance(node, ast.Call):
+                continue
+            method = getattr(node.func, "attr", None)
+            receiver = getattr(getattr(node.func, "value", None), "id", "")  # our own classes' from_config load nothing
+            if method == "from_pretrained" or (method == "from_config" and receiver.startswith("Auto")):
                 calls += 1
                 if not any(k.arg == "trust_remote_code" for k in node.keywords):
                     missing.append(f"{path.relative_to(SRC)}:{node.lineno}")

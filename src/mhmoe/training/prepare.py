@@ -171,7 +171,7 @@ def build_model(run: TrainRun, model) -> None:
     if model is None:
         if run.from_scratch:
             _check_fits_in_memory(run.config)
-            model = AutoModelForCausalLM.from_config(run.config)
+            model = AutoModelForCausalLM.from_config(run.config, trust_remote_code=False)
         else:
             try:
                 # mhmoe's or Transformers' own classes, never the folder's code
@@ -228,7 +228,9 @@ def _check_fits_in_memory(config) -> None:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        parameters = sum(
+            p.numel() for p in AutoModelForCausalLM.from_config(config, trust_remote_code=False).parameters()
+        )
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not on this platform
