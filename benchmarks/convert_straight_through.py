@@ -9,7 +9,7 @@ Runs `mhmoe.convert.recovery_demo.run_recovery_demo` (tiny dense LLaMA trained h
 continue-tuned with the converter's own code path) once per estimator and seed, same parent, same data, same schedule,
 and prints the held-out perplexity after continue-tuning. Under the team's CPU lock:
 
-    flock /work/team/heavy.lock python benchmarks/convert_straight_through.py --seeds 0
+    python benchmarks/convert_straight_through.py --seeds 0
 
 (about 2-3 minutes per run on the shared 2-core CPU; docs/conversion.md has the measured output)
 """

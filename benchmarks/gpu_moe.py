@@ -653,12 +653,20 @@ def main(argv=None) -> int:
             else RESULTS / f"gpu_moe-{slug}-{result['commit']}"
         )
     path = out / "gpu_moe.json"
+    # the log is committed with the results: the folder as given (--out) or relative to the checkout, no local path
+    shown_out = (
+        "--out"
+        if args.out is not None
+        else out.relative_to(HERE.parent)
+        if out.is_relative_to(HERE.parent)
+        else out.name
+    )
 
     def save(section: str, started: float) -> None:
         result.setdefault("section_seconds", {})[section] = round(time.time() - started, 1)
         result["finished_utc"] = _utc()
         write_json(path, result)
-        print(f"[{section}: {result['section_seconds'][section]} s, written to {path}]", flush=True)
+        print(f"[{section}: {result['section_seconds'][section]} s, written to {path.name} in {shown_out}]", flush=True)
 
     for section in args.sections:
         started = time.time()

@@ -37,6 +37,9 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 log() { echo "gpu_run: $*" | tee -a "$OUT/gpu_run.log" >&2; }
+# the log is committed with the results: folders named relative to the checkout, or as $OUT (no local paths)
+SHOWN_OUT="${OUT#"$ROOT"/}"
+[[ "$SHOWN_OUT" == /* ]] && SHOWN_OUT='$OUT'
 
 carried_size() {
     local bytes
@@ -93,9 +96,12 @@ if transformers.__version__ not in wanted:
              f"({wanted}), and no such wheel was carried: run `bash scripts/gpu_wheels.sh` where there is network "
              "and carry .gpu_wheels")
 import mhmoe
+import os
 from mhmoe import MHMoEForCausalLM  # noqa: F401  (the model layer imports)
-print(f"gpu_run: mhmoe {mhmoe.__version__} from {mhmoe.__file__}; torch {torch.__version__} (CUDA build "
-      f"{torch.version.cuda}), transformers {transformers.__version__} from {transformers.__file__}")
+root = os.path.dirname(os.path.abspath(sys.argv[1]))
+shown = lambda f: "<checkout>/" + os.path.relpath(f, root) if os.path.abspath(f).startswith(root + os.sep) else f
+print(f"gpu_run: mhmoe {mhmoe.__version__} from {shown(mhmoe.__file__)}; torch {torch.__version__} (CUDA build "
+      f"{torch.version.cuda}), transformers {transformers.__version__} from {shown(transformers.__file__)}")
 PYEOF
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || {
         log "stop: no CUDA GPU is visible to torch $("$PY" -c 'import torch; print(torch.__version__)') (torch.cuda.is_available() \
@@ -118,10 +124,10 @@ probe() {
 bench() {
     # the cheap sections first, the block timings (the longest) last: a run cut at its limit keeps the rest
     local seconds="${BENCH_SECONDS:-270}"
-    log "bench: benchmarks/gpu_moe.py (kernel checks first, at most $seconds s), each section written to $OUT/gpu_moe/"
+    log "bench: benchmarks/gpu_moe.py (kernel checks first, at most $seconds s), each section written to $SHOWN_OUT/gpu_moe/"
     timeout "$seconds" "$PY" benchmarks/gpu_moe.py --out "$OUT/gpu_moe" --repeats "${BENCH_REPEATS:-10}" \
         --sections checks routing head_router gemm model blocks 2>&1 | tee "$OUT/gpu_moe.log" || \
-        log "bench stopped early (exit ${PIPESTATUS[0]}): the sections written so far are in $OUT/gpu_moe/"
+        log "bench stopped early (exit ${PIPESTATUS[0]}): the sections written so far are in $SHOWN_OUT/gpu_moe/"
 }
 
 reproduce() {
@@ -153,7 +159,7 @@ PYEOF
 
 merge() {
     "$PY" benchmarks/reproduce/run.py mhmoe_table1 --merge "$WORK" --out "$WORK" 2>&1 | tee -a "$OUT/reproduce.log" || \
-        log "merge: nothing to merge yet (no finished run in $WORK)"
+        log "merge: nothing to merge yet (no finished run in ${WORK#"$ROOT"/})"
 }
 
 copy_back() {

@@ -13,23 +13,28 @@ from tests.hub.test_trust import _run
 
 REPO = Path(__file__).resolve().parents[1]
 BINARY = (".safetensors", ".bin", ".pkl", ".png", ".pt", ".gguf", ".lock")
-_ABSOLUTE = re.compile(r"(?<![\w.:/-])/(?:tmp|home|root|work|Users|mnt)/[^\s\"'`)\]]+")
+# "<checkout>/work/x" or "$OUT/tmp" is a placeholder's folder, not a local path
+_ABSOLUTE = re.compile(r"(?<![\w.:/>$}-])/(?:tmp|home|root|work|Users|mnt)/[^\s\"'`)\]]+")
+
+
+def file_local_paths(path: Path, also=()) -> list[str]:
+    """The local paths in a text file (none in a binary one): under `also` or the repository, or absolute."""
+    if path.name.endswith(BINARY):
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return []
+    needles = [str(p) for p in (*also, REPO) if str(p) not in ("/", "")]
+    return sorted({n for n in needles if n in text} | set(_ABSOLUTE.findall(text)))[:3]
 
 
 def local_paths(folder: Path, also=()) -> dict[str, list[str]]:
     """{file relative to `folder`: the local paths in it}, text files only."""
-    needles = [str(p) for p in (*also, REPO) if str(p) not in ("/", "")]
     found = {}
     for path in sorted(folder.rglob("*")):
-        if not path.is_file() or path.name.endswith(BINARY):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-        hits = sorted({n for n in needles if n in text} | set(_ABSOLUTE.findall(text)))
-        if hits:
-            found[str(path.relative_to(folder))] = hits[:3]
+        if path.is_file() and (hits := file_local_paths(path, also)):
+            found[str(path.relative_to(folder))] = hits
     return found
 
 
@@ -37,6 +42,7 @@ def test_the_scanner_finds_local_paths(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({"args": {"train_file": ["/home/me/data/train.jsonl"]}}))
     (tmp_path / "b.md").write_text(f"made from `{tmp_path / 'x'}`; see https://hf.co/org/name and eval_tasks/README.md")
     (tmp_path / "c.txt").write_text("relative/path and https://example.org/tmp/x only")
+    (tmp_path / "d.md").write_text("mhmoe-convert --input_dir <gguf_dir> --output_dir <checkout>/work/out; $OUT/tmp")
     assert local_paths(tmp_path, [tmp_path]) == {
         "a.json": ["/home/me/data/train.jsonl"],
         "b.md": sorted({str(tmp_path), str(tmp_path / "x")}),
@@ -111,37 +117,28 @@ def test_no_command_writes_a_local_path_into_its_output(tmp_path, tokenizer_dir,
 
 
 RESULTS = REPO / "benchmarks" / "results"
-# the committed results whose commands or records still name local paths (issue 32; their commands and `merged_from`
-# records are being rewritten with the reproduction scripts): each file is its own test, so a fixed one shows as
-# XPASS and leaves this list
-KNOWN_LOCAL_PATHS = {
-    "gpu_moe-nvidia-h200-60178f3/gpu_moe.log",
-    "gpu_moe-nvidia-h200-60178f3/gpu_run.log",
-    "gpu_moe-nvidia-h200-60178f3/reproduce.log",
-    "moh_convert_real.json",
-    "moh_convert_real.md",
-    "reproduce_bitnet_table3_cpu.json",
-    "reproduce_bitnet_table3_cpu_long.json",
-    "reproduce_lory_comparison_cpu.json",
-    "reproduce_lory_comparison_cpu_long.json",
-    "reproduce_mhmoe_ablation_cpu.json",
-    "reproduce_mhmoe_ablation_cpu_long.json",
-    "reproduce_mhmoe_capacity_cpu.json",
-    "reproduce_mhmoe_capacity_cpu_long.json",
-    "reproduce_mhmoe_table1_cpu_long.json",
-    "reproduce_mhmoe_table2_cpu.json",
-    "reproduce_mhmoe_table2_cpu_long.json",
-    "reproduce_moh_fig2_cpu.json",
-    "reproduce_moh_fig2_cpu_long.json",
-}
 
 
 @pytest.mark.parametrize(
     "name",
     sorted(str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*") if p.is_file() and not p.name.endswith(BINARY)),
 )
-def test_committed_results_name_no_local_path(name, request):
-    if name in KNOWN_LOCAL_PATHS:
-        request.applymarker(pytest.mark.xfail(reason="known: local paths in this committed result", strict=False))
-    path = RESULTS / name
-    assert local_paths(path.parent).get(path.name) is None, local_paths(path.parent).get(path.name)
+def test_committed_results_name_no_local_path(name):
+    """Commands as a user would type them, folders as placeholders (<checkout>, <output_dir>, $OUT) or names."""
+    assert file_local_paths(RESULTS / name) == []
+
+
+def test_docs_and_scripts_name_no_local_path():
+    """Commands in the docs and docstrings as a user would type them (placeholders such as <workdir>, <old_tree>),
+    scripts without machine-specific defaults: every text file of benchmarks/, docs/, scripts/, eval_tasks/, src/
+    and the top-level Markdown files."""
+    files = [
+        p
+        for folder in ("benchmarks", "docs", "scripts", "eval_tasks", "src")
+        for p in (REPO / folder).rglob("*")
+        if p.is_file() and RESULTS not in p.parents and "egg-info" not in str(p) and "__pycache__" not in str(p)
+    ]
+    files += list(REPO.glob("*.md"))
+    assert len(files) > 100  # the walk sees the tree
+    found = {str(p.relative_to(REPO)): hits for p in files if (hits := file_local_paths(p))}
+    assert found == {}, found

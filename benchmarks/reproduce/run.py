@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -318,7 +319,7 @@ def run_cells(
         final = run["eval"][-1]["ppl"] if run["eval"] else float("nan")
         print(
             f"{name} | {cell} | seed {seed}: ppl {final:.2f} ({run['seconds']} s) | "
-            f"params {record['parity']['parameters']:,} -> {path}",
+            f"params {record['parity']['parameters']:,} -> {os.path.relpath(path, out)} in --out",
             flush=True,
         )
     return True
@@ -405,7 +406,7 @@ def merge(name: str, folders: list[Path], out: Path) -> list[Path]:
             "torch": first["run"].get("provenance", {}).get("versions", {}).get("torch"),
             "transformers": first["run"].get("provenance", {}).get("versions", {}).get("transformers"),
             "mhmoe": first["run"].get("provenance", {}).get("versions", {}).get("mhmoe"),
-            "merged_from": [str(f) for f in folders],
+            "merged_from": [f.name for f in folders],  # names, not this machine's paths (the record is committed)
         }
         path = harness.write_results(name, title, cells, meta, out)
         print(harness.markdown_table(json.loads(path.read_text())))
