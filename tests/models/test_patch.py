@@ -190,6 +190,27 @@ def test_refusals():
     assert mhmoe.apply_moh is apply_moh
 
 
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (
+            dict(moh_shared_heads="2", moh_active_heads=2),
+            "moh_shared_heads must be a whole number of heads, not str ('2')",
+        ),
+        (dict(moh_shared_heads=2, moh_active_heads=2.0), "moh_active_heads must be a whole number of heads, not float"),
+        (dict(moh_shared_heads=True, moh_active_heads=2), "moh_shared_heads must be a whole number of heads, not bool"),
+        (dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef="0.1"), "moh_aux_loss_coef must be a number"),
+    ],
+)
+def test_values_of_the_wrong_type_are_one_line_type_errors(fields, words):
+    """They failed deep inside the checks (`'<' not supported between 'str' and 'int'`); the model is left as it was."""
+    model = dense("llama")
+    with pytest.raises(TypeError) as raised:
+        apply_moh(model, **fields)
+    assert str(raised.value).startswith(f"apply_moh: {words}")
+    assert "\n" not in str(raised.value) and type(model.model).__name__ == "LlamaModel"
+
+
 def test_learned_routers_come_back_after_reloading(tmp_path):
     """Transformers drops the head-router weights of a saved MoH Mistral/Qwen2 as unexpected keys; `apply_moh(model)`
     reads them back from the folder the model was loaded from (causal LM, and base model from the same folder)."""

@@ -60,6 +60,18 @@ def _moh_classes(base_cls):
     return _MOH_CLASSES[base_cls]
 
 
+def _check_types(fields: dict) -> None:
+    """The types the checks compare (a config's strict fields check them; here the fields are plain arguments)."""
+    wanted = {"moh_shared_heads": "a whole number of heads", "moh_active_heads": "a whole number of heads"}
+    for name, words in wanted.items():
+        value = fields[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"apply_moh: {name} must be {words}, not {type(value).__name__} ({value!r})")
+    value = fields["moh_aux_loss_coef"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"apply_moh: moh_aux_loss_coef must be a number, not {type(value).__name__} ({value!r})")
+
+
 def apply_moh(model, **moh_fields):
     """Make `model` (a Llama/Mistral/Qwen2 `...ForCausalLM` or base `...Model`) Mixture-of-Head attention in place and
     return it.
@@ -93,6 +105,7 @@ def apply_moh(model, **moh_fields):
     fields = {name: moh_fields.get(name, getattr(config, name, default)) for name, default in MOH_FIELDS.items()}
     if fields["moh_shared_heads"] is None and fields["moh_active_heads"] is None:
         raise ValueError("apply_moh needs moh_shared_heads and moh_active_heads")
+    _check_types(fields)
     problems = moh_config_problems(SimpleNamespace(num_attention_heads=config.num_attention_heads, **fields))
     if problems:
         raise ValueError("Invalid MoH fields: " + "; ".join(problems) + ".")
