@@ -50,7 +50,7 @@ def check_keyword_arguments(config_class: type, kwargs: dict) -> None:
     for name in kwargs:
         close = difflib.get_close_matches(name, fields, n=1, cutoff=0.85)
         if name in MISNAMED_FIELDS:
-            wrong.append(f"{name!r} (use {MISNAMED_FIELDS[name]!r})")
+            wrong.append(f"{name} (use {MISNAMED_FIELDS[name]})")
         elif close and not hasattr(PreTrainedConfig, name):
             wrong.append(f"{name!r} (did you mean {close[0]!r}?)")
     if wrong:
