@@ -296,8 +296,8 @@ def test_peft_adapter(work, tmp_path):
 def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     """Missing checkpoints, an adapter given as the model, unknown tasks, a ppl task without data or with a --metadata
     path that is missing, empty or blank, --metadata that is not JSON, --batch_size 0, --limit -1, a truncated or
-    pickle-only model, max_length past the model's positions, a Hub suite offline without its data, no arguments:
-    exit 2 with the reason in one line, no traceback."""
+    pickle-only model, a config.json its class refuses, max_length past the model's positions, a Hub suite offline
+    without its data, no arguments: exit 2 with the reason in one line, no traceback."""
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
@@ -305,9 +305,12 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     blank.write_text('{"text": "  "}\n')
     (adapter / "adapter_config.json").write_text("{}")
     ckpt = str(work["ckpt"])
-    truncated, pickled = tmp_path / "truncated", tmp_path / "pickled"
-    for folder in (truncated, pickled):
+    truncated, pickled, bad_config = tmp_path / "truncated", tmp_path / "pickled", tmp_path / "bad_config"
+    for folder in (truncated, pickled, bad_config):
         shutil.copytree(ckpt, folder)
+    config = json.loads((bad_config / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": -1.0}  # trains and evaluates to NaN
+    (bad_config / "config.json").write_text(json.dumps(config))
     weights = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")  # a pickle-only checkpoint's file name
@@ -388,6 +391,11 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
             ["--model_args", f"pretrained={pickled}", "--tasks", "mhmoe_ppl_c4"],
             "pretrained=.*pickled: .*pickled holds only pickle checkpoints \\(pytorch_model.bin\\); they are never "
             "unpickled",
+        ),
+        (
+            ["--model_args", f"pretrained={bad_config}", "--tasks", "mhmoe_ppl_c4"],
+            "pretrained=.*bad_config: invalid config.json: Invalid MHMoEConfig: rope_theta .* must be a finite "
+            "number > 0, got -1.0",
         ),
         (
             ["--model_args", f"pretrained={ckpt},max_length=100000", "--tasks", "mhmoe_ppl_c4"],

@@ -402,6 +402,16 @@ def _weights_problem(key: str, path: str, model_args: dict) -> str | None:
         model_type = read_model_type(os.path.join(path, "config.json"))
     except CheckpointError as e:
         return f"{key}={path}: {e}"
+    if model_type in ("mhmoe", "moh_llama"):  # our configs' checks, in one line before lm-eval loads the model
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(path, trust_remote_code=False)  # mhmoe's own class: no folder code
+        except Exception as e:  # ValueError/TypeError, huggingface_hub's StrictDataclass*Error (not ValueErrors)
+            if not isinstance(e, (TypeError, ValueError)) and type(e).__module__.split(".")[0] != "huggingface_hub":
+                raise
+            message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            return f"{key}={path}: invalid config.json: {message}"
     import json
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
