@@ -11,9 +11,9 @@ import time
 
 import pytest
 
+from tests._plumbing.test_trust import _run
 from tests.convert.test_convert import _llama_dir
 from tests.convert.test_outputs import _env, _in_private_mount
-from tests.hub.test_trust import _run
 
 COMMANDS = ["mhmoe-train", "mhmoe-convert", "mhmoe-export", "mhmoe-eval"]
 

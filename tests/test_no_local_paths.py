@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._plumbing.test_trust import _run
 from tests.convert.test_convert import _llama_dir
-from tests.hub.test_trust import _run
 
 REPO = Path(__file__).resolve().parents[1]
 BINARY = (".safetensors", ".bin", ".pkl", ".png", ".pt", ".gguf", ".lock")

@@ -134,7 +134,7 @@ def test_nan_source_weights_are_named(tmp_path, capsys):
 
 def _plant(source: Path, outside: Path) -> None:
     """Code, an auto_map naming it, a link inside the folder, extra files and chat templates (a link out of the folder
-    is refused whole: tests/hub/test_trust.py)."""
+    is refused whole: tests/_plumbing/test_trust.py)."""
     marker = outside / "PLANTED_CODE_RAN"
     (source / "evil_tokenizer.py").write_text(
         f"open({str(marker)!r}, 'w').close()\nfrom transformers import PreTrainedTokenizerFast\n"

@@ -218,7 +218,7 @@ def resolve_auto(plan) -> HeadRecipe:
 def _load_source(source_dir: str, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
-    from ..hub.trust import load_tokenizer
+    from .._plumbing.trust import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(

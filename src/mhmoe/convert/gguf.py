@@ -24,7 +24,7 @@ def check_gguf_source(input_dir: str, gguf_file: str) -> str:
     if os.path.basename(gguf_file) != gguf_file:
         raise ConversionError(f"--gguf_file {gguf_file} must be a file name inside --input_dir {input_dir}")
     path = os.path.join(input_dir, gguf_file)
-    from ..hub.trust import check_links
+    from .._plumbing.trust import check_links
 
     check_links(input_dir, ConversionError, "--input_dir")  # nothing is read through a link out of the folder
     if not os.path.isfile(path):

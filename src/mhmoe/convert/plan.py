@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from transformers.utils import CONFIG_NAME
 
 from .._plumbing.checkpoint_files import SAFE_INDEX_NAME, read_header, read_model_type, side_files, weight_files
-from ..hub.trust import check_links
+from .._plumbing.trust import check_links
 from .errors import ConversionError
 from .recipe import (
     ACTIVE_HEADS_RATIO,

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         if saving.failed:
             raise saving.error()
     except ValueError as e:  # user mistakes lm-eval and the mhmoe_ppl tasks report as ValueError: one line, no trace
-        from ..hub.trust import code_refusal
+        from .._plumbing.trust import code_refusal
 
         pretrained = args.model_args.get("pretrained", "") if isinstance(args.model_args, dict) else ""
         refusal = code_refusal(e, pretrained, "model or tokenizer", "--model_args ...,trust_remote_code=True")
@@ -361,7 +361,7 @@ def _model_args_problem(model: str, model_args) -> str | None:
         path = model_args.get(key)
         if isinstance(path, str) and not os.path.isdir(path) and _offline() and not _cached_on_hub(path):
             return f"{key}={path}: no such directory, and the Hub is offline (HF_HUB_OFFLINE=1) with no cached copy"
-    from ..hub.trust import links_out
+    from .._plumbing.trust import links_out
 
     for key in ("pretrained", "peft"):  # nothing is read through a link out of a checkpoint folder
         path = model_args.get(key)

@@ -42,9 +42,9 @@ from .._plumbing.checkpoint_files import (
     replace_dir,
     temporary_dir_next_to,
 )
+from .._plumbing.trust import check_links, load_config, load_tokenizer
 from .cards import CONVERSION_RECORDS, public_paths
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
-from .trust import check_links, load_config, load_tokenizer
 
 
 def _first_line(error: Exception) -> str:

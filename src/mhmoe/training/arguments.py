@@ -279,7 +279,7 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
         )
     if args.tokenizer_name_or_path is not None and not os.path.isdir(args.tokenizer_name_or_path):
         raise TrainingError(f"--tokenizer_name_or_path {args.tokenizer_name_or_path!r} is not a directory")
-    from ..hub.trust import check_links
+    from .._plumbing.trust import check_links
 
     if not model_given:
         check_links(args.model_name_or_path, TrainingError, "--model_name_or_path")

@@ -119,7 +119,7 @@ def resolve_checkpoint(checkpoint: str, output_dir: str) -> str:
         raise TrainingError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}{detail}")
     if not os.path.isdir(checkpoint):
         raise TrainingError(f"--resume_from_checkpoint {checkpoint}: no such folder (or 'latest')")
-    from ..hub.trust import check_links
+    from .._plumbing.trust import check_links
 
     check_links(checkpoint, TrainingError, "--resume_from_checkpoint")
     try:

@@ -58,7 +58,7 @@ def check_output_location(args: TrainArguments, model_given: bool) -> None:
 def check_output_contents(args: TrainArguments) -> None:
     """With the folder's lock held: no link out of the folder, the checkpoint to resume, or no earlier run unless
     overwriting."""
-    from ..hub.trust import check_links
+    from .._plumbing.trust import check_links
 
     check_links(args.output_dir, TrainingError, "--output_dir")
     if args.resume_from_checkpoint:

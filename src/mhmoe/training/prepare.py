@@ -67,7 +67,7 @@ def setup_accelerator(args: TrainArguments):
 
 def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
     """The tokenizer: given, from the checkpoint being resumed, from the model directory, or trained here on main."""
-    from ..hub.trust import load_tokenizer
+    from .._plumbing.trust import load_tokenizer
 
     args, config = run.args, run.config
     if tokenizer is None:

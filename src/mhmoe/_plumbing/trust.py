@@ -3,7 +3,7 @@
 Code: Transformers imports the Python files a folder's `config.json` or `tokenizer_config.json` names in an `auto_map`
 when asked to (`trust_remote_code=True`), and asks on the terminal when not told either way. Every `from_pretrained`
 in mhmoe passes `trust_remote_code` explicitly (False unless the user passed `--trust_remote_code`;
-tests/hub/test_trust.py reads the source for it), and `load_tokenizer` / `load_config` turn Transformers' refusal
+tests/_plumbing/test_trust.py reads the source for it), and `load_tokenizer` / `load_config` turn Transformers' refusal
 into one line saying which folder needs code and how to allow it.
 
 Links: a checkpoint folder whose files are symbolic links to files outside it (`vocab.txt -> /etc/passwd`) would make

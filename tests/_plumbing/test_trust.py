@@ -1,5 +1,5 @@
 """No command line runs an input folder's code unless --trust_remote_code is passed, and none reads, copies or uploads
-a file through a symbolic link out of an input folder (src/mhmoe/hub/trust.py)."""
+a file through a symbolic link out of an input folder (src/mhmoe/_plumbing/trust.py)."""
 
 import ast
 import builtins
@@ -207,7 +207,7 @@ def test_upload_refuses_a_folder_with_a_link_out(tmp_path):
 
 
 def test_links_inside_the_folder_or_into_a_hub_cache_are_followed(tmp_path):
-    from mhmoe.hub.trust import links_out
+    from mhmoe._plumbing.trust import links_out
 
     repo = tmp_path / "models--org--name"
     snapshot = repo / "snapshots" / "abc"
