@@ -5,6 +5,7 @@ once) of an uninterrupted run, and leaves no half-written folder or temporary fi
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,14 +119,16 @@ def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, confi
         if proc.poll() is not None:  # finished before the kill
             assert proc.returncode == 0, proc.stderr.read()[-3000:]
             if kills == 0 and len(moments) < 5:  # this run was faster than the reference's: start over
-                import shutil
-
                 shutil.rmtree(out)
                 moments.append("finished before the first kill")
                 continue
             break
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        if kills == 0 and (out / "train_summary.json").exists() and len(moments) < 5:  # killed while exiting
+            shutil.rmtree(out)
+            moments.append("finished before the first kill (killed while exiting)")
+            continue
         kills += 1
         moments.append(sorted(p.name for p in out.iterdir()))
         if (out / "train_summary.json").exists():
