@@ -48,6 +48,7 @@ FIG2_SCALES = {
         batch_size=4,
         dense_steps=6,
         tune_steps=4,
+        tune_warmup=1,  # within the 4 steps (mhmoe-train refuses a warmup longer than the run)
         eval_steps=2,
     ),
     "cpu": dict(
