@@ -1,0 +1,422 @@
+"""Head-sparse attention in PyTorch (the CPU path): attention only for the active (token, head) pairs, equal to
+`head_sparse_attention_naive.py` (the contract and the shape legend are there).
+
+Prefill and training (more than DECODE_MAX_TOKENS query tokens). The T query tokens are cut into chunks of C tokens;
+a row is one active (token, head) pair. The rows of key/value head g (those of its G query heads, in token order)
+all attend to g's keys, so g's heads act as extra query rows: no K/V copy, every K/V read shared. A chunk's rows see
+(a) every key before the chunk (the prefix) and (b) the chunk's own keys up to their position (the diagonal block):
+- (a) per key/value head and chunk, one unmasked flash-attention call of the chunk's active rows against the prefix;
+- (b) one causal call for every chunk and head at once (C × C blocks). It computes the inactive rows of the diagonal
+  blocks too (a C / T share of the dense work) but needs no mask, no padding and no gather;
+- the two are merged by their log-sum-exp and scattered back to (B, T, H, hd).
+A key/value head whose query heads are all active everywhere (MoH's shared heads) is plain causal attention: one
+`scaled_dot_product_attention` call. With a 4-D attention mask or an effective sliding window, each (key/value head,
+chunk) is instead one masked call over the keys its rows can see (the mask gathered for those rows).
+The backward is flash attention's: each call's gradients from the merged output and log-sum-exp (so the calls'
+gradients add up to the gradient of the whole), summed into g's key/value gradients and scattered back to the rows.
+An inactive pair costs nothing outside the diagonal blocks, in either pass.
+
+Decoding (a few query tokens): one attention call per run of consecutive key/value heads that an active pair needs,
+the G query heads of a key/value head packed as its query rows (as Transformers' `pack_gqa`): each K/V read once, no
+Python loop over rows or heads, and a key/value head that no active pair needs is never read. Inactive heads inside a
+needed key/value head are computed and zeroed: with GQA their K/V reads are shared, and the arithmetic is small.
+
+The flash calls are torch's CPU kernel (`aten._scaled_dot_product_flash_attention_for_cpu`, which
+`scaled_dot_product_attention` runs on CPU, and its backward; it also returns the log-sum-exp); on other devices an
+eager computation stands in (CUDA has the Triton kernel). Runs on torch alone: exported checkpoints can ship it.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .head_sparse_attention_naive import additive_mask, check_inputs, visible_keys
+
+DECODE_MAX_TOKENS = 16  # up to this many query tokens: the decode path
+
+
+def chunk_tokens(tokens: int) -> int:
+    """Query tokens per chunk: about T / 8, 64 to 256 (the diagonal blocks, C / T of the dense work, are computed for
+    every head of a sparse key/value head; each chunk costs one call per key/value head)."""
+    return max(64, min(256, 1 << max(0, (tokens // 8).bit_length() - 1)))
+
+
+def head_sparse_attention_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gates: torch.Tensor,
+    scaling: float,
+    attention_mask: torch.Tensor | None = None,
+    query_offset: int | None = None,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """(B, T, H, hd): attention of the active (token, head) pairs times their gates, 0 elsewhere (see the module
+    docstring and head_sparse_attention_naive.py). `chunk_size`: query tokens per chunk (default `chunk_tokens`)."""
+    check_inputs(query, key, value, gates, attention_mask, query_offset)
+    tokens, num_keys = query.shape[2], key.shape[2]
+    offset = num_keys - tokens if query_offset is None else query_offset
+    if sliding_window is not None and sliding_window > offset + tokens - 1:
+        sliding_window = None  # the window holds every key: no effect
+    active = gates != 0
+    if tokens <= DECODE_MAX_TOKENS:
+        out = _decode(query, key, value, active, scaling, attention_mask, offset, sliding_window)
+    else:
+        out = _prefill(query, key, value, active, scaling, attention_mask, offset, sliding_window,
+                       chunk_size or chunk_tokens(tokens))  # fmt: skip
+    return out * gates.masked_fill(~active, 0).to(out.dtype)[..., None]
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids -> maximal runs [start, end) of consecutive ids."""
+    runs = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [tuple(run) for run in runs]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# decoding
+
+
+def _decode(query, key, value, active, scaling, attention_mask, offset, sliding_window):
+    batch, heads, tokens, head_dim = query.shape
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    needed = active.view(batch, tokens, kv_heads, groups).any(dim=3).any(dim=1).any(dim=0)  # (Hkv,)
+    runs = _runs(needed.nonzero().flatten().tolist())
+    mask = None  # additive (B or 1, 1, G·T, L): packed row j·T + t is token t's
+    if attention_mask is not None or sliding_window is not None or tokens > 1 or offset != num_keys - 1:
+        visible = visible_keys(tokens, num_keys, offset, sliding_window, query.device)
+        mask = additive_mask(attention_mask, visible, num_keys, query.dtype).repeat(1, 1, groups, 1)
+    packed = query.reshape(batch, kv_heads, groups * tokens, head_dim)  # (B, Hkv, G·T, hd)
+    if runs == [(0, kv_heads)]:  # every key/value head is needed: one call
+        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+        return out.view(batch, heads, tokens, head_dim).transpose(1, 2)
+    out = query.new_zeros(batch, tokens, heads, head_dim)
+    for start, end in runs:
+        part = F.scaled_dot_product_attention(packed[:, start:end], key[:, start:end], value[:, start:end],
+                                              attn_mask=mask, scale=scaling)  # (B, n, G·T, hd)  # fmt: skip
+        out[:, :, start * groups : end * groups] = part.view(batch, -1, tokens, head_dim).transpose(1, 2)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# prefill and training
+
+
+def _prefill(query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk):
+    batch, heads, tokens, head_dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    general = attention_mask is not None or sliding_window is not None
+    full = active.view(batch, tokens, kv_heads, groups).all(dim=3).all(dim=1).all(dim=0).tolist()  # (Hkv,)
+    if general or offset != 0:
+        full = [False] * kv_heads  # plain causal attention only without a cache, a mask or a window
+    dense = _runs([g for g in range(kv_heads) if full[g]])
+    sparse = [g for g in range(kv_heads) if not full[g]]
+    return _HeadSparsePrefill.apply(query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk,
+                                    sparse, dense)  # fmt: skip
+
+
+def _cpu_kernel(tensor: torch.Tensor) -> bool:
+    """Whether torch's CPU flash-attention kernel takes `tensor` (else the eager stand-in runs)."""
+    return tensor.device.type == "cpu"
+
+
+def _flash(query, key, value, mask, scaling, causal=False):
+    """Flash attention that also returns the log-sum-exp: query (N, Hq, n, hd), key/value (N, Hk, m, hd) with Hk
+    dividing Hq (GQA), mask additive (N, 1, n, m) or None -> output (N, Hq, n, hd), lse (N, Hq, n)."""
+    if _cpu_kernel(query):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, is_causal=causal, attn_mask=mask, scale=scaling
+        )
+    key, value = _repeat_kv(key, query), _repeat_kv(value, query)
+    scores = _eager_scores(query, key, mask, scaling, causal)  # fp32 (fp64 for fp64 inputs)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), value.to(scores.dtype)).to(value.dtype), lse
+
+
+def _flash_backward(grad, query, key, value, out, lse, mask, scaling, causal=False):
+    """Gradients (query, key, value) of a `_flash` call, from its rows' merged output and log-sum-exp."""
+    if _cpu_kernel(query):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, query, key, value, out, lse, 0.0, causal, attn_mask=mask, scale=scaling
+        )
+    groups = query.shape[1] // key.shape[1]
+    dtype = _compute_dtype(query)
+    key_r, value_r = _repeat_kv(key, query).to(dtype), _repeat_kv(value, query).to(dtype)
+    probs = torch.exp(_eager_scores(query, key_r, mask, scaling, causal) - lse[..., None].to(dtype))
+    grad_f = grad.to(dtype)
+    delta = (grad_f * out.to(dtype)).sum(-1, keepdim=True)
+    grad_scores = probs * (torch.matmul(grad_f, value_r.transpose(-1, -2)) - delta) * scaling
+    grad_query = torch.matmul(grad_scores, key_r)
+    grad_key = torch.matmul(grad_scores.transpose(-1, -2), query.to(dtype))
+    grad_value = torch.matmul(probs.transpose(-1, -2), grad_f)
+    if groups > 1:  # sum over each key/value head's query heads
+        grad_key = grad_key.unflatten(1, (-1, groups)).sum(2)
+        grad_value = grad_value.unflatten(1, (-1, groups)).sum(2)
+    return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+
+
+def _one_head(*tensors):
+    """(n, ...) row tensors -> (1, 1, n, ...): one batch row, one head, for `_flash`."""
+    return [x[None, None] for x in tensors]
+
+
+def _repeat_kv(x, query):
+    groups = query.shape[1] // x.shape[1]
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _compute_dtype(tensor):
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def _eager_scores(query, key, mask, scaling, causal):
+    dtype = _compute_dtype(query)
+    scores = torch.matmul(query.to(dtype), key.to(dtype).transpose(-1, -2)) * scaling
+    if causal:
+        n, m = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
+    return scores if mask is None else scores + mask.to(dtype)
+
+
+class _Rows:
+    """The active rows of the key/value heads in `sparse`, in (batch, key/value head, token, head) order.
+
+    `index` (N,) flat positions (b·T + t)·H + h in the (B·T·H) rows of a (B, T, H, hd) tensor; `tokens` (N,);
+    `segments`: per (batch row, key/value head, chunk) with rows, (b, g, c, first row, end row)."""
+
+    def __init__(self, active, kv_heads, sparse, chunk):
+        batch, tokens, heads = active.shape
+        groups = heads // kv_heads
+        self.chunk = chunk
+        self.num_chunks = -(-tokens // chunk)
+        chosen = torch.tensor(sparse, device=active.device)
+        by_group = active.view(batch, tokens, kv_heads, groups).permute(0, 2, 1, 3).index_select(1, chosen)
+        rows = by_group.nonzero()  # (N, 4): b, g (among `sparse`), t, j in that order
+        b, g, t, j = rows.unbind(1)
+        g = chosen[g]
+        self.tokens = t
+        self.index = (b * tokens + t) * heads + g * groups + j
+        segment = (b * kv_heads + g) * self.num_chunks + t // chunk
+        counts = torch.bincount(segment, minlength=batch * kv_heads * self.num_chunks).tolist()
+        self.segments, start = [], 0
+        for flat, count in enumerate(counts):
+            if count:
+                bg, c = divmod(flat, self.num_chunks)
+                self.segments.append((*divmod(bg, kv_heads), c, start, start + count))
+                start += count
+        # diagonal blocks: each row's place in the (B·nc, Hs, C) layout of the sparse heads (local head numbers)
+        local = torch.full((kv_heads,), -1, dtype=torch.long, device=active.device)
+        local[chosen] = torch.arange(len(sparse), device=active.device)
+        sparse_heads = len(sparse) * groups
+        self.diagonal = ((b * self.num_chunks + t // chunk) * sparse_heads + local[g] * groups + j) * chunk + t % chunk
+
+
+class _HeadSparsePrefill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk, sparse,
+                dense):  # fmt: skip
+        batch, heads, tokens, head_dim = query.shape
+        kv_heads = key.shape[1]
+        groups = heads // kv_heads
+        out = query.new_zeros(batch, tokens, heads, head_dim)
+        dense_results = []
+        for start, end in dense:  # key/value heads whose query heads are all active: plain causal attention
+            o, lse = _flash(query[:, start * groups : end * groups], key[:, start:end, :tokens],
+                            value[:, start:end, :tokens], None, scaling, causal=True)  # (B, n·G, T, hd)  # fmt: skip
+            out[:, :, start * groups : end * groups] = o.transpose(1, 2)
+            dense_results.append((o, lse))
+        rows = _Rows(active, kv_heads, sparse, chunk)
+        general = attention_mask is not None or sliding_window is not None
+        settings = (scaling, attention_mask, offset, sliding_window, sparse, general)
+        results = None
+        if sparse:
+            q_rows = query.transpose(1, 2).reshape(-1, head_dim).index_select(0, rows.index)  # (N, hd)
+            if general:
+                results = _general_forward(q_rows, key, value, rows, settings)
+            else:
+                results = _causal_forward(query, q_rows, key, value, rows, settings)
+            out.view(-1, head_dim).index_copy_(0, rows.index, results[0])
+        ctx.save_for_backward(query, key, value)
+        ctx.rows, ctx.settings, ctx.results, ctx.dense = rows, settings, results, (dense, dense_results)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        query, key, value = ctx.saved_tensors
+        rows, settings = ctx.rows, ctx.settings
+        batch, heads, tokens, head_dim = query.shape
+        groups = heads // key.shape[1]
+        grad_query = query.new_zeros(batch, tokens, heads, head_dim)
+        grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
+        for (start, end), (o, lse) in zip(*ctx.dense):
+            heads_slice = slice(start * groups, end * groups)
+            dq, dk, dv = _flash_backward(grad_out[:, :, heads_slice].transpose(1, 2), query[:, heads_slice],
+                                         key[:, start:end, :tokens], value[:, start:end, :tokens], o, lse, None,
+                                         settings[0], causal=True)  # fmt: skip
+            grad_query[:, :, heads_slice] = dq.transpose(1, 2)
+            grad_key[:, start:end, :tokens] += dk
+            grad_value[:, start:end, :tokens] += dv
+        if ctx.results is not None:
+            q_rows = query.transpose(1, 2).reshape(-1, head_dim).index_select(0, rows.index)
+            go_rows = grad_out.reshape(-1, head_dim).index_select(0, rows.index)
+            grads = (torch.zeros_like(q_rows), grad_key, grad_value)
+            if settings[-1]:
+                _general_backward(go_rows, q_rows, key, value, *ctx.results, rows, settings, grads)
+            else:
+                _causal_backward(go_rows, query, q_rows, key, value, *ctx.results, rows, settings, grads)
+            grad_query.view(-1, head_dim).index_copy_(0, rows.index, grads[0])
+        return grad_query.transpose(1, 2), grad_key, grad_value, None, None, None, None, None, None, None, None
+
+
+# the causal case: prefix calls per (batch row, key/value head, chunk) + one call for the diagonal blocks
+
+
+def _diagonal_blocks(query, key, value, rows, settings):
+    """The sparse key/value heads' queries (B·nc, Hs, C, hd) and keys/values (B·nc, Hkv_s, C, hd) cut into diagonal
+    blocks (views where the strides allow, else copies; zero-padded to nc·C tokens)."""
+    _, _, offset, _, sparse, _ = settings
+    tokens = query.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    chunk, num_chunks = rows.chunk, rows.num_chunks
+    pad = num_chunks * chunk - tokens
+    if sparse == list(range(sparse[0], sparse[-1] + 1)):  # one run: slices, no copy
+        q_sel = query[:, sparse[0] * groups : (sparse[-1] + 1) * groups]
+        k_sel, v_sel = (x[:, sparse[0] : sparse[-1] + 1, offset : offset + tokens] for x in (key, value))
+    else:
+        chosen = torch.tensor(sparse, device=query.device)
+        head_ids = (chosen[:, None] * groups + torch.arange(groups, device=query.device)).flatten()
+        q_sel = query.index_select(1, head_ids)
+        k_sel, v_sel = (x[:, :, offset : offset + tokens].index_select(1, chosen) for x in (key, value))
+
+    def blocks(x):  # (B, n, T, hd) -> (B·nc, n, C, hd)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        return x.unflatten(2, (num_chunks, chunk)).transpose(1, 2).flatten(0, 1)
+
+    return blocks(q_sel), blocks(k_sel), blocks(v_sel)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two attention results over disjoint key sets -> the result over their union (lse -inf: no keys)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a.to(lse.dtype) * torch.exp(lse_a - lse)[:, None] + out_b.to(lse.dtype) * torch.exp(lse_b - lse)[:, None]
+    return out.to(out_a.dtype), lse
+
+
+def _causal_forward(query, q_rows, key, value, rows, settings):
+    scaling, _, offset, _, _, _ = settings
+    head_dim = query.shape[-1]
+    o_diag, lse_diag = _flash(*_diagonal_blocks(query, key, value, rows, settings), None, scaling, causal=True)
+    # (B·nc, Hs, C, hd), (B·nc, Hs, C)
+    o_diag = o_diag.reshape(-1, head_dim).index_select(0, rows.diagonal)
+    lse_diag = lse_diag.reshape(-1).index_select(0, rows.diagonal)
+    o_prefix = torch.zeros_like(o_diag)
+    lse_prefix = torch.full_like(lse_diag, float("-inf"))
+    for b, g, c, start, end in rows.segments:
+        prefix = offset + c * rows.chunk  # keys before the chunk
+        if prefix:
+            o, lse = _flash(*_one_head(q_rows[start:end], key[b, g, :prefix], value[b, g, :prefix]), None, scaling)
+            o_prefix[start:end], lse_prefix[start:end] = o[0, 0], lse[0, 0]
+    return _merge(o_prefix, lse_prefix, o_diag, lse_diag)
+
+
+def _causal_backward(go_rows, query, q_rows, key, value, o_rows, lse_rows, rows, settings, grads):
+    scaling, _, offset, _, sparse, _ = settings
+    dq_rows, grad_key, grad_value = grads
+    batch, heads, tokens, head_dim = query.shape
+    groups = heads // key.shape[1]
+    for b, g, c, start, end in rows.segments:
+        prefix = offset + c * rows.chunk
+        if prefix:
+            dq, dk, dv = _flash_backward(*_one_head(go_rows[start:end], q_rows[start:end], key[b, g, :prefix],
+                                                    value[b, g, :prefix], o_rows[start:end], lse_rows[start:end]),
+                                         None, scaling)  # fmt: skip
+            dq_rows[start:end] += dq[0, 0]
+            grad_key[b, g, :prefix] += dk[0, 0]
+            grad_value[b, g, :prefix] += dv[0, 0]
+    blocks = _diagonal_blocks(query, key, value, rows, settings)
+    shape = blocks[0].shape  # (B·nc, Hs, C, hd)
+    # the diagonal call's rows: the active ones with their merged output and lse, the inactive ones with no gradient
+    # and an lse that makes their probabilities 0
+    grad_blocks = go_rows.new_zeros(shape).view(-1, head_dim).index_copy_(0, rows.diagonal, go_rows)
+    out_blocks = torch.zeros_like(grad_blocks).index_copy_(0, rows.diagonal, o_rows)
+    lse_blocks = lse_rows.new_full(shape[:3], torch.finfo(lse_rows.dtype).max)
+    lse_blocks.view(-1).index_copy_(0, rows.diagonal, lse_rows)
+    dq, dk, dv = _flash_backward(grad_blocks.view(shape), *blocks, out_blocks.view(shape), lse_blocks, None, scaling,
+                                 causal=True)  # fmt: skip
+    dq_rows += dq.reshape(-1, head_dim).index_select(0, rows.diagonal)
+    chosen = torch.tensor(sparse, device=query.device)
+
+    def unblock(x):  # (B·nc, Hkv_s, C, hd) -> (B, Hkv_s, T, hd)
+        x = x.view(batch, rows.num_chunks, len(sparse), rows.chunk, head_dim)
+        return x.transpose(1, 2).reshape(batch, len(sparse), -1, head_dim)[:, :, :tokens]
+
+    grad_key[:, :, offset : offset + tokens].index_add_(1, chosen, unblock(dk))
+    grad_value[:, :, offset : offset + tokens].index_add_(1, chosen, unblock(dv))
+
+
+# the general case (a 4-D mask or a sliding window): one masked call per (batch row, key/value head, chunk)
+
+
+def _key_range(rows, start, end, settings):
+    _, _, offset, sliding_window, _, _ = settings
+    first, last = offset + int(rows.tokens[start]), offset + int(rows.tokens[end - 1])
+    low = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+    return low, last + 1
+
+
+def _segment_mask(rows, b, start, end, low, high, settings, dtype):
+    """(1, 1, n, m) additive mask of a segment's rows over keys [low, high): causal, window, the 4-D mask's rows."""
+    _, attention_mask, offset, sliding_window, _, _ = settings
+    device = rows.tokens.device
+    tokens = rows.tokens[start:end]
+    positions = tokens[:, None] + offset
+    keys = torch.arange(low, high, device=device)[None, :]
+    visible = keys <= positions
+    if sliding_window is not None:
+        visible &= keys > positions - sliding_window
+    minimum = torch.finfo(dtype).min
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, minimum)
+    if attention_mask is not None:
+        given = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0].index_select(0, tokens)[:, low:high]
+        if given.dtype == torch.bool:
+            mask.masked_fill_(~given, minimum)
+        else:
+            mask = (mask + given.to(dtype)).clamp_min(minimum)
+    return mask[None, None]
+
+
+def _general_forward(q_rows, key, value, rows, settings):
+    scaling = settings[0]
+    o_rows = torch.empty_like(q_rows)
+    lse_rows = None
+    for b, g, _, start, end in rows.segments:
+        low, high = _key_range(rows, start, end, settings)
+        mask = _segment_mask(rows, b, start, end, low, high, settings, q_rows.dtype)
+        o, lse = _flash(*_one_head(q_rows[start:end], key[b, g, low:high], value[b, g, low:high]), mask, scaling)
+        if lse_rows is None:
+            lse_rows = lse.new_empty(q_rows.shape[0])
+        o_rows[start:end], lse_rows[start:end] = o[0, 0], lse[0, 0]
+    return o_rows, lse_rows
+
+
+def _general_backward(go_rows, q_rows, key, value, o_rows, lse_rows, rows, settings, grads):
+    scaling = settings[0]
+    dq_rows, grad_key, grad_value = grads
+    for b, g, _, start, end in rows.segments:
+        low, high = _key_range(rows, start, end, settings)
+        mask = _segment_mask(rows, b, start, end, low, high, settings, q_rows.dtype)
+        dq, dk, dv = _flash_backward(*_one_head(go_rows[start:end], q_rows[start:end], key[b, g, low:high],
+                                                value[b, g, low:high], o_rows[start:end], lse_rows[start:end]),
+                                     mask, scaling)  # fmt: skip
+        dq_rows[start:end] = dq[0, 0]
+        grad_key[b, g, low:high] += dk[0, 0]
+        grad_value[b, g, low:high] += dv[0, 0]
