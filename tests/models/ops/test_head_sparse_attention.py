@@ -134,9 +134,13 @@ def test_torch_path_matches_reference(case):
     compare(head_sparse_attention_torch, inputs, offset, window, chunk_size=chunk)
 
 
-def test_torch_path_prefill_computes_only_active_rows(monkeypatch):
-    """The flash calls of a prefill see the active rows only, outside the diagonal blocks: their query rows add up to
-    the active pairs outside those blocks, and a fully active key/value head is one causal call over all its heads."""
+@pytest.mark.parametrize("layout", ["padded", "per-segment"])
+def test_torch_path_prefill_computes_only_active_rows(monkeypatch, layout):
+    """The flash calls of a prefill see the active rows only, outside the diagonal blocks: a fully active key/value
+    head is one causal call over its heads, the diagonal blocks one call, and the prefix calls take the active rows
+    after the first chunk: per (batch row, key/value head, chunk), or one call per chunk padded to the most rows."""
+    if layout == "per-segment":
+        monkeypatch.setattr(torch_path._Rows, "PADDING_LIMIT", 0.0)
     calls = []
     original = torch_path._flash
 
@@ -145,16 +149,22 @@ def test_torch_path_prefill_computes_only_active_rows(monkeypatch):
         return original(query, key, value, mask, scaling, causal)
 
     monkeypatch.setattr(torch_path, "_flash", spy)
-    batch, heads, kv_heads, tokens, chunk = 1, 9, 3, 64, 16
+    batch, heads, kv_heads, tokens, chunk = 2, 9, 3, 64, 16
     query, key, value, gates, _ = make_inputs(batch, heads, kv_heads, tokens, tokens, 4, full_groups=(0,))
     with torch.no_grad():
-        head_sparse_attention_torch(query, key, value, gates, SCALING, chunk_size=chunk)
+        out = head_sparse_attention_torch(query, key, value, gates, SCALING, chunk_size=chunk)
+    torch.testing.assert_close(out, head_sparse_attention_naive(query, key, value, gates, SCALING))
     dense, diagonal, prefix = calls[0], calls[1], calls[2:]
-    assert dense == ((1, 3, tokens, 4), (1, 1, tokens, 4), True)  # the shared heads' key/value head
-    assert diagonal == ((tokens // chunk, 6, chunk, 4), (tokens // chunk, 2, chunk, 4), True)
-    active_after_first_chunk = int((gates[0, chunk:, 3:] != 0).sum())
-    assert sum(shape[2] for shape, _, _ in prefix) == active_after_first_chunk < (tokens - chunk) * 6
+    assert dense == ((batch, 3, tokens, 4), (batch, 1, tokens, 4), True)  # the shared heads' key/value head
+    assert diagonal == ((batch * tokens // chunk, 6, chunk, 4), (batch * tokens // chunk, 2, chunk, 4), True)
     assert all(key_shape[2] % chunk == 0 and not causal for _, key_shape, causal in prefix)
+    active = int((gates[:, chunk:, 3:] != 0).sum())  # rows that have a prefix
+    computed = sum(shape[0] * shape[1] * shape[2] for shape, _, _ in prefix)
+    if layout == "per-segment":
+        assert len(prefix) == batch * 2 * (tokens // chunk - 1) and computed == active
+    else:
+        assert len(prefix) == tokens // chunk - 1 and active < computed <= 1.25 * active
+    assert computed < batch * (tokens - chunk) * 6 * 0.8
 
 
 def test_torch_path_decode_reads_only_needed_key_value_heads(monkeypatch):
@@ -191,6 +201,22 @@ def test_torch_path_fp32_and_bf16():
     compare(head_sparse_attention_torch, inputs, rtol=1e-5, atol=1e-5, reference_dtype=torch.float64, chunk_size=16)
     inputs = [x.to(torch.bfloat16) if x is not None else None for x in inputs]
     compare(head_sparse_attention_torch, inputs, rtol=0.05, atol=0.05, reference_dtype=torch.float64, chunk_size=16)
+
+
+@pytest.mark.parametrize("fn", [head_sparse_attention_torch, head_sparse_attention_triton], ids=["torch", "triton"])
+@pytest.mark.parametrize("tokens", [1, 3, 30])
+def test_binary_gates_at_inference(fn, tokens):
+    """0/1 gates without gradient (straight-through gates at inference), where the gates' multiply is skipped: the
+    inactive pairs are still 0 (decoding computes inactive heads of needed key/value heads: they must be zeroed)."""
+    if fn is head_sparse_attention_triton and not triton_path.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    query, key, value, gates, _ = make_inputs(2, 9, 3, tokens, 40, 8, dtype=torch.float32, full_groups=(0,))
+    gates = (gates != 0).float()
+    with torch.no_grad():
+        got = fn(query, key, value, gates, SCALING)
+    want = head_sparse_attention_naive(query, key, value, gates, SCALING)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[gates == 0] == 0).all()
 
 
 @pytest.mark.parametrize("tokens", [1, 30])

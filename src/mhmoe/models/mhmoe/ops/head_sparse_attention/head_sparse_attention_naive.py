@@ -83,6 +83,16 @@ def check_inputs(query, key, value, gates, attention_mask, query_offset) -> None
                          f"got {tuple(attention_mask.shape)}")  # fmt: skip
 
 
+def apply_gates(out: torch.Tensor, gates: torch.Tensor, active: torch.Tensor, zeroed: bool = True) -> torch.Tensor:
+    """out (B, T, H, hd) times the gates; an inactive gate never gets a gradient. When `zeroed` (out is already 0 on
+    the inactive pairs) it is skipped where it changes nothing and passes no gradient: 0/1 gates without gradient
+    (straight-through gates at inference)."""
+    if (zeroed and not gates.requires_grad and not torch.compiler.is_compiling()
+            and bool(((gates == 0) | (gates == 1)).all())):  # fmt: skip
+        return out
+    return out * gates.masked_fill(~active, 0).to(out.dtype)[..., None]
+
+
 def head_sparse_attention_naive(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -106,4 +116,4 @@ def head_sparse_attention_naive(
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
     heads_out = torch.matmul(probs, value).transpose(1, 2)  # (B, T, H, hd)
     active = gates != 0
-    return heads_out * gates.masked_fill(~active, 0).to(query.dtype)[..., None]
+    return heads_out * gates.masked_fill(~active, 0).to(query.dtype)[..., None]  # (no skipping: the reference)

@@ -26,10 +26,12 @@ The flash calls are torch's CPU kernel (`aten._scaled_dot_product_flash_attentio
 eager computation stands in (CUDA has the Triton kernel). Runs on torch alone: exported checkpoints can ship it.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from .head_sparse_attention_naive import additive_mask, check_inputs, visible_keys
+from .head_sparse_attention_naive import additive_mask, apply_gates, check_inputs, visible_keys
 
 DECODE_MAX_TOKENS = 16  # up to this many query tokens: the decode path
 
@@ -58,13 +60,12 @@ def head_sparse_attention_torch(
     offset = num_keys - tokens if query_offset is None else query_offset
     if sliding_window is not None and sliding_window > offset + tokens - 1:
         sliding_window = None  # the window holds every key: no effect
-    active = gates != 0
     if tokens <= DECODE_MAX_TOKENS:
-        out = _decode(query, key, value, active, scaling, attention_mask, offset, sliding_window)
-    else:
-        out = _prefill(query, key, value, active, scaling, attention_mask, offset, sliding_window,
-                       chunk_size or chunk_tokens(tokens))  # fmt: skip
-    return out * gates.masked_fill(~active, 0).to(out.dtype)[..., None]
+        return _decode(query, key, value, gates, scaling, attention_mask, offset, sliding_window)
+    active = gates != 0
+    out = _prefill(query, key, value, active, scaling, attention_mask, offset, sliding_window,
+                   chunk_size or chunk_tokens(tokens))  # fmt: skip
+    return apply_gates(out, gates, active)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
@@ -82,26 +83,30 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
 # decoding
 
 
-def _decode(query, key, value, active, scaling, attention_mask, offset, sliding_window):
+def _decode(query, key, value, gates, scaling, attention_mask, offset, sliding_window):
+    """Few ops (each costs about as much as a short decoding step's attention): which key/value heads are needed, one
+    attention call per run of them, the gates' multiply (which zeroes the inactive heads computed alongside)."""
     batch, heads, tokens, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    needed = active.view(batch, tokens, kv_heads, groups).any(dim=3).any(dim=1).any(dim=0)  # (Hkv,)
-    runs = _runs(needed.nonzero().flatten().tolist())
+    needed = gates.view(batch, tokens, kv_heads, groups).ne(0).any(dim=(0, 1, 3)).tolist()  # (Hkv,)
     mask = None  # additive (B or 1, 1, G·T, L): packed row j·T + t is token t's
     if attention_mask is not None or sliding_window is not None or tokens > 1 or offset != num_keys - 1:
         visible = visible_keys(tokens, num_keys, offset, sliding_window, query.device)
         mask = additive_mask(attention_mask, visible, num_keys, query.dtype).repeat(1, 1, groups, 1)
     packed = query.reshape(batch, kv_heads, groups * tokens, head_dim)  # (B, Hkv, G·T, hd)
-    if runs == [(0, kv_heads)]:  # every key/value head is needed: one call
+    if all(needed):  # one call
         out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
-        return out.view(batch, heads, tokens, head_dim).transpose(1, 2)
-    out = query.new_zeros(batch, tokens, heads, head_dim)
-    for start, end in runs:
-        part = F.scaled_dot_product_attention(packed[:, start:end], key[:, start:end], value[:, start:end],
-                                              attn_mask=mask, scale=scaling)  # (B, n, G·T, hd)  # fmt: skip
-        out[:, :, start * groups : end * groups] = part.view(batch, -1, tokens, head_dim).transpose(1, 2)
-    return out
+        out = out.view(batch, heads, tokens, head_dim).transpose(1, 2)
+    else:
+        out = query.new_zeros(batch, tokens, heads, head_dim)
+        for start, end in _runs([g for g in range(kv_heads) if needed[g]]):
+            part = F.scaled_dot_product_attention(packed[:, start:end], key[:, start:end], value[:, start:end],
+                                                  attn_mask=mask, scale=scaling)  # (B, n, G·T, hd)  # fmt: skip
+            out[:, :, start * groups : end * groups] = part.view(batch, -1, tokens, head_dim).transpose(1, 2)
+    if gates.requires_grad:  # an inactive gate gets no gradient
+        gates = gates.masked_fill(gates == 0, 0)
+    return out * gates.to(out.dtype)[..., None]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -113,7 +118,7 @@ def _prefill(query, key, value, active, scaling, attention_mask, offset, sliding
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     general = attention_mask is not None or sliding_window is not None
-    full = active.view(batch, tokens, kv_heads, groups).all(dim=3).all(dim=1).all(dim=0).tolist()  # (Hkv,)
+    full = active.view(batch, tokens, kv_heads, groups).all(dim=(0, 1, 3)).tolist()  # (Hkv,)
     if general or offset != 0:
         full = [False] * kv_heads  # plain causal attention only without a cache, a mask or a window
     dense = _runs([g for g in range(kv_heads) if full[g]])
@@ -189,33 +194,45 @@ class _Rows:
     """The active rows of the key/value heads in `sparse`, in (batch, key/value head, token, head) order.
 
     `index` (N,) flat positions (b·T + t)·H + h in the (B·T·H) rows of a (B, T, H, hd) tensor; `tokens` (N,);
-    `segments`: per (batch row, key/value head, chunk) with rows, (b, g, c, first row, end row)."""
+    `segments`: per (batch row, key/value head, chunk) with rows, (b, g, c, first row, end row); `diagonal` (N,) each
+    row's place in the (B·nc, Hs, C) diagonal blocks of the sparse heads. When the sparse key/value heads are one run
+    and padding costs little, `padded` (N,) places each row in an (nc, B, Hkv_s, R) layout (R: the most rows of a
+    (batch row, key/value head) in a chunk), so that one call per chunk covers every batch row and key/value head."""
+
+    PADDING_LIMIT = 1.25  # padded rows / rows above which the prefix calls go per (batch row, key/value head)
 
     def __init__(self, active, kv_heads, sparse, chunk):
         batch, tokens, heads = active.shape
         groups = heads // kv_heads
+        device = active.device
         self.chunk = chunk
-        self.num_chunks = -(-tokens // chunk)
-        chosen = torch.tensor(sparse, device=active.device)
+        self.num_chunks = num_chunks = -(-tokens // chunk)
+        chosen = torch.tensor(sparse, device=device)
         by_group = active.view(batch, tokens, kv_heads, groups).permute(0, 2, 1, 3).index_select(1, chosen)
         rows = by_group.nonzero()  # (N, 4): b, g (among `sparse`), t, j in that order
-        b, g, t, j = rows.unbind(1)
-        g = chosen[g]
+        b, local, t, j = rows.unbind(1)
+        g = chosen[local]
         self.tokens = t
         self.index = (b * tokens + t) * heads + g * groups + j
-        segment = (b * kv_heads + g) * self.num_chunks + t // chunk
-        counts = torch.bincount(segment, minlength=batch * kv_heads * self.num_chunks).tolist()
+        chunk_of = torch.div(t, chunk, rounding_mode="floor")
+        segment = (b * len(sparse) + local) * num_chunks + chunk_of
+        counts = torch.bincount(segment, minlength=batch * len(sparse) * num_chunks)
+        count_list = counts.tolist()
         self.segments, start = [], 0
-        for flat, count in enumerate(counts):
+        for flat, count in enumerate(count_list):
             if count:
-                bg, c = divmod(flat, self.num_chunks)
-                self.segments.append((*divmod(bg, kv_heads), c, start, start + count))
+                bg, c = divmod(flat, num_chunks)
+                b_, g_ = divmod(bg, len(sparse))
+                self.segments.append((b_, sparse[g_], c, start, start + count))
                 start += count
-        # diagonal blocks: each row's place in the (B·nc, Hs, C) layout of the sparse heads (local head numbers)
-        local = torch.full((kv_heads,), -1, dtype=torch.long, device=active.device)
-        local[chosen] = torch.arange(len(sparse), device=active.device)
-        sparse_heads = len(sparse) * groups
-        self.diagonal = ((b * self.num_chunks + t // chunk) * sparse_heads + local[g] * groups + j) * chunk + t % chunk
+        self.diagonal = ((b * num_chunks + chunk_of) * len(sparse) * groups + local * groups + j) * chunk + t % chunk
+        self.padded, self.width = None, max(count_list, default=0)
+        one_run = sparse == list(range(sparse[0], sparse[-1] + 1))
+        if rows.shape[0] and one_run and self.width * len(count_list) <= self.PADDING_LIMIT * rows.shape[0]:
+            starts = counts.cumsum(0) - counts
+            slot = torch.arange(rows.shape[0], device=device) - starts[segment]
+            self.padded = ((chunk_of * batch + b) * len(sparse) + local) * self.width + slot
+            self.padded_shape = (num_chunks, batch, len(sparse), self.width)
 
 
 class _HeadSparsePrefill(torch.autograd.Function):
@@ -232,11 +249,11 @@ class _HeadSparsePrefill(torch.autograd.Function):
                             value[:, start:end, :tokens], None, scaling, causal=True)  # (B, n·G, T, hd)  # fmt: skip
             out[:, :, start * groups : end * groups] = o.transpose(1, 2)
             dense_results.append((o, lse))
-        rows = _Rows(active, kv_heads, sparse, chunk)
+        rows = _Rows(active, kv_heads, sparse, chunk) if sparse else None
         general = attention_mask is not None or sliding_window is not None
         settings = (scaling, attention_mask, offset, sliding_window, sparse, general)
         results = None
-        if sparse:
+        if rows is not None and rows.index.numel():
             q_rows = query.transpose(1, 2).reshape(-1, head_dim).index_select(0, rows.index)  # (N, hd)
             if general:
                 results = _general_forward(q_rows, key, value, rows, settings)
@@ -305,23 +322,44 @@ def _diagonal_blocks(query, key, value, rows, settings):
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
-    """Two attention results over disjoint key sets -> the result over their union (lse -inf: no keys)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a.to(lse.dtype) * torch.exp(lse_a - lse)[:, None] + out_b.to(lse.dtype) * torch.exp(lse_b - lse)[:, None]
-    return out.to(out_a.dtype), lse
+    """Two attention results over disjoint key sets -> the result over their union (lse -inf: no keys). The weight of
+    a is exp(lse_a - lse) = sigmoid(lse_a - lse_b)."""
+    weight = torch.sigmoid(lse_a - lse_b)[:, None].to(out_a.dtype)
+    return torch.lerp(out_b, out_a, weight), torch.logaddexp(lse_a, lse_b)
+
+
+def _scatter_rows(rows_tensor, index, shape, fill=0.0):
+    """(N, ...) rows into a new `shape` tensor at `index` (flat over its leading dims), `fill` elsewhere."""
+    flat = rows_tensor.new_full((math.prod(shape), *rows_tensor.shape[1:]), fill)
+    return flat.index_copy_(0, index, rows_tensor).view(*shape, *rows_tensor.shape[1:])
 
 
 def _causal_forward(query, q_rows, key, value, rows, settings):
-    scaling, _, offset, _, _, _ = settings
+    scaling, _, offset, _, sparse, _ = settings
     head_dim = query.shape[-1]
     o_diag, lse_diag = _flash(*_diagonal_blocks(query, key, value, rows, settings), None, scaling, causal=True)
     # (B·nc, Hs, C, hd), (B·nc, Hs, C)
     o_diag = o_diag.reshape(-1, head_dim).index_select(0, rows.diagonal)
     lse_diag = lse_diag.reshape(-1).index_select(0, rows.diagonal)
+    if rows.padded is not None:  # one call per chunk: (B, Hkv_s, R) rows against the prefix of every key/value head
+        g0, g1 = sparse[0], sparse[-1] + 1
+        q_padded = _scatter_rows(q_rows, rows.padded, rows.padded_shape)  # (nc, B, Hkv_s, R, hd)
+        outs, lses = [], []
+        for c in range(rows.num_chunks):
+            prefix = offset + c * rows.chunk  # keys before the chunk
+            if prefix:
+                o, lse = _flash(q_padded[c], key[:, g0:g1, :prefix], value[:, g0:g1, :prefix], None, scaling)
+            else:
+                o, lse = torch.zeros_like(q_padded[c]), lse_diag.new_full(rows.padded_shape[1:], float("-inf"))
+            outs.append(o)
+            lses.append(lse)
+        o_prefix = torch.stack(outs).view(-1, head_dim).index_select(0, rows.padded)
+        lse_prefix = torch.stack(lses).view(-1).index_select(0, rows.padded)
+        return _merge(o_prefix, lse_prefix, o_diag, lse_diag)
     o_prefix = torch.zeros_like(o_diag)
     lse_prefix = torch.full_like(lse_diag, float("-inf"))
     for b, g, c, start, end in rows.segments:
-        prefix = offset + c * rows.chunk  # keys before the chunk
+        prefix = offset + c * rows.chunk
         if prefix:
             o, lse = _flash(*_one_head(q_rows[start:end], key[b, g, :prefix], value[b, g, :prefix]), None, scaling)
             o_prefix[start:end], lse_prefix[start:end] = o[0, 0], lse[0, 0]
@@ -333,7 +371,26 @@ def _causal_backward(go_rows, query, q_rows, key, value, o_rows, lse_rows, rows,
     dq_rows, grad_key, grad_value = grads
     batch, heads, tokens, head_dim = query.shape
     groups = heads // key.shape[1]
-    for b, g, c, start, end in rows.segments:
+    if rows.padded is not None:
+        g0, g1 = sparse[0], sparse[-1] + 1
+        shape = rows.padded_shape
+        q_padded = _scatter_rows(q_rows, rows.padded, shape)
+        go_padded = _scatter_rows(go_rows, rows.padded, shape)
+        o_padded = _scatter_rows(o_rows, rows.padded, shape)
+        lse_padded = _scatter_rows(lse_rows, rows.padded, shape, torch.finfo(lse_rows.dtype).max)  # padding: p = 0
+        dqs = []
+        for c in range(rows.num_chunks):
+            prefix = offset + c * rows.chunk
+            if not prefix:
+                dqs.append(torch.zeros_like(q_padded[c]))
+                continue
+            dq, dk, dv = _flash_backward(go_padded[c], q_padded[c], key[:, g0:g1, :prefix], value[:, g0:g1, :prefix],
+                                         o_padded[c], lse_padded[c], None, scaling)  # fmt: skip
+            dqs.append(dq)
+            grad_key[:, g0:g1, :prefix] += dk
+            grad_value[:, g0:g1, :prefix] += dv
+        dq_rows += torch.stack(dqs).view(-1, head_dim).index_select(0, rows.padded)
+    for b, g, c, start, end in rows.segments if rows.padded is None else ():
         prefix = offset + c * rows.chunk
         if prefix:
             dq, dk, dv = _flash_backward(*_one_head(go_rows[start:end], q_rows[start:end], key[b, g, :prefix],

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from .head_sparse_attention_naive import check_inputs
+from .head_sparse_attention_naive import apply_gates, check_inputs
 
 try:
     import triton
@@ -384,4 +384,4 @@ def head_sparse_attention_triton(
     active = gates != 0
     out = _HeadSparseAttention.apply(query, key, value, active, scaling, attention_mask, offset, sliding_window,
                                      block_m, block_n)  # fmt: skip
-    return out * gates.masked_fill(~active, 0).to(out.dtype)[..., None]
+    return apply_gates(out, gates, active)
