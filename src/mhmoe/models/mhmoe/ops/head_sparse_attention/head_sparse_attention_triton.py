@@ -64,6 +64,33 @@ def _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M: tl.conste
 
 
 @_jit
+def _load_rows(ptr, b, heads_of, tokens, dims, row_mask, stride_b, stride_h, stride_t):
+    """(BLOCK_M, BLOCK_D) rows (b, head, token) of a (B, H, T, hd) tensor given by its strides."""
+    offs = b.to(tl.int64) * stride_b + heads_of[:, None].to(tl.int64) * stride_h \
+        + tokens[:, None].to(tl.int64) * stride_t + dims[None, :]  # fmt: skip
+    return tl.load(ptr + offs, mask=row_mask, other=0.0)
+
+
+@_jit
+def _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok):
+    """(BLOCK_N, BLOCK_D) keys and values at positions `keys` of one key/value head (0 past the end)."""
+    offs = kv_base + keys[:, None].to(tl.int64) * stride_kl + dims[None, :]
+    kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
+    return tl.load(k_ptr + offs, mask=kv_mask, other=0.0), tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+
+
+@_jit
+def _key_range(real, positions, window, BLOCK_N: tl.constexpr):
+    """[low, last]: the keys a block of rows in token order can see (from the first row's window, tile-aligned)."""
+    last = tl.max(positions)
+    first = tl.min(tl.where(real, positions, last))
+    low = first * 0
+    if window > 0:
+        low = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    return low, last
+
+
+@_jit
 def _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
             HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """(BLOCK_M, BLOCK_N) scaled scores, -inf where a key is not visible (causal, window, 4-D mask)."""
@@ -93,24 +120,16 @@ def _forward_kernel(
     b, g = segment // kv_heads, segment % kv_heads
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    q_offs = b.to(tl.int64) * stride_qb + heads_of[:, None].to(tl.int64) * stride_qh \
-        + tokens[:, None].to(tl.int64) * stride_qt + dims[None, :]  # fmt: skip
-    q = tl.load(q_ptr + q_offs, mask=real[:, None] & dim_ok[None, :], other=0.0)
+    row_mask = real[:, None] & dim_ok[None, :]
+    q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt)
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
-    last = tl.max(positions)  # rows are in token order: the block's last key
-    first = tl.min(tl.where(real, positions, last))
-    low = 0
-    if window > 0:
-        low = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    low, last = _key_range(real, positions, window, BLOCK_N)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(low, last + 1, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        kv_offs = kv_base + keys[:, None].to(tl.int64) * stride_kl + dims[None, :]
-        kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok)
         s = _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
                     HAS_MASK, PRECISION)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -123,7 +142,7 @@ def _forward_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_offs = ((b.to(tl.int64) * tokens_total + tokens[:, None]) * heads + heads_of[:, None]) * head_dim + dims[None, :]
-    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=real[:, None] & dim_ok[None, :])
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_mask)
     tl.store(lse_ptr + rows, m_i + tl.log(l_safe), mask=real)
 
 
@@ -143,26 +162,17 @@ def _dq_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     row_mask = real[:, None] & dim_ok[None, :]
-    q_offs = b.to(tl.int64) * stride_qb + heads_of[:, None].to(tl.int64) * stride_qh \
-        + tokens[:, None].to(tl.int64) * stride_qt + dims[None, :]  # fmt: skip
-    q = tl.load(q_ptr + q_offs, mask=row_mask, other=0.0)
+    q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt)
     pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of  # (BLOCK_M,) in (B, T, H)
     do = tl.load(do_ptr + pair[:, None] * head_dim + dims[None, :], mask=row_mask, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=real, other=0.0)
     delta = tl.load(delta_ptr + pair, mask=real, other=0.0)
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
-    last = tl.max(positions)
-    first = tl.min(tl.where(real, positions, last))
-    low = 0
-    if window > 0:
-        low = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    low, last = _key_range(real, positions, window, BLOCK_N)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(low, last + 1, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        kv_offs = kv_base + keys[:, None].to(tl.int64) * stride_kl + dims[None, :]
-        kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok)
         s = _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
                     HAS_MASK, PRECISION)  # fmt: skip
         p = tl.exp(s - lse[:, None])  # 0 where not visible
@@ -187,11 +197,9 @@ def _dkdv_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_offs = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh + keys[:, None].to(tl.int64) * stride_kl \
-        + dims[None, :]  # fmt: skip
     kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
-    k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+    k, v = _load_keys(k_ptr, v_ptr, b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh, keys, stride_kl, dims,
+                      num_keys, dim_ok)  # fmt: skip
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     bound = (segment.to(tl.int64) * num_key_blocks + key_block) * 2
@@ -204,9 +212,7 @@ def _dkdv_kernel(
         heads_of = tl.load(rows_h_ptr + rows, mask=real, other=0)
         positions = tl.where(real, tokens + offset, -1)
         row_mask = real[:, None] & dim_ok[None, :]
-        q_offs = b.to(tl.int64) * stride_qb + heads_of[:, None].to(tl.int64) * stride_qh \
-            + tokens[:, None].to(tl.int64) * stride_qt + dims[None, :]  # fmt: skip
-        q = tl.load(q_ptr + q_offs, mask=row_mask, other=0.0)
+        q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt)
         pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of
         do = tl.load(do_ptr + pair[:, None] * head_dim + dims[None, :], mask=row_mask, other=0.0)
         lse = tl.load(lse_ptr + rows, mask=real, other=0.0)
