@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     device = "cuda"
     started = time.time()
     worst = check(device)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; kernels vs reference (bf16): max |Δ| {worst:.3g}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; kernels vs reference (bf16): max |Δ| "
+          f"{worst:.3g}")
     rows = []
     print("| shape | tokens | active | pass | SDPA ms | kernel ms | kernel / SDPA | ideal | goal |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

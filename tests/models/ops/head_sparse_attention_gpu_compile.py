@@ -1,6 +1,7 @@
 """Compile the head-sparse attention Triton kernels for a GPU architecture on a machine without one (Triton's
-ahead-of-time pipeline down to a cubin, as `gpu_compile.py` does for the other kernels): bf16 and fp32 (IEEE and TF32)
-operands, with and without a 4-D mask, head dims 64 and 128, at the tiles the launcher picks (`tiles`). Needs TRITON_INTERPRET unset:
+ahead-of-time pipeline down to a cubin, as `gpu_compile.py` does for the other kernels): bf16 and fp32 (IEEE, TF32)
+operands, with and without a 4-D mask, head dims 64 and 128, at the tiles the launcher picks (`tiles`). Needs
+TRITON_INTERPRET unset:
 
     env -u TRITON_INTERPRET PYTHONPATH=src python -m tests.models.ops.head_sparse_attention_gpu_compile [--arch 90]
 
@@ -27,7 +28,8 @@ def _kernels(dtype: str, precision: str, has_mask: bool, head_dim: int):
     import torch
 
     block_m, block_n, block_d = hs.tiles(head_dim, torch.float32 if dtype == "fp32" else torch.bfloat16)
-    meta = dict(HAS_MASK=has_mask, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+    meta = dict(HAS_MASK=has_mask, PRECISION=precision, UPCAST=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_D=block_d)
     return [
         ("head_sparse_attention.forward", hs._forward_kernel,
          dict(q_ptr=p, k_ptr=p, v_ptr=p, o_ptr=p, lse_ptr=f32, **rows, segments_ptr="*i32", mask_ptr=f32, **strides,

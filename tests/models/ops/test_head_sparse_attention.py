@@ -282,6 +282,17 @@ def test_triton_kernels_match_reference(case):
 
 
 @pytest.mark.skipif(not triton_path.HAS_TRITON, reason="triton is not installed")
+def test_triton_kernels_bf16():
+    """bf16 tensors in and out (the interpreter computes in fp32 after loading: `UPCAST`), against the fp64
+    reference within bf16's rounding."""
+    inputs = make_inputs(2, 6, 2, 19, 23, 12, mask_kind="bool", full_groups=(0,), dtype=torch.float32)
+    inputs = [x.to(torch.bfloat16) if x is not None and x.is_floating_point() else x for x in inputs]
+    got = compare(head_sparse_attention_triton, inputs, rtol=0.05, atol=0.05, reference_dtype=torch.float64,
+                  block_m=16, block_n=16)  # fmt: skip
+    assert got.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not triton_path.HAS_TRITON, reason="triton is not installed")
 def test_triton_key_block_bounds_cover_exactly_the_rows_that_see_the_keys():
     """dK/dV programs loop over the rows found by `key_block_bounds`: every row that sees a key of the block, and
     (rows being in token order) no more than the window allows."""

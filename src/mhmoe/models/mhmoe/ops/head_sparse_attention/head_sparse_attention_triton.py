@@ -15,8 +15,8 @@ BLOCK_M per segment, programs past a segment's end return at once), so nothing w
 
 Precision: fp32 accumulation and softmax; bf16/fp16 operands go to `tl.dot` as they are, fp32 ones as IEEE fp32
 (exact, slower) or TF32 when torch's own fp32 matmuls may (`torch.backends.cuda.matmul.allow_tf32`). Under
-TRITON_INTERPRET=1 the dots run in fp32 (numpy has no bf16). A 4-D mask is turned into an fp32 additive (B or 1, T, L)
-tensor. Compiled ahead for sm_90 by tests/models/ops/head_sparse_attention_gpu_compile.py; tested against the
+TRITON_INTERPRET=1 the dots run in fp32 (numpy has no bf16: `UPCAST`). A 4-D mask is turned into an fp32 additive
+(B or 1, T, L) tensor. Compiled ahead for sm_90 by tests/models/ops/head_sparse_attention_gpu_compile.py; tested against the
 reference under the interpreter; not yet run on a GPU.
 
 Imports without triton (exported checkpoints): the kernels are then plain functions, never launched.
@@ -64,19 +64,23 @@ def _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M: tl.conste
 
 
 @_jit
-def _load_rows(ptr, b, heads_of, tokens, dims, row_mask, stride_b, stride_h, stride_t):
+def _load_rows(ptr, b, heads_of, tokens, dims, row_mask, stride_b, stride_h, stride_t, UPCAST: tl.constexpr):
     """(BLOCK_M, BLOCK_D) rows (b, head, token) of a (B, H, T, hd) tensor given by its strides."""
     offs = b.to(tl.int64) * stride_b + heads_of[:, None].to(tl.int64) * stride_h \
         + tokens[:, None].to(tl.int64) * stride_t + dims[None, :]  # fmt: skip
-    return tl.load(ptr + offs, mask=row_mask, other=0.0)
+    rows = tl.load(ptr + offs, mask=row_mask, other=0.0)
+    return rows.to(tl.float32) if UPCAST else rows
 
 
 @_jit
-def _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok):
+def _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok, UPCAST: tl.constexpr):
     """(BLOCK_N, BLOCK_D) keys and values at positions `keys` of one key/value head (0 past the end)."""
     offs = kv_base + keys[:, None].to(tl.int64) * stride_kl + dims[None, :]
     kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
-    return tl.load(k_ptr + offs, mask=kv_mask, other=0.0), tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+    k, v = tl.load(k_ptr + offs, mask=kv_mask, other=0.0), tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
 
 
 @_jit
@@ -110,8 +114,8 @@ def _forward_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, rows_t_ptr, rows_h_ptr, segments_ptr, mask_ptr,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kl, stride_mb, stride_mt,
     kv_heads, tokens_total, heads, head_dim, num_keys, offset, window, scale,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rows, real, tokens, heads_of, positions = _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M)
     if tl.max(real.to(tl.int32)) == 0:
@@ -121,7 +125,7 @@ def _forward_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     row_mask = real[:, None] & dim_ok[None, :]
-    q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt)
+    q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
     low, last = _key_range(real, positions, window, BLOCK_N)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -129,7 +133,7 @@ def _forward_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(low, last + 1, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok)
+        k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok, UPCAST)
         s = _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
                     HAS_MASK, PRECISION)  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -151,8 +155,8 @@ def _dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, rows_t_ptr, rows_h_ptr, segments_ptr, mask_ptr,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kl, stride_mb, stride_mt,
     kv_heads, tokens_total, heads, head_dim, num_keys, offset, window, scale,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rows, real, tokens, heads_of, positions = _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M)
     if tl.max(real.to(tl.int32)) == 0:
@@ -162,9 +166,11 @@ def _dq_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     row_mask = real[:, None] & dim_ok[None, :]
-    q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt)
+    q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
     pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of  # (BLOCK_M,) in (B, T, H)
     do = tl.load(do_ptr + pair[:, None] * head_dim + dims[None, :], mask=row_mask, other=0.0)
+    if UPCAST:
+        do = do.to(tl.float32)
     lse = tl.load(lse_ptr + rows, mask=real, other=0.0)
     delta = tl.load(delta_ptr + pair, mask=real, other=0.0)
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
@@ -172,7 +178,7 @@ def _dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(low, last + 1, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok)
+        k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok, UPCAST)
         s = _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
                     HAS_MASK, PRECISION)  # fmt: skip
         p = tl.exp(s - lse[:, None])  # 0 where not visible
@@ -188,8 +194,8 @@ def _dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, rows_t_ptr, rows_h_ptr, bounds_ptr, mask_ptr,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kl, stride_mb, stride_mt,
     kv_heads, tokens_total, heads, head_dim, num_keys, offset, window, scale, num_key_blocks,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     key_block = tl.program_id(0)
     segment = tl.program_id(1)
@@ -199,7 +205,7 @@ def _dkdv_kernel(
     keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
     kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
     k, v = _load_keys(k_ptr, v_ptr, b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh, keys, stride_kl, dims,
-                      num_keys, dim_ok)  # fmt: skip
+                      num_keys, dim_ok, UPCAST)  # fmt: skip
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     bound = (segment.to(tl.int64) * num_key_blocks + key_block) * 2
@@ -212,9 +218,11 @@ def _dkdv_kernel(
         heads_of = tl.load(rows_h_ptr + rows, mask=real, other=0)
         positions = tl.where(real, tokens + offset, -1)
         row_mask = real[:, None] & dim_ok[None, :]
-        q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt)
+        q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
         pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of
         do = tl.load(do_ptr + pair[:, None] * head_dim + dims[None, :], mask=row_mask, other=0.0)
+        if UPCAST:
+            do = do.to(tl.float32)
         lse = tl.load(lse_ptr + rows, mask=real, other=0.0)
         delta = tl.load(delta_ptr + pair, mask=real, other=0.0)
         s = _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
@@ -235,6 +243,11 @@ def _dkdv_kernel(
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """The interpreter cannot multiply bf16/fp16 (numpy): there the tiles are converted to fp32 after loading."""
+    return interpreting() and dtype in (torch.bfloat16, torch.float16)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -315,8 +328,8 @@ class _HeadSparseAttention(torch.autograd.Function):
         if plan.num_rows:
             _forward_kernel[grid](
                 query, key, value, out, lse, plan.tokens, plan.heads, plan.segments, _mask_arg(plan, query), *args,
-                HAS_MASK=plan.mask is not None, PRECISION=_precision(query.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_D=block_d,
+                HAS_MASK=plan.mask is not None, PRECISION=_precision(query.dtype), UPCAST=_upcast(query.dtype),
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             )  # fmt: skip
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan, ctx.settings = plan, (scaling, offset, window, block_m, block_n, block_d)
@@ -337,8 +350,8 @@ class _HeadSparseAttention(torch.autograd.Function):
         grad_value = torch.zeros_like(value)
         if plan.num_rows:
             args = _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window, scaling)
-            meta = dict(HAS_MASK=plan.mask is not None, PRECISION=_precision(query.dtype), BLOCK_M=block_m,
-                        BLOCK_N=block_n, BLOCK_D=block_d)  # fmt: skip
+            meta = dict(HAS_MASK=plan.mask is not None, PRECISION=_precision(query.dtype), UPCAST=_upcast(query.dtype),
+                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)  # fmt: skip
             groups = heads // kv_heads
             mask = _mask_arg(plan, query)
             _dq_kernel[(triton.cdiv(groups * tokens, block_m), batch * kv_heads)](
