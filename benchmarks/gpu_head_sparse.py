@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mhmoe.models.mhmoe.ops.head_sparse_attention.head_sparse_attention_naive import head_sparse_attention_naive
-from mhmoe.models.mhmoe.ops.head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import head_sparse_attention_naive
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
 
 SHAPES = {  # name -> (heads, kv heads, head_dim, shared, {setting: routed active})
     "SmolLM2-135M": (9, 3, 64, 3, {"7/9": 4, "5/9": 2}),
@@ -86,21 +86,24 @@ def main(argv=None) -> int:
     device = "cuda"
     started = time.time()
     worst = check(device)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; kernels vs reference (bf16): max |Δ| "
-          f"{worst:.3g}")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; kernels vs reference (bf16): max |Δ| {worst:.3g}"
+    )
     rows = []
     print("| shape | tokens | active | pass | SDPA ms | kernel ms | kernel / SDPA | ideal | goal |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, (heads, kv_heads, head_dim, shared, settings) in SHAPES.items():
         for tokens in args.tokens:
             query = torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
-            key, value = (torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16)
-                          for _ in range(2))  # fmt: skip
+            key, value = (
+                torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16) for _ in range(2)
+            )
             grad = torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16)
             for setting, active in settings.items():
                 gates = draw_gates(tokens, heads, shared, active, device)
                 ideal = (shared + active) / heads
                 for mode in ("forward", "forward+backward"):
+
                     def run(fn):
                         if mode == "forward":
                             with torch.no_grad():
@@ -116,16 +119,38 @@ def main(argv=None) -> int:
 
                     dense_ms = cuda_time(lambda: run(sdpa), args.repeats)
                     sparse_ms = cuda_time(lambda: run(kernel), args.repeats)
-                    row = dict(shape=name, tokens=tokens, active=setting, mode=mode, sdpa_ms=dense_ms,
-                               kernel_ms=sparse_ms, ratio=sparse_ms / dense_ms, ideal=ideal, goal=ideal + 0.10)
+                    row = dict(
+                        shape=name,
+                        tokens=tokens,
+                        active=setting,
+                        mode=mode,
+                        sdpa_ms=dense_ms,
+                        kernel_ms=sparse_ms,
+                        ratio=sparse_ms / dense_ms,
+                        ideal=ideal,
+                        goal=ideal + 0.10,
+                    )
                     rows.append(row)
-                    print(f"| {name} | {tokens} | {setting} | {mode} | {dense_ms:.3f} | {sparse_ms:.3f} | "
-                          f"**{row['ratio']:.2f}** | {ideal:.2f} | {row['goal']:.2f} |", flush=True)  # fmt: skip
+                    print(
+                        f"| {name} | {tokens} | {setting} | {mode} | {dense_ms:.3f} | {sparse_ms:.3f} | "
+                        f"**{row['ratio']:.2f}** | {ideal:.2f} | {row['goal']:.2f} |",
+                        flush=True,
+                    )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_head_sparse.json").write_text(json.dumps(
-            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check_max_abs_diff": worst,
-             "rows": rows, "seconds": round(time.time() - started, 1)}, indent=2) + "\n")  # fmt: skip
+        (args.out / "gpu_head_sparse.json").write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "check_max_abs_diff": worst,
+                    "rows": rows,
+                    "seconds": round(time.time() - started, 1),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

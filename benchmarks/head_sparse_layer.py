@@ -4,7 +4,7 @@ One attention layer of SmolLM2-135M (9 query heads of 64, 3 key/value heads: GQA
 
 - `dense`  : what the parent model runs, Transformers' sdpa path: `scaled_dot_product_attention` over every head
              (`is_causal`, `enable_gqa` in prefill; the query heads packed per key/value head in decoding).
-- `sparse` : `head_sparse_attention_torch`: attention only for the active (token, head) pairs, times their gates.
+- `sparse` : `head_sparse_attention_cpu`: attention only for the active (token, head) pairs, times their gates.
 
 Active heads per token: the 3 shared heads (one whole key/value group, as the converter's "important shared" recipe
 and the paper's "first shared" both give here) + K of the 6 routed heads, drawn uniformly per token (7/9: K = 4,
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mhmoe.models.mhmoe.ops.head_sparse_attention.head_sparse_attention_torch import head_sparse_attention_torch
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu import head_sparse_attention_cpu
 
 HEADS, KV_HEADS, HEAD_DIM, SHARED = 9, 3, 64, 3  # SmolLM2-135M: hidden 576, 30 layers
 SETTINGS = {"7/9": 4, "5/9": 2}  # routed heads active of 6
@@ -93,8 +93,11 @@ def time_cell(candidates: dict, rounds: int) -> dict[str, float]:
             candidates[name]()
             times[name].append(time.perf_counter() - start)
     ratios = [s / d for s, d in zip(times["sparse"][1:], times["dense"][1:])]
-    return {"dense_ms": statistics.median(times["dense"][1:]) * 1e3,
-            "sparse_ms": statistics.median(times["sparse"][1:]) * 1e3, "ratio": statistics.median(ratios)}  # fmt: skip
+    return {
+        "dense_ms": statistics.median(times["dense"][1:]) * 1e3,
+        "sparse_ms": statistics.median(times["sparse"][1:]) * 1e3,
+        "ratio": statistics.median(ratios),
+    }
 
 
 def prefill_cell(batch, tokens, setting, backward, rounds, generator):
@@ -118,7 +121,7 @@ def prefill_cell(batch, tokens, setting, backward, rounds, generator):
         return dense_prefill(q, k, v)
 
     def sparse(q, k, v):
-        return head_sparse_attention_torch(q, k, v, gates, scaling)
+        return head_sparse_attention_cpu(q, k, v, gates, scaling)
 
     want = run(lambda q, k, v: dense(q, k, v) * gates[..., None])
     got = run(sparse)
@@ -139,15 +142,20 @@ def decode_cell(batch, context, setting, rounds, generator):
     def sparse():
         gates = steps[state["step"] % len(steps)]
         state["step"] += 1
-        return head_sparse_attention_torch(query, key, value, gates, scaling)
+        return head_sparse_attention_cpu(query, key, value, gates, scaling)
 
     with torch.no_grad():
         for gates in steps[:4]:
-            got = head_sparse_attention_torch(query, key, value, gates, scaling)
+            got = head_sparse_attention_cpu(query, key, value, gates, scaling)
             torch.testing.assert_close(got, dense_decode(query, key, value) * gates[..., None], rtol=1e-4, atol=1e-4)
         # 16 decode steps per timed call: single steps are ~0.1 ms
-        cell = time_cell({"dense": lambda: [dense_decode(query, key, value) for _ in range(16)],
-                          "sparse": lambda: [sparse() for _ in range(16)]}, rounds)  # fmt: skip
+        cell = time_cell(
+            {
+                "dense": lambda: [dense_decode(query, key, value) for _ in range(16)],
+                "sparse": lambda: [sparse() for _ in range(16)],
+            },
+            rounds,
+        )
     shares = [ideal(gates, context) for gates in steps]
     return cell, tuple(statistics.mean(share[i] for share in shares) for i in range(2))
 
@@ -163,8 +171,10 @@ def main():
         args.tokens, args.batch, args.contexts, args.rounds = [128], [1], [256], 2
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32; {HEADS} heads of {HEAD_DIM}, {KV_HEADS} key/value "
-          f"heads, {SHARED} shared; median of {args.rounds} interleaved rounds; load average {load_average()}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, fp32; {HEADS} heads of {HEAD_DIM}, {KV_HEADS} key/value "
+        f"heads, {SHARED} shared; median of {args.rounds} interleaved rounds; load average {load_average()}"
+    )
     print("| pass | batch | tokens | active | dense ms | sparse ms | sparse / dense | ideal (flops) | ideal (bytes) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     start = time.perf_counter()
@@ -173,17 +183,23 @@ def main():
         for batch in args.batch:
             for tokens in args.tokens:
                 for setting in SETTINGS:
-                    cell, (flops, nbytes) = prefill_cell(batch, tokens, setting, mode != "forward", args.rounds,
-                                                         generator)  # fmt: skip
-                    print(f"| prefill {mode} | {batch} | {tokens} | {setting} | {cell['dense_ms']:.1f} | "
-                          f"{cell['sparse_ms']:.1f} | **{cell['ratio']:.2f}** | {flops:.2f} | {nbytes:.2f} |",
-                          flush=True)  # fmt: skip
+                    cell, (flops, nbytes) = prefill_cell(
+                        batch, tokens, setting, mode != "forward", args.rounds, generator
+                    )
+                    print(
+                        f"| prefill {mode} | {batch} | {tokens} | {setting} | {cell['dense_ms']:.1f} | "
+                        f"{cell['sparse_ms']:.1f} | **{cell['ratio']:.2f}** | {flops:.2f} | {nbytes:.2f} |",
+                        flush=True,
+                    )
     for batch in args.batch[:1]:
         for context in args.contexts:
             for setting in SETTINGS:
                 cell, (flops, nbytes) = decode_cell(batch, context, setting, args.rounds, generator)
-                print(f"| decode (16 steps) | {batch} | 1 over {context} | {setting} | {cell['dense_ms']:.2f} | "
-                      f"{cell['sparse_ms']:.2f} | **{cell['ratio']:.2f}** | {flops:.2f} | {nbytes:.2f} |", flush=True)
+                print(
+                    f"| decode (16 steps) | {batch} | 1 over {context} | {setting} | {cell['dense_ms']:.2f} | "
+                    f"{cell['sparse_ms']:.2f} | **{cell['ratio']:.2f}** | {flops:.2f} | {nbytes:.2f} |",
+                    flush=True,
+                )
     print(f"total {time.perf_counter() - start:.0f} s; load average at the end {load_average()} (2 cores)")
 
 

@@ -227,6 +227,9 @@ def test_exported_folder(exported):
         "backends.py",
         "head_router_naive.py",
         "head_router_triton.py",
+        "head_sparse_attention_naive.py",
+        "head_sparse_attention_cpu.py",
+        "head_sparse_attention_triton.py",
         "routing_naive.py",
         "routing_triton.py",
     }

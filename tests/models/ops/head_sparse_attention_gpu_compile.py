@@ -17,30 +17,89 @@ from .gpu_compile import SHARED_MEMORY, _compile
 
 def _kernels(dtype: str, precision: str, has_mask: bool, head_dim: int):
     """(name, jit function, signature, constexprs) of the three kernels, operands in `dtype`."""
-    from mhmoe.models.mhmoe.ops.head_sparse_attention import head_sparse_attention_triton as hs
+    from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as hs
 
     p, i32, f32 = f"*{dtype}", "i32", "*fp32"
     rows = dict(rows_t_ptr="*i32", rows_h_ptr="*i32")
-    strides = {name: i32 for name in ("stride_qb", "stride_qh", "stride_qt", "stride_kb", "stride_kh", "stride_kl",
-                                      "stride_mb", "stride_mt")}  # fmt: skip
-    sizes = dict(kv_heads=i32, tokens_total=i32, heads=i32, head_dim=i32, num_keys=i32, offset=i32, window=i32,
-                 scale="fp32")  # fmt: skip
+    strides = {
+        name: i32
+        for name in (
+            "stride_qb",
+            "stride_qh",
+            "stride_qt",
+            "stride_kb",
+            "stride_kh",
+            "stride_kl",
+            "stride_mb",
+            "stride_mt",
+        )
+    }
+    sizes = dict(
+        kv_heads=i32, tokens_total=i32, heads=i32, head_dim=i32, num_keys=i32, offset=i32, window=i32, scale="fp32"
+    )
     import torch
 
     block_m, block_n, block_d = hs.tiles(head_dim, torch.float32 if dtype == "fp32" else torch.bfloat16)
-    meta = dict(HAS_MASK=has_mask, PRECISION=precision, UPCAST=False, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_D=block_d)
+    meta = dict(HAS_MASK=has_mask, PRECISION=precision, UPCAST=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
     return [
-        ("head_sparse_attention.forward", hs._forward_kernel,
-         dict(q_ptr=p, k_ptr=p, v_ptr=p, o_ptr=p, lse_ptr=f32, **rows, segments_ptr="*i32", mask_ptr=f32, **strides,
-              **sizes), meta),
-        ("head_sparse_attention.dq", hs._dq_kernel,
-         dict(q_ptr=p, k_ptr=p, v_ptr=p, do_ptr=p, lse_ptr=f32, delta_ptr=f32, dq_ptr=p, **rows, segments_ptr="*i32",
-              mask_ptr=f32, **strides, **sizes), meta),
-        ("head_sparse_attention.dkdv", hs._dkdv_kernel,
-         dict(q_ptr=p, k_ptr=p, v_ptr=p, do_ptr=p, lse_ptr=f32, delta_ptr=f32, dk_ptr=p, dv_ptr=p, **rows,
-              bounds_ptr="*i32", mask_ptr=f32, **strides, **sizes, num_key_blocks=i32), meta),
-    ]  # fmt: skip
+        (
+            "head_sparse_attention.forward",
+            hs._forward_kernel,
+            dict(
+                q_ptr=p,
+                k_ptr=p,
+                v_ptr=p,
+                o_ptr=p,
+                lse_ptr=f32,
+                **rows,
+                segments_ptr="*i32",
+                mask_ptr=f32,
+                **strides,
+                **sizes,
+            ),
+            meta,
+        ),
+        (
+            "head_sparse_attention.dq",
+            hs._dq_kernel,
+            dict(
+                q_ptr=p,
+                k_ptr=p,
+                v_ptr=p,
+                do_ptr=p,
+                lse_ptr=f32,
+                delta_ptr=f32,
+                dq_ptr=p,
+                **rows,
+                segments_ptr="*i32",
+                mask_ptr=f32,
+                **strides,
+                **sizes,
+            ),
+            meta,
+        ),
+        (
+            "head_sparse_attention.dkdv",
+            hs._dkdv_kernel,
+            dict(
+                q_ptr=p,
+                k_ptr=p,
+                v_ptr=p,
+                do_ptr=p,
+                lse_ptr=f32,
+                delta_ptr=f32,
+                dk_ptr=p,
+                dv_ptr=p,
+                **rows,
+                bounds_ptr="*i32",
+                mask_ptr=f32,
+                **strides,
+                **sizes,
+                num_key_blocks=i32,
+            ),
+            meta,
+        ),
+    ]
 
 
 def main(argv=None) -> int:

@@ -7,19 +7,32 @@ import pytest
 import torch
 
 from mhmoe.models.mhmoe.moh import masked_heads_attention
-from mhmoe.models.mhmoe.ops.head_sparse_attention import head_sparse_attention_torch as torch_path
-from mhmoe.models.mhmoe.ops.head_sparse_attention import head_sparse_attention_triton as triton_path
-from mhmoe.models.mhmoe.ops.head_sparse_attention.head_sparse_attention_naive import (
-    head_sparse_attention_naive, visible_keys,
-)  # fmt: skip
-from mhmoe.models.mhmoe.ops.head_sparse_attention.head_sparse_attention_torch import head_sparse_attention_torch
-from mhmoe.models.mhmoe.ops.head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
+from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_cpu as cpu_path
+from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as triton_path
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu import head_sparse_attention_cpu
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import (
+    head_sparse_attention_naive,
+    visible_keys,
+)
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
 
 SCALING = 0.3
 
 
-def make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset=None, mask_kind=None, active=0.6,
-                full_groups=(), dtype=torch.float64, seed=0):  # fmt: skip
+def make_inputs(
+    batch,
+    heads,
+    kv_heads,
+    tokens,
+    keys,
+    head_dim,
+    offset=None,
+    mask_kind=None,
+    active=0.6,
+    full_groups=(),
+    dtype=torch.float64,
+    seed=0,
+):
     """Query (B, H, T, hd) as the model has it after RoPE (a transposed (B, T, H, hd) tensor), key/value, gates with
     ~`active` of the pairs non-zero (the heads of `full_groups` always), and a 4-D mask whose last batch row is
     left-padded (its first 3 keys hidden)."""
@@ -37,8 +50,11 @@ def make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset=None, mas
         start = keys - tokens if offset is None else offset
         visible = visible_keys(tokens, keys, start)[None, None].repeat(batch, 1, 1, 1)
         visible[-1, ..., :3] = False
-        mask = visible if mask_kind == "bool" else torch.zeros(visible.shape, dtype=dtype).masked_fill(
-            ~visible, torch.finfo(dtype).min)  # fmt: skip
+        mask = (
+            visible
+            if mask_kind == "bool"
+            else torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+        )
     return query, key, value, gates, mask
 
 
@@ -86,8 +102,9 @@ def test_reference_is_the_masked_computation(kv_heads, mask_kind):
     """head_sparse_attention_naive, flattened and projected, is moh.masked_heads_attention given the same 4-D mask;
     with no mask it is causal by position (a static cache: the queries start at `query_offset`, later slots unused)."""
     batch, heads, tokens, keys, head_dim, offset = 2, 6, 5, 12, 4, 3
-    query, key, value, gates, mask = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind,
-                                                 dtype=torch.float32)  # fmt: skip
+    query, key, value, gates, mask = make_inputs(
+        batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, dtype=torch.float32
+    )
     o_proj = torch.nn.Linear(heads * head_dim, 7)
     with torch.no_grad():
         ours = o_proj(head_sparse_attention_naive(query, key, value, gates, SCALING, mask, offset).flatten(2))
@@ -128,31 +145,31 @@ TORCH_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, chunk, full group
 
 
 @pytest.mark.parametrize("case", list(TORCH_CASES.values()), ids=list(TORCH_CASES))
-def test_torch_path_matches_reference(case):
+def test_cpu_path_matches_reference(case):
     batch, heads, kv_heads, tokens, keys, head_dim, offset, window, mask_kind, chunk, full = case
     inputs = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full)
-    compare(head_sparse_attention_torch, inputs, offset, window, chunk_size=chunk)
+    compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
 
 
 @pytest.mark.parametrize("layout", ["padded", "per-segment"])
-def test_torch_path_prefill_computes_only_active_rows(monkeypatch, layout):
+def test_cpu_path_prefill_computes_only_active_rows(monkeypatch, layout):
     """The flash calls of a prefill see the active rows only, outside the diagonal blocks: a fully active key/value
     head is one causal call over its heads, the diagonal blocks one call, and the prefix calls take the active rows
     after the first chunk: per (batch row, key/value head, chunk), or one call per chunk padded to the most rows."""
     if layout == "per-segment":
-        monkeypatch.setattr(torch_path._Rows, "PADDING_LIMIT", 0.0)
+        monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 0.0)
     calls = []
-    original = torch_path._flash
+    original = cpu_path._flash
 
     def spy(query, key, value, mask, scaling, causal=False):
         calls.append((tuple(query.shape), tuple(key.shape), causal))
         return original(query, key, value, mask, scaling, causal)
 
-    monkeypatch.setattr(torch_path, "_flash", spy)
+    monkeypatch.setattr(cpu_path, "_flash", spy)
     batch, heads, kv_heads, tokens, chunk = 2, 9, 3, 64, 16
     query, key, value, gates, _ = make_inputs(batch, heads, kv_heads, tokens, tokens, 4, full_groups=(0,))
     with torch.no_grad():
-        out = head_sparse_attention_torch(query, key, value, gates, SCALING, chunk_size=chunk)
+        out = head_sparse_attention_cpu(query, key, value, gates, SCALING, chunk_size=chunk)
     torch.testing.assert_close(out, head_sparse_attention_naive(query, key, value, gates, SCALING))
     dense, diagonal, prefix = calls[0], calls[1], calls[2:]
     assert dense == ((batch, 3, tokens, 4), (batch, 1, tokens, 4), True)  # the shared heads' key/value head
@@ -167,7 +184,7 @@ def test_torch_path_prefill_computes_only_active_rows(monkeypatch, layout):
     assert computed < batch * (tokens - chunk) * 6 * 0.8
 
 
-def test_torch_path_decode_reads_only_needed_key_value_heads(monkeypatch):
+def test_cpu_path_decode_reads_only_needed_key_value_heads(monkeypatch):
     calls = []
     original = torch.nn.functional.scaled_dot_product_attention
 
@@ -175,35 +192,35 @@ def test_torch_path_decode_reads_only_needed_key_value_heads(monkeypatch):
         calls.append(tuple(key.shape))
         return original(query, key, value, **kwargs)
 
-    monkeypatch.setattr(torch_path.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(cpu_path.F, "scaled_dot_product_attention", spy)
     query, key, value, _, _ = make_inputs(2, 6, 3, 1, 10, 4)
     gates = torch.zeros(2, 1, 6, dtype=query.dtype)
     gates[0, 0, [0, 1]] = 1  # key/value head 0
     gates[1, 0, 5] = 0.5  # key/value head 2
     with torch.no_grad():
-        out = head_sparse_attention_torch(query, key, value, gates, SCALING)
+        out = head_sparse_attention_cpu(query, key, value, gates, SCALING)
     assert calls == [(2, 1, 10, 4), (2, 1, 10, 4)]  # heads 0 and 2, never 1
     want = head_sparse_attention_naive(query, key, value, gates, SCALING)
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
 
 
-def test_torch_path_eager_stand_in(monkeypatch):
+def test_cpu_path_eager_stand_in(monkeypatch):
     """Off the CPU kernel (other devices) the eager computation gives the same results."""
-    monkeypatch.setattr(torch_path, "_cpu_kernel", lambda tensor: False)
+    monkeypatch.setattr(cpu_path, "_cpu_kernel", lambda tensor: False)
     for case in ("prefill-gqa-shared", "prefill-bool-padding"):
         batch, heads, kv_heads, tokens, keys, head_dim, offset, window, mask_kind, chunk, full = TORCH_CASES[case]
         inputs = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full)
-        compare(head_sparse_attention_torch, inputs, offset, window, chunk_size=chunk)
+        compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
 
 
-def test_torch_path_fp32_and_bf16():
+def test_cpu_path_fp32_and_bf16():
     inputs = make_inputs(2, 9, 3, 40, 40, 8, full_groups=(0,), dtype=torch.float32)
-    compare(head_sparse_attention_torch, inputs, rtol=1e-5, atol=1e-5, reference_dtype=torch.float64, chunk_size=16)
+    compare(head_sparse_attention_cpu, inputs, rtol=1e-5, atol=1e-5, reference_dtype=torch.float64, chunk_size=16)
     inputs = [x.to(torch.bfloat16) if x is not None else None for x in inputs]
-    compare(head_sparse_attention_torch, inputs, rtol=0.05, atol=0.05, reference_dtype=torch.float64, chunk_size=16)
+    compare(head_sparse_attention_cpu, inputs, rtol=0.05, atol=0.05, reference_dtype=torch.float64, chunk_size=16)
 
 
-@pytest.mark.parametrize("fn", [head_sparse_attention_torch, head_sparse_attention_triton], ids=["torch", "triton"])
+@pytest.mark.parametrize("fn", [head_sparse_attention_cpu, head_sparse_attention_triton], ids=["torch", "triton"])
 @pytest.mark.parametrize("tokens", [1, 3, 30])
 def test_binary_gates_at_inference(fn, tokens):
     """0/1 gates without gradient (straight-through gates at inference), where the gates' multiply is skipped: the
@@ -223,7 +240,7 @@ def test_binary_gates_at_inference(fn, tokens):
 def test_no_active_pair_gives_zeros_and_no_gradient(tokens):
     query, key, value, gates, _ = make_inputs(1, 6, 2, tokens, 30, 4, active=0.0)
     leaves = [x.clone().requires_grad_() for x in (query, key, value, gates)]
-    out = head_sparse_attention_torch(*leaves, SCALING, chunk_size=8)
+    out = head_sparse_attention_cpu(*leaves, SCALING, chunk_size=8)
     assert torch.equal(out, torch.zeros_like(out))
     out.sum().backward()
     assert all(leaf.grad is None or torch.equal(leaf.grad, torch.zeros_like(leaf)) for leaf in leaves)
@@ -235,12 +252,12 @@ def test_rows_that_see_no_key_stay_finite():
     for tokens in (1, 20):
         query, key, value, gates, mask = make_inputs(2, 6, 2, tokens, 24, 4, offset=0, mask_kind="bool", active=1.0)
         leaves = [x.clone().requires_grad_() for x in (query, key, value, gates)]
-        out = head_sparse_attention_torch(*leaves, SCALING, mask, 0, chunk_size=8)
+        out = head_sparse_attention_cpu(*leaves, SCALING, mask, 0, chunk_size=8)
         out.sum().backward()
         assert torch.isfinite(out).all() and all(torch.isfinite(leaf.grad).all() for leaf in leaves)
 
 
-@pytest.mark.parametrize("fn", [head_sparse_attention_torch, head_sparse_attention_naive])
+@pytest.mark.parametrize("fn", [head_sparse_attention_cpu, head_sparse_attention_naive])
 def test_bad_shapes_are_refused_in_words(fn):
     query, key, value, gates, _ = make_inputs(1, 6, 4, 5, 5, 4)
     with pytest.raises(ValueError, match="multiple of the key/value heads"):
@@ -275,10 +292,20 @@ TRITON_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, full groups)
 def test_triton_kernels_match_reference(case):
     """Tiles of 16 rows and 16 keys: several row blocks per segment, key loops over several tiles, odd head dims."""
     batch, heads, kv_heads, tokens, keys, head_dim, offset, window, mask_kind, full = case
-    inputs = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full,
-                         dtype=torch.float32)  # fmt: skip
-    compare(head_sparse_attention_triton, inputs, offset, window, rtol=2e-5, atol=2e-5,
-            reference_dtype=torch.float64, block_m=16, block_n=16)  # fmt: skip
+    inputs = make_inputs(
+        batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full, dtype=torch.float32
+    )
+    compare(
+        head_sparse_attention_triton,
+        inputs,
+        offset,
+        window,
+        rtol=2e-5,
+        atol=2e-5,
+        reference_dtype=torch.float64,
+        block_m=16,
+        block_n=16,
+    )
 
 
 @pytest.mark.skipif(not triton_path.HAS_TRITON, reason="triton is not installed")
@@ -287,8 +314,15 @@ def test_triton_kernels_bf16():
     reference within bf16's rounding."""
     inputs = make_inputs(2, 6, 2, 19, 23, 12, mask_kind="bool", full_groups=(0,), dtype=torch.float32)
     inputs = [x.to(torch.bfloat16) if x is not None and x.is_floating_point() else x for x in inputs]
-    got = compare(head_sparse_attention_triton, inputs, rtol=0.05, atol=0.05, reference_dtype=torch.float64,
-                  block_m=16, block_n=16)  # fmt: skip
+    got = compare(
+        head_sparse_attention_triton,
+        inputs,
+        rtol=0.05,
+        atol=0.05,
+        reference_dtype=torch.float64,
+        block_m=16,
+        block_n=16,
+    )
     assert got.dtype == torch.bfloat16
 
 
@@ -325,8 +359,14 @@ def test_triton_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(repo / "src"), str(repo), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, "-m", "tests.models.ops.head_sparse_attention_gpu_compile", "--arch", "90"],
-                         env=env, cwd=repo, capture_output=True, text=True, timeout=900)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.models.ops.head_sparse_attention_gpu_compile", "--arch", "90"],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if run.returncode == 77:
         pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stdout + run.stderr

@@ -2,7 +2,9 @@
 
 Every op the models call goes through here. Per op, `IMPLEMENTATIONS` lists its backends: "naive" (the plain
 PyTorch reference, `ops/<op>/<op>_naive.py`), "grouped_mm" (torch's grouped GEMM with a hand-written backward,
-`ops/experts/experts_grouped_mm.py`) and "triton" (`ops/<op>/<op>_triton.py`, CUDA, or CPU under TRITON_INTERPRET=1).
+`ops/experts/experts_grouped_mm.py`), "cpu" (torch's CPU flash-attention kernel on the active rows,
+`ops/head_sparse_attention/head_sparse_attention_cpu.py`) and "triton" (`ops/<op>/<op>_triton.py`, CUDA, or CPU under
+TRITON_INTERPRET=1).
 
 | op                         | backends                  | by default                                             |
 | routing.route              | naive, triton             | triton on CUDA when triton is installed, else naive    |
@@ -10,11 +12,14 @@ PyTorch reference, `ops/<op>/<op>_naive.py`), "grouped_mm" (torch's grouped GEMM
 | head_router.l2_head_gates  | naive, triton             | the same                                               |
 | experts                    | naive, grouped_mm, triton | grouped_mm; triton only when asked (behind in fwd+bwd: |
 |                            |                           | benchmarks/README.md, gpu_moe on an H200)              |
+| head_sparse_attention      | naive, cpu, triton        | triton on CUDA when triton is installed, else cpu (on  |
+|                            |                           | other devices its eager stand-in)                      |
 
 What asks for a backend: for the routing ops and the head router, `MHMOE_ROUTING_BACKEND=torch|triton` in the
 environment, else the config's `routing_backend` ("torch" is the naive reference); for the experts, Transformers'
 `experts_implementation` ("eager" is the naive reference, "grouped_mm", "triton"; any other function registered with
-Transformers' experts interface runs as Transformers runs it, see `sparse_moe.MHMoEExpertsInterface`).
+Transformers' experts interface runs as Transformers runs it, see `sparse_moe.MHMoEExpertsInterface`); for MoH's
+head-sparse attention, the attention module's `moh_head_skipping` when it names a backend (`moh/moh_attention.py`).
 A backend asked for runs or raises. A kernel chosen by default that fails is replaced by the reference: the failure is
 logged once at WARNING and recorded (`fallbacks()`: {op: reason}, which the benchmarks and the reproduction write
 into their results), and no kernel is chosen by default again until `reset_fallbacks()`. Under torch.compile /
@@ -39,6 +44,9 @@ from .experts.experts_naive import experts_forward as naive_experts
 from .experts.experts_triton import experts_forward as triton_experts
 from .head_router.head_router_naive import l2_head_gates as naive_l2_head_gates
 from .head_router.head_router_triton import l2_head_gates_triton
+from .head_sparse_attention.head_sparse_attention_cpu import head_sparse_attention_cpu
+from .head_sparse_attention.head_sparse_attention_naive import head_sparse_attention_naive
+from .head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
 from .routing.routing_naive import route as naive_route
 from .routing.routing_naive import sort_by_expert as naive_sort_by_expert
 from .routing.routing_triton import route as triton_route
@@ -53,10 +61,22 @@ IMPLEMENTATIONS = {
     "routing.sort_by_expert": {"naive": naive_sort_by_expert, "triton": triton_sort_by_expert},
     "head_router.l2_head_gates": {"naive": naive_l2_head_gates, "triton": l2_head_gates_triton},
     "experts": {"naive": naive_experts, "grouped_mm": grouped_mm_experts, "triton": triton_experts},
+    "head_sparse_attention": {
+        "naive": head_sparse_attention_naive,
+        "cpu": head_sparse_attention_cpu,
+        "triton": head_sparse_attention_triton,
+    },
 }
 # op -> the backend chosen when none is asked for: a kernel on CUDA (when triton is installed), else this
-AUTOMATIC = {"routing.route": "triton", "routing.sort_by_expert": "triton", "head_router.l2_head_gates": "triton"}
-DEFAULT = {"experts": "grouped_mm"}  # ops whose default is not the naive reference
+AUTOMATIC = {
+    "routing.route": "triton",
+    "routing.sort_by_expert": "triton",
+    "head_router.l2_head_gates": "triton",
+    "head_sparse_attention": "triton",
+}
+DEFAULT = {"experts": "grouped_mm", "head_sparse_attention": "cpu"}  # ops whose default is not the naive reference
+# how to ask for an op's kernel (so that its error is raised); the routing ops' way when not listed
+ASK_FOR_KERNEL = {"head_sparse_attention": "set the attention modules' moh_head_skipping = 'triton'"}
 
 logger = logging.getLogger(__name__)
 _FALLBACKS: dict[str, str] = {}
@@ -92,11 +112,8 @@ def _run(op: str, tensor: torch.Tensor, requested: str | None, *args, **kwargs):
     try:
         return implementation(*args, **kwargs)
     except Exception as error:  # a default choice must not stop training: say so once, record it, run the reference
-        record_fallback(
-            op,
-            error,
-            f"; no kernel is chosen by default from now on (set {ROUTING_BACKEND_ENV}=triton to see the error raised)",
-        )
+        how = ASK_FOR_KERNEL.get(op, f"set {ROUTING_BACKEND_ENV}=triton")
+        record_fallback(op, error, f"; no kernel is chosen by default from now on ({how} to see the error raised)")
         return IMPLEMENTATIONS[op][DEFAULT.get(op, "naive")](*args, **kwargs)
 
 
@@ -152,6 +169,24 @@ def l2_head_gates(
     args = (queries, shared_heads, active_heads, straight_through)
     gates, logits, index = _run("head_router.l2_head_gates", queries, requested, *args)
     return gates.view(*lead, -1), logits.view(*lead, -1), index.view(*lead, -1)
+
+
+def head_sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    gates: torch.Tensor,
+    scaling: float,
+    attention_mask: torch.Tensor | None = None,
+    query_offset: int | None = None,
+    sliding_window: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """MoH attention for the active (token, head) pairs only (`head_sparse_attention_naive`, the contract): query
+    (B, H, T, hd) post-RoPE, key/value (B, Hkv, L, hd), gates (B, T, H) -> (B, T, H, hd), each active pair's output
+    times its gate, 0 elsewhere. `backend`: "naive", "cpu" or "triton" (None: the default)."""
+    args = (query, key, value, gates, scaling, attention_mask, query_offset, sliding_window)
+    return _run("head_sparse_attention", query, backend, *args)
 
 
 def experts(

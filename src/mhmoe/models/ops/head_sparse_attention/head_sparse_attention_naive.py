@@ -1,6 +1,6 @@
 """Head-sparse attention, plain PyTorch reference: every head computed, inactive (token, head) outputs zeroed.
 
-The contract shared by `head_sparse_attention_torch.py` (CPU) and `head_sparse_attention_triton.py` (CUDA), which
+The contract shared by `head_sparse_attention_cpu.py` (CPU) and `head_sparse_attention_triton.py` (CUDA), which
 compute attention only for the active pairs and must equal this function:
 
     query (B, H, T, hd) post-RoPE, key/value (B, Hkv, L, hd) (the cache included), gates (B, T, H): a (token, head)
@@ -64,31 +64,46 @@ def additive_mask(
 def check_inputs(query, key, value, gates, attention_mask, query_offset) -> None:
     """One-line errors for shapes that do not fit the contract."""
     if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape:
-        raise ValueError(f"need query (B, H, T, hd) and key/value (B, Hkv, L, hd) of equal shapes, got query "
-                         f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")  # fmt: skip
+        raise ValueError(
+            f"need query (B, H, T, hd) and key/value (B, Hkv, L, hd) of equal shapes, got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
     batch, heads, tokens, head_dim = query.shape
     if key.shape[0] != batch or key.shape[3] != head_dim or heads % key.shape[1]:
-        raise ValueError(f"key/value {tuple(key.shape)} do not fit query {tuple(query.shape)}: same batch and "
-                         "head_dim, and the query heads a multiple of the key/value heads")  # fmt: skip
+        raise ValueError(
+            f"key/value {tuple(key.shape)} do not fit query {tuple(query.shape)}: same batch and "
+            "head_dim, and the query heads a multiple of the key/value heads"
+        )
     if gates.shape != (batch, tokens, heads):
         raise ValueError(f"gates must be (B, T, H) = {(batch, tokens, heads)}, got {tuple(gates.shape)}")
     offset = key.shape[2] - tokens if query_offset is None else query_offset
     if offset < 0 or offset + tokens > key.shape[2]:
-        raise ValueError(f"queries at positions {offset}..{offset + tokens - 1} do not fit {key.shape[2]} keys "
-                         "(query_offset: the first query's position in the cache)")  # fmt: skip
-    if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[2] != tokens
-                                       or attention_mask.shape[0] not in (1, batch)
-                                       or attention_mask.shape[3] < key.shape[2]):  # fmt: skip
-        raise ValueError(f"attention_mask must be 4-D (B or 1, 1, T, >= L) = (.., 1, {tokens}, >= {key.shape[2]}), "
-                         f"got {tuple(attention_mask.shape)}")  # fmt: skip
+        raise ValueError(
+            f"queries at positions {offset}..{offset + tokens - 1} do not fit {key.shape[2]} keys "
+            "(query_offset: the first query's position in the cache)"
+        )
+    if attention_mask is not None and (
+        attention_mask.dim() != 4
+        or attention_mask.shape[2] != tokens
+        or attention_mask.shape[0] not in (1, batch)
+        or attention_mask.shape[3] < key.shape[2]
+    ):
+        raise ValueError(
+            f"attention_mask must be 4-D (B or 1, 1, T, >= L) = (.., 1, {tokens}, >= {key.shape[2]}), "
+            f"got {tuple(attention_mask.shape)}"
+        )
 
 
 def apply_gates(out: torch.Tensor, gates: torch.Tensor, active: torch.Tensor, zeroed: bool = True) -> torch.Tensor:
     """out (B, T, H, hd) times the gates; an inactive gate never gets a gradient. When `zeroed` (out is already 0 on
     the inactive pairs) it is skipped where it changes nothing and passes no gradient: 0/1 gates without gradient
     (straight-through gates at inference)."""
-    if (zeroed and not gates.requires_grad and not torch.compiler.is_compiling()
-            and bool(((gates == 0) | (gates == 1)).all())):  # fmt: skip
+    if (
+        zeroed
+        and not gates.requires_grad
+        and not torch.compiler.is_compiling()
+        and bool(((gates == 0) | (gates == 1)).all())
+    ):
         return out
     return out * gates.masked_fill(~active, 0).to(out.dtype)[..., None]
 

@@ -16,37 +16,17 @@ BLOCK_M per segment, programs past a segment's end return at once), so nothing w
 Precision: fp32 accumulation and softmax; bf16/fp16 operands go to `tl.dot` as they are, fp32 ones as IEEE fp32
 (exact, slower) or TF32 when torch's own fp32 matmuls may (`torch.backends.cuda.matmul.allow_tf32`). Under
 TRITON_INTERPRET=1 the dots run in fp32 (numpy has no bf16: `UPCAST`). A 4-D mask is turned into an fp32 additive
-(B or 1, T, L) tensor. Compiled ahead for sm_90 by tests/models/ops/head_sparse_attention_gpu_compile.py; tested against the
-reference under the interpreter; not yet run on a GPU.
+(B or 1, T, L) tensor. Compiled ahead for sm_90 by tests/models/ops/head_sparse_attention_gpu_compile.py; tested
+against the reference under the interpreter; not yet run on a GPU.
 
 Imports without triton (exported checkpoints): the kernels are then plain functions, never launched.
 """
 
-import os
-
 import torch
 
+from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
+from ..triton_compat import jit as _jit
 from .head_sparse_attention_naive import apply_gates, check_inputs
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # torch-only install
-    triton = None
-
-    class tl:  # noqa: N801  (stands in for triton.language in the annotations below)
-        constexpr = int
-
-
-HAS_TRITON = triton is not None
-
-
-def _jit(fn):
-    return triton.jit(fn) if HAS_TRITON else fn
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @_jit
@@ -66,8 +46,12 @@ def _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M: tl.conste
 @_jit
 def _load_rows(ptr, b, heads_of, tokens, dims, row_mask, stride_b, stride_h, stride_t, UPCAST: tl.constexpr):
     """(BLOCK_M, BLOCK_D) rows (b, head, token) of a (B, H, T, hd) tensor given by its strides."""
-    offs = b.to(tl.int64) * stride_b + heads_of[:, None].to(tl.int64) * stride_h \
-        + tokens[:, None].to(tl.int64) * stride_t + dims[None, :]  # fmt: skip
+    offs = (
+        b.to(tl.int64) * stride_b
+        + heads_of[:, None].to(tl.int64) * stride_h
+        + tokens[:, None].to(tl.int64) * stride_t
+        + dims[None, :]
+    )
     rows = tl.load(ptr + offs, mask=row_mask, other=0.0)
     return rows.to(tl.float32) if UPCAST else rows
 
@@ -95,28 +79,71 @@ def _key_range(real, positions, window, BLOCK_N: tl.constexpr):
 
 
 @_jit
-def _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
-            HAS_MASK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _scores(
+    q,
+    k,
+    tokens,
+    positions,
+    keys,
+    num_keys,
+    window,
+    mask_ptr,
+    stride_mb,
+    stride_mt,
+    b,
+    scale,
+    HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """(BLOCK_M, BLOCK_N) scaled scores, -inf where a key is not visible (causal, window, 4-D mask)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < num_keys)
     if window > 0:
         visible &= keys[None, :] > positions[:, None] - window
     if HAS_MASK:
-        given = tl.load(mask_ptr + b.to(tl.int64) * stride_mb + tokens[:, None].to(tl.int64) * stride_mt
-                        + keys[None, :], mask=visible, other=0.0)  # fmt: skip
+        given = tl.load(
+            mask_ptr + b.to(tl.int64) * stride_mb + tokens[:, None].to(tl.int64) * stride_mt + keys[None, :],
+            mask=visible,
+            other=0.0,
+        )
         s += given
     return tl.where(visible, s, float("-inf"))
 
 
 @_jit
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, rows_t_ptr, rows_h_ptr, segments_ptr, mask_ptr,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kl, stride_mb, stride_mt,
-    kv_heads, tokens_total, heads, head_dim, num_keys, offset, window, scale,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    rows_t_ptr,
+    rows_h_ptr,
+    segments_ptr,
+    mask_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_mb,
+    stride_mt,
+    kv_heads,
+    tokens_total,
+    heads,
+    head_dim,
+    num_keys,
+    offset,
+    window,
+    scale,
+    HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows, real, tokens, heads_of, positions = _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M)
     if tl.max(real.to(tl.int32)) == 0:
         return
@@ -134,8 +161,22 @@ def _forward_kernel(
     for start in range(low, last + 1, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok, UPCAST)
-        s = _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
-                    HAS_MASK, PRECISION)  # fmt: skip
+        s = _scores(
+            q,
+            k,
+            tokens,
+            positions,
+            keys,
+            num_keys,
+            window,
+            mask_ptr,
+            stride_mb,
+            stride_mt,
+            b,
+            scale,
+            HAS_MASK,
+            PRECISION,
+        )
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
         p = tl.exp(s - m_safe[:, None])
@@ -152,12 +193,40 @@ def _forward_kernel(
 
 @_jit
 def _dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, rows_t_ptr, rows_h_ptr, segments_ptr, mask_ptr,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kl, stride_mb, stride_mt,
-    kv_heads, tokens_total, heads, head_dim, num_keys, offset, window, scale,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    rows_t_ptr,
+    rows_h_ptr,
+    segments_ptr,
+    mask_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_mb,
+    stride_mt,
+    kv_heads,
+    tokens_total,
+    heads,
+    head_dim,
+    num_keys,
+    offset,
+    window,
+    scale,
+    HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     rows, real, tokens, heads_of, positions = _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M)
     if tl.max(real.to(tl.int32)) == 0:
         return
@@ -179,24 +248,67 @@ def _dq_kernel(
     for start in range(low, last + 1, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok, UPCAST)
-        s = _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
-                    HAS_MASK, PRECISION)  # fmt: skip
+        s = _scores(
+            q,
+            k,
+            tokens,
+            positions,
+            keys,
+            num_keys,
+            window,
+            mask_ptr,
+            stride_mb,
+            stride_mt,
+            b,
+            scale,
+            HAS_MASK,
+            PRECISION,
+        )
         p = tl.exp(s - lse[:, None])  # 0 where not visible
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(dq_ptr + pair[:, None] * head_dim + dims[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
-             mask=row_mask)  # fmt: skip
+    tl.store(dq_ptr + pair[:, None] * head_dim + dims[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
 
 
 @_jit
 def _dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, rows_t_ptr, rows_h_ptr, bounds_ptr, mask_ptr,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kl, stride_mb, stride_mt,
-    kv_heads, tokens_total, heads, head_dim, num_keys, offset, window, scale, num_key_blocks,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    rows_t_ptr,
+    rows_h_ptr,
+    bounds_ptr,
+    mask_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_mb,
+    stride_mt,
+    kv_heads,
+    tokens_total,
+    heads,
+    head_dim,
+    num_keys,
+    offset,
+    window,
+    scale,
+    num_key_blocks,
+    HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     key_block = tl.program_id(0)
     segment = tl.program_id(1)
     b, g = segment // kv_heads, segment % kv_heads
@@ -204,8 +316,17 @@ def _dkdv_kernel(
     dim_ok = dims < head_dim
     keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
     kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
-    k, v = _load_keys(k_ptr, v_ptr, b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh, keys, stride_kl, dims,
-                      num_keys, dim_ok, UPCAST)  # fmt: skip
+    k, v = _load_keys(
+        k_ptr,
+        v_ptr,
+        b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh,
+        keys,
+        stride_kl,
+        dims,
+        num_keys,
+        dim_ok,
+        UPCAST,
+    )
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     bound = (segment.to(tl.int64) * num_key_blocks + key_block) * 2
@@ -225,8 +346,22 @@ def _dkdv_kernel(
             do = do.to(tl.float32)
         lse = tl.load(lse_ptr + rows, mask=real, other=0.0)
         delta = tl.load(delta_ptr + pair, mask=real, other=0.0)
-        s = _scores(q, k, tokens, positions, keys, num_keys, window, mask_ptr, stride_mb, stride_mt, b, scale,
-                    HAS_MASK, PRECISION)  # (BLOCK_M, BLOCK_N)  # fmt: skip
+        s = _scores(
+            q,
+            k,
+            tokens,
+            positions,
+            keys,
+            num_keys,
+            window,
+            mask_ptr,
+            stride_mb,
+            stride_mt,
+            b,
+            scale,
+            HAS_MASK,
+            PRECISION,
+        )  # (BLOCK_M, BLOCK_N)
         p = tl.exp(s - lse[:, None])
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -327,10 +462,23 @@ class _HeadSparseAttention(torch.autograd.Function):
         args = _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window, scaling)
         if plan.num_rows:
             _forward_kernel[grid](
-                query, key, value, out, lse, plan.tokens, plan.heads, plan.segments, _mask_arg(plan, query), *args,
-                HAS_MASK=plan.mask is not None, PRECISION=_precision(query.dtype), UPCAST=_upcast(query.dtype),
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            )  # fmt: skip
+                query,
+                key,
+                value,
+                out,
+                lse,
+                plan.tokens,
+                plan.heads,
+                plan.segments,
+                _mask_arg(plan, query),
+                *args,
+                HAS_MASK=plan.mask is not None,
+                PRECISION=_precision(query.dtype),
+                UPCAST=_upcast(query.dtype),
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_D=block_d,
+            )
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan, ctx.settings = plan, (scaling, offset, window, block_m, block_n, block_d)
         return out
@@ -350,27 +498,71 @@ class _HeadSparseAttention(torch.autograd.Function):
         grad_value = torch.zeros_like(value)
         if plan.num_rows:
             args = _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window, scaling)
-            meta = dict(HAS_MASK=plan.mask is not None, PRECISION=_precision(query.dtype), UPCAST=_upcast(query.dtype),
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)  # fmt: skip
+            meta = dict(
+                HAS_MASK=plan.mask is not None,
+                PRECISION=_precision(query.dtype),
+                UPCAST=_upcast(query.dtype),
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_D=block_d,
+            )
             groups = heads // kv_heads
             mask = _mask_arg(plan, query)
             _dq_kernel[(triton.cdiv(groups * tokens, block_m), batch * kv_heads)](
-                query, key, value, grad_out, lse, delta, grad_query, plan.tokens, plan.heads, plan.segments, mask,
-                *args, **meta,
-            )  # fmt: skip
+                query,
+                key,
+                value,
+                grad_out,
+                lse,
+                delta,
+                grad_query,
+                plan.tokens,
+                plan.heads,
+                plan.segments,
+                mask,
+                *args,
+                **meta,
+            )
             num_blocks = triton.cdiv(num_keys, block_n)
             bounds = plan.key_block_bounds(num_keys, block_n, window)
             _dkdv_kernel[(num_blocks, batch * kv_heads)](
-                query, key, value, grad_out, lse, delta, grad_key, grad_value, plan.tokens, plan.heads, bounds, mask,
-                *args, num_blocks, **meta,
-            )  # fmt: skip
+                query,
+                key,
+                value,
+                grad_out,
+                lse,
+                delta,
+                grad_key,
+                grad_value,
+                plan.tokens,
+                plan.heads,
+                bounds,
+                mask,
+                *args,
+                num_blocks,
+                **meta,
+            )
         return grad_query.transpose(1, 2), grad_key, grad_value, None, None, None, None, None, None, None
 
 
 def _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window, scaling):
-    return (query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-            *plan.mask_strides, key.shape[1], tokens, heads, head_dim, num_keys, offset, window or 0,
-            scaling)  # fmt: skip
+    return (
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        *plan.mask_strides,
+        key.shape[1],
+        tokens,
+        heads,
+        head_dim,
+        num_keys,
+        offset,
+        window or 0,
+        scaling,
+    )
 
 
 def _mask_arg(plan, query):
@@ -401,6 +593,7 @@ def head_sparse_attention_triton(
     if sliding_window is not None and sliding_window > offset + tokens - 1:
         sliding_window = None
     active = gates != 0
-    out = _HeadSparseAttention.apply(query, key, value, active, scaling, attention_mask, offset, sliding_window,
-                                     block_m, block_n)  # fmt: skip
+    out = _HeadSparseAttention.apply(
+        query, key, value, active, scaling, attention_mask, offset, sliding_window, block_m, block_n
+    )
     return apply_gates(out, gates, active)

@@ -42,7 +42,7 @@ def chunk_tokens(tokens: int) -> int:
     return max(64, min(256, 1 << max(0, (tokens // 8).bit_length() - 1)))
 
 
-def head_sparse_attention_torch(
+def head_sparse_attention_cpu(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -63,8 +63,9 @@ def head_sparse_attention_torch(
     if tokens <= DECODE_MAX_TOKENS:
         return _decode(query, key, value, gates, scaling, attention_mask, offset, sliding_window)
     active = gates != 0
-    out = _prefill(query, key, value, active, scaling, attention_mask, offset, sliding_window,
-                   chunk_size or chunk_tokens(tokens))  # fmt: skip
+    out = _prefill(
+        query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk_size or chunk_tokens(tokens)
+    )
     return apply_gates(out, gates, active)
 
 
@@ -101,8 +102,9 @@ def _decode(query, key, value, gates, scaling, attention_mask, offset, sliding_w
     else:
         out = query.new_zeros(batch, tokens, heads, head_dim)
         for start, end in _runs([g for g in range(kv_heads) if needed[g]]):
-            part = F.scaled_dot_product_attention(packed[:, start:end], key[:, start:end], value[:, start:end],
-                                                  attn_mask=mask, scale=scaling)  # (B, n, G·T, hd)  # fmt: skip
+            part = F.scaled_dot_product_attention(
+                packed[:, start:end], key[:, start:end], value[:, start:end], attn_mask=mask, scale=scaling
+            )  # (B, n, G·T, hd)
             out[:, :, start * groups : end * groups] = part.view(batch, -1, tokens, head_dim).transpose(1, 2)
     if gates.requires_grad:  # an inactive gate gets no gradient
         gates = gates.masked_fill(gates == 0, 0)
@@ -123,8 +125,9 @@ def _prefill(query, key, value, active, scaling, attention_mask, offset, sliding
         full = [False] * kv_heads  # plain causal attention only without a cache, a mask or a window
     dense = _runs([g for g in range(kv_heads) if full[g]])
     sparse = [g for g in range(kv_heads) if not full[g]]
-    return _HeadSparsePrefill.apply(query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk,
-                                    sparse, dense)  # fmt: skip
+    return _HeadSparsePrefill.apply(
+        query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk, sparse, dense
+    )
 
 
 def _cpu_kernel(tensor: torch.Tensor) -> bool:
@@ -237,16 +240,21 @@ class _Rows:
 
 class _HeadSparsePrefill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk, sparse,
-                dense):  # fmt: skip
+    def forward(ctx, query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk, sparse, dense):
         batch, heads, tokens, head_dim = query.shape
         kv_heads = key.shape[1]
         groups = heads // kv_heads
         out = query.new_zeros(batch, tokens, heads, head_dim)
         dense_results = []
         for start, end in dense:  # key/value heads whose query heads are all active: plain causal attention
-            o, lse = _flash(query[:, start * groups : end * groups], key[:, start:end, :tokens],
-                            value[:, start:end, :tokens], None, scaling, causal=True)  # (B, n·G, T, hd)  # fmt: skip
+            o, lse = _flash(
+                query[:, start * groups : end * groups],
+                key[:, start:end, :tokens],
+                value[:, start:end, :tokens],
+                None,
+                scaling,
+                causal=True,
+            )  # (B, n·G, T, hd)
             out[:, :, start * groups : end * groups] = o.transpose(1, 2)
             dense_results.append((o, lse))
         rows = _Rows(active, kv_heads, sparse, chunk) if sparse else None
@@ -275,9 +283,17 @@ class _HeadSparsePrefill(torch.autograd.Function):
         grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
         for (start, end), (o, lse) in zip(*ctx.dense):
             heads_slice = slice(start * groups, end * groups)
-            dq, dk, dv = _flash_backward(grad_out[:, :, heads_slice].transpose(1, 2), query[:, heads_slice],
-                                         key[:, start:end, :tokens], value[:, start:end, :tokens], o, lse, None,
-                                         settings[0], causal=True)  # fmt: skip
+            dq, dk, dv = _flash_backward(
+                grad_out[:, :, heads_slice].transpose(1, 2),
+                query[:, heads_slice],
+                key[:, start:end, :tokens],
+                value[:, start:end, :tokens],
+                o,
+                lse,
+                None,
+                settings[0],
+                causal=True,
+            )
             grad_query[:, :, heads_slice] = dq.transpose(1, 2)
             grad_key[:, start:end, :tokens] += dk
             grad_value[:, start:end, :tokens] += dv
@@ -370,7 +386,6 @@ def _causal_backward(go_rows, query, q_rows, key, value, o_rows, lse_rows, rows,
     scaling, _, offset, _, sparse, _ = settings
     dq_rows, grad_key, grad_value = grads
     batch, heads, tokens, head_dim = query.shape
-    groups = heads // key.shape[1]
     if rows.padded is not None:
         g0, g1 = sparse[0], sparse[-1] + 1
         shape = rows.padded_shape
@@ -384,8 +399,16 @@ def _causal_backward(go_rows, query, q_rows, key, value, o_rows, lse_rows, rows,
             if not prefix:
                 dqs.append(torch.zeros_like(q_padded[c]))
                 continue
-            dq, dk, dv = _flash_backward(go_padded[c], q_padded[c], key[:, g0:g1, :prefix], value[:, g0:g1, :prefix],
-                                         o_padded[c], lse_padded[c], None, scaling)  # fmt: skip
+            dq, dk, dv = _flash_backward(
+                go_padded[c],
+                q_padded[c],
+                key[:, g0:g1, :prefix],
+                value[:, g0:g1, :prefix],
+                o_padded[c],
+                lse_padded[c],
+                None,
+                scaling,
+            )
             dqs.append(dq)
             grad_key[:, g0:g1, :prefix] += dk
             grad_value[:, g0:g1, :prefix] += dv
@@ -393,9 +416,18 @@ def _causal_backward(go_rows, query, q_rows, key, value, o_rows, lse_rows, rows,
     for b, g, c, start, end in rows.segments if rows.padded is None else ():
         prefix = offset + c * rows.chunk
         if prefix:
-            dq, dk, dv = _flash_backward(*_one_head(go_rows[start:end], q_rows[start:end], key[b, g, :prefix],
-                                                    value[b, g, :prefix], o_rows[start:end], lse_rows[start:end]),
-                                         None, scaling)  # fmt: skip
+            dq, dk, dv = _flash_backward(
+                *_one_head(
+                    go_rows[start:end],
+                    q_rows[start:end],
+                    key[b, g, :prefix],
+                    value[b, g, :prefix],
+                    o_rows[start:end],
+                    lse_rows[start:end],
+                ),
+                None,
+                scaling,
+            )
             dq_rows[start:end] += dq[0, 0]
             grad_key[b, g, :prefix] += dk[0, 0]
             grad_value[b, g, :prefix] += dv[0, 0]
@@ -407,8 +439,9 @@ def _causal_backward(go_rows, query, q_rows, key, value, o_rows, lse_rows, rows,
     out_blocks = torch.zeros_like(grad_blocks).index_copy_(0, rows.diagonal, o_rows)
     lse_blocks = lse_rows.new_full(shape[:3], torch.finfo(lse_rows.dtype).max)
     lse_blocks.view(-1).index_copy_(0, rows.diagonal, lse_rows)
-    dq, dk, dv = _flash_backward(grad_blocks.view(shape), *blocks, out_blocks.view(shape), lse_blocks, None, scaling,
-                                 causal=True)  # fmt: skip
+    dq, dk, dv = _flash_backward(
+        grad_blocks.view(shape), *blocks, out_blocks.view(shape), lse_blocks, None, scaling, causal=True
+    )
     dq_rows += dq.reshape(-1, head_dim).index_select(0, rows.diagonal)
     chosen = torch.tensor(sparse, device=query.device)
 
@@ -471,9 +504,18 @@ def _general_backward(go_rows, q_rows, key, value, o_rows, lse_rows, rows, setti
     for b, g, _, start, end in rows.segments:
         low, high = _key_range(rows, start, end, settings)
         mask = _segment_mask(rows, b, start, end, low, high, settings, q_rows.dtype)
-        dq, dk, dv = _flash_backward(*_one_head(go_rows[start:end], q_rows[start:end], key[b, g, low:high],
-                                                value[b, g, low:high], o_rows[start:end], lse_rows[start:end]),
-                                     mask, scaling)  # fmt: skip
+        dq, dk, dv = _flash_backward(
+            *_one_head(
+                go_rows[start:end],
+                q_rows[start:end],
+                key[b, g, low:high],
+                value[b, g, low:high],
+                o_rows[start:end],
+                lse_rows[start:end],
+            ),
+            mask,
+            scaling,
+        )
         dq_rows[start:end] = dq[0, 0]
         grad_key[b, g, low:high] += dk[0, 0]
         grad_value[b, g, low:high] += dv[0, 0]
