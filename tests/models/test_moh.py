@@ -209,7 +209,8 @@ SKIP_CASES = [(kv, mask, seq) for kv in (8, 4, 2, 1) for mask in ("none", "bool"
 
 @pytest.mark.parametrize("kv_heads,mask_kind,seq", [case for case in SKIP_CASES if case[1] != "none" or case[2] == 1])
 def test_head_skipping_equals_masked_computation(kv_heads, mask_kind, seq):
-    """(Without a mask only single-token queries are skipped: `_use_head_skipping`.)"""
+    """The earlier decoding loop `skipped_heads_attention` (kept for the benchmarks); without a mask only single-token
+    queries."""
     torch.manual_seed(kv_heads * 7 + seq)
     batch, head_dim, length = 2, 4, 11
     query = torch.randn(batch, HEADS, seq, head_dim)
@@ -241,33 +242,93 @@ def test_head_skipping_equals_masked_computation(kv_heads, mask_kind, seq):
     torch.testing.assert_close(o_proj((dense * gates[..., None]).flatten(2)), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_decoding_skips_heads_and_matches_the_masked_path(monkeypatch):
+def set_head_skipping(model, value) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.moh_head_skipping = value
+
+
+def spy_head_sparse(monkeypatch) -> list:
+    """Record (query shape, backend, gates require grad) of every `head_sparse_attention` call the models make."""
     calls = []
-    original = moh_attention.skipped_heads_attention
+    original = moh_attention.head_sparse_attention
 
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return original(*args, **kwargs)
+    def spy(query, key, value, gates, *args, **kwargs):
+        calls.append((tuple(query.shape), kwargs.get("backend"), gates.requires_grad))
+        return original(query, key, value, gates, *args, **kwargs)
 
-    monkeypatch.setattr(moh_attention, "skipped_heads_attention", spy)
+    monkeypatch.setattr(moh_attention, "head_sparse_attention", spy)
+    return calls
+
+
+def build_skipping_models():
+    """Both families, GQA (8 heads on 4 key/value heads): MHMoE with a learned router (soft gates) and a sliding
+    window of 9; MoH-LLaMA with the l2 router and straight-through 0/1 gates."""
     torch.manual_seed(0)
-    model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3)).eval()
-    randomise_routers(model)
-    x = torch.randint(1, VOCAB, (2, 6))
-    mask = torch.ones(2, 7, dtype=torch.long)
-    mask[1, :2] = 0
+    mhmoe_model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3, sliding_window=9))
+    randomise_routers(mhmoe_model)
+    fields = tiny_llama_fields()
+    llama = MoHLlamaForCausalLM(
+        MoHLlamaConfig(**fields, moh_shared_heads=3, moh_active_heads=2, moh_router="l2", moh_straight_through=True)
+    )
+    return {"mhmoe-learned-window": mhmoe_model, "moh-llama-l2-ste": llama}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", [True, "naive", "triton"])
+@pytest.mark.parametrize("name", ["mhmoe-learned-window", "moh-llama-l2-ste"])
+def test_training_computes_active_heads_only_and_equals_the_masked_path(name, backend, attn, monkeypatch):
+    """Prefill with gradients (37 tokens, odd, left padding, GQA): loss, logits and every parameter's gradient of the
+    head-sparse path (default: the CPU path) equal every head computed and masked."""
+    model = build_skipping_models()[name]
+    model.set_attn_implementation(attn)
+    calls = spy_head_sparse(monkeypatch)
+    ids = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 5] = -100  # predicted from a padding position (whose attention sees no key)
+
+    def run(skipping):
+        set_head_skipping(model, skipping)
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    masked, masked_grads = run(False)
+    assert not calls
+    sparse, sparse_grads = run(backend)
+    assert len(calls) == 2 and all(call[0][2] == 37 and call[2] for call in calls)  # both layers, with gradients
+    assert all(call[1] == (None if backend is True else backend) for call in calls)
+    torch.testing.assert_close(sparse.loss, masked.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sparse.logits[mask.bool()], masked.logits[mask.bool()], rtol=1e-5, atol=1e-5)
+    assert sparse_grads.keys() == masked_grads.keys()
+    for param, grad in masked_grads.items():
+        torch.testing.assert_close(sparse_grads[param], grad, rtol=1e-4, atol=1e-6, msg=param)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["mhmoe-learned-window", "moh-llama-l2-ste"])
+def test_generation_computes_active_heads_only_and_equals_the_masked_path(name, cache, monkeypatch):
+    """Greedy generation from a left-padded prompt (prefill of 19 tokens, then single-token steps), dynamic and static
+    caches: the same tokens and scores as every head computed and masked; every step takes the head-sparse path."""
+    model = build_skipping_models()[name].eval()
+    calls = spy_head_sparse(monkeypatch)
+    ids = torch.randint(1, VOCAB, (3, 19), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0
+    settings = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    if cache == "static":
+        settings["cache_implementation"] = "static"
     with torch.no_grad():
-        prefill = model(x, attention_mask=mask[:, :6], use_cache=True)
-        step = torch.randint(1, VOCAB, (2, 1))
-        cache = prefill.past_key_values
-        skipped = model(step, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-        assert len(calls) == 2 and calls[0][2] == 1  # both layers skipped heads in the decode step
-        for layer in model.model.layers:
-            layer.self_attn.moh_head_skipping = False
-        cache.crop(-1)  # drop the decode step's K/V
-        masked = model(step, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-    assert len(calls) == 2
-    torch.testing.assert_close(skipped, masked, rtol=1e-5, atol=1e-5)
+        set_head_skipping(model, False)
+        masked = model.generate(ids, attention_mask=mask, **settings)
+        set_head_skipping(model, True)
+        sparse = model.generate(ids, attention_mask=mask, **settings)
+    assert [call[0][2] for call in calls] == [19] * 2 + [1] * 2 * 5  # prefill and 5 decoding steps, both layers
+    assert torch.equal(sparse.sequences, masked.sequences)
+    for got, expected in zip(sparse.scores, masked.scores):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_head_major_o_proj_copy_follows_weight_updates():
@@ -290,7 +351,7 @@ def test_head_major_o_proj_copy_follows_weight_updates():
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_short_unpadded_prompt_stays_causal(attn):
-    """sdpa passes no mask for an unpadded prompt (is_causal): a few query rows must not be head-skipped then."""
+    """sdpa passes no mask for an unpadded prompt (is_causal): the head-sparse path must stay causal then."""
     torch.manual_seed(0)
     model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3)).eval()
     randomise_routers(model)
@@ -298,8 +359,10 @@ def test_short_unpadded_prompt_stays_causal(attn):
     x = torch.randint(1, VOCAB, (1, 5))
     with torch.no_grad():
         fast = model(x).logits
-    reference = model(x).logits.detach()  # with gradients: never skipped
+        set_head_skipping(model, False)
+        reference = model(x).logits
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+    set_head_skipping(model, True)
     torch.testing.assert_close(model(x[:, :3]).logits.detach(), reference[:, :3], rtol=1e-5, atol=1e-5)  # causal
 
 

@@ -4,7 +4,8 @@ MoH-LLaMA and the Llama-family models `apply_moh` patches.
 - `moh_attention.py`: the attention forward with per-head gates, `add_head_router`, `MoHAttentionMixin`;
 - `head_routers.py`: the routers, one class per `moh_router` name (`HEAD_ROUTERS`), and straight-through gates;
 - `moh_config.py`: the moh_* fields and their checks; `moh_losses.py`: the balance loss (eq. 7);
-- `head_skipping.py`: CPU decoding over the active heads only; `moh_parallel.py`: the router under tensor parallelism.
+- `head_skipping.py`: when attention is computed for the active heads only (the op: `ops/head_sparse_attention/`);
+  `moh_parallel.py`: the router under tensor parallelism.
 
 Import from the module files (`from ..moh.head_routers import MoHRouter`): exported checkpoints flatten them.
 """

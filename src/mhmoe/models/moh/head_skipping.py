@@ -1,10 +1,15 @@
-"""Head skipping (CPU): MoH attention computed only for each query row's active heads, the decoding fast path of
-`moh_attention.attention_forward`.
+"""Head skipping: MoH attention computed only for the active (token, head) pairs, the fast path of
+`moh_attention.attention_forward` in prefill, training and decoding.
 
-In decoding (few query rows, no gradient) attention and the `o_proj` contribution are computed only for each row's
-active heads, on views of the KV cache (never copied) and of a head-major copy of `o_proj.weight` (kept per layer, one
-o_proj of memory); K/V stay cached for all heads. The result equals the masked computation (`masked_heads_attention`,
-tested). `module.moh_head_skipping = False` turns it off.
+`head_skipping_backend` decides whether a call takes it; the work is `ops/backends.head_sparse_attention`: the CPU path
+on CPU (torch's flash kernel on the active rows per key/value head; decoding packed per key/value head), the Triton
+kernels on CUDA, the naive reference when asked. Its output (B, T, H, hd) goes to the full `o_proj` (inactive heads
+are 0). It equals the masked computation (`masked_heads_attention`, tested), outputs and gradients.
+`module.moh_head_skipping`: True (default backend), False (every head computed and masked: any attention backend) or a
+backend name ("naive", "cpu", "triton").
+
+`skipped_heads_attention` is the earlier CPU decoding loop (per query row, runs of active heads, each with its block of
+`o_proj`), kept for the benchmarks that compare against it (benchmarks/moh_attention.py, moh_breakdown.py).
 
 Shape legend: B batch, T query tokens, L key/value tokens (cache included), d hidden size, H query heads, Hkv
 key/value heads, hd head_dim.
@@ -14,30 +19,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HEAD_SKIPPING_MAX_ROWS = 8  # head skipping loops over query rows: only for decoding-sized inputs (B·T rows)
+HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks are None or 4-D tensors
 
 
-def use_head_skipping(module, query_states, attention_mask, gates, kwargs) -> bool:
-    """Whether `attention_forward` takes this path: CPU decoding-sized inputs without gradients, some heads inactive."""
+def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -> str | None | bool:
+    """Whether `attention_forward` computes only the active heads, and with which backend: False (every head computed
+    and masked), None (the default backend of `ops/backends.py`) or a backend name."""
+    asked = getattr(module, "moh_head_skipping", True)
     router = module.head_router
-    if not getattr(module, "moh_head_skipping", True) or torch.compiler.is_compiling():
+    if asked is False:
         return False
-    if type(module.o_proj) is not nn.Linear:  # BitNet's o_proj quantises its input: no per-head split of its weight
-        return False
-    if query_states.device.type != "cpu":  # measured on CPU only; on GPUs one fused kernel over all heads may win
+    if torch.compiler.is_compiling():  # the CPU path reads the gates on the host; traced graphs take the dense path
         return False
     if router.shared_heads + router.active_heads >= router.num_heads:  # every head is active: nothing to skip
         return False
-    if query_states.shape[1] != router.num_heads:  # tensor parallel: this rank holds some heads (sharded o_proj)
+    if query_states.shape[1] != router.num_heads:  # tensor parallel: this rank holds some heads
         return False
-    if gates.requires_grad or (module.training and module.attention_dropout > 0) or kwargs.get("output_attentions"):
+    if (module.training and module.attention_dropout > 0) or kwargs.get("output_attentions"):
         return False
-    batch, _, seq, _ = query_states.shape
-    if batch * seq > HEAD_SKIPPING_MAX_ROWS:
+    if gates.requires_grad and router.straight_through == "scores":  # needs every routed head's attention
         return False
-    if attention_mask is None:  # no mask: every cached key is visible, which holds for a single query token
-        return seq == 1
-    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4  # eager/sdpa masks; flex: masked
+    if module.config._attn_implementation not in HEAD_SPARSE_MASK_BACKENDS:  # flex BlockMask, flash's packing, ...
+        return False
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
+        return False
+    return None if asked is True else asked
 
 
 def _runs(heads: list[int]) -> list[tuple[int, int]]:
@@ -170,4 +176,4 @@ def masked_heads_attention(
     return o_proj(heads_out.reshape(*heads_out.shape[:2], -1))
 
 
-__all__ = ["HEAD_SKIPPING_MAX_ROWS", "masked_heads_attention", "skipped_heads_attention", "use_head_skipping"]
+__all__ = ["head_skipping_backend", "masked_heads_attention", "skipped_heads_attention"]

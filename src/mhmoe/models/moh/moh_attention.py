@@ -6,8 +6,9 @@ heads, hd head_dim, S shared heads (always on, the first S), R = H - S routed he
 
 Per token the gates g_i (B, T, H) of the head router (`head_routers.py`, chosen by `moh_router`) multiply each head's
 attention output (B, T, H, hd) before `o_proj` (the paper's summation form, eq. 4), so every attention backend (eager,
-sdpa, flex, flash) and GQA work unchanged. CPU decoding skips the inactive heads (`head_skipping.py`). The balance
-loss is `moh_losses.py`; tensor parallelism of the router `moh_parallel.py`.
+sdpa, flex, flash) and GQA work unchanged. Where it can, attention is computed for the active (token, head) pairs only
+(`head_skipping.py`: prefill, training and decoding, through `ops/backends.head_sparse_attention`). The balance loss is
+`moh_losses.py`; tensor parallelism of the router `moh_parallel.py`.
 
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
 """
@@ -20,8 +21,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from ..cache_naming import either_cache
+from ..ops.backends import head_sparse_attention
 from .head_routers import MoHRouter
-from .head_skipping import skipped_heads_attention, use_head_skipping
+from .head_skipping import head_skipping_backend
 from .moh_config import moh_enabled
 
 
@@ -52,9 +54,9 @@ def attention_forward(
     """The forward of a Llama-style attention module (q_proj, k_proj, v_proj, o_proj, head_dim, scaling, config,
     layer_idx, head_router): plain multi-head attention when `module.head_router` is None (no gates), else MoH gates on
     each head's output before o_proj. With all heads active and gates of exactly 1 it performs Llama's operations in
-    Llama's order. CPU decoding takes the head-skipping fast path (`skipped_heads_attention`), which equals the gated
-    computation. `attention_interface`: the backend function (default: `config._attn_implementation`'s in
-    ALL_ATTENTION_FUNCTIONS)."""
+    Llama's order. Where `head_skipping_backend` allows, only the active heads are computed (`head_sparse_attention`),
+    which equals the gated computation. `attention_interface`: the backend function (default:
+    `config._attn_implementation`'s in ALL_ATTENTION_FUNCTIONS)."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query_states = module.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd), pre-RoPE
@@ -70,11 +72,19 @@ def attention_forward(
     if cache is not None:  # every head's K/V is cached: a later token may select it
         key_states, value_states = cache.update(key_states, value_states, module.layer_idx)
 
-    if gates is not None and use_head_skipping(module, query_states, attention_mask, gates, kwargs):
-        out = skipped_heads_attention(
-            query_states, key_states, value_states, attention_mask, gates, module.o_proj, module.scaling
-        )
-        return out, None
+    skipping = False if gates is None else head_skipping_backend(module, query_states, attention_mask, gates, kwargs)
+    if skipping is not False:  # None: the default backend
+        attn_output = head_sparse_attention(
+            query_states,
+            key_states,
+            value_states,
+            gates,
+            module.scaling,
+            attention_mask,
+            sliding_window=sliding_window,
+            backend=skipping,
+        )  # (B, T, H, hd), 0 on inactive heads
+        return module.o_proj(attn_output.reshape(*input_shape, -1)), None
 
     if attention_interface is None:
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
