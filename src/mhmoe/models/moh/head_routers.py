@@ -145,6 +145,8 @@ class MoHRouter(nn.Module):
         if self.straight_through:
             hard = torch.zeros_like(routed_soft).scatter(-1, routed_index, 1.0)
             hard = torch.cat([torch.ones_like(shared_soft), hard], dim=-1)
+            if not torch.is_grad_enabled():  # the forward value is `hard` exactly; no estimator to build
+                return hard, router_logits, routed_index
             if self.straight_through == "scores":  # the raw softmax scores of the routed heads carry the gradient
                 scores = torch.softmax(router_logits.float(), dim=-1)
                 gates = torch.cat([torch.ones_like(shared_soft), scores], dim=-1)
