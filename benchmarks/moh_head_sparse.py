@@ -1,0 +1,313 @@
+"""MoH on a real model vs its parent, side by side on CPU: SmolLM2-135M-Instruct (GGUF, dequantised to fp32)
+converted by `mhmoe-convert --recipe calibrated` at 7/9 and 5/9 active heads, with MoH's head-sparse attention
+(`moh_head_skipping`, the default: attention computed only for the active (token, head) pairs, the CPU path of
+ops/head_sparse_attention), against the dense parent (Transformers' LlamaForCausalLM, sdpa).
+
+    python benchmarks/moh_head_sparse.py --gguf_dir <folder with SmolLM2-135M-Instruct.Q4_1.gguf> --workdir <dir>
+
+Setup, once per --workdir (not timed): the parent dequantised (`dequantise_gguf`, the converter's GGUF step) and the
+two conversions (`mhmoe-convert --input_dir <workdir>/dense --recipe calibrated --shared_heads_ratio 1/3
+--active_heads_ratio 7/9 | 5/9`: 3 shared heads, one whole key/value group, and 4 or 2 of the 6 routed heads).
+
+Cells (fp32, `--threads` threads, no gradients), on Python-docs text (`pydoc_data.topics`, a different stretch per
+batch row):
+- prefill: one forward over B × T tokens, no cache, the last position's logits only (as `generate`'s prefill);
+- decode: greedy decoding of `--new_tokens` tokens (argmax, one token per forward, the model's dynamic cache) after a
+  prompt of C tokens (the prompt's prefill is not timed; the cache is cropped back after each round).
+Every round runs the three models once each in a rotated order; a cell is the median over rounds of the per-round
+speed ratio parent time / MoH time (> 1: MoH faster). One warm-up forward per model first.
+
+Ideal (the speed-up if the inactive heads' work cost nothing and everything else stayed; from the shapes):
+- flops: the model's multiply-adds per token (2 per weight of every linear layer, the lm_head for the last position in
+  prefill and for every token in decoding) plus attention's QK^T and PV over the keys each token sees (causal); the
+  inactive (token, head) pairs' share of the latter is saved. ideal = dense / (dense - saved).
+- bytes (decoding, which is memory-bound): the weights read once per step plus the K/V cache; what MoH can skip is the
+  K/V of the key/value heads that no active head of the token needs (with GQA groups of 3 and 3 shared heads, one
+  whole group is always needed). The share needed is measured from the model's own gates during the run.
+The router reads every query (all q_proj rows are computed), so q_proj, k_proj, v_proj (every head's K/V is cached:
+a later token may select it) and o_proj cost the same as in the parent.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SETTINGS = {"7/9": 7 / 9, "5/9": 5 / 9}  # active heads of 9 (3 shared + 4 or 2 of 6 routed)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf_dir", required=True, help=f"folder holding {GGUF}")
+    parser.add_argument("--workdir", required=True, help="dense parent and conversions are written here once")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096], help="prefill lengths")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="prefill batch sizes")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096], help="decoding: prompt lengths")
+    parser.add_argument("--new_tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--big_rounds", type=int, default=1, help="rounds of cells over --big_tokens tokens")
+    parser.add_argument("--big_tokens", type=int, default=8192, help="B × T above which --big_rounds apply")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default=None, help="also write the rows as JSON here")
+    return parser.parse_args(argv)
+
+
+def setup(args) -> dict[str, str]:
+    """{name: checkpoint folder}: the dequantised parent and its two conversions (made once)."""
+    from mhmoe.convert import main as convert
+    from mhmoe.convert.gguf import dequantise_gguf
+
+    work = Path(args.workdir)
+    dense = work / "dense"
+    if not (dense / "model.safetensors").is_file():
+        dense.mkdir(parents=True, exist_ok=True)
+        dequantise_gguf(args.gguf_dir, GGUF, str(dense))
+    folders = {"parent": str(dense)}
+    for name, ratio in SETTINGS.items():
+        out = work / f"moh-{name.replace('/', 'of')}"
+        if not (out / "moh_conversion.json").is_file():
+            convert(
+                [
+                    "--input_dir",
+                    str(dense),
+                    "--output_dir",
+                    str(out),
+                    "--overwrite",
+                    "--recipe",
+                    "calibrated",
+                    "--shared_heads_ratio",
+                    repr(1 / 3),
+                    "--active_heads_ratio",
+                    repr(ratio),
+                    "--disable_tqdm",
+                ]
+            )
+        folders[name] = str(out)
+    return folders
+
+
+def text_ids(tokenizer, rows: int, tokens: int) -> torch.Tensor:
+    """(rows, tokens) ids of Python-docs text, row r from the r-th quarter of the topics (cycled if short)."""
+    from pydoc_data.topics import topics
+
+    ids = tokenizer("\n\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)["input_ids"]
+    stride = max(1, len(ids) // max(rows, 4))
+    out = []
+    for row in range(rows):
+        start = row * stride
+        piece = (ids[start:] + ids)[:tokens]
+        out.append(piece)
+    return torch.tensor(out)
+
+
+def model_flops(config, tokens: int, num_keys_seen: float, logits_rows: int) -> tuple[float, float]:
+    """(all flops, attention core flops) of a forward over `tokens` tokens that see `num_keys_seen` keys in total
+    (summed over tokens), with the lm_head on `logits_rows` positions."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * config.intermediate_size
+    linear = 2 * tokens * layers * per_layer + 2 * logits_rows * hidden * config.vocab_size
+    attention = 2 * 2 * layers * heads * head_dim * num_keys_seen
+    return linear + attention, attention
+
+
+def decode_bytes(model, config, context: int, new_tokens: int, needed_kv_share: float) -> tuple[float, float]:
+    """(bytes read per decoding step, of which the K/V cache that no active head needs: skippable), fp32, averaged
+    over the steps."""
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * 4
+    if config.tie_word_embeddings:
+        weights += config.vocab_size * config.hidden_size * 4  # the lm_head reads the tied embedding
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    mean_keys = context + (new_tokens + 1) / 2
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_keys * 4
+    return weights + kv, kv * (1 - needed_kv_share)
+
+
+class GateRecorder:
+    """Forward hooks on every head router: the share of active (token, head) pairs and of key/value heads some
+    active head of the token needs, over the calls since `reset`."""
+
+    def __init__(self, model):
+        self.handles = []
+        self.groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        for module in model.modules():
+            if type(module).__name__.endswith("Router") and hasattr(module, "active_heads"):
+                self.handles.append(module.register_forward_hook(self.hook))
+        self.reset()
+
+    def reset(self):
+        self.active, self.pairs, self.needed, self.kv = 0, 0, 0, 0
+
+    def hook(self, module, args, output):
+        active = output[0] != 0  # (B, T, H)
+        self.active += int(active.sum())
+        self.pairs += active.numel()
+        needed = active.unflatten(-1, (-1, self.groups)).any(-1)  # (B, T, Hkv)
+        self.needed += int(needed.sum())
+        self.kv += needed.numel()
+
+    def shares(self) -> tuple[float, float]:
+        return self.active / max(self.pairs, 1), self.needed / max(self.kv, 1)
+
+
+def interleaved(calls: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call, `rounds` rounds, each running every call once in a rotated order."""
+    names = list(calls)
+    times = {name: [] for name in names}
+    for index in range(rounds):
+        order = names[index % len(names) :] + names[: index % len(names)]
+        for name in order:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def prefill_cells(models, recorders, tokenizer, args, rows: list) -> None:
+    config = models["parent"].config
+    for batch in args.batch:
+        for tokens in args.tokens:
+            ids = text_ids(tokenizer, batch, tokens)
+            rounds = args.big_rounds if batch * tokens > args.big_tokens else args.rounds
+
+            def forward(model):
+                with torch.no_grad():
+                    model(ids, use_cache=False, logits_to_keep=1)
+
+            for recorder in recorders.values():
+                recorder.reset()
+            times = interleaved({name: (lambda m=model: forward(m)) for name, model in models.items()}, rounds)
+            keys_seen = batch * tokens * (tokens + 1) / 2
+            total, attention = model_flops(config, batch * tokens, keys_seen, batch)
+            for name in SETTINGS:
+                active_share, _ = recorders[name].shares()
+                ideal = total / (total - (1 - active_share) * attention)
+                report(rows, "prefill", batch, tokens, name, times, ideal, None, active_share)
+
+
+def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
+    config = models["parent"].config
+    for context in args.contexts:
+        ids = text_ids(tokenizer, 1, context)
+        caches = {}
+        with torch.no_grad():
+            for name, model in models.items():
+                out = model(ids, use_cache=True, logits_to_keep=1)
+                caches[name] = (out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True))
+
+        def greedy(name):
+            model, (cache, token) = models[name], caches[name]
+            with torch.no_grad():
+                for _ in range(args.new_tokens):
+                    token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            cache.crop(-args.new_tokens)  # back to the prompt for the next round (negative: tokens removed)
+
+        for recorder in recorders.values():
+            recorder.reset()
+        times = interleaved({name: (lambda n=name: greedy(n)) for name in models}, args.rounds)
+        keys_seen = args.new_tokens * (context + (args.new_tokens + 1) / 2)
+        total, attention = model_flops(config, args.new_tokens, keys_seen, args.new_tokens)
+        for name in SETTINGS:
+            active_share, needed_share = recorders[name].shares()
+            ideal_flops = total / (total - (1 - active_share) * attention)
+            nbytes, skippable = decode_bytes(models["parent"], config, context, args.new_tokens, needed_share)
+            ideal_bytes = nbytes / (nbytes - skippable)
+            report(
+                rows,
+                f"decode {args.new_tokens}",
+                1,
+                context,
+                name,
+                times,
+                ideal_flops,
+                ideal_bytes,
+                active_share,
+                needed_share,
+            )
+
+
+def report(rows, mode, batch, tokens, name, times, ideal_flops, ideal_bytes, active_share, needed_share=None):
+    ratios = [p / m for p, m in zip(times["parent"], times[name])]
+    row = {
+        "pass": mode,
+        "batch": batch,
+        "tokens": tokens,
+        "moh": name,
+        "parent_s": statistics.median(times["parent"]),
+        "moh_s": statistics.median(times[name]),
+        "speed_ratio": statistics.median(ratios),
+        "rounds": len(ratios),
+        "ideal_flops": ideal_flops,
+        "ideal_bytes": ideal_bytes,
+        "active_share": active_share,
+        "needed_kv_share": needed_share,
+    }
+    rows.append(row)
+    ideal = row["ideal_bytes"] if row["ideal_bytes"] is not None else row["ideal_flops"]
+    goal = "≥ 0.98" + (f", ≥ {ideal - 0.03:.2f}" if mode == "prefill" and tokens >= 4096 else "")
+    met = row["speed_ratio"] >= 0.98 and (mode != "prefill" or tokens < 4096 or row["speed_ratio"] >= ideal - 0.03)
+    bytes_cell = f"{ideal_bytes:.3f}" if ideal_bytes is not None else "–"
+    print(
+        f"| {mode} | {batch} | {tokens} | {name} | {row['parent_s']:.2f} | {row['moh_s']:.2f} | "
+        f"**{row['speed_ratio']:.3f}** | {ideal_flops:.3f} | {bytes_cell} | {active_share:.3f} | "
+        f"{'–' if needed_share is None else f'{needed_share:.3f}'} | {goal} | {'yes' if met else 'NO'} |",
+        flush=True,
+    )
+
+
+def load_average() -> str:
+    path = Path("/proc/loadavg")
+    return "/".join(path.read_text().split()[:3]) if path.exists() else "?"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    folders = setup(args)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mhmoe.models.moh_llama import MoHLlamaForCausalLM
+    from mhmoe.models.ops.backends import fallbacks
+
+    tokenizer = AutoTokenizer.from_pretrained(folders["parent"])
+    models = {"parent": AutoModelForCausalLM.from_pretrained(folders["parent"], dtype=torch.float32).eval()}
+    for name in SETTINGS:
+        models[name] = MoHLlamaForCausalLM.from_pretrained(folders[name], dtype=torch.float32).eval()
+    recorders = {name: GateRecorder(models[name]) for name in SETTINGS}
+    setup_s = time.perf_counter() - started
+    with torch.no_grad():  # warm-up
+        for model in models.values():
+            model(text_ids(tokenizer, 1, 128), use_cache=False, logits_to_keep=1)
+    attn = {name: model.config._attn_implementation for name, model in models.items()}
+    recipe = json.loads((Path(folders["7/9"]) / "moh_conversion.json").read_text()).get("recipe")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, fp32, CPU; attention {attn}; MoH recipe {recipe}; "
+        f"median of {args.rounds} interleaved rounds ({args.big_rounds} for cells over {args.big_tokens} tokens); "
+        f"setup {setup_s:.0f} s; load average {load_average()}"
+    )
+    print(
+        "| pass | batch | tokens (prefill) / prompt (decode) | MoH | parent s | MoH s | speed MoH / parent | "
+        "ideal (flops) | ideal (bytes) | active pairs | needed K/V heads | goal | met |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
+    prefill_cells(models, recorders, tokenizer, args, rows)
+    decode_cells(models, recorders, tokenizer, args, rows)
+    print(
+        f"total {time.perf_counter() - started:.0f} s; load average at the end {load_average()}; kernel fallbacks "
+        f"{fallbacks() or 'none'}"
+    )
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
