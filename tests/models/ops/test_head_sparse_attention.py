@@ -6,7 +6,7 @@ padding masks (boolean and additive) and static caches (queries not at the end o
 import pytest
 import torch
 
-from mhmoe.models.mhmoe.moh import masked_heads_attention
+from mhmoe.models.moh.head_skipping import masked_heads_attention
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_cpu as cpu_path
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as triton_path
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu import head_sparse_attention_cpu
