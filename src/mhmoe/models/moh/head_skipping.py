@@ -3,7 +3,8 @@
 
 `head_skipping_backend` decides whether a call takes it; the work is `ops/backends.head_sparse_attention`: the CPU path
 on CPU (torch's flash kernel on the active rows per key/value head; decoding packed per key/value head), the Triton
-kernels on CUDA, the naive reference when asked. Its output (B, T, H, hd) goes to the full `o_proj` (inactive heads
+kernels on CUDA when asked (`moh_head_skipping="triton"`; off the CPU the default is the masked path), the naive
+reference when asked. Its output (B, T, H, hd) goes to the full `o_proj` (inactive heads
 are 0). It equals the masked computation (`masked_heads_attention`, tested), outputs and gradients.
 `module.moh_head_skipping`: True (default backend), False (every head computed and masked: any attention backend) or a
 backend name ("naive", "cpu", "triton").
@@ -42,6 +43,11 @@ def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -
     if module.config._attn_implementation not in HEAD_SPARSE_MASK_BACKENDS:  # flex BlockMask, flash's packing, ...
         return False
     if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
+        return False
+    if asked is True and query_states.device.type != "cpu":
+        # off by default off the CPU: the CPU path calls torch's CPU flash kernel, and the Triton kernels are not in
+        # `ops/backends.AUTOMATIC` until a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py); ask for
+        # moh_head_skipping="triton" to use them
         return False
     return None if asked is True else asked
 

@@ -72,8 +72,7 @@ AUTOMATIC = {
     "routing.route": "triton",
     "routing.sort_by_expert": "triton",
     "head_router.l2_head_gates": "triton",
-    "head_sparse_attention": "triton",
-}
+}  # head_sparse_attention's Triton kernels join once a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py)
 DEFAULT = {"experts": "grouped_mm", "head_sparse_attention": "cpu"}  # ops whose default is not the naive reference
 # how to ask for an op's kernel (so that its error is raised); the routing ops' way when not listed
 ASK_FOR_KERNEL = {"head_sparse_attention": "set the attention modules' moh_head_skipping = 'triton'"}
