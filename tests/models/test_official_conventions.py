@@ -213,9 +213,51 @@ def test_l2_router_scores_straight_through_is_eq_9_10():
     assert (grad_lib - grad).abs().max() > 1e-3 * grad.abs().max()  # another estimator
 
 
+def transcribed_l2_scores(queries, shared, active, selected_only):
+    """MoH §4.4 in float64: g_i = softmax_i(‖q_i‖ / std_j ‖q_j‖) over the routed heads; the tokens' top-K heads. With
+    `selected_only` g_i is 0 on the heads a token does not select (eq. 5's definition of the gates), so eq. 10 gives
+    gradient to the selected heads' scores only; otherwise to every routed head's score."""
+    norms = queries[..., shared:, :].pow(2).sum(-1).sqrt()
+    scores = torch.softmax(norms / norms.std(-1, keepdim=True), dim=-1)
+    selected = torch.zeros_like(scores).scatter(-1, scores.topk(active, dim=-1).indices, 1.0)
+    return scores * selected if selected_only else scores
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["scores", "selected_scores"])
+def test_l2_router_score_straight_through_readings(mode, backend):
+    """Both readings of eq. 9-10 against the transcription, on the PyTorch router and on the triton kernel (under
+    TRITON_INTERPRET=1): 0/1 gates forward; backward the gradient of the raw scores of every routed head ("scores") or
+    of the selected heads only ("selected_scores"). The two readings give different gradients."""
+    if backend == "triton" and not routing_triton.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    torch.manual_seed(4)
+    heads, shared, active, hd = 7, 2, 2, 5  # 5 routed heads, 2 selected
+    queries = torch.randn(3, 5, heads, hd, dtype=torch.float64, requires_grad=True)
+    router = HEAD_ROUTERS["l2"](8, heads, shared, active, mode)
+    router.routing_backend = backend
+    gates, _, index = router(torch.zeros(3, 5, 8, dtype=torch.float64), queries)
+    upstream = torch.randn(3, 5, heads, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((gates.double() * upstream).sum(), queries)
+
+    ref_q = queries.detach().clone().requires_grad_()
+    ref = transcribed_l2_scores(ref_q, shared, active, selected_only=mode == "selected_scores")
+    hard = torch.zeros_like(ref).scatter(-1, index, 1.0)
+    assert torch.equal(hard, (transcribed_l2_scores(ref_q, shared, active, True) > 0).double())  # same selection
+    torch.testing.assert_close(gates.double(), torch.cat([torch.ones_like(hard[..., :shared]), hard], -1))
+    (ref_grad,) = torch.autograd.grad((ref * upstream[..., shared:]).sum(), ref_q)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7 * float(ref_grad.abs().max()))  # fp32 router
+
+    other = transcribed_l2_scores(ref_q, shared, active, selected_only=mode == "scores")
+    (other_grad,) = torch.autograd.grad((other * upstream[..., shared:]).sum(), ref_q)
+    assert (other_grad - grad).abs().max() > 0.05 * grad.abs().max()  # the other reading: another estimator
+
+
 def test_scores_straight_through_needs_the_l2_router():
     with pytest.raises(ValueError, match="'scores'.*needs moh_router 'l2', 'l2_standardized' or 'l2_relative'"):
         tiny(moh_shared_heads=2, moh_active_heads=1, moh_straight_through="scores")
+    with pytest.raises(ValueError, match="'selected_scores'.*needs moh_router 'l2'"):
+        tiny(moh_shared_heads=2, moh_active_heads=1, moh_straight_through="selected_scores")
     with pytest.raises(ValueError, match="moh_straight_through must be"):
         tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="l2", moh_straight_through="soft")
     config = tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="l2", moh_straight_through="scores")

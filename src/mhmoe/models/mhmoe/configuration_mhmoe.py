@@ -83,7 +83,7 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None
     moh_router: str = "learned"
-    moh_straight_through: bool | str = False  # True: soft top-K gates' gradient | "scores": eq. 9-10
+    moh_straight_through: bool | str = False  # True: soft top-K gates' grad | "scores"/"selected_scores": eq. 9-10
     moh_aux_loss_coef: float | int = 0.01
     # the variants chosen by name: linear_types.py (BitNet b1.58: bitnet.py), router_types.py (Lory: lory.py)
     linear_type: str = "linear"
