@@ -89,6 +89,7 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
     linear_type: str = "linear"
     bitnet_quantized_layers: str = "all"  # "all" | "official" | "ffn_only" | "experts"
     bitnet_ffn_norm: str = "every_projection"  # | "before_down" (the official FFN)
+    bitnet_attention_norm: str = "every_projection"  # | "before_o_proj" (the official attention)
     bitnet_packed: bool = False  # weights stored as int8 ternary + one scale per matrix (export; inference only)
     router_type: str = "topk"
     lory_segment_length: int = 256
