@@ -94,6 +94,7 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
     router_type: str = "topk"
     lory_segment_length: int = 256
     lory_expert_pool: str = "shared"  # "shared": MH-Lory v1 (E experts) | "per_head": v2 (E per head, E·h in all)
+    lory_first_segment: str = "uniform"  # | "proposal": routed on its own mean, without gradient (lory.py)
 
     def __post_init__(self, **kwargs):
         check_keyword_arguments(type(self), kwargs)
