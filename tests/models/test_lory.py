@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, moe_layer_cost
 from mhmoe.hub import export_pretrained
+from mhmoe.hub.cards import architecture_rows
 from mhmoe.models.mhmoe.lory import MHLoryBlock
 from mhmoe.training.data import order_by_similarity
 from tests.fixtures.remote_code import load_without_mhmoe
@@ -214,6 +215,8 @@ def test_proposal_first_segment_cached_decoding():
         with pytest.raises(ValueError, match="lory_first_segment='proposal'.*use_cache=False"):
             model.generate(short, max_new_tokens=3, do_sample=False, use_cache=True)
         assert model.generate(short, max_new_tokens=3, do_sample=False, use_cache=False).shape == (1, 5)
+    rows = dict(architecture_rows(model.config))  # the model card says which first-segment rule it uses
+    assert "routed on the previous segment (the first on itself, without gradient)" in rows["Lory routing"]
 
 
 def test_save_load_and_export_with_trust_remote_code(tmp_path):
