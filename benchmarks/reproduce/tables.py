@@ -8,7 +8,7 @@ counted). Every MoE cell uses `CONVENTIONS = "official"`, the paper as its offic
 k·ceil(S/E) (capacity factor 1.0, the official rounding), head/merge layers with bias, GShard balance loss on top-1
 assignments summed over layers (0.01), and for the 1-bit tables the official code's quantised layers (attention and
 FFNs, not head/merge layers or routers) with its one FFN sub-layer norm before down and its one attention sub-layer
-norm before o_proj (the committed Table 3 files predate the latter: benchmarks/reproduce/README.md). Exceptions, said where they are:
+norm before o_proj (the committed Table 3 files at `cpu_long` predate the latter: benchmarks/reproduce/README.md). Exceptions, said where they are:
 `mhmoe_capacity`'s dropless cells and the Lory cells (Lory merges all experts: no capacity, no gates to renormalise).
 Table 2's shared expert is a full-size expert (inner width = the SMoE expert's), as in the paper.
 """
