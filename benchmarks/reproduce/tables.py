@@ -7,7 +7,8 @@ counted). Every MoE cell uses `CONVENTIONS = "official"`, the paper as its offic
 (`mhmoe.models.mhmoe.matching.conventions_fields`): raw top-k gates (never renormalised), capacity
 k·ceil(S/E) (capacity factor 1.0, the official rounding), head/merge layers with bias, GShard balance loss on top-1
 assignments summed over layers (0.01), and for the 1-bit tables the official code's quantised layers (attention and
-FFNs, not head/merge layers or routers) with its one FFN sub-layer norm before down. Exceptions, said where they are:
+FFNs, not head/merge layers or routers) with its one FFN sub-layer norm before down and its one attention sub-layer
+norm before o_proj (the committed Table 3 files at `cpu_long` predate the latter: benchmarks/reproduce/README.md). Exceptions, said where they are:
 `mhmoe_capacity`'s dropless cells and the Lory cells (Lory merges all experts: no capacity, no gates to renormalise).
 Table 2's shared expert is a full-size expert (inner width = the SMoE expert's), as in the paper.
 """
@@ -176,8 +177,8 @@ def _with(config: MHMoEConfig, **fields) -> MHMoEConfig:
 
 def bitnet_table3(scale: dict) -> dict[str, MHMoEConfig]:
     """MH-MoE Table 3: Table 1's matched models trained as 1-bit models (BitNet b1.58). Under "official" conventions
-    the official code's quantised layers (attention and FFNs; head/merge layers and routers in full precision) and FFN
-    sub-layer norm (before down only); under "library" every decoder projection."""
+    the official code's quantised layers (attention and FFNs; head/merge layers and routers in full precision) and
+    sub-layer norms (FFN: before down only; attention: before o_proj only); under "library" every decoder projection."""
     bitnet = dict(linear_type="bitnet_b158", **(OFFICIAL_BITNET if CONVENTIONS == "official" else {}))
     return {name: _with(config, **bitnet) for name, config in table1(scale).items()}
 

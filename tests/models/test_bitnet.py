@@ -221,6 +221,31 @@ def test_packed_round_trip_with_moh_and_dense_layers(tmp_path):
         )
 
 
+def test_official_sublayer_norms_save_load_and_pack(tmp_path):
+    """The official conventions' norms (`bitnet_attention_norm="before_o_proj"`, `bitnet_ffn_norm="before_down"`):
+    q/k/v and gate/up have no input norm, latent and packed checkpoints load back to the same logits."""
+    torch.manual_seed(0)
+    config = tiny(
+        bitnet_quantized_layers="official",
+        bitnet_attention_norm="before_o_proj",
+        bitnet_ffn_norm="before_down",
+        decoder_sparse_step=2,
+    )
+    model = MHMoEForCausalLM(config).eval()
+    attention = model.model.layers[0].self_attn
+    assert [p.input_norm is None for p in (attention.q_proj, attention.k_proj, attention.v_proj)] == [True] * 3
+    assert attention.o_proj.input_norm is not None and not any("q_proj.input_norm" in k for k in model.state_dict())
+    ids = torch.randint(0, 97, (2, 9))
+    model.save_pretrained(tmp_path / "latent")
+    packed = packed_model(model)
+    assert packed.model.layers[0].self_attn.q_proj.input_norm is None
+    with torch.no_grad():
+        expected = model(ids).logits
+        reloaded = MHMoEForCausalLM.from_pretrained(tmp_path / "latent").eval()
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=0)
+        torch.testing.assert_close(packed(ids).logits, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_peft_lora_on_bitnet_model(tmp_path):
     torch.manual_seed(0)
     model = MHMoEForCausalLM(tiny())

@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, moe_layer_cost
 from mhmoe.hub import export_pretrained
+from mhmoe.hub.cards import architecture_rows
 from mhmoe.models.mhmoe.lory import MHLoryBlock
 from mhmoe.training.data import order_by_similarity
 from tests.fixtures.remote_code import load_without_mhmoe
@@ -45,9 +46,11 @@ def _randomised_block(pool: str, **kw) -> MHLoryBlock:
     return block
 
 
-def reference_block(block: MHLoryBlock, x: torch.Tensor) -> torch.Tensor:
-    """Segment by segment, head by head: routing weights from the previous segment's mean sub-token (zeros for the
-    first), the merged expert built as an explicit Python sum Σ_e w_e θ_e, then SwiGLU with it."""
+def reference_block(block: MHLoryBlock, x: torch.Tensor, first_segment: str = "uniform") -> torch.Tensor:
+    """Segment by segment, head by head: routing weights from the previous segment's mean sub-token, the merged expert
+    built as an explicit Python sum Σ_e w_e θ_e, then SwiGLU with it. The first segment: "uniform" routes on zeros;
+    "proposal" (the MH-Lory proposal's code) on its own mean, with every input of that segment's computation detached
+    (its sub-tokens, router and experts: a stop-gradient on the whole first-segment output)."""
     batch, seq, d = x.shape
     h, length = block.moe_heads, block.segment_length
     experts, num_experts = block.experts, block.experts.num_experts
@@ -55,15 +58,23 @@ def reference_block(block: MHLoryBlock, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(sub)
     for b in range(batch):
         for start in range(0, seq, length):
-            prev = sub[b, start - length : start].mean(0) if start else torch.zeros_like(sub[b, 0])  # (h, W)
+            stop = first_segment == "proposal" and start == 0
+            tokens = sub[b, start : start + length]
+            params = [block.gate.weight, experts.gate_up_proj, experts.down_proj]
+            if stop:
+                tokens, params = tokens.detach(), [param.detach() for param in params]
+                prev = tokens.mean(0)  # (h, W): the segment's own mean
+            else:
+                prev = sub[b, start - length : start].mean(0) if start else torch.zeros_like(sub[b, 0])  # (h, W)
+            gate_weight, gate_up_proj, down_proj = params
             for p in range(h):
                 pool = p if experts.num_pools > 1 else 0
                 ids = range(pool * num_experts, (pool + 1) * num_experts)
-                router = block.gate.weight[pool * num_experts : (pool + 1) * num_experts]
-                w = torch.softmax(router.float() @ prev[p].float(), dim=-1)
-                gate_up = sum(w[i] * experts.gate_up_proj[e] for i, e in enumerate(ids))
-                down = sum(w[i] * experts.down_proj[e] for i, e in enumerate(ids))
-                gate, up = F.linear(sub[b, start : start + length, p], gate_up).chunk(2, dim=-1)
+                router = gate_weight[pool * num_experts : (pool + 1) * num_experts]
+                w = torch.softmax(router.float() @ prev[p].float(), dim=-1).to(tokens.dtype)
+                gate_up = sum(w[i] * gate_up_proj[e] for i, e in enumerate(ids))
+                down = sum(w[i] * down_proj[e] for i, e in enumerate(ids))
+                gate, up = F.linear(tokens[:, p], gate_up).chunk(2, dim=-1)
                 out[b, start : start + length, p] = F.linear(F.silu(gate) * up, down)
     y = out.reshape(batch, seq, d)
     return y @ block.merge_proj.weight.t() if block.merge_proj is not None else y
@@ -145,6 +156,69 @@ def test_loss_falls_and_cached_generation_equals_full_forward(pool):
             model(cached[:, :1], past_key_values=cache, use_cache=True) if cache.crop(-2) is None else None
 
 
+@pytest.mark.parametrize("pool", POOLS)
+def test_proposal_first_segment_matches_its_transcription(pool):
+    """`lory_first_segment="proposal"` against the transcription (float64, outputs and gradients): the first segment
+    routed on its own mean without gradient; the later segments exactly as by default."""
+    block = _randomised_block(pool, lory_first_segment="proposal").double()
+    assert block.first_segment == "proposal"
+    with torch.no_grad():
+        for param in (block.experts.gate_up_proj, block.experts.down_proj, block.head_proj.weight):
+            param.normal_(std=0.5)  # outputs of order 1: the tolerances below are then relative ones
+    x = torch.randn(2, 11, 48, dtype=torch.float64, requires_grad=True)  # 3 segments of 4, the last one partial
+    ours = block(x)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = reference_block(block, ref_x, "proposal")
+    scale = float(ref.detach().abs().max())
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6 * scale)  # both route in fp32 (the block by design)
+    grad = torch.randn_like(ours)
+    params = list(block.parameters())
+    names = ["x"] + [name for name, _ in block.named_parameters()]
+    for name, a, b in zip(
+        names, torch.autograd.grad(ours, [x, *params], grad), torch.autograd.grad(ref, [ref_x, *params], grad)
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()), msg=name)
+
+    uniform = reference_block(block, ref_x, "uniform")
+    assert (ours[:, :4] - uniform[:, :4]).abs().max() > 1e-2 * ours.abs().max()  # another first segment
+    torch.testing.assert_close(ours[:, 4:], uniform[:, 4:], rtol=1e-4, atol=1e-6 * scale)  # the same later ones
+    first_only = torch.zeros_like(ours)
+    first_only[:, :4] = 1.0
+    inside = [x, block.head_proj.weight, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj]
+    grads = torch.autograd.grad(block(x), inside, first_only, allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)  # no gradient into the segment (merge_proj: after it)
+    changed = x.detach().clone()
+    changed[:, 3] += 1.0  # the first segment's last token moves its earlier tokens' output (the forward's leak)
+    assert not torch.allclose(block(changed)[:, :3], ours[:, :3], rtol=1e-4)
+
+
+def test_proposal_first_segment_cached_decoding():
+    """A prefill that covers the first segment decodes as the full forward; continuing an unfinished first segment
+    from the cache is refused in words, and generation without a cache works."""
+    torch.manual_seed(0)
+    model = MHMoEForCausalLM(tiny(lory_segment_length=3, lory_first_segment="proposal")).eval()
+    ids = torch.randint(0, 89, (2, 10))
+    with torch.no_grad():
+        full = model(ids).logits
+        step = model(ids[:, :4], use_cache=True)
+        logits, cache = [step.logits], step.past_key_values
+        for t in range(4, 10):
+            step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(step.logits)
+        torch.testing.assert_close(torch.cat(logits, dim=1), full, rtol=1e-4, atol=1e-5)
+        prompt = ids[:1, :5]
+        assert torch.equal(
+            model.generate(prompt, max_new_tokens=5, do_sample=False, use_cache=True),
+            model.generate(prompt, max_new_tokens=5, do_sample=False, use_cache=False),
+        )
+        short = ids[:1, :2]
+        with pytest.raises(ValueError, match="lory_first_segment='proposal'.*use_cache=False"):
+            model.generate(short, max_new_tokens=3, do_sample=False, use_cache=True)
+        assert model.generate(short, max_new_tokens=3, do_sample=False, use_cache=False).shape == (1, 5)
+    rows = dict(architecture_rows(model.config))  # the model card says which first-segment rule it uses
+    assert "routed on the previous segment (the first on itself, without gradient)" in rows["Lory routing"]
+
+
 def test_save_load_and_export_with_trust_remote_code(tmp_path):
     models, folders, ids = {}, {}, torch.randint(0, 89, (2, 13))
     for pool in POOLS:
@@ -194,6 +268,8 @@ def test_config_refuses_bad_lory_fields():
         tiny(lory_segment_length=0)
     with pytest.raises(ValueError, match="lory_expert_pool must be one of"):
         tiny(lory_expert_pool="v2")
+    with pytest.raises(ValueError, match="lory_first_segment must be one of"):
+        tiny(lory_first_segment="self")
     with pytest.raises(ValueError, match="capacity_factor applies to top-k"):
         tiny(capacity_factor=1.0)
     with pytest.raises(ValueError, match="not supported"):

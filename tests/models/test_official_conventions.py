@@ -1,7 +1,8 @@
 """The official code's conventions as options, each against a small transcription written here (float64, outputs and
 gradients): the official MH-MoE TopkGate + MOELayer (raw top-k gates, capacity k·ceil(S/E) with GShard priority,
 head/merge layers with bias), the MoH paper's eq. 9-10 straight-through estimator for the l2 router, and the official
-BitNet FFN (separate fc1/fc3 scales, one sub-layer norm before fc2). Sources: yushuiwx/MH-MoE (torchscale xmoe
+BitNet FFN (separate fc1/fc3 scales, one sub-layer norm before fc2) and attention (torchscale's MultiheadAttention: no
+norm before q/k/v, one sub-layer norm before out_proj). Sources: yushuiwx/MH-MoE (torchscale xmoe
 `topkgating`, `mhmoe_layer.MOELayer`, `FeedForwardNetwork`), the MoH paper §4.4, BitNet b1.58's training tips."""
 
 import math
@@ -175,6 +176,7 @@ def test_official_preset():
     bitnet_smoe = tiny(moe_heads=1, moe_intermediate_size=64, linear_type="bitnet_b158")
     bitnet = matched_to_smoe(bitnet_smoe, 2, 2, round_experts_to=1, conventions="official")
     assert (bitnet.bitnet_quantized_layers, bitnet.bitnet_ffn_norm) == ("official", "before_down")
+    assert bitnet.bitnet_attention_norm == "before_o_proj"
     # kwargs win over the preset
     assert (
         matched_to_smoe(smoe, 2, 2, round_experts_to=1, conventions="official", capacity_factor=2.0).capacity_factor
@@ -213,9 +215,51 @@ def test_l2_router_scores_straight_through_is_eq_9_10():
     assert (grad_lib - grad).abs().max() > 1e-3 * grad.abs().max()  # another estimator
 
 
+def transcribed_l2_scores(queries, shared, active, selected_only):
+    """MoH §4.4 in float64: g_i = softmax_i(‖q_i‖ / std_j ‖q_j‖) over the routed heads; the tokens' top-K heads. With
+    `selected_only` g_i is 0 on the heads a token does not select (eq. 5's definition of the gates), so eq. 10 gives
+    gradient to the selected heads' scores only; otherwise to every routed head's score."""
+    norms = queries[..., shared:, :].pow(2).sum(-1).sqrt()
+    scores = torch.softmax(norms / norms.std(-1, keepdim=True), dim=-1)
+    selected = torch.zeros_like(scores).scatter(-1, scores.topk(active, dim=-1).indices, 1.0)
+    return scores * selected if selected_only else scores
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["scores", "selected_scores"])
+def test_l2_router_score_straight_through_readings(mode, backend):
+    """Both readings of eq. 9-10 against the transcription, on the PyTorch router and on the triton kernel (under
+    TRITON_INTERPRET=1): 0/1 gates forward; backward the gradient of the raw scores of every routed head ("scores") or
+    of the selected heads only ("selected_scores"). The two readings give different gradients."""
+    if backend == "triton" and not routing_triton.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    torch.manual_seed(4)
+    heads, shared, active, hd = 7, 2, 2, 5  # 5 routed heads, 2 selected
+    queries = torch.randn(3, 5, heads, hd, dtype=torch.float64, requires_grad=True)
+    router = HEAD_ROUTERS["l2"](8, heads, shared, active, mode)
+    router.routing_backend = backend
+    gates, _, index = router(torch.zeros(3, 5, 8, dtype=torch.float64), queries)
+    upstream = torch.randn(3, 5, heads, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((gates.double() * upstream).sum(), queries)
+
+    ref_q = queries.detach().clone().requires_grad_()
+    ref = transcribed_l2_scores(ref_q, shared, active, selected_only=mode == "selected_scores")
+    hard = torch.zeros_like(ref).scatter(-1, index, 1.0)
+    assert torch.equal(hard, (transcribed_l2_scores(ref_q, shared, active, True) > 0).double())  # same selection
+    torch.testing.assert_close(gates.double(), torch.cat([torch.ones_like(hard[..., :shared]), hard], -1))
+    (ref_grad,) = torch.autograd.grad((ref * upstream[..., shared:]).sum(), ref_q)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7 * float(ref_grad.abs().max()))  # fp32 router
+
+    other = transcribed_l2_scores(ref_q, shared, active, selected_only=mode == "scores")
+    (other_grad,) = torch.autograd.grad((other * upstream[..., shared:]).sum(), ref_q)
+    assert (other_grad - grad).abs().max() > 0.05 * grad.abs().max()  # the other reading: another estimator
+
+
 def test_scores_straight_through_needs_the_l2_router():
     with pytest.raises(ValueError, match="'scores'.*needs moh_router 'l2', 'l2_standardized' or 'l2_relative'"):
         tiny(moh_shared_heads=2, moh_active_heads=1, moh_straight_through="scores")
+    with pytest.raises(ValueError, match="'selected_scores'.*needs moh_router 'l2'"):
+        tiny(moh_shared_heads=2, moh_active_heads=1, moh_straight_through="selected_scores")
     with pytest.raises(ValueError, match="moh_straight_through must be"):
         tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="l2", moh_straight_through="soft")
     config = tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="l2", moh_straight_through="scores")
@@ -303,6 +347,96 @@ def test_bitnet_experts_match_the_official_ffn(ffn_norm):
     params = [p for p in experts.parameters()]
     for a, b in zip(torch.autograd.grad(ours, [x, *params], grad), torch.autograd.grad(ref, [ref_x, *params], grad)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def official_bitnet_attention(x, proj, out_gain, eps, cos, sin, heads, kv_heads, input_gains=None):
+    """torchscale's MultiheadAttention with BitLinear q/k/v/out_proj (`proj`: their latent weights): q/k/v quantise the
+    layer input as is (no norm of their own), causal softmax(q·kᵀ/√hd)·v per head (k/v repeated for GQA), the one
+    sub-layer norm `inner_attn_ln` (RMSNorm with gain) on the concatenated heads, then out_proj. Positions: this
+    library's RoPE (Llama's rotate-half), given as `cos`/`sin` (the one part not transcribed: position encoding is not
+    what the option changes). `input_gains`: this library's extra norms before q/k/v (every_projection)."""
+
+    def bitlinear(inp, w, gain=None):
+        if gain is not None:
+            inp = gain * (inp * torch.rsqrt(inp.pow(2).mean(-1, keepdim=True) + eps))
+        return ste(inp, ref_activation_quant(inp)) @ ste(w, ref_weight_quant(w)).t()
+
+    def rope(t):  # (B, heads, T, hd)
+        half = t.shape[-1] // 2
+        rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+        return t * cos[:, None] + rotated * sin[:, None]
+
+    batch, seq, _ = x.shape
+    gains = input_gains or (None, None, None)
+    q, k, v = (
+        bitlinear(x, w, g).view(batch, seq, n, -1).transpose(1, 2)
+        for w, g, n in zip(proj[:3], gains, (heads, kv_heads, kv_heads))
+    )
+    q, k = rope(q), rope(k)
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    attn = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1) @ v  # (B, H, T, hd)
+    attn = attn.transpose(1, 2).reshape(batch, seq, -1)
+    return bitlinear(attn, proj[3], out_gain)
+
+
+@pytest.mark.parametrize("attention_norm", ["before_o_proj", "every_projection"])
+def test_bitnet_attention_matches_the_official_attention(attention_norm):
+    """`bitnet_attention_norm="before_o_proj"`: torchscale's attention (no norm before q/k/v, one before out_proj),
+    float64, outputs and gradients; "every_projection" (the default, old checkpoints) keeps the q/k/v norms."""
+    torch.manual_seed(6)
+    config = tiny(
+        linear_type="bitnet_b158",
+        bitnet_quantized_layers="official",
+        bitnet_attention_norm=attention_norm,
+        num_key_value_heads=2,
+        decoder_sparse_step=0,
+    )
+    model = MHMoEForCausalLM(config).double()
+    attention = model.model.layers[0].self_attn
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
+    with torch.no_grad():
+        for layer in projections:
+            layer.weight.normal_(0, 0.3)
+            if layer.input_norm is not None:
+                layer.input_norm.weight.uniform_(0.5, 1.5)
+    assert all(isinstance(layer, BitLinear) for layer in projections)
+    has_norms = [layer.input_norm is not None for layer in projections]
+    assert has_norms == ([False, False, False, True] if attention_norm == "before_o_proj" else [True] * 4)
+
+    x = torch.randn(2, 6, config.hidden_size, dtype=torch.float64, requires_grad=True)
+    positions = torch.arange(6)[None].expand(2, 6)
+    cos, sin = model.model.rotary_emb(x, positions)
+    ours, _ = attention(x, (cos, sin), None)
+
+    ref_x = x.detach().clone().requires_grad_()
+    gains = None if attention_norm == "before_o_proj" else [layer.input_norm.weight for layer in projections[:3]]
+    ref_args = (attention.o_proj.input_norm.weight, config.rms_norm_eps, cos, sin, 4, config.num_key_value_heads)
+    ref = official_bitnet_attention(ref_x, [layer.weight for layer in projections], *ref_args, gains)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # quantisers compute in fp32
+    if gains is None:  # the library's q/k/v norms (unit gains) would give another output
+        ones = [torch.ones(config.hidden_size, dtype=torch.float64)] * 3
+        other = official_bitnet_attention(ref_x, [layer.weight for layer in projections], *ref_args, ones)
+        assert not torch.allclose(other, ref, rtol=1e-3)
+    grad = torch.randn_like(ours)
+    params = [p for p in attention.parameters()]
+    names = ["x"] + [n for n, _ in attention.named_parameters()]
+    ours_grads = torch.autograd.grad(ours, [x, *params], grad)
+    ref_grads = torch.autograd.grad(ref, [ref_x, *params], grad)
+    for name, a, b in zip(names, ours_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_bitnet_attention_norm_is_checked_and_in_the_official_preset():
+    official = tiny(linear_type="bitnet_b158", bitnet_quantized_layers="official")
+    assert official.bitnet_attention_norm == "every_projection"  # the default: old checkpoints build as before
+    with pytest.raises(ValueError, match="bitnet_attention_norm must be one of"):
+        tiny(linear_type="bitnet_b158", bitnet_attention_norm="before_out")
+    with pytest.raises(ValueError, match="bitnet_attention_norm='before_o_proj' applies to quantised attention"):
+        tiny(linear_type="bitnet_b158", bitnet_quantized_layers="ffn_only", bitnet_attention_norm="before_o_proj")
+    fields = conventions_fields("official", official)
+    assert fields["bitnet_attention_norm"] == "before_o_proj" and fields["bitnet_ffn_norm"] == "before_down"
 
 
 def test_fused_gate_up_has_one_scale_per_projection():

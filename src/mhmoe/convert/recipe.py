@@ -7,9 +7,10 @@ Change the converter's recipe here; plan.py, write.py, continue_tune.py and cli.
   8 of the other 16 routed = 75%.
 * Router: the parameter-free "l2" router (pre-RoPE query norms) with straight-through 0/1 gates. It adds no
   parameters, so the dense weights are copied unchanged, and with every head on the model is the dense parent.
-  `STRAIGHT_THROUGH = "scores"`: the paper's eq. 9-10 as written (the gradient of the raw softmax scores of every
-  routed head); it recovered at least as well as the soft top-K gates' gradient (`True`) on a tiny model
-  (benchmarks/convert_straight_through.py, docs/conversion.md).
+  `STRAIGHT_THROUGH = "scores"`: the paper's eq. 9-10 read with g_i the raw softmax score of every routed head (the
+  estimator passes "through the sparsity function"); `"selected_scores"` is the other reading (the selected heads'
+  scores only). "scores" recovered at least as well as the soft top-K gates' gradient (`True`) on a tiny model
+  (benchmarks/convert_straight_through.py, docs/conversion.md, which also compares the other reading).
 * MoH load-balance loss β = `AUX_LOSS_COEF` (eq. 7).
 * Continue-tuning (the paper's second stage): AdamW, warmup 50 iterations, cosine 2e-5 -> 1e-6, weight decay 0.1,
   gradient clipping 1.0; the dense parent's perplexity is measured at step 0.

@@ -58,11 +58,13 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
             rows.append(("MoE", "none (dense)"))
     if getattr(config, "router_type", "topk") == "lory":  # the MoE row's top-k does not apply
         pools = "one pool per head (MH-Lory v2)" if config.lory_expert_pool == "per_head" else "one shared pool"
+        proposal = getattr(config, "lory_first_segment", "uniform") == "proposal"
+        first = " (the first on itself, without gradient)" if proposal else ""
         rows.append(
             (
                 "Lory routing",
                 f"all experts merged into one per {config.lory_segment_length}-token segment, "
-                f"routed on the previous segment; {pools}",
+                f"routed on the previous segment{first}; {pools}",
             )
         )
     if getattr(config, "linear_type", "linear") == "bitnet_b158":

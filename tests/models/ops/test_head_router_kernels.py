@@ -37,7 +37,11 @@ def _grads(fn, queries, straight_through, shared, active):
     return gates.detach(), logits.detach(), index, leaf.grad
 
 
-@pytest.mark.parametrize("straight_through", [False, True], ids=["soft", "straight-through"])
+MODES = [False, True, "scores", "selected_scores"]  # every moh_straight_through
+MODE_IDS = ["soft", "straight-through", "st-scores", "st-selected-scores"]
+
+
+@pytest.mark.parametrize("straight_through", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("case", CASES, ids=[f"M{m}-H{h}-S{s}-K{k}-hd{d}" for m, h, s, k, d in CASES])
 def test_kernel_matches_reference(case, straight_through):
     rows, heads, shared, active, head_dim = case
@@ -55,7 +59,7 @@ def test_kernel_matches_reference(case, straight_through):
         assert set(gates.unique().tolist()) <= {0.0, 1.0}
 
 
-@pytest.mark.parametrize("straight_through", [False, True])
+@pytest.mark.parametrize("straight_through", MODES, ids=MODE_IDS)
 def test_reference_is_the_models_router(straight_through):
     """head_router_naive.l2_head_gates gives the l2 router's gates, logits, index and query gradient."""
     batch, seq, heads, shared, active, head_dim = 2, 5, 8, 2, 3, 12
@@ -74,12 +78,41 @@ def test_reference_is_the_models_router(straight_through):
     torch.testing.assert_close(flat.grad, leaf.grad.reshape(-1, heads, head_dim))
 
 
+SPARSE = [CASES[0], CASES[3], CASES[5]]  # K < R and R >= 3 (with R = 2 the l2 scores do not depend on the queries)
+
+
+@pytest.mark.parametrize("case", SPARSE, ids=[f"M{m}-H{h}-S{s}-K{k}-hd{d}" for m, h, s, k, d in SPARSE])
+def test_kernel_straight_through_modes_have_their_own_gradients(case):
+    """The straight-through modes share the kernel's forward (0/1 gates) and differ in the gradient: the kernel's
+    queries' gradient under each mode is the reference's under that mode, and no two modes give the same one (the kernel
+    once took "scores" for True). The gates alone are probed here, the logits' own gradient is the same in all."""
+    rows, heads, shared, active, head_dim = case
+    queries = torch.randn(rows, heads, head_dim, generator=torch.Generator().manual_seed(rows))
+    probe = torch.randn(rows, heads, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for mode in MODES[1:]:
+        for name, fn in (("kernel", lambda *a: l2_head_gates_triton(*a, block_rows=8)), ("reference", l2_head_gates)):
+            leaf = queries.clone().requires_grad_()
+            gates, _, _ = fn(leaf, shared, active, mode)
+            assert set(gates.unique().tolist()) <= {0.0, 1.0}
+            (gates * probe).sum().backward()
+            grads[name, mode] = leaf.grad
+        torch.testing.assert_close(grads["kernel", mode], grads["reference", mode], rtol=2e-5, atol=1e-6)
+    for i, a in enumerate(MODES[1:]):
+        for b in MODES[i + 2 :]:
+            difference = (grads["kernel", a] - grads["kernel", b]).abs().max()
+            assert difference > 1e-3 * grads["kernel", a].abs().max(), (a, b)
+
+
 def test_ties_go_to_the_lowest_head_and_bad_arguments():
     queries = torch.ones(3, 6, 4)  # every routed head has the same norm
     gates, _, index = l2_head_gates_triton(queries, 2, 2)
     assert index.tolist() == [[0, 1]] * 3 and gates[:, 2:4].eq(1).all() and gates[:, 4:].eq(0).all()
     with pytest.raises(ValueError, match="active_heads"):
         l2_head_gates_triton(queries, 2, 5)
+    for fn in (l2_head_gates_triton, l2_head_gates):  # a misspelt mode would otherwise act as True
+        with pytest.raises(ValueError, match="straight_through must be one of"):
+            fn(queries, 2, 2, "score")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy under the interpreter, on NaN
@@ -156,7 +189,7 @@ def test_bf16_queries(straight_through):
     torch.testing.assert_close(kernel[3], reference[3], rtol=1.6e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("straight_through", [False, True])
+@pytest.mark.parametrize("straight_through", MODES, ids=MODE_IDS)
 def test_model_forced_onto_the_kernel_matches_torch(straight_through, monkeypatch):
     """An MHMoE model with MoH l2 routing: routing_backend="triton" (head router and expert routing on the kernels)
     gives the torch path's logits, losses and gradients, and the head-router kernel really ran."""

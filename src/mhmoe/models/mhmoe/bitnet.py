@@ -6,7 +6,9 @@ Every quantised projection computes y = W_q · Q_8(RMSNorm(x)):
 - the sub-layer norm: an RMSNorm with its own gain on the input of every quantised projection, before the activation
   quantisation (b1.58's training-tips BitLinear normalises every input; `bitnet_ffn_norm="every_projection"`). The
   official MH-MoE FFN instead has one sub-layer norm, before fc2 (down): `bitnet_ffn_norm="before_down"` drops the
-  norm before the FFNs' gate/up projections (dense MLPs, shared and routed experts); attention keeps its norms;
+  norm before the FFNs' gate/up projections (dense MLPs, shared and routed experts); likewise the official (torchscale)
+  attention has one, `inner_attn_ln` before out_proj: `bitnet_attention_norm="before_o_proj"` drops the norms before
+  q/k/v;
 - which projections are quantised: `bitnet_quantized_layers` ("all", "official", "ffn_only", "experts"; `is_quantized`);
 - straight-through estimator: the forward uses W_q and Q_8(x), the backward treats both roundings as identity, so the
   gradients reach the full-precision latent weights, which the optimiser updates.
@@ -166,6 +168,7 @@ QUANTIZED_ROLES = {
 ROLES = ("attention", "ffn", "experts", "head_merge")
 BITNET_QUANTIZED_LAYERS = tuple(QUANTIZED_ROLES)
 BITNET_FFN_NORMS = ("every_projection", "before_down")
+BITNET_ATTENTION_NORMS = ("every_projection", "before_o_proj")
 
 
 def is_quantized(config, role: str = "attention") -> bool:
@@ -180,6 +183,11 @@ def is_quantized(config, role: str = "attention") -> bool:
 def ffn_input_norm(config) -> bool:
     """Whether an FFN's gate/up projections get a sub-layer norm (`bitnet_ffn_norm`)."""
     return getattr(config, "bitnet_ffn_norm", "every_projection") == "every_projection"
+
+
+def attention_input_norm(config) -> bool:
+    """Whether the attention's q/k/v projections get a sub-layer norm (`bitnet_attention_norm`)."""
+    return getattr(config, "bitnet_attention_norm", "every_projection") == "every_projection"
 
 
 def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -348,14 +356,15 @@ class BitNetB158:
 
     @staticmethod
     def linear(
-        config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", ffn_in: bool = False
+        config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", sublayer_in=False
     ) -> nn.Module:
-        """A projection of `role`; `ffn_in`: an FFN's gate/up projection, without its sub-layer norm under
-        `bitnet_ffn_norm="before_down"`."""
+        """A projection of `role`; `sublayer_in`: an input projection of its sub-layer (an FFN's gate/up, attention's
+        q/k/v), without its sub-layer norm under `bitnet_ffn_norm="before_down"` / `bitnet_attention_norm=
+        "before_o_proj"`."""
         if not is_quantized(config, role):
             return nn.Linear(in_features, out_features, bias=bias)
         cls = PackedBitLinear if config.bitnet_packed else BitLinear
-        input_norm = not ffn_in or ffn_input_norm(config)
+        input_norm = not sublayer_in or (ffn_input_norm if role == "ffn" else attention_input_norm)(config)
         return cls(in_features, out_features, bias=bias, eps=config.rms_norm_eps, input_norm=input_norm)
 
     @staticmethod
@@ -376,6 +385,18 @@ class BitNetB158:
             )
         if config.bitnet_ffn_norm not in BITNET_FFN_NORMS:
             problems.append(f"bitnet_ffn_norm must be one of {BITNET_FFN_NORMS}, got {config.bitnet_ffn_norm!r}")
+        attention_norm = getattr(config, "bitnet_attention_norm", "every_projection")
+        if attention_norm not in BITNET_ATTENTION_NORMS:
+            problems.append(
+                f"bitnet_attention_norm must be one of {BITNET_ATTENTION_NORMS} ('before_o_proj': the official "
+                f"attention's one sub-layer norm), got {attention_norm!r}"
+            )
+        elif bitnet and attention_norm != "every_projection" and not is_quantized(config, "attention"):
+            problems.append(
+                f"bitnet_attention_norm={attention_norm!r} applies to quantised attention, which "
+                f"bitnet_quantized_layers={config.bitnet_quantized_layers!r} leaves in full precision; use "
+                "'every_projection' or bitnet_quantized_layers 'all' / 'official'"
+            )
         if bitnet and config.bitnet_quantized_layers == "experts" and config.decoder_sparse_step == 0:
             problems.append(
                 "bitnet_quantized_layers='experts' quantises nothing in a dense model "
@@ -387,6 +408,7 @@ class BitNetB158:
 
 
 __all__ = [
+    "BITNET_ATTENTION_NORMS",
     "BITNET_FFN_NORMS",
     "BITNET_QUANTIZED_LAYERS",
     "QUANTIZED_ROLES",

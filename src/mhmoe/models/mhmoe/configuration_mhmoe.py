@@ -91,16 +91,18 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None
     moh_router: str = "learned"
-    moh_straight_through: bool | str = False  # True: soft top-K gates' gradient | "scores": eq. 9-10
+    moh_straight_through: bool | str = False  # True: soft top-K gates' grad | "scores"/"selected_scores": eq. 9-10
     moh_aux_loss_coef: float | int = 0.01
     # the variants chosen by name: linear_types.py (BitNet b1.58: bitnet.py), router_types.py (Lory: lory.py)
     linear_type: str = "linear"
     bitnet_quantized_layers: str = "all"  # "all" | "official" | "ffn_only" | "experts"
     bitnet_ffn_norm: str = "every_projection"  # | "before_down" (the official FFN)
+    bitnet_attention_norm: str = "every_projection"  # | "before_o_proj" (the official attention)
     bitnet_packed: bool = False  # weights stored as int8 ternary + one scale per matrix (export; inference only)
     router_type: str = "topk"
     lory_segment_length: int = 256
     lory_expert_pool: str = "shared"  # "shared": MH-Lory v1 (E experts) | "per_head": v2 (E per head, E·h in all)
+    lory_first_segment: str = "uniform"  # | "proposal": routed on its own mean, without gradient (lory.py)
 
     def __post_init__(self, **kwargs):
         check_keyword_arguments(type(self), kwargs)

@@ -1,9 +1,9 @@
 """`linear_type`: how an MHMoE model builds its decoder projections and routed experts. `LINEAR_TYPES` maps the name to
-a class with `linear(config, in_features, out_features, bias, role, ffn_in)`, `experts(config)` and
+a class with `linear(config, in_features, out_features, bias, role, sublayer_in)`, `experts(config)` and
 `config_problems(config)` (its own fields, in words). A new kind is a class and an entry here.
 
-Roles (`bitnet.QUANTIZED_ROLES`): "attention" (q/k/v/o), "ffn" (dense MLPs and the shared expert; `ffn_in`: their
-gate/up), "experts", "head_merge" (MH-MoE's head and merge layers).
+Roles (`bitnet.QUANTIZED_ROLES`): "attention" (q/k/v/o), "ffn" (dense MLPs and the shared expert), "experts",
+"head_merge" (MH-MoE's head and merge layers). `sublayer_in`: an input projection of its sub-layer (q/k/v, gate/up).
 """
 
 from torch import nn
@@ -17,7 +17,7 @@ class Linear:
 
     @staticmethod
     def linear(
-        config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", ffn_in: bool = False
+        config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", sublayer_in=False
     ) -> nn.Module:
         return nn.Linear(in_features, out_features, bias=bias)
 
@@ -34,10 +34,10 @@ LINEAR_TYPES = {"linear": Linear, "bitnet_b158": BitNetB158}
 
 
 def make_linear(
-    config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", ffn_in: bool = False
+    config, in_features: int, out_features: int, bias: bool = False, role: str = "attention", sublayer_in=False
 ) -> nn.Module:
-    """The decoder projection of `role` that `config.linear_type` builds."""
-    return LINEAR_TYPES[config.linear_type].linear(config, in_features, out_features, bias, role, ffn_in)
+    """The decoder projection of `role` that `config.linear_type` builds (`sublayer_in`: q/k/v or gate/up)."""
+    return LINEAR_TYPES[config.linear_type].linear(config, in_features, out_features, bias, role, sublayer_in)
 
 
 def make_experts(config) -> nn.Module:

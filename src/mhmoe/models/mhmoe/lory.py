@@ -6,10 +6,13 @@ w_s = softmax(R(mean of segment s-1's hidden states)): routing never sees the se
 model stays causal. Everything is differentiable (no top-k), so no load-balancing loss is added (neither the proposal
 nor Lory use one; the router learns through the merged parameters).
 
-First segment: it has no previous segment; its "previous mean" is the zero vector, so the router's logits are 0 and
-the merge is uniform (the mean of the experts). The proposal gives the rule only for segments with a predecessor;
-Lory's paper treats the first segment its own way (not reproduced here), which lets a first-segment token's routing
-depend on later tokens of that segment: this rule keeps every token's routing strictly causal.
+First segment (`lory_first_segment`): it has no previous segment. "uniform" (default): its "previous mean" is the
+zero vector, so the router's logits are 0 and the merge is uniform (the mean of the experts); every token's routing
+stays strictly causal. "proposal": the MH-Lory proposal's code's rule (its text gives the rule only for segments with a
+predecessor): the first segment is routed on its own mean and its whole expert output is computed without gradient
+(no gradient reaches the router, the experts or the sub-tokens from it). A first-segment token's output then depends
+on the later tokens of that segment (in the forward only), and cached decoding cannot continue an unfinished first
+segment (each new token would change the routing of the tokens before it): such a call is refused.
 
 MH-Lory (moe_heads = h > 1): the head layer projects each token, it is split into h sub-tokens of width W = D/h, and
 each head p gets its own routing weights per segment from the mean of its sub-tokens:
@@ -39,6 +42,7 @@ from .experts import sub_token_width
 from .sparse_moe import moe_block_parts
 
 LORY_EXPERT_POOLS = ("shared", "per_head")  # MH-Lory v1: E experts shared by the heads | v2: E per head, E·h in all
+LORY_FIRST_SEGMENTS = ("uniform", "proposal")  # the first segment: uniform merge | routed on itself, no gradient
 
 
 class LoryRouter(nn.Module):
@@ -113,6 +117,7 @@ class MHLoryBlock(nn.Module):
         self.layer_idx = layer_idx
         self.moe_heads = config.moe_heads
         self.segment_length = config.lory_segment_length
+        self.first_segment = config.lory_first_segment
         head_proj, merge_proj, shared_expert = moe_block_parts(config)
         self.head_proj = head_proj
         self.gate = LoryRouter(config)
@@ -128,6 +133,11 @@ class MHLoryBlock(nn.Module):
             problems.append(
                 f"lory_expert_pool must be one of {LORY_EXPERT_POOLS} ('shared': MH-Lory v1; 'per_head': "
                 f"v2), got {config.lory_expert_pool!r}"
+            )
+        if config.lory_first_segment not in LORY_FIRST_SEGMENTS:
+            problems.append(
+                f"lory_first_segment must be one of {LORY_FIRST_SEGMENTS} ('uniform': a uniform merge; 'proposal': "
+                f"routed on its own mean without gradient), got {config.lory_first_segment!r}"
             )
         if not config.lory_segment_length >= 1:
             problems.append(f"lory_segment_length must be >= 1 tokens, got {config.lory_segment_length}")
@@ -150,12 +160,24 @@ class MHLoryBlock(nn.Module):
         sub_tokens = sub_tokens.view(batch_size, seq_len, self.moe_heads, -1)  # (B, T, h, W)
         seen, prev_mean, current_sum = self._state(cache, sub_tokens)
         length, outputs, start = self.segment_length, [], 0
+        proposal = self.first_segment == "proposal"
+        if proposal and 0 < seen < length:
+            raise ValueError(
+                f"lory_first_segment='proposal' routes the first segment on its own mean, which every new token "
+                f"changes: a cache cannot continue it ({seen} of its {length} tokens seen); prefill at least "
+                "lory_segment_length tokens, generate with use_cache=False, or use lory_first_segment='uniform'"
+            )
         while start < seq_len:  # one merged expert per segment touched by this call
             in_segment = (seen + start) % length  # tokens of this segment seen before
             end = min(seq_len, start + length - in_segment)
             piece = sub_tokens[:, start:end]  # (B, n, h, W)
-            gate_up, down = self.experts.merged(self.gate(prev_mean))
-            outputs.append(self.experts(piece, gate_up, down))
+            if proposal and seen + start == 0:  # the first segment, routed on its own mean, without gradient
+                with torch.no_grad():
+                    gate_up, down = self.experts.merged(self.gate(piece.float().mean(dim=1)))
+                    outputs.append(self.experts(piece, gate_up, down))
+            else:
+                gate_up, down = self.experts.merged(self.gate(prev_mean))
+                outputs.append(self.experts(piece, gate_up, down))
             current_sum = current_sum + piece.float().sum(dim=1)  # (B, h, W)
             if (seen + end) % length == 0:  # segment complete: its mean routes the next one
                 prev_mean, current_sum = current_sum / length, torch.zeros_like(current_sum)
@@ -204,4 +226,4 @@ def _follow_beam_reordering(cache, states: dict) -> None:
     cache.reorder_cache = reorder_cache
 
 
-__all__ = ["LORY_EXPERT_POOLS", "LoryExperts", "LoryRouter", "MHLoryBlock"]
+__all__ = ["LORY_EXPERT_POOLS", "LORY_FIRST_SEGMENTS", "LoryExperts", "LoryRouter", "MHLoryBlock"]

@@ -18,7 +18,9 @@ OFFICIAL_ROUTING = dict(
     router_aux_loss_mode="top1_sum",
     router_aux_loss_coef=0.01,
 )
-OFFICIAL_BITNET = dict(bitnet_quantized_layers="official", bitnet_ffn_norm="before_down")
+OFFICIAL_BITNET = dict(
+    bitnet_quantized_layers="official", bitnet_ffn_norm="before_down", bitnet_attention_norm="before_o_proj"
+)
 
 
 def conventions_fields(conventions: str, config) -> dict:
@@ -89,8 +91,8 @@ def matched_to_smoe(
     ran it (`conventions_fields`): raw top-k gates (`norm_topk_prob=False`), capacity `k * ceil(S / E)`
     (`capacity_factor=1.0`, `capacity_rounding="official"`), head/merge layers with bias (`moe_layer_bias=True`,
     2·d parameters per MoE layer that the parity solve does not count), the GShard top-1 loss summed over layers
-    (`router_aux_loss_mode="top1_sum"`, 0.01) and, for BitNet models, `bitnet_quantized_layers="official"` and
-    `bitnet_ffn_norm="before_down"`. Give the SMoE baseline the same fields (`conventions_fields("official",
+    (`router_aux_loss_mode="top1_sum"`, 0.01) and, for BitNet models, `bitnet_quantized_layers="official"`,
+    `bitnet_ffn_norm="before_down"` and `bitnet_attention_norm="before_o_proj"`. Give the SMoE baseline the same fields (`conventions_fields("official",
     smoe_config)`) to compare like with like. `kwargs` override both.
     """
     if not isinstance(smoe_config, MHMoEConfig):

@@ -52,10 +52,11 @@ class MHMoEAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = make_linear(config, config.hidden_size, q_dim, bias=config.attention_bias)
-        self.k_proj = make_linear(config, config.hidden_size, kv_dim, bias=config.attention_bias)
-        self.v_proj = make_linear(config, config.hidden_size, kv_dim, bias=config.attention_bias)
-        self.o_proj = make_linear(config, q_dim, config.hidden_size, bias=config.attention_bias)
+        bias = config.attention_bias
+        self.q_proj = make_linear(config, config.hidden_size, q_dim, bias=bias, sublayer_in=True)
+        self.k_proj = make_linear(config, config.hidden_size, kv_dim, bias=bias, sublayer_in=True)
+        self.v_proj = make_linear(config, config.hidden_size, kv_dim, bias=bias, sublayer_in=True)
+        self.o_proj = make_linear(config, q_dim, config.hidden_size, bias=bias)
         add_head_router(self, config)  # self.head_router: None unless MoH
 
     def forward(

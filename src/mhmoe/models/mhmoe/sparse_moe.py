@@ -30,8 +30,8 @@ class MHMoEMLP(nn.Module):
 
     def __init__(self, config, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = make_linear(config, config.hidden_size, intermediate_size, bias, "ffn", ffn_in=True)
-        self.up_proj = make_linear(config, config.hidden_size, intermediate_size, bias, "ffn", ffn_in=True)
+        self.gate_proj = make_linear(config, config.hidden_size, intermediate_size, bias, "ffn", sublayer_in=True)
+        self.up_proj = make_linear(config, config.hidden_size, intermediate_size, bias, "ffn", sublayer_in=True)
         self.down_proj = make_linear(config, intermediate_size, config.hidden_size, bias, "ffn")
         self.act_fn = ACT2FN[config.hidden_act]
 

@@ -10,8 +10,10 @@ Every router scores the R routed heads, (B, T, R) fp32 logits; the gates are the
 probabilities renormalised over the K and ×K (0 on the others), shared heads 1. With `straight_through` the forward
 gates are exactly 0/1 (selected or not) and the backward a straight-through estimator, so the router (or, for the
 parameter-free routers, the query projection through the norms) keeps learning: True takes the soft gates' gradient
-(this library's); "scores" the raw softmax score of every routed head, selected or not (eq. 9-10 as written; the
-routers with `score_straight_through`).
+(this library's); "scores" the raw softmax score of every routed head, selected or not (eq. 9-10 read with g_i the
+softmax score of every routed head: the converter's default); "selected_scores" the raw softmax scores of the selected
+heads only (eq. 9-10 read with g_i = 0 on unselected heads, as eq. 5 defines the gates). Both score modes are for the
+routers with `score_straight_through`; docs/conversion.md compares the estimators.
 """
 
 import math
@@ -75,7 +77,7 @@ class MoHRouter(nn.Module):
 
     name: str = ""
     reads_query_norms = False  # scores from the routed heads' pre-RoPE query norms
-    score_straight_through = False  # moh_straight_through="scores" is defined for it (a parameter-free router)
+    score_straight_through = False  # moh_straight_through="scores" / "selected_scores" defined (parameter-free)
 
     def __init__(
         self,
@@ -147,8 +149,10 @@ class MoHRouter(nn.Module):
             hard = torch.cat([torch.ones_like(shared_soft), hard], dim=-1)
             if not torch.is_grad_enabled():  # the forward value is `hard` exactly; no estimator to build
                 return hard, router_logits, routed_index
-            if self.straight_through == "scores":  # the raw softmax scores of the routed heads carry the gradient
-                scores = torch.softmax(router_logits.float(), dim=-1)
+            if self.straight_through in ("scores", "selected_scores"):  # raw softmax scores carry the gradient
+                scores = torch.softmax(router_logits.float(), dim=-1)  # (B, T, R)
+                if self.straight_through == "selected_scores":  # of the selected heads only
+                    scores = scores * hard[..., self.shared_heads :]
                 gates = torch.cat([torch.ones_like(shared_soft), scores], dim=-1)
             gates = straight_through(gates, hard)
         return gates, router_logits, routed_index
@@ -205,12 +209,9 @@ class L2Router(MoHRouter):
         return l2_scores(query_states[..., self.shared_heads :, :].float().norm(dim=-1))
 
     def forward(self, hidden_states, query_states, head_norms=None):
-        # the fused kernel reads the queries' own heads (not tensor parallelism's gathered norms) and has no eq. 9-10
-        if (
-            head_norms is None
-            and self.straight_through != "scores"
-            and routing_backend(query_states, self.routing_backend)[0] == "triton"
-        ):
+        # the fused kernel reads the queries' own heads (not tensor parallelism's gathered norms); every
+        # straight-through mode runs on it, with the reference's gradient (ops/head_router/head_router_triton.py)
+        if head_norms is None and routing_backend(query_states, self.routing_backend)[0] == "triton":
             return l2_head_gates(
                 query_states, self.shared_heads, self.active_heads, self.straight_through, self.routing_backend
             )

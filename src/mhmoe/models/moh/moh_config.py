@@ -4,9 +4,8 @@ MoH is on, their defaults, and what is wrong with them, in words. The chosen rou
 
 import math
 
+from ..ops.head_router.head_router_naive import STRAIGHT_THROUGH as MOH_STRAIGHT_THROUGH  # head_routers.py: each's grad
 from .head_routers import HEAD_ROUTERS
-
-MOH_STRAIGHT_THROUGH = (False, True, "scores")
 
 
 def moh_enabled(config) -> bool:
@@ -26,13 +25,14 @@ def moh_config_problems(config) -> list[str]:
     straight = config.moh_straight_through
     if not any(straight is value or (isinstance(value, str) and straight == value) for value in MOH_STRAIGHT_THROUGH):
         problems.append(
-            f"moh_straight_through must be False, True or 'scores' (the paper's eq. 9-10), got {straight!r}"
+            f"moh_straight_through must be False, True, 'scores' or 'selected_scores' (the paper's eq. 9-10, two "
+            f"readings), got {straight!r}"
         )
-    elif straight == "scores" and router is not None and not router.score_straight_through:
+    elif straight in ("scores", "selected_scores") and router is not None and not router.score_straight_through:
         able = [name for name, cls in HEAD_ROUTERS.items() if cls.score_straight_through]
         names = ", ".join(repr(name) for name in able[:-1]) + f" or {able[-1]!r}"
         problems.append(
-            f"moh_straight_through='scores' (eq. 9-10 on a parameter-free router's softmax scores) needs "
+            f"moh_straight_through={straight!r} (eq. 9-10 on a parameter-free router's softmax scores) needs "
             f"moh_router {names}; use True with the {config.moh_router} router"
         )
     if (shared is None) != (active is None):

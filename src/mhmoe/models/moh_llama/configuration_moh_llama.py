@@ -54,7 +54,7 @@ class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None
     moh_router: str = "l2"
-    moh_straight_through: bool | str = True  # True | False | "scores" (eq. 9-10, l2 router): see MHMoEConfig
+    moh_straight_through: bool | str = True  # True | False | "scores" | "selected_scores" (eq. 9-10): see MHMoEConfig
     moh_aux_loss_coef: float | int = 0.01
     output_router_logits: bool = False
     moh_head_norm_mean: list | None = None

@@ -157,11 +157,12 @@ def l2_head_gates(
     query_states: torch.Tensor,
     shared_heads: int,
     active_heads: int,
-    straight_through: bool = False,
+    straight_through: bool | str = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoH "l2" head router (`head_router_naive.l2_head_gates`): pre-RoPE queries (..., H, hd) -> gates (..., H)
-    fp32, router logits (..., R) fp32, selected routed heads (..., K) int64."""
+    fp32, router logits (..., R) fp32, selected routed heads (..., K) int64. Both backends take every
+    `straight_through` mode (False, True, "scores", "selected_scores") with the same gradient."""
     lead = query_states.shape[:-2]
     queries = query_states.reshape(-1, *query_states.shape[-2:])  # (M, H, hd)
     requested = _routing_request(backend)

@@ -1,6 +1,7 @@
 """The MoH "l2" head router in Triton: query norms, their std, softmax, top-K and the gates (shared heads on,
 straight-through optional) in one launch; the backward recomputes the PyTorch reference (`head_router_naive.py`) and
-differentiates it. The l2 router (`moh/head_routers.py`) calls it through `backends.l2_head_gates` on the triton backend.
+differentiates it. Every straight-through mode has the same forward (exactly 0/1 gates: the kernel's STRAIGHT), so the
+backward's recomputation with the mode itself gives each mode's own gradient ("scores", "selected_scores" included). The l2 router (`moh/head_routers.py`) calls it through `backends.l2_head_gates` on the triton backend.
 Tested against the reference under TRITON_INTERPRET=1 (fp32 and bf16 queries); never run on a GPU here. NaN or inf
 queries never give a head index out of range: a row with NaN logits takes the lowest routed heads, with NaN gates.
 Shape legend as in head_router_naive.py; BLOCK_* are powers of two (R, hd, K padded up).
@@ -12,7 +13,7 @@ import torch
 
 from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
 from ..triton_compat import jit as _jit
-from .head_router_naive import L2_STD_MIN, l2_head_gates
+from .head_router_naive import L2_STD_MIN, check_straight_through, l2_head_gates
 
 
 @_jit
@@ -126,7 +127,7 @@ def _launch(queries, shared_heads, active_heads, straight_through, block_rows):
             head_dim,
             L2_STD_MIN,
             ACTIVE=active_heads,
-            STRAIGHT=straight_through,
+            STRAIGHT=bool(straight_through),  # every mode's forward: 0/1 (the modes differ in the backward only)
             BLOCK_M=block_rows,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
@@ -159,11 +160,13 @@ def l2_head_gates_triton(
     queries: torch.Tensor,
     shared_heads: int,
     active_heads: int,
-    straight_through: bool = False,
+    straight_through: bool | str = False,
     block_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`head_router_naive.l2_head_gates` with the kernel: queries (M, H, hd) -> gates (M, H), logits (M, R), index
-    (M, K); ties between routed heads go to the lowest head."""
+    (M, K); ties between routed heads go to the lowest head. `straight_through`: any mode of the reference's
+    `STRAIGHT_THROUGH`, with the reference's gradient."""
+    check_straight_through(straight_through)
     if not HAS_TRITON:
         raise ImportError("the triton head-router kernel needs triton: `pip install triton`")
     if not queries.is_cuda and not interpreting():
