@@ -281,6 +281,11 @@ def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out:
     out/probe_<table>_<scale>.json with the provenance of the machine."""
     scale = tables.SCALES[scale_name]
     tokens = scale["batch"] * scale["block"]
+    import torch
+
+    from mhmoe.models.ops import backends as routing
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {
         "table": name,
         "scale_name": scale_name,
@@ -290,6 +295,8 @@ def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out:
         **harness.git_state(),
         "device": harness.device_name(),
         "versions": harness.versions(),
+        "env": harness.provenance.behaviour_env(),
+        "routing_backend": routing.routing_backend(torch.empty(0, device=device))[0],
         "started_utc": harness.utc_now(),
         "cells": {},
     }
@@ -309,6 +316,7 @@ def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out:
             flush=True,
         )
         result["finished_utc"] = harness.utc_now()
+        result["kernel_fallbacks"] = harness.kernel_fallbacks() or {}
         harness.atomic_write_text(path, json.dumps(result, indent=2) + "\n")
     return path
 
@@ -670,6 +678,11 @@ def main(argv=None) -> int:
         help="the time --deadline counts from (default: the command's start)",
     )
     parser.add_argument(
+        "--no_merge",
+        action="store_true",
+        help="after the runs, build no table (the run files and --bundle hold them; --merge later)",
+    )
+    parser.add_argument(
         "--probe",
         type=int,
         default=None,
@@ -730,7 +743,8 @@ def main(argv=None) -> int:
             args.bundle,
             args.probe_file,
         )
-        merge(args.table, [out], out)
+        if not args.no_merge:
+            merge(args.table, [out], out)
         if not finished:
             print("stopped at the deadline; the table above holds the runs finished so far")
     return 0
