@@ -645,6 +645,12 @@ def write_cards(data: dict, out_dir: Path) -> list[Path]:
             f" validation perplexity {final['mean']:.2f} (min {final['min']:.2f}, max {final['max']:.2f}); device "
             f"{data['device']}, commit {data['commit']}."
         )
+        if not data["device"].startswith("CPU"):  # a GPU run: its speed is worth saying (on CPU it is not a speed)
+            speed = statistics.median(run["tokens_per_second"] for run in cell["runs"])
+            training += (
+                f" Training throughput on that device: {speed:,.0f} tokens/s (median over seeds of each run's "
+                "tokens over its wall time, validation and checkpoint writing included)."
+            )
         results = [
             {
                 "dataset_name": "held-out documentation (reproduction validation split)",

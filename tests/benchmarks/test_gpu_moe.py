@@ -68,3 +68,27 @@ def test_a_models_own_peak_memory_leaves_out_the_models_built_before_it():
     assert [round(models[n]["peak_bytes"] / 2**30, 2) for n in models] == [10.92, 14.23, 15.5, 16.75]
     recorded = {name: {**cells, "own_peak_bytes": 1.0} for name, cells in models.items()}
     assert gpu_moe.own_peaks(recorded) == dict.fromkeys(models, 1.0)  # newer files record it
+
+
+def test_the_model_card_template_reports_the_committed_gpu_run():
+    """model_cards/mhmoe.md's speed paragraph says what benchmarks/results/gpu_moe-nvidia-h200-60178f3 holds."""
+    folder = REPO / "benchmarks" / "results" / "gpu_moe-nvidia-h200-60178f3"
+    data = json.loads((folder / "gpu_moe.json").read_text())
+    probe = json.loads((folder / "probe_mhmoe_table1_gpu.json").read_text())["cells"]
+
+    def span(values):
+        return f"{min(values):.2f}–{max(values):.2f}×"
+
+    ratios = [run["times"]["fwd+bwd"] for run in data["blocks"]]
+    models = data["model"]["models"]
+    own = gpu_moe.own_peaks(models)
+    step = [models["mhmoe_h3"]["time_vs_smoe"], probe["MH-MoE h=3"]["ms_per_step"] / probe["SMoE"]["ms_per_step"]]
+    memory = [
+        own["mhmoe_h3"] / own["smoe"],
+        probe["MH-MoE h=3"]["peak_memory_bytes"] / probe["SMoE"]["peak_memory_bytes"],
+    ]
+    text = " ".join((REPO / "model_cards" / "mhmoe.md").read_text().split())
+    assert f"commit {data['commit']}" in text and data["device"] in text
+    assert f"3 heads takes {span([r['ours_h3']['ratio'] for r in ratios])} the time" in text
+    assert f"a plain SMoE layer {span([r['ours_smoe']['ratio'] for r in ratios])}" in text
+    assert f"takes {span(step)} an SMoE's, at {span(memory)} its peak memory" in text
