@@ -303,8 +303,7 @@ def markdown_compiled(compiled: dict) -> str:
     ]
     for name, cells in compiled["times"].items():
         seconds = compiled["compile_seconds"].get(name)
-        lines.append(
-            f"| {name} | {cells['ratio']:.2f}x | {cells['ms']:.2f} | {seconds if seconds is not None else '-'} |"
-        )
+        compile_s = "-" if seconds is None else seconds
+        lines.append(f"| {name} | {cells['ratio']:.2f}x | {cells['ms']:.2f} | {compile_s} |")
     lines += [f"- FAILED {name}: {error}" for name, error in compiled.get("errors", {}).items()]
     return "\n".join(lines)

@@ -129,12 +129,17 @@ def count(make, tokens: int, scale_tokens: int) -> dict:
     double, _ = _count(make(2 * tokens))
     moved, moved2 = sum(counter.bytes.values()), sum(double.bytes.values())
     scaled = moved + (moved2 - moved) * (scale_tokens - tokens) / tokens
+    by_op = {
+        op: round((b + (double.bytes[op] - b) * (scale_tokens - tokens) / tokens) / 1e9, 3)
+        for op, b in counter.bytes.items()
+    }
     return {
         "device_ops": sum(counter.ops.values()),
         "triton_launches": sum(triton_launches.count.values()),
         "host_syncs": sum(counter.syncs.values()),
         "gb_moved_at_scale": round(scaled / 1e9, 3),
         "ops": dict(counter.ops.most_common()),
+        "gb_by_op": dict(sorted(by_op.items(), key=lambda item: -item[1])),
     }
 
 
@@ -218,6 +223,9 @@ def main(argv=None) -> int:
                 f"{name:10s} {mode:8s} ops {c['device_ops']:4d}  triton {c['triton_launches']:2d}  syncs "
                 f"{c['host_syncs']}  GB {c['gb_moved_at_scale']:.2f}"
             )
+    for name in ("hf_mixtral", "ours_h3"):
+        top = result["blocks"][name]["fwd+bwd"]["gb_by_op"]
+        print(f"{name} fwd+bwd, GB by operation: " + ", ".join(f"{op} {gb:.2f}" for op, gb in list(top.items())[:8]))
     print("h=3 forward, by part:")
     for name, c in result["h3_forward_parts"].items():
         ops = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in c["ops"].items())

@@ -28,9 +28,9 @@
 #              run starts whose estimate does not fit DEADLINE_MINUTES (3.6) after this command began:
 #              $OUT/runs_mhmoe_table1_<scale>.json, rewritten after every run with all finished ones (seeded included)
 # Every command writes $OUT/gpu_run.log too: all output, nvidia-smi, the provenance check.
-# After the window (here): python benchmarks/reproduce/run.py mhmoe_table1 --merge RETURNED/runs_mhmoe_table1_gpu_slice.json
-#   --out benchmarks/results; copy gpu_moe.json, probe_*.json and gpu_run.log into benchmarks/results/gpu_moe-<device>-<commit>/
-#   and run `python benchmarks/gpu_moe.py --table`.
+# After the window, here (benchmarks/README.md gives the commands): merge the returned bundle into benchmarks/results
+#   (run.py mhmoe_table1 --merge RETURNED/runs_mhmoe_table1_gpu_slice.json --out benchmarks/results), copy gpu_moe.json,
+#   probe_*.json and gpu_run.log into benchmarks/results/gpu_moe-<device>-<commit>/, then gpu_moe.py --table.
 #
 # Environment: OUT (default outputs/gpu_run), GPU_RUN_PYTHON (python3), GPU_RUN_FORCE_WHEELS=1 (install every carried
 # wheel), GPU_RUN_STARTED (epoch seconds the deadline counts from; default this command's start), CELLS, SEEDS, SCALE,
@@ -56,7 +56,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHO
 [ -f "$PACK/provenance.json" ] && export MHMOE_PROVENANCE="$PACK/provenance.json"
 
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && { echo "usage: bash scripts/gpu_run.sh pack | STAGE... (setup probe bench reproduce)" >&2; exit 2; }
+if [ ${#STAGES[@]} -eq 0 ]; then
+    echo "usage: bash scripts/gpu_run.sh pack | STAGE... (setup probe bench reproduce)" >&2
+    exit 2
+fi
 for stage in "${STAGES[@]}"; do
     case "$stage" in
         pack | setup | probe | bench | reproduce) ;;
@@ -158,7 +161,8 @@ probe() {
 
 bench() {
     # the cheap sections first, the block timings (the longest) last: a run cut at its limit keeps the rest
-    local seconds="${BENCH_SECONDS:-250}" sections="${BENCH_SECTIONS:-checks routing head_router gemm model parts blocks}"
+    local seconds="${BENCH_SECONDS:-250}"
+    local sections="${BENCH_SECTIONS:-checks routing head_router gemm model parts blocks compiled}"
     local smoke=()
     [ "$DRY" = 1 ] && smoke=(--smoke) && sections="${BENCH_SECTIONS:-routing}"
     log "bench: benchmarks/gpu_moe.py ($sections; at most $seconds s) -> $OUT/gpu_moe.json after every section"
@@ -172,7 +176,7 @@ reproduce() {
     if [ "$DRY" = 1 ]; then
         scale=(--quick) && name=quick
     elif [ ! -f data/corpus/train.jsonl ]; then
-        log "reproduce: skipped: no corpus (bash scripts/get_corpus.sh, then bash scripts/gpu_run.sh pack, carry .gpu_pack)"
+        log "reproduce: skipped: no corpus (bash scripts/get_corpus.sh, bash scripts/gpu_run.sh pack, carry .gpu_pack)"
         return 0
     fi
     local minutes="${DEADLINE_MINUTES:-3.6}" extra=() seeds=() probes=()

@@ -27,7 +27,7 @@ pins = {norm(k): v for k, v in pins.items()}
 try: print(pins.get(norm(sys.argv[1])) or m.version(sys.argv[1]))
 except m.PackageNotFoundError: pass" "$name" "$ROOT/requirements-dev.txt")"
     if [ -z "$version" ]; then
-        echo "gpu_wheels: error: $name has no pin in requirements-dev.txt and is not installed in $PYTHON's environment" >&2
+        echo "gpu_wheels: error: $name has no pin in requirements-dev.txt and is not installed for $PYTHON" >&2
         exit 1
     fi
     "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
@@ -36,7 +36,7 @@ except m.PackageNotFoundError: pass" "$name" "$ROOT/requirements-dev.txt")"
 done
 bytes=$(du -sb "$TMP" | cut -f1)
 if [ "$bytes" -gt $((14 * 1024 * 1024)) ]; then
-    echo "gpu_wheels: error: $((bytes / 1024 / 1024)) MiB of wheels, over the 14 MiB budget (gpu_pack.CARRY_BUDGET_MIB)" >&2
+    echo "gpu_wheels: error: $((bytes / 1024 / 1024)) MiB of wheels, over the 14 MiB budget (gpu_pack.py)" >&2
     exit 1
 fi
 rm -rf "$DEST"

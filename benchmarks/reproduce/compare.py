@@ -23,6 +23,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,7 +61,9 @@ PAPER_ORDER = {
     ),
     "moh_table4": ("MoH < MHA", [["MoH 75% heads", "MoH 50% heads"], ["MHA (100% heads)"]]),
 }
-CLAIMS = re.compile(r"(<!-- claims (\S+) (\S+)(?: (final|mid))? -->\n)(.*?)(\n<!-- /claims -->)", re.S)
+CLAIMS = re.compile(
+    r"^([ \t]*)<!-- claims (\S+) (\S+)(?: (final|mid))? -->\n(.*?)^[ \t]*<!-- /claims -->", re.S | re.M
+)  # the text keeps the opening marker's indent (inside a list item)
 
 
 def _points(data: dict, point: str) -> dict:
@@ -72,8 +75,39 @@ def _points(data: dict, point: str) -> dict:
     }
 
 
+def fig2_claims(data: dict) -> str:
+    """MoH Fig. 2 per seed: parent, converted, tuned, control, and which of tuned MoH and control is lower."""
+    runs = data["runs"]
+
+    def each(key, fmt="{:.2f}"):
+        return " / ".join(fmt.format(run[key]) for run in runs)
+
+    converted = " / ×".join(f"{run['moh_ppl_before_tuning'] / run['dense_ppl']:.3f}" for run in runs)
+    conversion = runs[0].get("conversion", {})
+    mode = conversion.get("moh_straight_through")
+    ratio = [run["moh_ppl_after_tuning"] / run["dense_continued_ppl"] for run in runs]
+    below = [str(seed) for seed, r in zip(data["seeds"], ratio) if r < 1]
+    text = (
+        f"Seeds {' / '.join(map(str, data['seeds']))}, converter router `{conversion.get('moh_router')}` with "
+        f"straight-through `{mode!r}`, {runs[0]['active_heads']} heads active: the dense parent "
+        f"({runs[0]['dense_tokens']:,} tokens) {each('dense_ppl')}; converted {each('moh_ppl_before_tuning')} "
+        f"(×{converted} of the parent); after "
+        f"{runs[0]['tune_tokens']:,} continue-tuning tokens {each('moh_ppl_after_tuning')} "
+        f"(×{each('moh_over_dense', '{:.3f}').replace(' / ', ' / ×')} of the parent); the dense control trained "
+        f"the same extra tokens {each('dense_continued_ppl')}: MoH / control "
+        f"×{' / ×'.join(f'{r:.3f}' for r in ratio)}"
+    )
+    if len(below) == len(runs):
+        return text + ", below the control in every seed."
+    return text + (
+        f", below the control in seed {', '.join(below)} only." if below else ", above the control in every seed."
+    )
+
+
 def claims(data: dict, point: str = "final") -> str:
     """The sentences about one table at one validation point (see the module docstring)."""
+    if data["table"] == "moh_fig2":
+        return fig2_claims(data)
     values = _points(data, point)
     tokens = next(iter(data["cells"].values()))["summary"][point]["tokens"]
     seeds = len(data["seeds"])
@@ -96,7 +130,7 @@ def claims(data: dict, point: str = "final") -> str:
     if data["table"] in PAPER_ORDER:
         words, groups = PAPER_ORDER[data["table"]]
         groups = [kept for group in groups if (kept := [c for c in group if c in values])]  # the cells run
-        steps = [(a, b) for g, h in zip(groups, groups[1:]) for a in g for b in h]
+        steps = [(a, b) for i, g in enumerate(groups) for h in groups[i + 1 :] for a in g for b in h]  # every pair
         wrong = [(a, b) for a, b in steps if values[a][0] >= values[b][0]]
         if wrong:
             text.append(
@@ -125,9 +159,21 @@ def results_table(table: str, scale: str) -> dict:
 
 def rewrite_claims(text: str) -> str:
     """`text` with every claims block replaced by what the committed JSON gives now."""
-    return CLAIMS.sub(
-        lambda m: m.group(1) + claims(results_table(m.group(2), m.group(3)), m.group(4) or "final") + m.group(6), text
-    )
+
+    def block(m: re.Match) -> str:
+        indent, table, scale, point = m.group(1), m.group(2), m.group(3), m.group(4) or "final"
+        point_words = f" {point}" if m.group(4) else ""
+        said = textwrap.fill(
+            claims(results_table(table, scale), point),
+            width=118,
+            initial_indent=indent,
+            subsequent_indent=indent,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        return f"{indent}<!-- claims {table} {scale}{point_words} -->\n{said}\n{indent}<!-- /claims -->"
+
+    return CLAIMS.sub(block, text)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -422,7 +422,7 @@ def run_cells(
             "cell": cell,
             "cell_id": cell_id(cell),
             "data": data_name,
-            "config": config.to_diff_dict(),
+            "config": full_config(config),
             "parity": harness.parity(config),
             "run": run,
         }
@@ -436,6 +436,13 @@ def run_cells(
             flush=True,
         )
     return True
+
+
+def full_config(config) -> dict:
+    """Every field of the cell's config (defaults too: a later default change must not change what a record says ran),
+    without the keys a config rebuilds itself."""
+    skip = ("model_type", "transformers_version", "architectures", "auto_map")
+    return {key: value for key, value in config.to_dict().items() if key not in skip}
 
 
 def table_runs(data: dict, name: str, origin: str) -> list[dict]:
@@ -668,7 +675,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=[],
         metavar="FILE",
-        help="--probe results to estimate run times from (--deadline), where device and precision match",
+        help="--probe results to estimate run times from (--deadline) where device and precision match",
     )
     parser.add_argument(
         "--started",

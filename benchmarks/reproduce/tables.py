@@ -63,8 +63,8 @@ SCALES = {
         vocab=8192,
         lr=1e-3,
     ),
-    # the gpu scale's models and batch, 1550 steps (what one 5-minute command fit for SMoE and MH-MoE h=3 on an H200;
-    # scripts/gpu_run.sh reproduce sizes --steps from the probe unless SLICE_STEPS is set)
+    # the gpu scale's models and batch, 1550 steps (SMoE and MH-MoE h=3 took 97-120 s a run on an H200): fixed, so
+    # that runs of later windows join the committed ones (scripts/gpu_run.sh reproduce; a table mixes no lengths)
     "gpu_slice": dict(
         hidden_size=576,
         num_hidden_layers=8,

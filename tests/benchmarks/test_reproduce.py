@@ -1,6 +1,7 @@
 """The reproduction harness (benchmarks/reproduce/): quick runs end to end, the tables' parity, committed results."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -384,3 +385,81 @@ def test_comparison_puts_each_cell_beside_its_earlier_result():
         "| SMoE | 205.00 (200.00–210.00) | 192.00 (190.00–194.00) |",
         "| MH-MoE h=2 | - | 180.50 (180.00–181.00) |",
     ]
+
+
+RESULT_FILES = sorted((REPO / "benchmarks" / "results").glob("reproduce_*.json"))
+LOCAL_PATH = re.compile(r"(?<![\w.~$<>-])/(?:tmp|work|home|root|Users|usr|var|opt|mnt|private)/|[A-Za-z]:\\\\")
+
+
+def test_no_local_path_in_any_committed_result():
+    """Results, logs, tables and cards under benchmarks/results name no path of the machine that wrote them."""
+    offenders = []
+    for path in sorted((REPO / "benchmarks" / "results").rglob("*")):
+        if path.is_file() and path.suffix in (".json", ".md", ".log", ".txt"):
+            offenders += [
+                f"{path.relative_to(REPO)}:{n}"
+                for n, line in enumerate(path.read_text().splitlines(), 1)
+                if LOCAL_PATH.search(line)
+            ]
+    assert not offenders, offenders[:10]
+    assert (
+        LOCAL_PATH.search('"/tmp/rr/cpu"')
+        and LOCAL_PATH.search("to /work/main/outputs")
+        and not LOCAL_PATH.search("$OUT/gpu_moe.json <checkout>/src benchmarks/results")
+    )
+
+
+@pytest.mark.parametrize("path", RESULT_FILES, ids=lambda p: p.name)
+def test_every_committed_result_records_its_provenance(path):
+    """Each run: its commit and dirty flag; each MoE cell: the official preset's fields it ran with; Fig. 2: the
+    converter's router and straight-through mode."""
+    data = json.loads(path.read_text())
+    if data["table"] == "moh_fig2":
+        assert data["commit"] and data.get("dirty") is not None
+        for run in data["runs"]:
+            assert run["conversion"]["moh_router"] and "moh_straight_through" in run["conversion"]
+        return
+    for name, cell in data["cells"].items():
+        for run in cell["runs"]:
+            assert run["provenance"].get("commit") and run["provenance"].get("dirty") is not None, (name, run["seed"])
+        if cell["parity"].get("moe_layers") and cell["config"].get("router_type", "topk") == "topk":
+            assert {"norm_topk_prob", "router_aux_loss_mode", "num_experts", "moe_heads"} <= set(cell["config"]), name
+
+
+@pytest.mark.parametrize("doc", ["README.md", "benchmarks/README.md", "benchmarks/reproduce/README.md"])
+def test_ordering_and_overlap_sentences_are_what_the_json_gives(doc):
+    """Every ordering/overlap sentence about a reproduction table sits in a claims block generated from its JSON."""
+    text = (REPO / doc).read_text()
+    assert compare.rewrite_claims(text) == text, f"run: python benchmarks/reproduce/compare.py --write {doc}"
+    if doc == "benchmarks/reproduce/README.md":
+        blocks = {(m.group(2), m.group(3)) for m in compare.CLAIMS.finditer(text)}
+        tables = {tuple(p.stem.removeprefix("reproduce_").rsplit("_", 1)) for p in RESULT_FILES}
+        tables = {(t, s) if s != "long" else (t.removesuffix("_cpu"), "cpu_long") for t, s in tables}
+        tables = {(t.removesuffix("_gpu"), "gpu_slice") if s == "slice" else (t, s) for t, s in tables}
+        assert tables <= blocks, tables - blocks  # every committed table is described by its JSON
+
+
+def test_claims_say_order_apartness_and_the_papers_ordering():
+    def cell(*finals):
+        return {"runs": [{"eval": [{"step": 10, "tokens": 640, "ppl": p}]} for p in finals]}
+
+    data = {
+        "table": "mhmoe_table2",
+        "seeds": [0, 1],
+        "cells": {"SMoE": cell(10.0, 11.0), "Fine-grained SMoE": cell(12.0, 13.0), "MH-MoE h=2": cell(9.0, 10.5)},
+    }
+    for entry in data["cells"].values():
+        entry["summary"] = harness.summarise(entry)
+    said = compare.claims(data)
+    assert "Means: MH-MoE h=2 < SMoE < Fine-grained SMoE." in said
+    assert (
+        "Seed ranges apart: MH-MoE h=2 below Fine-grained SMoE (by 1.50); SMoE below Fine-grained SMoE (by "
+        "1.00); the other 1 pair(s) overlap."
+    ) in said
+    assert "does not hold in the means: Fine-grained SMoE is not below SMoE." in said
+    data["cells"]["Fine-grained SMoE"] = cell(10.4, 10.8)
+    data["cells"]["Fine-grained SMoE"]["summary"] = harness.summarise(data["cells"]["Fine-grained SMoE"])
+    data["cells"]["SMoE"] = cell(11.0, 11.5)
+    data["cells"]["SMoE"]["summary"] = harness.summarise(data["cells"]["SMoE"])
+    said = compare.claims(data)
+    assert "holds in the means, but the seed ranges do not separate MH-MoE h=2 from Fine-grained SMoE" in said
