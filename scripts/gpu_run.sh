@@ -19,8 +19,9 @@
 #              files (MHMOE_PROVENANCE: every result records the packed commit, and whether the tree matched it);
 #              mhmoe imports with a Transformers in pyproject.toml's range; torch sees a CUDA GPU, else exit 3.
 #              Every other stage runs it first (a second time on a warm machine it installs nothing).
-#   probe      PROBE_STEPS (20) training steps each of the gpu-scale SMoE and MH-MoE h=3 (bf16, random ids):
-#              $OUT/probe_mhmoe_table1_gpu.json, which call 2 estimates its runs from
+#   probe      PROBE_STEPS (20) training steps each of the gpu-scale SMoE and MH-MoE h=3 (bf16, random ids), cut at
+#              PROBE_SECONDS (60): $OUT/probe_mhmoe_table1_gpu.json, which call 2 estimates its runs from. Call 1 is
+#              at most ~15 s of setup + 60 + BENCH_SECONDS (250) = 325 s, under its 360 s timeout.
 #   bench      benchmarks/gpu_moe.py, cut at BENCH_SECONDS (250): $OUT/gpu_moe.json, rewritten after every section
 #   reproduce  Table 1 at SCALE (gpu_slice: the gpu scale's models, 1550 steps), seed by seed (SEEDS "0 1"), the cells
 #              in the priority CELLS gives ("smoe mhmoe_h3 finegrained_smoe mhmoe_h2 dense"); the runs already in the
@@ -34,9 +35,9 @@
 #
 # Environment: OUT (default outputs/gpu_run), GPU_RUN_PYTHON (python3), GPU_RUN_FORCE_WHEELS=1 (install every carried
 # wheel), GPU_RUN_STARTED (epoch seconds the deadline counts from; default this command's start), CELLS, SEEDS, SCALE,
-# DEADLINE_MINUTES, PROBE_STEPS, BENCH_SECONDS, BENCH_SECTIONS, BENCH_REPEATS. GPU_RUN_DRY=1: a dry run on a machine
-# without a GPU (tests/benchmarks/test_gpu_run.py): setup does not stop, probe and reproduce run the quick scale,
-# bench its --smoke shapes.
+# DEADLINE_MINUTES, PROBE_STEPS, PROBE_SECONDS, BENCH_SECONDS, BENCH_SECTIONS, BENCH_REPEATS. GPU_RUN_DRY=1: a dry
+# run on a machine without a GPU (tests/benchmarks/test_gpu_run.py): setup does not stop, probe and reproduce run the
+# quick scale, bench its --smoke shapes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -154,7 +155,7 @@ probe() {
     local scale=(--scale gpu)
     [ "$DRY" = 1 ] && scale=(--quick)
     log "probe: ${PROBE_STEPS:-20} training steps each of SMoE and MH-MoE h=3 (${scale[*]}, bf16 on a GPU)"
-    timeout 240 "$PY" benchmarks/reproduce/run.py "$TABLE" "${scale[@]}" --probe "${PROBE_STEPS:-20}" \
+    timeout "${PROBE_SECONDS:-60}" "$PY" benchmarks/reproduce/run.py "$TABLE" "${scale[@]}" --probe "${PROBE_STEPS:-20}" \
         --cells smoe mhmoe_h3 --out "$OUT" || log "probe stopped (exit $?)"
     cp "$OUT"/probe_*.json "$WORK/" 2>/dev/null || true  # kept on a warm machine for call 2's estimates
 }
