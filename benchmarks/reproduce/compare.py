@@ -1,7 +1,7 @@
 """Reproduction tables read back: a committed table against an earlier commit's, and the sentences the READMEs say
 about a table's ordering and seed spread, derived from its JSON so that the prose cannot drift from the numbers.
 
-    python benchmarks/reproduce/compare.py REV TABLE SCALE [--new DIR]
+    python benchmarks/reproduce/compare.py REV TABLE SCALE [--new DIR] [--labels OLD NEW]
     python benchmarks/reproduce/compare.py --claims TABLE SCALE [final|mid]
     python benchmarks/reproduce/compare.py --check FILE.md ... | --write FILE.md ...
 
@@ -30,11 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 
-def comparison(old: dict, new: dict) -> str:
-    lines = [
-        f"| model | library conventions ({old['commit']}) | official preset ({new['commit']}) |",
-        "| --- | --- | --- |",
-    ]
+def comparison(old: dict, new: dict, labels: tuple[str, str] = ("library conventions", "official preset")) -> str:
+    lines = [f"| model | {labels[0]} ({old['commit']}) | {labels[1]} ({new['commit']}) |", "| --- | --- | --- |"]
     for name, cell in new["cells"].items():
         before = old["cells"].get(name, {}).get("summary", {}).get("final")
         lines.append(f"| {name} | {harness._fmt(before)} | {harness._fmt(cell['summary'].get('final'))} |")
@@ -199,6 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("table")
     parser.add_argument("scale")
     parser.add_argument("--new", type=Path, default=harness.REPO / "benchmarks" / "results")
+    parser.add_argument(
+        "--labels",
+        nargs=2,
+        default=["library conventions", "official preset"],
+        metavar=("OLD", "NEW"),
+        help="the two columns' headings (each followed by the commit its runs recorded)",
+    )
     args = parser.parse_args(argv)
     name = f"reproduce_{args.table}_{args.scale}.json"
     shown = subprocess.run(
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if shown.returncode != 0:
         parser.error(f"no benchmarks/results/{name} at {args.rev}: {shown.stderr.strip()}")
-    print(comparison(json.loads(shown.stdout), json.loads((args.new / name).read_text())))
+    print(comparison(json.loads(shown.stdout), json.loads((args.new / name).read_text()), tuple(args.labels)))
 
 
 if __name__ == "__main__":
