@@ -534,6 +534,7 @@ def provenance(device: torch.device) -> dict:
     import transformers
 
     import mhmoe
+    from mhmoe.models.ops import backends as routing
 
     try:
         import triton
@@ -551,6 +552,7 @@ def provenance(device: torch.device) -> dict:
         "mhmoe": mhmoe.__version__,
         "python": platform.python_version(),
         "env": _provenance.behaviour_env(),
+        "routing_backend": routing.routing_backend(torch.empty(0, device=device))[0],
         "precision": {
             "blocks": "bf16" if device.type == "cuda" else "fp32 (smoke)",
             "model": "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32 (smoke)",

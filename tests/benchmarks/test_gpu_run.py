@@ -176,7 +176,7 @@ def test_dry_run_of_both_calls_returns_everything_flat_with_provenance_and_seeds
     for record in (bench, probe):
         assert record["commit"] == packed["commit"] and record["tree_verified"] is True
         assert {"dirty", "device", "env"} <= set(record)
-    assert {"torch", "transformers", "triton", "precision", "kernel_fallbacks"} <= set(bench)
+    assert {"torch", "transformers", "triton", "precision", "routing_backend", "kernel_fallbacks"} <= set(bench)
     assert {"versions", "mixed_precision", "routing_backend", "kernel_fallbacks"} <= set(probe)
 
     # call 2: seed 0 of both cells, in the order given; the bundle is the one file with the runs
