@@ -551,9 +551,10 @@ def conversion_settings(folder: Path) -> dict:
         "num_key_value_heads",
     )
     settings = {key: config.get(key) for key in keys}
-    record = folder / "moh_conversion.json"
-    if record.is_file():
-        settings["recipe"] = json.loads(record.read_text()).get("recipe")
+    for record in (folder / "moh_conversion.json", folder / "converted" / "moh_conversion.json"):
+        if record.is_file():  # the converter's record: beside the tuned model, or in its converted/ start point
+            settings["recipe"] = json.loads(record.read_text()).get("recipe")
+            break
     return settings
 
 

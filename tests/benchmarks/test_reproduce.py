@@ -233,6 +233,7 @@ def test_quick_fig2_end_to_end(tmp_path):
 
     assert result["conversion"]["moh_straight_through"] == recipe.STRAIGHT_THROUGH  # what the converter set
     assert result["conversion"]["moh_router"] == "l2" and "workdir" not in result  # no local path in results
+    assert result["conversion"]["recipe"]  # the converter's record of the head recipe
     assert {"commit", "dirty", "env"} <= set(data)
 
 
