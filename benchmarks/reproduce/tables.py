@@ -13,7 +13,7 @@ norm before o_proj (the committed Table 3 files at `cpu_long` predate the latter
 Table 2's shared expert is a full-size expert (inner width = the SMoE expert's), as in the paper.
 """
 
-from mhmoe import MHMoEConfig
+from mhmoe import MHMoEConfig, moe_layer_cost
 from mhmoe.models.mhmoe.matching import OFFICIAL_BITNET, conventions_fields, matched_to_smoe
 
 CONVENTIONS = "official"  # "library": this library's defaults (how results before commit 'official preset' ran)
@@ -64,8 +64,8 @@ SCALES = {
         vocab=8192,
         lr=1e-3,
     ),
-    # the gpu scale's models and batch, 1550 steps (what one 5-minute command fit for SMoE and MH-MoE h=3 on an H200;
-    # scripts/gpu_run.sh reproduce sizes --steps from the probe unless SLICE_STEPS is set)
+    # the gpu scale's models and batch, 1550 steps (SMoE and MH-MoE h=3 took 97-120 s a run on an H200): fixed, so
+    # that runs of later windows join the committed ones (scripts/gpu_run.sh reproduce; a table mixes no lengths)
     "gpu_slice": dict(
         hidden_size=576,
         num_hidden_layers=8,
@@ -111,9 +111,36 @@ def smoe(scale: dict, **fields) -> MHMoEConfig:
     return MHMoEConfig(**{**values, **fields})
 
 
+# E is rounded to a multiple of 8, as the paper does (40 for h=2's exact 41.3, 96 for h=3's 93.0): that leaves its own
+# models' MoE-layer parameters (routers aside) 3.125% off the SMoE's. Where a multiple of 8 would leave more, the
+# nearest multiple of 4 (then 2, 1) is used: only the ablations with one of the head/merge layers, whose exact solve
+# (E = 36.0) lies halfway between 32 and 40 (-10.9% / +10.9%); at 36 they match to the parameter.
+PAPER_EXPERT_ROUNDING = 8
+PARAMETER_GAP = 1 / 32
+
+
+def parameter_gap(config: MHMoEConfig, source: MHMoEConfig) -> float:
+    """Relative difference of one MoE layer's parameters, routers and shared expert aside (the parity solve's terms)."""
+    cost, ref = moe_layer_cost(config), moe_layer_cost(source)
+    ours = cost.params - cost.router_params - cost.shared_expert_params
+    return ours / (ref.params - ref.router_params - ref.shared_expert_params) - 1
+
+
 def matched(source: MHMoEConfig, moe_heads: int, top_k: int, **fields) -> MHMoEConfig:
-    """`matched_to_smoe` with `CONVENTIONS` (the source's own routing fields under "library")."""
-    return matched_to_smoe(source, moe_heads=moe_heads, num_experts_per_tok=top_k, conventions=CONVENTIONS, **fields)
+    """`matched_to_smoe` with `CONVENTIONS` (the source's own routing fields under "library"), E rounded
+    to a multiple of `PAPER_EXPERT_ROUNDING` unless that leaves the parameters more than `PARAMETER_GAP` off."""
+    for unit in (PAPER_EXPERT_ROUNDING, 4, 2, 1):
+        config = matched_to_smoe(
+            source,
+            moe_heads=moe_heads,
+            num_experts_per_tok=top_k,
+            round_experts_to=unit,
+            conventions=CONVENTIONS,
+            **fields,
+        )
+        if abs(parameter_gap(config, source)) <= PARAMETER_GAP:
+            break
+    return config
 
 
 def table1(scale: dict, shared: bool = False, **extra) -> dict[str, MHMoEConfig]:
@@ -135,7 +162,7 @@ def table1(scale: dict, shared: bool = False, **extra) -> dict[str, MHMoEConfig]
 
 def ablations(scale: dict) -> dict[str, MHMoEConfig]:
     """MH-MoE Tables 4-5: h=2 with both layers, without the head layer, without the merge layer, without both (each
-    re-matched to the SMoE for what it really has)."""
+    re-matched to the SMoE for what it really has: without one layer E = 36, the exact solve, see `matched`)."""
     source = smoe(scale)
     variants = {
         "MH-MoE h=2": {},

@@ -27,9 +27,24 @@ def test_default_widths_are_valid_for_h3():
 
 
 def test_smoke_run_writes_each_section(tmp_path):
-    assert gpu_moe.main(["--smoke", "--out", str(tmp_path), "--sections", "checks", "routing", "gemm", "model"]) == 0
+    sections = ["checks", "routing", "gemm", "model", "parts", "compiled"]
+    assert gpu_moe.main(["--smoke", "--out", str(tmp_path), "--sections", *sections]) == 0
     data = json.loads((tmp_path / "gpu_moe.json").read_text())
-    assert set(data["section_seconds"]) == {"checks", "routing", "gemm", "model"}
+    assert set(data["section_seconds"]) == set(sections)
+    parts = data["parts"]
+    assert not parts["errors"], parts["errors"]  # every step of the block still exists under its name
+    assert {
+        "route",
+        "sort by expert",
+        "gate/up grouped GEMM",
+        "combine (gather K slots, weight, sum)",
+        "whole block forward",
+    } <= set(parts["parts"])
+    assert set(parts["profiles"]) == {"hf_mixtral", "ours_smoe", "ours_h3"}
+    assert all(p["kernels"] > 0 for p in parts["profiles"].values())
+    assert not data["compiled"]["errors"] and "ours_h3 default" in data["compiled"]["times"]
+    assert {"grouped GEMMs only", "dense GEMMs, the experts' shapes"} <= set(data["gemm"])
+    assert data["kernel_fallbacks"] == {} and {"env", "precision"} <= set(data)
     assert set(data["model"]["models"]) == {"smoe", "mhmoe_h3", "mhmoe_h3_recompute_gate_up", "dense"}
     from mhmoe.models.ops.experts import experts_grouped_mm
 
@@ -39,3 +54,41 @@ def test_smoke_run_writes_each_section(tmp_path):
     assert "moe grouped_mm tiled float32" in names and "moe grouped_mm kernel float32" in names
     assert all(c["ok"] for c in data["checks"] if c["check"].startswith("moe grouped_mm"))
     assert "torch route" in data["routing"]["us"] and data["gemm"]["grouped_mm experts"]["tflops"] > 0
+
+
+def test_a_models_own_peak_memory_leaves_out_the_models_built_before_it():
+    """The 2026-11-26 file recorded peak_bytes with the earlier models still allocated (its column grew model by
+    model); the table derives each model's own peak from the same file: the step's peak above its starting memory
+    plus the starting memory's growth since the model before it."""
+    data = json.loads((REPO / "benchmarks" / "results" / "gpu_moe-nvidia-h200-60178f3" / "gpu_moe.json").read_text())
+    models = data["model"]["models"]
+    own = gpu_moe.own_peaks(models)
+    assert own["smoe"] == models["smoe"]["peak_bytes"]  # the first model: nothing built before it
+    assert [round(own[n] / 2**30, 2) for n in models] == [10.92, 11.82, 10.7, 9.55]
+    assert [round(models[n]["peak_bytes"] / 2**30, 2) for n in models] == [10.92, 14.23, 15.5, 16.75]
+    recorded = {name: {**cells, "own_peak_bytes": 1.0} for name, cells in models.items()}
+    assert gpu_moe.own_peaks(recorded) == dict.fromkeys(models, 1.0)  # newer files record it
+
+
+def test_the_model_card_template_reports_the_committed_gpu_run():
+    """model_cards/mhmoe.md's speed paragraph says what benchmarks/results/gpu_moe-nvidia-h200-60178f3 holds."""
+    folder = REPO / "benchmarks" / "results" / "gpu_moe-nvidia-h200-60178f3"
+    data = json.loads((folder / "gpu_moe.json").read_text())
+    probe = json.loads((folder / "probe_mhmoe_table1_gpu.json").read_text())["cells"]
+
+    def span(values):
+        return f"{min(values):.2f}–{max(values):.2f}×"
+
+    ratios = [run["times"]["fwd+bwd"] for run in data["blocks"]]
+    models = data["model"]["models"]
+    own = gpu_moe.own_peaks(models)
+    step = [models["mhmoe_h3"]["time_vs_smoe"], probe["MH-MoE h=3"]["ms_per_step"] / probe["SMoE"]["ms_per_step"]]
+    memory = [
+        own["mhmoe_h3"] / own["smoe"],
+        probe["MH-MoE h=3"]["peak_memory_bytes"] / probe["SMoE"]["peak_memory_bytes"],
+    ]
+    text = " ".join((REPO / "model_cards" / "mhmoe.md").read_text().split())
+    assert f"commit {data['commit']}" in text and data["device"] in text
+    assert f"3 heads takes {span([r['ours_h3']['ratio'] for r in ratios])} the time" in text
+    assert f"a plain SMoE layer {span([r['ours_smoe']['ratio'] for r in ratios])}" in text
+    assert f"takes {span(step)} an SMoE's, at {span(memory)} its peak memory" in text

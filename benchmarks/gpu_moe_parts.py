@@ -1,0 +1,309 @@
+"""Where the MH-MoE h=3 block's GPU time goes: the `parts` and `compiled` sections of benchmarks/gpu_moe.py.
+
+parts      the h=3 block's forward cut into the steps `experts.grouped_experts_forward` and the block run (no grad, bf16):
+           head layer, router GEMM (fp32), route (softmax + top-k), sort by expert, slot positions, gather of the
+           rows, gate/up grouped GEMM, act·up, down grouped GEMM, combine (gather the K slots, weight, sum), merge
+           layer; each timed alone, eagerly and replayed from a CUDA graph (the device's time without the host's
+           launch cost), beside the whole block forward and forward+backward. Then one profiled forward+backward of
+           the h=3, SMoE and Mixtral blocks: GPU kernels launched, the GPU's busy time against the wall time, host
+           syncs (torch.cuda.set_sync_debug_mode), and the largest kernels.
+compiled   fwd+bwd of Transformers' Mixtral block, our SMoE and h=3 blocks under torch.compile (default, and
+           "reduce-overhead": CUDA graphs) against eager, interleaved; with the compile time of each.
+
+The steps follow `experts_grouped_mm._experts_forward` and `MHMoESparseMoeBlock.forward` as they are at the commit recorded in the
+results file; a step that fails (say, a helper renamed) is recorded with its error and the others still run.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+
+def _graphed(fn, device):
+    """fn captured in a CUDA graph (after a warm-up on a side stream): a function replaying it; None on CPU."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def block_parts(block, x) -> dict:
+    """{part: fn} for the h=3 block's forward on `x` (1, T, d), inputs of each part computed once beforehand."""
+    from mhmoe.models.mhmoe.experts import grouped_experts_forward
+    from mhmoe.models.ops import backends as routing
+    from mhmoe.models.ops.experts import experts_grouped_mm, grouped_gemm
+
+    experts, gate = block.experts, block.gate
+    k, num_experts = gate.top_k, experts.num_experts
+    width = x.shape[-1] // block.moe_heads
+    state = {}
+    with torch.no_grad():
+        state["sub"] = block.head_proj(x).reshape(-1, width)  # (N, W)
+        state["logits"] = F.linear(state["sub"].float(), gate.weight.float())  # (N, E)
+        state["weights"], state["index"] = routing.route(
+            state["logits"], k, gate.norm_topk_prob, gate.capacity_factor, gate.routing_backend, gate.capacity_rounding
+        )
+        state["order"], state["offsets"] = routing.sort_by_expert(state["index"], num_experts)
+        state["rows"] = state["sub"].index_select(0, state["order"] // k)  # (S, W)
+        state["gate_up"] = grouped_gemm.grouped_mm(
+            state["rows"], experts.gate_up_proj.transpose(1, 2), state["offsets"]
+        )
+        inter = experts.intermediate_dim
+        state["hidden"] = F.silu(state["gate_up"][:, :inter]) * state["gate_up"][:, inter:]  # (S, I)
+        state["expert_out"] = grouped_gemm.grouped_mm(
+            state["hidden"], experts.down_proj.transpose(1, 2), state["offsets"]
+        )
+        num_slots = state["index"].numel()
+        state["dropped"] = state["index"].reshape(-1) >= num_experts
+        state["slot_pos"] = torch.empty_like(state["order"]).index_copy_(
+            0, state["order"], torch.arange(num_slots, device=x.device)
+        )
+        state["combined"] = torch.zeros_like(x)
+
+    def combine():
+        slots = experts_grouped_mm._gather_slots(state["expert_out"], state["slot_pos"], state["dropped"]).view(
+            -1, k, width
+        )
+        return torch.bmm(state["weights"].float().unsqueeze(1), slots.float()).squeeze(1).to(x.dtype)
+
+    def slot_positions():
+        pos = torch.empty_like(state["order"])
+        return pos.index_copy_(0, state["order"], torch.arange(num_slots, device=x.device))
+
+    inter = experts.intermediate_dim
+    return {
+        "head layer": lambda: block.head_proj(x),
+        "router GEMM (fp32)": lambda: F.linear(state["sub"].float(), gate.weight.float()),
+        "route": lambda: routing.route(
+            state["logits"], k, gate.norm_topk_prob, gate.capacity_factor, gate.routing_backend, gate.capacity_rounding
+        ),
+        "sort by expert": lambda: routing.sort_by_expert(state["index"], num_experts),
+        "slot positions": slot_positions,
+        "gather rows": lambda: state["sub"].index_select(0, state["order"] // k),
+        "gate/up grouped GEMM": lambda: grouped_gemm.grouped_mm(
+            state["rows"], experts.gate_up_proj.transpose(1, 2), state["offsets"]
+        ),
+        "act·up": lambda: F.silu(state["gate_up"][:, :inter]) * state["gate_up"][:, inter:],
+        "down grouped GEMM": lambda: grouped_gemm.grouped_mm(
+            state["hidden"], experts.down_proj.transpose(1, 2), state["offsets"]
+        ),
+        "combine (gather K slots, weight, sum)": combine,
+        "merge layer": lambda: block.merge_proj(state["combined"]),
+        "experts as the block runs them": lambda: grouped_experts_forward(
+            experts, state["sub"], state["index"], state["weights"]
+        ),
+        "whole block forward": lambda: block(x),
+    }
+
+
+def profile_step(block, x, grad, device) -> dict:
+    """One forward+backward of `block` after a warm-up: kernels launched, GPU busy µs, wall µs, host syncs, the
+    largest kernels (on CPU: the aten operators run, in place of kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        inp = x.detach().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        out = block(inp)
+        (out[0] if isinstance(out, tuple) else out).backward(grad)
+
+    step()
+    syncs = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step()
+                torch.cuda.synchronize()
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - started) * 1e6
+    kernels, busy = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if on_device or (device.type == "cpu" and event.name.startswith("aten::")):
+            kernels[event.name] += 1
+            busy[event.name] += event.time_range.elapsed_us() if on_device else 0
+    top = [{"kernel": name[:120], "count": kernels[name], "us": round(us, 1)} for name, us in busy.most_common(12)]
+    return {
+        "kernels": sum(kernels.values()),
+        "gpu_busy_us": round(sum(busy.values()), 1),
+        "wall_us_profiled": round(wall_us, 1),
+        "host_syncs": syncs,
+        "largest_kernels": top,
+        "counted": "CUDA kernels" if device.type == "cuda" else "aten operators (CPU smoke run)",
+    }
+
+
+def time_parts(build_blocks, interleaved, hidden: int, tokens: int, repeats: int, dtype, device) -> dict:
+    """The `parts` section (see the module docstring)."""
+    blocks = build_blocks(hidden, dtype, device)
+    block = blocks["ours_h3"]
+    x = torch.randn(1, tokens, hidden, device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+    result = {
+        "hidden": hidden,
+        "tokens": tokens,
+        "moe_heads": block.moe_heads,
+        "experts": block.experts.num_experts,
+        "top_k": block.gate.top_k,
+        "parts": {},
+        "errors": {},
+    }
+    with torch.no_grad():
+        parts = block_parts(block, x)
+        eager, graphed = {}, {}
+        for name, fn in parts.items():
+            try:
+                fn()  # runs at all
+                eager[name] = fn
+                replay = _graphed(fn, device)
+                if replay is not None:
+                    graphed[name] = replay
+            except Exception as error:  # a failing part (or capture) is a result, not the end of the section
+                result["errors"][name] = f"{type(error).__name__}: {error}"[:300]
+        eager_times = interleaved(eager, repeats, device)
+        graph_times = interleaved(graphed, repeats, device) if graphed else {}
+    for name in parts:
+        if name in eager_times:
+            result["parts"][name] = {
+                "eager_us": 1e3 * eager_times[name]["ms"],
+                "graph_us": 1e3 * graph_times[name]["ms"] if name in graph_times else None,
+            }
+    step_parts = [n for n in result["parts"] if n not in ("experts as the block runs them", "whole block forward")]
+    result["sum_of_parts_eager_us"] = sum(result["parts"][n]["eager_us"] for n in step_parts)
+
+    def forward_backward():
+        inp = x.detach().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        block(inp).backward(grad)
+
+    result["whole_fwd_bwd_us"] = 1e3 * interleaved({"fwd+bwd": forward_backward}, repeats, device)["fwd+bwd"]["ms"]
+    result["profiles"] = {}
+    for name in ("hf_mixtral", "ours_smoe", "ours_h3"):
+        try:
+            result["profiles"][name] = profile_step(blocks[name], x, grad, device)
+        except Exception as error:
+            result["errors"][f"profile {name}"] = f"{type(error).__name__}: {error}"[:300]
+    return result
+
+
+def time_compiled(
+    build_blocks,
+    interleaved,
+    hidden: int,
+    tokens: int,
+    repeats: int,
+    dtype,
+    device,
+    save,
+    modes=("default", "reduce-overhead"),
+) -> dict:
+    """The `compiled` section: fwd+bwd of the Mixtral, SMoE and h=3 blocks, eager and compiled in each mode, timed
+    against eager Mixtral; `save()` after each compiled block (compiles are slow: a cut run keeps what finished). On
+    CPU (smoke) the compiler is Dynamo alone (backend "eager"): the code path, not a speed."""
+    blocks = build_blocks(hidden, dtype, device)
+    x = torch.randn(1, tokens, hidden, device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+    result = {
+        "hidden": hidden,
+        "tokens": tokens,
+        "modes": list(modes),
+        "compile_seconds": {},
+        "errors": {},
+        "times": {},
+    }
+
+    def forward_backward(module):
+        def run():
+            inp = x.detach().requires_grad_()
+            out = module(inp)
+            (out[0] if isinstance(out, tuple) else out).backward(grad)
+            for p in module.parameters():
+                p.grad = None
+
+        return run
+
+    candidates = {f"{name} eager": forward_backward(blocks[name]) for name in ("hf_mixtral", "ours_smoe", "ours_h3")}
+    for mode in modes:
+        for name in ("ours_h3", "hf_mixtral", "ours_smoe"):
+            label = f"{name} {mode}"
+            try:
+                options = {"backend": "eager"} if device.type != "cuda" else {"mode": mode}
+                compiled = torch.compile(blocks[name], fullgraph=False, dynamic=False, **options)
+                started = time.perf_counter()
+                run = forward_backward(compiled)
+                for _ in range(3):  # compile, then the warm-ups reduce-overhead records its graphs in
+                    run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                result["compile_seconds"][label] = round(time.perf_counter() - started, 1)
+                candidates[label] = run
+            except Exception as error:
+                result["errors"][label] = f"{type(error).__name__}: {error}"[:300]
+            result["times"] = interleaved(candidates, repeats, device, "hf_mixtral eager")
+            save()
+    return result
+
+
+def markdown_parts(parts: dict) -> str:
+    lines = [
+        f"| h=3 block forward, d={parts['hidden']}, {parts['tokens']} tokens (E={parts['experts']}, "
+        f"k={parts['top_k']}): part | eager µs | CUDA-graph replay µs |",
+        "| --- | --- | --- |",
+    ]
+    for name, cells in parts["parts"].items():
+        graph = f"{cells['graph_us']:,.1f}" if cells.get("graph_us") is not None else "-"
+        lines.append(f"| {name} | {cells['eager_us']:,.1f} | {graph} |")
+    lines.append(f"| sum of the steps (eager) | {parts['sum_of_parts_eager_us']:,.1f} | |")
+    lines.append(f"| whole block forward+backward | {parts['whole_fwd_bwd_us']:,.1f} | |")
+    lines += [f"- FAILED {name}: {error}" for name, error in parts.get("errors", {}).items()]
+    if parts.get("profiles"):
+        lines += [
+            "",
+            "| one fwd+bwd, profiled | kernels | GPU busy µs | wall µs | host syncs | largest kernel |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, prof in parts["profiles"].items():
+            top = prof["largest_kernels"][0] if prof["largest_kernels"] else {}
+            largest = f"{top.get('kernel', '-')[:60]} ({top.get('us', 0):,.0f} µs)" if top else "-"
+            lines.append(
+                f"| {name} | {prof['kernels']} | {prof['gpu_busy_us']:,.0f} | {prof['wall_us_profiled']:,.0f}"
+                f" | {prof['host_syncs']} | {largest} |"
+            )
+    return "\n".join(lines)
+
+
+def markdown_compiled(compiled: dict) -> str:
+    lines = [
+        f"| fwd+bwd, d={compiled['hidden']}, {compiled['tokens']} tokens | vs Mixtral eager | ms | compile s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, cells in compiled["times"].items():
+        seconds = compiled["compile_seconds"].get(name)
+        compile_s = "-" if seconds is None else seconds
+        lines.append(f"| {name} | {cells['ratio']:.2f}x | {cells['ms']:.2f} | {compile_s} |")
+    lines += [f"- FAILED {name}: {error}" for name, error in compiled.get("errors", {}).items()]
+    return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""What the MoE blocks ask of a GPU, counted on CPU: device operations, Triton launches, host syncs and bytes moved.
+
+A GPU block whose kernels are small is bound by how many it launches (each costs the host ~5-20 µs in PyTorch's
+dispatcher, a Triton launch more) and by the bytes its elementwise and gather steps move, not by its FLOPs. This
+script runs the blocks of benchmarks/gpu_moe.py (d=768: Transformers' Mixtral block E=8 k=1, our SMoE, MH-MoE h=3
+E=96 k=3; bf16, as on the GPU: torch's grouped GEMM takes bf16 on CPU too) under a `TorchDispatchMode` that records
+every aten operation below autograd, which is where a GPU kernel would be launched:
+
+- device ops: operations that launch work (views, `empty` and `detach` launch nothing and are left out);
+- host syncs: operations that read a device value on the host (`_local_scalar_dense`, `nonzero`, `unique`, ...);
+- bytes: the tensors each device op reads and writes (inputs whole, an overestimate for gathers), scaled to
+  `--scale_tokens` tokens (bytes grow with the tokens; the weights' do not, and are counted once);
+- Triton launches: the routing kernels' launches, counted by wrapping them (with `--triton`, under TRITON_INTERPRET=1
+  and MHMOE_ROUTING_BACKEND=triton, the path the GPU takes; else the PyTorch reference, the path under torch.compile).
+
+Per part of the h=3 forward (`gpu_moe_parts.block_parts`) and for the whole forward and forward+backward of each block.
+
+    TRITON_INTERPRET=1 MHMOE_ROUTING_BACKEND=triton PYTHONPATH=src python benchmarks/moe_dispatch.py --triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_moe  # noqa: E402
+import gpu_moe_parts  # noqa: E402
+
+NO_LAUNCH = {
+    "empty",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "_unsafe_view",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "is_same_size",
+    "_has_compatible_shallow_copy_type",
+    "resize_",
+    "empty_like",
+    "promote_types",
+    "result_type",
+}
+HOST_SYNC = {"_local_scalar_dense", "nonzero", "unique", "_unique2", "masked_select", "repeat_interleave", "item"}
+
+
+class Counter(TorchDispatchMode):
+    paused = False  # inside a Triton launch: the interpreter's own host copies are no device work
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs, self.bytes = collections.Counter(), collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if Counter.paused:
+            return out
+        name = func.overloadpacket.__name__
+        if name in HOST_SYNC:
+            self.syncs[name] += 1
+        if func.is_view or name in NO_LAUNCH:
+            return out
+        self.ops[name] += 1
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        self.bytes[name] += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+class TritonLaunches:
+    """Count the launches of the routing kernels (module globals replaced by counting proxies while inside)."""
+
+    def __init__(self):
+        self.count = collections.Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        from mhmoe.models.ops.routing import routing_triton
+
+        self.module = routing_triton
+        for name in ("_softmax_topk_kernel", "_block_histogram_kernel", "_stable_scatter_kernel"):
+            kernel = getattr(routing_triton, name)
+            self._saved[name] = kernel
+            counter, label = self.count, name
+
+            class Proxy:
+                def __getitem__(self, grid, kernel=kernel, label=label):
+                    counter[label] += 1
+                    launch = kernel[grid]
+
+                    def run(*args, **kwargs):
+                        Counter.paused = True
+                        try:
+                            return launch(*args, **kwargs)
+                        finally:
+                            Counter.paused = False
+
+                    return run
+
+            setattr(routing_triton, name, Proxy())
+        return self
+
+    def __exit__(self, *exc):
+        for name, kernel in self._saved.items():
+            setattr(self.module, name, kernel)
+
+
+def _count(fn):
+    with TritonLaunches() as triton_launches, Counter() as counter:
+        fn()
+    return counter, triton_launches
+
+
+def count(make, tokens: int, scale_tokens: int) -> dict:
+    """Counts of `make(tokens)()`; bytes extrapolated to `scale_tokens` from runs at `tokens` and 2·`tokens` (they grow
+    linearly with the tokens; the weights' share is the constant term)."""
+    counter, triton_launches = _count(make(tokens))
+    double, _ = _count(make(2 * tokens))
+    moved, moved2 = sum(counter.bytes.values()), sum(double.bytes.values())
+    scaled = moved + (moved2 - moved) * (scale_tokens - tokens) / tokens
+    by_op = {
+        op: round((b + (double.bytes[op] - b) * (scale_tokens - tokens) / tokens) / 1e9, 3)
+        for op, b in counter.bytes.items()
+    }
+    return {
+        "device_ops": sum(counter.ops.values()),
+        "triton_launches": sum(triton_launches.count.values()),
+        "host_syncs": sum(counter.syncs.values()),
+        "gb_moved_at_scale": round(scaled / 1e9, 3),
+        "ops": dict(counter.ops.most_common()),
+        "gb_by_op": dict(sorted(by_op.items(), key=lambda item: -item[1])),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens run here (counts do not depend on it)")
+    parser.add_argument("--scale_tokens", type=int, default=32768, help="tokens the bytes are scaled to")
+    parser.add_argument("--triton", action="store_true", help="the routing kernels (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the counts here")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    blocks = gpu_moe.build_blocks(args.hidden, torch.bfloat16, torch.device("cpu"))
+    if args.triton:
+        for block in blocks.values():
+            if hasattr(block, "gate") and hasattr(block.gate, "routing_backend"):
+                block.gate.routing_backend = "triton"
+                block.experts.config.routing_backend = "triton"
+    inputs = {t: torch.randn(1, t, args.hidden, dtype=torch.bfloat16) for t in (args.tokens, 2 * args.tokens)}
+    result = {
+        "hidden": args.hidden,
+        "tokens_run": args.tokens,
+        "bytes_scaled_to_tokens": args.scale_tokens,
+        "routing": "triton" if args.triton else "torch",
+        "blocks": {},
+        "h3_forward_parts": {},
+    }
+
+    def forward(block):
+        def make(tokens):
+            def run():
+                with torch.no_grad():
+                    block(inputs[tokens])
+
+            return run
+
+        return make
+
+    def forward_backward(block):
+        def make(tokens):
+            def run():
+                block.zero_grad(set_to_none=True)  # no gradient accumulation counted
+                inp = inputs[tokens].detach().requires_grad_()
+                out = block(inp)
+                (out[0] if isinstance(out, tuple) else out).backward(torch.ones_like(inp))
+
+            return run
+
+        return make
+
+    for name in ("hf_mixtral", "ours_smoe", "ours_h3"):
+        block = blocks[name]
+        result["blocks"][name] = {
+            "fwd": count(forward(block), args.tokens, args.scale_tokens),
+            "fwd+bwd": count(forward_backward(block), args.tokens, args.scale_tokens),
+        }
+    with torch.no_grad():
+        parts = {t: gpu_moe_parts.block_parts(blocks["ours_h3"], x) for t, x in inputs.items()}
+    for name in parts[args.tokens]:
+
+        def make(tokens, name=name):
+            def run():
+                with torch.no_grad():
+                    parts[tokens][name]()
+
+            return run
+
+        result["h3_forward_parts"][name] = count(make, args.tokens, args.scale_tokens)
+    import provenance
+
+    git = provenance.git_state()
+    result.update(commit=git["commit"], dirty=git["dirty"], torch=torch.__version__)
+    print(f"commit {git['commit']}{' (dirty)' if git['dirty'] else ''}, torch {torch.__version__}")
+    print(
+        f"d={args.hidden}, routing {result['routing']}; device ops (ops that launch work), Triton launches, host "
+        f"syncs, GB moved at {args.scale_tokens} tokens (approximate)"
+    )
+    for name, modes in result["blocks"].items():
+        for mode, c in modes.items():
+            print(
+                f"{name:10s} {mode:8s} ops {c['device_ops']:4d}  triton {c['triton_launches']:2d}  syncs "
+                f"{c['host_syncs']}  GB {c['gb_moved_at_scale']:.2f}"
+            )
+    for name in ("hf_mixtral", "ours_h3"):
+        top = result["blocks"][name]["fwd+bwd"]["gb_by_op"]
+        print(f"{name} fwd+bwd, GB by operation: " + ", ".join(f"{op} {gb:.2f}" for op, gb in list(top.items())[:8]))
+    print("h=3 forward, by part:")
+    for name, c in result["h3_forward_parts"].items():
+        ops = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in c["ops"].items())
+        print(
+            f"  {name:40s} ops {c['device_ops']:3d}  triton {c['triton_launches']}  syncs {c['host_syncs']}  "
+            f"GB {c['gb_moved_at_scale']:.2f}  [{ops}]"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
