@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU window (15 minutes in all, the machine's start and every wait counted) in two commands. Everything a command
-# returns lies directly in $OUT: call 1 writes 3 files, call 2 writes 2 (the device tool returns at most 8).
+# returns lies directly in $OUT: call 1 writes 4 files, call 2 writes 2 (the device tool returns at most 8).
 #
 # Before the window, in the checkout the GPU calls are made from (that checkout is what travels):
 #   bash scripts/gpu_wheels.sh      # .gpu_wheels/: the one wheel the image lacks (Transformers 5.24.0, 13.5 MB)
@@ -21,8 +21,10 @@
 #              Every other stage runs it first (a second time on a warm machine it installs nothing).
 #   probe      PROBE_STEPS (20) training steps each of the gpu-scale SMoE and MH-MoE h=3 (bf16, random ids), cut at
 #              PROBE_SECONDS (60): $OUT/probe_mhmoe_table1_gpu.json, which call 2 estimates its runs from. Call 1 is
-#              at most ~15 s of setup + 60 + BENCH_SECONDS (250) = 325 s, under its 360 s timeout.
-#   bench      benchmarks/gpu_moe.py, cut at BENCH_SECONDS (250): $OUT/gpu_moe.json, rewritten after every section
+#              at most ~15 s of setup + 60 + HS_SECONDS (45) + BENCH_SECONDS (205) = 325 s, under its 360 s timeout.
+#   bench      benchmarks/gpu_head_sparse.py cut at HS_SECONDS (45): $OUT/gpu_head_sparse.json (MoH's head-sparse
+#              attention kernels vs SDPA over all heads; not in the dry run); then benchmarks/gpu_moe.py, cut at
+#              BENCH_SECONDS (205): $OUT/gpu_moe.json, rewritten after every section
 #   reproduce  Table 1 at SCALE (gpu_slice: the gpu scale's models, 1550 steps), seed by seed (SEEDS "0 1"), the cells
 #              in the priority CELLS gives ("smoe mhmoe_h3 finegrained_smoe mhmoe_h2 dense"); the runs already in the
 #              committed benchmarks/results/reproduce_mhmoe_table1_<scale>.json or in .gpu_pack/seed/ are skipped; no
@@ -35,9 +37,9 @@
 #
 # Environment: OUT (default outputs/gpu_run), GPU_RUN_PYTHON (python3), GPU_RUN_FORCE_WHEELS=1 (install every carried
 # wheel), GPU_RUN_STARTED (epoch seconds the deadline counts from; default this command's start), CELLS, SEEDS, SCALE,
-# DEADLINE_MINUTES, PROBE_STEPS, PROBE_SECONDS, BENCH_SECONDS, BENCH_SECTIONS, BENCH_REPEATS. GPU_RUN_DRY=1: a dry
-# run on a machine without a GPU (tests/benchmarks/test_gpu_run.py): setup does not stop, probe and reproduce run the
-# quick scale, bench its --smoke shapes.
+# DEADLINE_MINUTES, PROBE_STEPS, PROBE_SECONDS, HS_SECONDS, BENCH_SECONDS, BENCH_SECTIONS, BENCH_REPEATS.
+# GPU_RUN_DRY=1: a dry run on a machine without a GPU (tests/benchmarks/test_gpu_run.py): setup does not stop, probe
+# and reproduce run the quick scale, bench its --smoke shapes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -161,8 +163,14 @@ probe() {
 }
 
 bench() {
-    # the cheap sections first, the block timings (the longest) last: a run cut at its limit keeps the rest
-    local seconds="${BENCH_SECONDS:-250}"
+    # MoH's head-sparse attention kernels first (never run on a GPU yet; bounded), then gpu_moe.py: the cheap sections
+    # first, the block timings (the longest) last: a run cut at its limit keeps the rest
+    if [ "$DRY" != 1 ]; then
+        log "bench: benchmarks/gpu_head_sparse.py (at most ${HS_SECONDS:-45} s) -> $OUT/gpu_head_sparse.json"
+        timeout "${HS_SECONDS:-45}" "$PY" benchmarks/gpu_head_sparse.py --out "$OUT" --repeats 10 \
+            || log "gpu_head_sparse stopped (exit $?)"
+    fi
+    local seconds="${BENCH_SECONDS:-205}"
     local sections="${BENCH_SECTIONS:-checks routing head_router gemm model parts blocks compiled}"
     local smoke=()
     [ "$DRY" = 1 ] && smoke=(--smoke) && sections="${BENCH_SECTIONS:-routing}"
