@@ -149,7 +149,7 @@ def test_ctrl_c_in_training_says_how_to_resume(checkpoint_dir, corpus, tmp_path)
     while not list(out.glob("checkpoint-*")):
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=180)
     lines = [line for line in err.splitlines() if line.startswith("mhmoe-train")]  # (Transformers' loading bar too)
     assert proc.returncode == 130 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert lines[0].startswith(

@@ -69,8 +69,13 @@ def attention_forward(
 
     cos, sin = position_embeddings
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    query_offset = None  # the head-sparse op's first query position; None: the last T of the keys
     if cache is not None:  # every head's K/V is cached: a later token may select it
+        past = cache.get_seq_length(module.layer_idx)
         key_states, value_states = cache.update(key_states, value_states, module.layer_idx)
+        length = past + query_states.shape[-2]
+        if attention_mask is None and key_states.shape[-2] > length:  # a static cache's prefill, keys padded to its
+            query_offset = past  # full length without a mask: the queries are at past.. (with a mask, it masks)
 
     skipping = False if gates is None else head_skipping_backend(module, query_states, attention_mask, gates, kwargs)
     if skipping is not False:  # None: the default backend
@@ -81,6 +86,7 @@ def attention_forward(
             gates,
             module.scaling,
             attention_mask,
+            query_offset=query_offset,
             sliding_window=sliding_window,
             backend=skipping,
         )  # (B, T, H, hd), 0 on inactive heads
