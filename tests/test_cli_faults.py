@@ -142,7 +142,16 @@ def test_ctrl_c_in_training_says_how_to_resume(checkpoint_dir, corpus, tmp_path)
         "--disable_tqdm",
         "--no_plot",
     ]
-    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child: an ignored SIGINT is inherited through exec, and some library run earlier in
+    # the same pytest process may have set it so (Python then installs no KeyboardInterrupt handler in the child)
+    proc = subprocess.Popen(
+        command,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     for line in proc.stdout:  # the summary line: the loop starts
         if line.startswith("mhmoe-train: "):
             break
