@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import mhmoe
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
-from mhmoe.models.moh import head_routers, moh_attention
+from mhmoe.models.moh import head_routers, head_skipping, moh_attention
 from mhmoe.models.moh.head_routers import HEAD_ROUTERS
 from mhmoe.models.moh.head_skipping import masked_heads_attention, skipped_heads_attention
 from mhmoe.models.moh.moh_losses import moh_load_balancing_loss
@@ -242,6 +242,13 @@ def test_head_skipping_equals_masked_computation(kv_heads, mask_kind, seq):
     torch.testing.assert_close(o_proj((dense * gates[..., None]).flatten(2)), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture
+def sparse_from_two_tokens(monkeypatch):
+    """The default backend's head-sparse op from 2 query tokens on (the models take it from PREFILL_MIN_TOKENS, which
+    the tiny prompts here do not reach)."""
+    monkeypatch.setattr(head_skipping, "PREFILL_MIN_TOKENS", 2)
+
+
 def set_head_skipping(model, value) -> None:
     for layer in model.model.layers:
         layer.self_attn.moh_head_skipping = value
@@ -276,7 +283,9 @@ def build_skipping_models():
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("backend", [True, "naive", "triton"])
 @pytest.mark.parametrize("name", ["mhmoe-learned-window", "moh-llama-l2-ste"])
-def test_training_computes_active_heads_only_and_equals_the_masked_path(name, backend, attn, monkeypatch):
+def test_training_computes_active_heads_only_and_equals_the_masked_path(
+    name, backend, attn, monkeypatch, sparse_from_two_tokens
+):
     """Prefill with gradients (37 tokens, odd, left padding, GQA): loss, logits and every parameter's gradient of the
     head-sparse path (default: the CPU path) equal every head computed and masked."""
     model = build_skipping_models()[name]
@@ -309,7 +318,9 @@ def test_training_computes_active_heads_only_and_equals_the_masked_path(name, ba
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["mhmoe-learned-window", "moh-llama-l2-ste"])
-def test_generation_computes_active_heads_only_and_equals_the_masked_path(name, cache, monkeypatch):
+def test_generation_computes_active_heads_only_and_equals_the_masked_path(
+    name, cache, monkeypatch, sparse_from_two_tokens
+):
     """Greedy generation from a left-padded prompt (prefill of 19 tokens, then single-token steps), dynamic and static
     caches: the same tokens and scores as every head computed and masked; every step takes the head-sparse path."""
     model = build_skipping_models()[name].eval()
@@ -350,7 +361,7 @@ def test_head_major_o_proj_copy_follows_weight_updates():
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_short_unpadded_prompt_stays_causal(attn):
+def test_short_unpadded_prompt_stays_causal(attn, sparse_from_two_tokens):
     """sdpa passes no mask for an unpadded prompt (is_causal): the head-sparse path must stay causal then."""
     torch.manual_seed(0)
     model = MHMoEForCausalLM(tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3)).eval()
@@ -364,6 +375,53 @@ def test_short_unpadded_prompt_stays_causal(attn):
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
     set_head_skipping(model, True)
     torch.testing.assert_close(model(x[:, :3]).logits.detach(), reference[:, :3], rtol=1e-5, atol=1e-5)  # causal
+
+
+def naive_kv_heads_skippable(heads, kv_heads, shared, active) -> bool:
+    """Some top-K selection of the routed heads leaves a key/value head unread by every active head (brute force)."""
+    from itertools import combinations
+
+    groups = heads // kv_heads
+    for chosen in combinations(range(shared, heads), active):
+        active_heads = set(range(shared)) | set(chosen)
+        if any(not active_heads & set(range(g * groups, (g + 1) * groups)) for g in range(kv_heads)):
+            return True
+    return False
+
+
+def test_kv_heads_skippable_matches_brute_force():
+    cases = 0
+    for heads, kv_heads in [(9, 3), (8, 4), (8, 2), (6, 6), (12, 4), (8, 1)]:
+        for shared in range(heads):
+            for active in range(1, heads - shared + 1):
+                router = HEAD_ROUTERS["l2"](HIDDEN, heads, shared, active)
+                expected = naive_kv_heads_skippable(heads, kv_heads, shared, active)
+                assert head_skipping.kv_heads_skippable(router, kv_heads) == expected, (heads, kv_heads, shared, active)
+                cases += expected
+    assert cases > 10
+    smollm2 = {k: HEAD_ROUTERS["l2"](HIDDEN, 9, 3, k) for k in (4, 2)}  # 7/9 and 5/9 of SmolLM2-135M (GQA 3)
+    assert not head_skipping.kv_heads_skippable(smollm2[4], 3) and head_skipping.kv_heads_skippable(smollm2[2], 3)
+
+
+@pytest.mark.parametrize("active,decode_sparse", [(3, False), (2, True)])
+def test_default_takes_the_head_sparse_op_only_where_it_pays(active, decode_sparse, monkeypatch):
+    """Prefill: the op from PREFILL_MIN_TOKENS query tokens on, the masked path below; decoding: the op only where a
+    key/value head can go unread (8 heads on 4 key/value heads, 4 shared: 3 routed active leave none unread)."""
+    monkeypatch.setattr(head_skipping, "PREFILL_MIN_TOKENS", 20)
+    calls = spy_head_sparse(monkeypatch)
+    fields = tiny_llama_fields()
+    model = MoHLlamaForCausalLM(
+        MoHLlamaConfig(**fields, moh_shared_heads=4, moh_active_heads=active, moh_straight_through=True)
+    ).eval()
+    with torch.no_grad():
+        for tokens, sparse in ((19, False), (20, True)):
+            calls.clear()
+            model(torch.randint(1, VOCAB, (1, tokens)))
+            assert len(calls) == (2 if sparse else 0), tokens
+        calls.clear()
+        model.generate(torch.randint(1, VOCAB, (1, 3)), max_new_tokens=3, do_sample=False)
+    decoded = [call for call in calls if call[0][2] == 1]
+    assert len(decoded) == (4 if decode_sparse else 0)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -423,6 +481,50 @@ def test_straight_through_gates_are_binary_and_pass_gradients():
     (gates * torch.randn(gates.shape)).sum().backward()
     assert query.grad[:, :, 3:].abs().sum() > 0  # routed heads' queries
     assert query.grad[:, :, :3].abs().sum() == 0  # shared heads have constant gates
+
+
+ST_MODES = (True, "scores", "selected_scores")
+ROUTER_STATS = dict(
+    head_norm_stats=(torch.linspace(0.5, 2.0, HEADS).tolist(), torch.linspace(0.2, 0.9, HEADS).tolist())
+)
+
+
+@pytest.mark.parametrize(
+    "name,mode",
+    [("learned", True)] + [(name, mode) for name in HEAD_ROUTERS if name != "learned" for mode in ST_MODES],
+)
+def test_straight_through_gates_without_autograd_are_the_forward_value_in_few_ops(name, mode):
+    """Inference (no autograd) builds the straight-through gates' forward value directly: the same gates, logits and
+    selected heads as with autograd, in at most 9 tensor ops besides views (the router runs once per layer per decoded
+    token)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    VIEWS = (aten.view, aten._unsafe_view, aten.t, aten.slice, aten.select, aten.expand, aten.unsqueeze)
+
+    class CountOps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket not in VIEWS:
+                CountOps.count += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(1)
+    stats = ROUTER_STATS if name.startswith("l2_") else {}
+    router = HEAD_ROUTERS[name](HIDDEN, HEADS, 3, 2, straight_through=mode, **stats)
+    randomise_routers(router, std=0.3)
+    hidden, query = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, HEADS, 4) * torch.linspace(0.5, 2.0, HEADS)[:, None]
+    expected = router(hidden, query)
+    with torch.no_grad():
+        router(hidden, query)  # first use: the calibrated routers' statistics move to the device
+        with CountOps():
+            got = router(hidden, query)
+    assert expected[0].requires_grad or name != "learned"
+    for tensor, reference in zip(got, expected):
+        assert torch.equal(tensor, reference.detach())
+    assert set(got[0].unique().tolist()) == {0.0, 1.0} and got[0].sum(-1).eq(3 + 2).all()
+    assert CountOps.count <= 9, CountOps.count
 
 
 def test_straight_through_routes_lm_gradients_into_the_query_projection(monkeypatch):

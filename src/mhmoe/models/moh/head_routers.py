@@ -128,6 +128,16 @@ class MoHRouter(nn.Module):
         """(B, T, R) fp32 logits of the routed heads."""
         raise NotImplementedError
 
+    def hard_gates(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The straight-through gates' forward value alone (no gradient to build: inference): shared heads 1, the
+        top-K routed heads 1 (selected as `routed_gates` selects), others 0. Five ops after the scores: in decoding the router runs once
+        per layer and token, and each op costs about as much as a short step's attention."""
+        index = torch.topk(torch.softmax(router_logits, dim=-1), self.active_heads, dim=-1).indices  # (B, T, K)
+        gates = router_logits.new_zeros(*router_logits.shape[:-1], self.num_heads)  # (B, T, H)
+        gates[..., : self.shared_heads].fill_(1.0)
+        gates[..., self.shared_heads :].scatter_(-1, index, 1.0)
+        return gates, router_logits, index
+
     def weigh_stages(self, hidden_states: torch.Tensor, shared_soft: torch.Tensor, routed_soft: torch.Tensor):
         """(shared gates (B, T, S), routed gates (B, T, R)) after any weighting of the two (the learned router's)."""
         return shared_soft, routed_soft
@@ -140,6 +150,8 @@ class MoHRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, query_states: torch.Tensor, head_norms: torch.Tensor | None = None):
         router_logits = self.scores(hidden_states, query_states, head_norms)  # (B, T, R)
+        if self.straight_through and not torch.is_grad_enabled():
+            return self.hard_gates(router_logits)
         routed_soft, routed_index = routed_gates(router_logits, self.active_heads)  # (B, T, R), (B, T, K)
         shared_soft = routed_soft.new_ones(*routed_soft.shape[:-1], self.shared_heads)  # (B, T, S)
         shared_soft, routed_soft = self.weigh_stages(hidden_states, shared_soft, routed_soft)
@@ -147,8 +159,6 @@ class MoHRouter(nn.Module):
         if self.straight_through:
             hard = torch.zeros_like(routed_soft).scatter(-1, routed_index, 1.0)
             hard = torch.cat([torch.ones_like(shared_soft), hard], dim=-1)
-            if not torch.is_grad_enabled():  # the forward value is `hard` exactly; no estimator to build
-                return hard, router_logits, routed_index
             if self.straight_through in ("scores", "selected_scores"):  # raw softmax scores carry the gradient
                 scores = torch.softmax(router_logits.float(), dim=-1)  # (B, T, R)
                 if self.straight_through == "selected_scores":  # of the selected heads only
@@ -232,9 +242,9 @@ class CalibratedRouter(MoHRouter):
         super().__init__(hidden_size, num_heads, shared_heads, active_heads, straight_through)
         if head_norm_stats is None:
             raise ValueError(f"moh_router {self.name!r} needs per-head query-norm statistics (head_norm_stats)")
-        # not in the state dict (models are built on the meta device when loaded): a (2, H) tensor on first use
+        # not in the state dict (models are built on the meta device when loaded): tensors on first use
         self.head_norm_stats = head_norm_stats
-        self._head_norm_tensor = None
+        self._routed_statistics = None
 
     @classmethod
     def layer_statistics(cls, config, layer_idx):
@@ -259,14 +269,16 @@ class CalibratedRouter(MoHRouter):
 
     def statistics(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(μ, σ) of the routed heads, (R,) fp32 each, on `device`."""
-        stats = self._head_norm_tensor
-        if stats is None or stats.device != device:
-            stats = self._head_norm_tensor = torch.tensor(self.head_norm_stats, dtype=torch.float32, device=device)
-        return stats[0, self.shared_heads :], stats[1, self.shared_heads :]
+        cached = self._routed_statistics
+        if cached is None or cached[0].device != device:
+            stats = torch.tensor(self.head_norm_stats, dtype=torch.float32, device=device)[:, self.shared_heads :]
+            cached = self._routed_statistics = (stats[0].contiguous(), stats[1].contiguous())
+        return cached
 
     def scores(self, hidden_states, query_states, head_norms):
-        norms = head_norms if head_norms is not None else query_states.float().norm(dim=-1)
-        return self.calibrated(norms[..., self.shared_heads :])
+        if head_norms is not None:
+            return self.calibrated(head_norms[..., self.shared_heads :])
+        return self.calibrated(query_states[..., self.shared_heads :, :].float().norm(dim=-1))
 
     def calibrated(self, norms: torch.Tensor) -> torch.Tensor:
         """(B, T, R) fp32 query norms of the routed heads -> (B, T, R) scores."""

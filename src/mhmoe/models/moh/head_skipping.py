@@ -1,13 +1,14 @@
 """Head skipping: MoH attention computed only for the active (token, head) pairs, the fast path of
 `moh_attention.attention_forward` in prefill, training and decoding.
 
-`head_skipping_backend` decides whether a call takes it; the work is `ops/backends.head_sparse_attention`: the CPU path
-on CPU (torch's flash kernel on the active rows per key/value head; decoding packed per key/value head), the Triton
-kernels on CUDA when asked (`moh_head_skipping="triton"`; off the CPU the default is the masked path), the naive
-reference when asked. Its output (B, T, H, hd) goes to the full `o_proj` (inactive heads
-are 0). It equals the masked computation (`masked_heads_attention`, tested), outputs and gradients.
-`module.moh_head_skipping`: True (default backend), False (every head computed and masked: any attention backend) or a
-backend name ("naive", "cpu", "triton").
+`head_skipping_backend` decides whether a call takes it (by default only where it pays: `head_sparse_pays`); the
+work is `ops/backends.head_sparse_attention`: the CPU path on CPU (torch's flash kernel on the active rows per
+key/value head; decoding packed per key/value head), the Triton kernels on CUDA when asked
+(`moh_head_skipping="triton"`; off the CPU the default is the masked path), the naive reference when asked. Its output
+(B, T, H, hd) goes to the full `o_proj` (inactive heads are 0). It equals the masked computation
+(`masked_heads_attention`, tested), outputs and gradients. `module.moh_head_skipping`: True (default backend where it
+pays), False (every head computed and masked: any attention backend) or a backend name ("naive", "cpu", "triton":
+always).
 
 `skipped_heads_attention` is the earlier CPU decoding loop (per query row, runs of active heads, each with its block of
 `o_proj`), kept for the benchmarks that compare against it (benchmarks/moh_attention.py, moh_breakdown.py).
@@ -21,6 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks are None or 4-D tensors
+# Where the head-sparse op pays on CPU (benchmarks/head_sparse_layer.py: one SmolLM2-135M layer, 7/9 and 5/9 heads).
+# Below PREFILL_MIN_TOKENS query tokens the attention of the inactive heads is a small share of a layer's work and the
+# op's bookkeeping costs more than it saves: the masked path runs (the parent's attention, then the gates). Decoding
+# (up to DECODE_MAX_TOKENS) takes the op only where a key/value head can go unread by every active head.
+PREFILL_MIN_TOKENS = 1024
+DECODE_MAX_TOKENS = 16
 
 
 def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -> str | None | bool:
@@ -49,7 +56,29 @@ def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -
         # `ops/backends.AUTOMATIC` until a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py); ask for
         # moh_head_skipping="triton" to use them
         return False
+    kv_heads = router.num_heads // module.num_key_value_groups
+    if asked is True and not head_sparse_pays(router, query_states.shape[2], kv_heads):
+        return False
     return None if asked is True else asked
+
+
+def head_sparse_pays(router, tokens: int, kv_heads: int) -> bool:
+    """Whether the default backend's head-sparse op is worth its bookkeeping for `tokens` query tokens (see
+    PREFILL_MIN_TOKENS): long prefills; decoding only when some key/value head may be needed by no active head."""
+    if tokens >= PREFILL_MIN_TOKENS:
+        return True
+    return tokens <= DECODE_MAX_TOKENS and kv_heads_skippable(router, kv_heads)
+
+
+def kv_heads_skippable(router, kv_heads: int) -> bool:
+    """Whether a token's active heads can leave a key/value head unread: a GQA group with no shared head (the first S)
+    and at least K routed heads outside it (else every top-K selection takes one of its heads)."""
+    groups = router.num_heads // kv_heads
+    for first in range(0, router.num_heads, groups):
+        routed_inside = min(groups, max(0, first + groups - router.shared_heads))
+        if first >= router.shared_heads and router.routed_heads - routed_inside >= router.active_heads:
+            return True
+    return False
 
 
 def _runs(heads: list[int]) -> list[tuple[int, int]]:
@@ -182,4 +211,10 @@ def masked_heads_attention(
     return o_proj(heads_out.reshape(*heads_out.shape[:2], -1))
 
 
-__all__ = ["head_skipping_backend", "masked_heads_attention", "skipped_heads_attention"]
+__all__ = [
+    "head_skipping_backend",
+    "head_sparse_pays",
+    "kv_heads_skippable",
+    "masked_heads_attention",
+    "skipped_heads_attention",
+]
