@@ -26,7 +26,7 @@ HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks 
 # Below PREFILL_MIN_TOKENS query tokens the attention of the inactive heads is a small share of a layer's work and the
 # op's bookkeeping costs more than it saves: the masked path runs (the parent's attention, then the gates). Decoding
 # (up to DECODE_MAX_TOKENS) takes the op only where a key/value head can go unread by every active head.
-PREFILL_MIN_TOKENS = 1024
+PREFILL_MIN_TOKENS = 2048
 DECODE_MAX_TOKENS = 16
 
 
