@@ -130,19 +130,28 @@ def decode_bytes(model, config, context: int, new_tokens: int, needed_kv_share: 
 
 
 class GateRecorder:
-    """Forward hooks on every head router: the share of active (token, head) pairs and of key/value heads some
-    active head of the token needs, over the calls since `reset`."""
+    """The share of active (token, head) pairs and of key/value heads some active head of the token needs, read by
+    forward hooks on every head router during `record` only: the timed calls run without hooks (a hook's reductions
+    and host reads cost as much per layer as the router itself)."""
 
     def __init__(self, model):
-        self.handles = []
+        self.model = model
         self.groups = model.config.num_attention_heads // model.config.num_key_value_heads
-        for module in model.modules():
-            if type(module).__name__.endswith("Router") and hasattr(module, "active_heads"):
-                self.handles.append(module.register_forward_hook(self.hook))
-        self.reset()
-
-    def reset(self):
         self.active, self.pairs, self.needed, self.kv = 0, 0, 0, 0
+
+    def record(self, call) -> None:
+        """Run `call()` once with the hooks on; `shares` then describes that call."""
+        self.active, self.pairs, self.needed, self.kv = 0, 0, 0, 0
+        handles = [
+            module.register_forward_hook(self.hook)
+            for module in self.model.modules()
+            if type(module).__name__.endswith("Router") and hasattr(module, "active_heads")
+        ]
+        try:
+            call()
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def hook(self, module, args, output):
         active = output[0] != 0  # (B, T, H)
@@ -180,9 +189,9 @@ def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[
                 with torch.no_grad():
                     model(ids, use_cache=False, logits_to_keep=1)
 
-            for recorder in recorders.values():
-                recorder.reset()
             times = interleaved({name: (lambda m=model: forward(m)) for name, model in models.items()}, rounds)
+            for name, recorder in recorders.items():  # untimed: the gates of the same call
+                recorder.record(lambda m=models[name]: forward(m))
             keys_seen = batch * tokens * (tokens + 1) / 2
             total, attention = model_flops(config, batch * tokens, keys_seen, batch)
             for name in SETTINGS:
@@ -208,9 +217,9 @@ def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
                     token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             cache.crop(-args.new_tokens)  # back to the prompt for the next round (negative: tokens removed)
 
-        for recorder in recorders.values():
-            recorder.reset()
         times = interleaved({name: (lambda n=name: greedy(n)) for name in models}, args.rounds)
+        for name, recorder in recorders.items():  # untimed: the gates of the same decoding
+            recorder.record(lambda n=name: greedy(n))
         keys_seen = args.new_tokens * (context + (args.new_tokens + 1) / 2)
         total, attention = model_flops(config, args.new_tokens, keys_seen, args.new_tokens)
         for name in SETTINGS:
