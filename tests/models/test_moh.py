@@ -9,6 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import mhmoe
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
+from mhmoe.evaluation.analysis import head_load
+from mhmoe.hub.cards import architecture_rows
 from mhmoe.models.moh import head_routers, head_skipping, moh_attention
 from mhmoe.models.moh.head_routers import HEAD_ROUTERS
 from mhmoe.models.moh.head_skipping import masked_heads_attention, skipped_heads_attention
@@ -610,6 +612,11 @@ BAD_MOH = [
         dict(moh_shared_heads=2, moh_active_heads=2, moh_aux_loss_coef=-0.1),
         "moh_aux_loss_coef must be a finite number >= 0",
     ),
+    (dict(moh_shared_heads=2, moh_active_heads=2, moh_active_heads_per_layer=[2]), "a list of 2 whole numbers"),
+    (dict(moh_shared_heads=2, moh_active_heads=2, moh_active_heads_per_layer=[0, 4]), "each from 1 to the 6 routed"),
+    (dict(moh_shared_heads=2, moh_active_heads=2, moh_active_heads_per_layer=[1, 7]), "each from 1 to the 6 routed"),
+    (dict(moh_shared_heads=2, moh_active_heads=2, moh_active_heads_per_layer=[1.5, 2]), "a list of 2 whole numbers"),
+    (dict(moh_active_heads_per_layer=[2, 2]), "moh_active_heads_per_layer needs MoH on"),
 ]
 
 
@@ -708,3 +715,83 @@ def test_fresh_learned_router_learns_token_dependent_routing():
     train(model, steps=60)
     after = mhmoe.head_load(model, [data])[:, 4:]
     assert ((after > 0.2) & (after < 0.8)).all(), after
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# per-layer head budgets (moh_active_heads_per_layer)
+
+
+def per_layer_models(budgets):
+    """An MHMoE (learned router, randomised) and a MoH-LLaMA (l2, straight-through) with routed budgets `budgets`."""
+    torch.manual_seed(0)
+    mhmoe_model = MHMoEForCausalLM(
+        tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3, moh_active_heads_per_layer=budgets)
+    )
+    randomise_routers(mhmoe_model)
+    llama_fields = dict(moh_shared_heads=2, moh_active_heads=3, moh_active_heads_per_layer=budgets)
+    llama = MoHLlamaForCausalLM(MoHLlamaConfig(**tiny_llama_fields(), **llama_fields, moh_straight_through=True))
+    return {"mhmoe-learned": mhmoe_model.eval(), "moh-llama-l2-ste": llama.eval()}
+
+
+@pytest.mark.parametrize("name", ["mhmoe-learned", "moh-llama-l2-ste"])
+def test_per_layer_budget_activates_exactly_its_routed_heads(name):
+    """A layer with budget k gates exactly k routed heads (and every shared head) per token; the balance loss takes
+    each layer's own k."""
+    budgets = [1, 5]
+    model = per_layer_models(budgets)[name]
+    gates = {}
+    for i, layer in enumerate(model.model.layers):
+        assert layer.self_attn.head_router.active_heads == budgets[i]
+        layer.self_attn.head_router.register_forward_hook(lambda m, a, out, i=i: gates.__setitem__(i, out[0]))
+    x = torch.randint(1, VOCAB, (2, 7))
+    mask = torch.ones_like(x)
+    out = model(x, attention_mask=mask, output_router_logits=True)
+    for i, k in enumerate(budgets):
+        assert ((gates[i][..., 2:] != 0).sum(-1) == k).all()
+        assert (gates[i][..., :2] != 0).all()
+    expected = sum(naive_balance_loss(out.moh_router_logits[i : i + 1], k, mask) for i, k in enumerate(budgets)) / 2
+    assert out.moh_aux_loss.item() == pytest.approx(expected, rel=1e-5)
+    load = head_load(model, [x])
+    assert load[:, 2:].sum(-1).tolist() == pytest.approx([float(k) for k in budgets])
+
+
+@pytest.mark.parametrize("name", ["mhmoe-learned", "moh-llama-l2-ste"])
+def test_uniform_per_layer_budgets_equal_no_per_layer_field(name):
+    """None (the default) is the uniform moh_active_heads; the same k written per layer gives identical logits."""
+    x = torch.randint(1, VOCAB, (2, 7))
+    base = per_layer_models(None)[name]
+    assert base.config.moh_active_heads_per_layer is None
+    assert all(layer.self_attn.head_router.active_heads == 3 for layer in base.model.layers)
+    listed = per_layer_models([3, 3])[name]
+    listed.load_state_dict(base.state_dict())
+    torch.testing.assert_close(listed(x).logits, base(x).logits, rtol=0, atol=0)
+    uneven = per_layer_models([1, 5])[name]
+    uneven.load_state_dict(base.state_dict())
+    assert not torch.equal(uneven(x).logits, base(x).logits)
+
+
+def test_per_layer_budgets_survive_save_and_load(tmp_path):
+    model = per_layer_models([1, 5])["moh-llama-l2-ste"]
+    model.save_pretrained(tmp_path)
+    loaded = MoHLlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.moh_active_heads_per_layer == [1, 5]
+    assert [layer.self_attn.head_router.active_heads for layer in loaded.model.layers] == [1, 5]
+    x = torch.randint(1, VOCAB, (2, 7))
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
+    rows = dict(architecture_rows(loaded.config))
+    assert "2 shared + 3 of 6 routed heads per token = 62.5% of 8 heads active on average" in rows["MoH attention"]
+    assert "per-layer routed budgets, layer 0 first: 1, 5" in rows["MoH attention"]
+
+
+def test_apply_moh_takes_per_layer_budgets():
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(**tiny_llama_fields())).eval()
+    mhmoe.apply_moh(llama, moh_shared_heads=2, moh_active_heads=3, moh_active_heads_per_layer=[2, 4])
+    assert [layer.self_attn.head_router.active_heads for layer in llama.model.layers] == [2, 4]
+    with pytest.raises(ValueError, match="each from 1 to the 6 routed heads"):
+        mhmoe.apply_moh(
+            LlamaForCausalLM(LlamaConfig(**tiny_llama_fields())),
+            moh_shared_heads=2,
+            moh_active_heads=3,
+            moh_active_heads_per_layer=[2, 9],
+        )

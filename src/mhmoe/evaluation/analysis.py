@@ -1,7 +1,8 @@
 """Head and expert load statistics, and heat-maps of them (the MoH paper's Fig. 3): every load counter of the library.
 
 `head_load(model, batches)` -> (layers, H) tensor: per MoH layer and head, the fraction of (non-padding) tokens that
-activate the head (shared heads: 1; each layer's routed heads sum to moh_active_heads).
+activate the head (shared heads: 1; each layer's routed heads sum to its budget: moh_active_heads, or the layer's
+entry of moh_active_heads_per_layer).
 `expert_load(model, batches)` -> (MoE layers, E) tensor: per MoE layer and expert, the fraction of routed rows
 (tokens × moe_heads sub-tokens) whose top-k includes the expert (each layer sums to num_experts_per_tok; capacity
 drops are not subtracted: this is the router's choice).
@@ -58,11 +59,15 @@ def head_load(model, batches: Iterable) -> torch.Tensor:
     input_ids and optionally attention_mask; padding is excluded). Works for MHMoE models with MoH, MoH-LLaMA and
     models patched with `apply_moh`."""
     config = model.config
-    shared, active = config.moh_shared_heads, config.moh_active_heads
+    shared = config.moh_shared_heads
+    active = getattr(config, "moh_active_heads_per_layer", None) or [config.moh_active_heads] * config.num_hidden_layers
     counts, tokens = None, 0.0
     for router_logits, mask in _router_outputs(model, batches, "moh_router_logits"):
         layer_counts = torch.stack(
-            [(topk_mask(logits, active) * mask[..., None]).sum(dim=(0, 1)).cpu() for logits in router_logits]
+            [
+                (topk_mask(logits, k) * mask[..., None]).sum(dim=(0, 1)).cpu()
+                for logits, k in zip(router_logits, active, strict=True)
+            ]
         )  # (layers, R)
         counts = layer_counts if counts is None else counts + layer_counts
         tokens += float(mask.sum())

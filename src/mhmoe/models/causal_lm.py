@@ -59,7 +59,8 @@ def add_router_losses(loss, config, attention_mask=None, router_logits=None, moh
         losses["z_loss"] = router_z_loss(router_logits, attention_mask, config.moe_heads)
         coefficients.update(aux_loss=config.router_aux_loss_coef, z_loss=config.router_z_loss_coef)
     if moh_router_logits:
-        losses["moh_aux_loss"] = moh_load_balancing_loss(moh_router_logits, config.moh_active_heads, attention_mask)
+        active = getattr(config, "moh_active_heads_per_layer", None) or config.moh_active_heads
+        losses["moh_aux_loss"] = moh_load_balancing_loss(moh_router_logits, active, attention_mask)
         coefficients["moh_aux_loss"] = config.moh_aux_loss_coef
     if loss is not None:
         for name, coefficient in coefficients.items():

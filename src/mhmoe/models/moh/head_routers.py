@@ -40,6 +40,17 @@ def head_router(name: str):
     return register
 
 
+def layer_active_heads(config, layer_idx: int | None) -> int:
+    """Routed heads active per token in layer `layer_idx`: its entry of `moh_active_heads_per_layer` when set (per-layer
+    head budgets, `mhmoe-convert --head_budget calibrated`), else the uniform `moh_active_heads`."""
+    per_layer = getattr(config, "moh_active_heads_per_layer", None)
+    if per_layer is None:
+        return config.moh_active_heads
+    if layer_idx is None:
+        raise ValueError("moh_active_heads_per_layer is set: the head router needs its layer's index (layer_idx)")
+    return per_layer[layer_idx]
+
+
 def routed_gates(router_logits: torch.Tensor, active_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T, R) logits -> soft routed gates (B, T, R) fp32 (top-K probs renormalised over the K, ×K; 0 elsewhere) and
     the selected routed heads (B, T, K). Uniform probabilities give gate 1 on every selected head."""
@@ -104,7 +115,7 @@ class MoHRouter(nn.Module):
             config.hidden_size,
             config.num_attention_heads,
             config.moh_shared_heads,
-            config.moh_active_heads,
+            layer_active_heads(config, layer_idx),
             config.moh_straight_through,
             router_class.layer_statistics(config, layer_idx),
         )
@@ -309,6 +320,7 @@ __all__ = [
     "MoHRouter",
     "head_router",
     "l2_scores",
+    "layer_active_heads",
     "routed_gates",
     "straight_through",
     "topk_mask",

@@ -5,12 +5,30 @@ MoH is on, their defaults, and what is wrong with them, in words. The chosen rou
 import math
 
 from ..ops.head_router.head_router_naive import STRAIGHT_THROUGH as MOH_STRAIGHT_THROUGH  # head_routers.py: each's grad
-from .head_routers import HEAD_ROUTERS
+from .head_routers import HEAD_ROUTERS, layer_active_heads
 
 
 def moh_enabled(config) -> bool:
     """Whether `config` asks for Mixture-of-Head attention (`moh_active_heads` set)."""
     return getattr(config, "moh_active_heads", None) is not None
+
+
+def per_layer_problems(config) -> list[str]:
+    """`moh_active_heads_per_layer`: None, or one whole number in [1, routed heads] per hidden layer."""
+    per_layer = getattr(config, "moh_active_heads_per_layer", None)
+    if per_layer is None:
+        return []
+    if config.moh_active_heads is None or config.moh_shared_heads is None:
+        return ["moh_active_heads_per_layer needs MoH on (moh_shared_heads and moh_active_heads set)"]
+    layers, routed = getattr(config, "num_hidden_layers", None), config.num_attention_heads - config.moh_shared_heads
+    listed = isinstance(per_layer, (list, tuple))
+    whole = listed and all(isinstance(k, int) and not isinstance(k, bool) for k in per_layer)
+    if not whole or len(per_layer) != layers or not all(1 <= k <= routed for k in per_layer):
+        return [
+            f"moh_active_heads_per_layer must be None (every layer: moh_active_heads) or a list of {layers} whole "
+            f"numbers (one per layer), each from 1 to the {routed} routed heads, got {per_layer!r}"
+        ]
+    return []
 
 
 def moh_config_problems(config) -> list[str]:
@@ -55,9 +73,11 @@ def moh_config_problems(config) -> list[str]:
                 f"moh_shared_heads + moh_active_heads ({shared} + {active}) must be <= num_attention_heads ({heads}): "
                 f"the router picks moh_active_heads of the {heads - shared} routed heads"
             )
+    if shared is None or 0 <= shared < heads:
+        problems += per_layer_problems(config)
     if router is not None:
         problems += router.config_problems(config)
     return problems
 
 
-__all__ = ["MOH_STRAIGHT_THROUGH", "moh_config_problems", "moh_enabled"]
+__all__ = ["MOH_STRAIGHT_THROUGH", "layer_active_heads", "moh_config_problems", "moh_enabled"]

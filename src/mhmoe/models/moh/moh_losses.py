@@ -4,21 +4,27 @@ by `moh_aux_loss_coef`. Shape legend: MoH router logits (B, T, R) with R routed 
 This file runs on torch alone: exported checkpoints ship it next to the modeling file.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 from .head_routers import topk_mask
 
 
 def moh_load_balancing_loss(
-    router_logits: tuple[torch.Tensor, ...], active_heads: int, attention_mask: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...],
+    active_heads: int | Sequence[int],
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 7 over the routed heads, averaged over MoH layers: R·Σ_i f_i·P_i with f_i the fraction of (non-padding)
-    tokens that select routed head i and P_i its mean router probability. Perfect balance gives K."""
+    tokens that select routed head i and P_i its mean router probability. Perfect balance gives K. `active_heads`: K,
+    or one K per layer (per-layer head budgets)."""
     losses = []
-    for logits in router_logits:
+    per_layer = [active_heads] * len(router_logits) if isinstance(active_heads, int) else active_heads
+    for logits, layer_active in zip(router_logits, per_layer, strict=True):
         batch, seq, routed = logits.shape
         probs = torch.softmax(logits.float(), dim=-1)
-        selected = topk_mask(logits, active_heads)
+        selected = topk_mask(logits, layer_active)
         if attention_mask is not None and attention_mask.dim() == 2:
             mask = attention_mask[:, -seq:].to(probs.device, probs.dtype)  # decoding: the mask covers past tokens too
         else:

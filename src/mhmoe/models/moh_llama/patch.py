@@ -32,6 +32,7 @@ from .modeling_moh_llama import MoHLlamaAttention, MoHLlamaForCausalLM, MoHLlama
 MOH_FIELDS = {
     "moh_shared_heads": None,
     "moh_active_heads": None,
+    "moh_active_heads_per_layer": None,
     "moh_router": "l2",
     "moh_straight_through": True,
     "moh_aux_loss_coef": 0.01,
@@ -77,6 +78,7 @@ def apply_moh(model, **moh_fields):
     return it.
 
     `moh_fields`: `moh_shared_heads`, `moh_active_heads` (required unless already in the model's config),
+    `moh_active_heads_per_layer` (optional per-layer routed budgets; None: `moh_active_heads` in every layer),
     `moh_router` ("l2" by default: parameter-free, so the state dict is unchanged; "learned": zero-initialised
     two-stage router), `moh_straight_through` (True by default), `moh_aux_loss_coef` (0.01). The defaults are the
     paper's continue-tuning recipe. The first `moh_shared_heads` heads of every layer are shared.
@@ -106,7 +108,8 @@ def apply_moh(model, **moh_fields):
     if fields["moh_shared_heads"] is None and fields["moh_active_heads"] is None:
         raise ValueError("apply_moh needs moh_shared_heads and moh_active_heads")
     _check_types(fields)
-    problems = moh_config_problems(SimpleNamespace(num_attention_heads=config.num_attention_heads, **fields))
+    sizes = {"num_attention_heads": config.num_attention_heads, "num_hidden_layers": config.num_hidden_layers}
+    problems = moh_config_problems(SimpleNamespace(**sizes, **fields))
     if problems:
         raise ValueError("Invalid MoH fields: " + "; ".join(problems) + ".")
 
