@@ -79,11 +79,16 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
     if getattr(config, "moh_shared_heads", None) is not None:
         shared, active = config.moh_shared_heads, config.moh_active_heads
         gates = ", straight-through 0/1 gates" if config.moh_straight_through else ""
+        per_layer = getattr(config, "moh_active_heads_per_layer", None)
+        budgets = ""
+        if per_layer is not None:  # the layers' average budget
+            active = round(sum(per_layer) / len(per_layer), 3)
+            budgets = f" on average (per-layer routed budgets, layer 0 first: {', '.join(map(str, per_layer))})"
         rows.append(
             (
                 "MoH attention",
-                f"{shared} shared + {active} of {heads - shared} routed heads per token = "
-                f"{100 * (shared + active) / heads:.1f}% of {heads} heads active; "
+                f"{shared} shared + {active:g} of {heads - shared} routed heads per token = "
+                f"{100 * (shared + active) / heads:.1f}% of {heads} heads active{budgets}; "
                 f"`{config.moh_router}` router{gates}"
                 + (
                     " (per-head query-norm statistics from calibration text in config.json)"
