@@ -9,7 +9,7 @@ import functools
 import typing
 from dataclasses import dataclass, field
 
-from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, RECIPES, ROUTER_CHOICES, SHARED_CHOICES
+from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HEAD_BUDGETS, RECIPES, ROUTER_CHOICES, SHARED_CHOICES
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, CONTINUE_TUNING_DEFAULTS, SHARED_HEADS_RATIO
 
 
@@ -107,6 +107,15 @@ class ConvertArguments:
             "choices": list(ROUTER_CHOICES),
         },
     )
+    head_budget: str = field(
+        default="uniform",
+        metadata={
+            "help": "Routed heads active per token in each layer: 'uniform' (the same in every layer) or "
+            "'calibrated' (measured on --calibration_file: layers whose heads contribute more get more of them, "
+            "the same total, each layer within 1 and its routed heads; recorded in config.json).",
+            "choices": list(HEAD_BUDGETS),
+        },
+    )
     calibration_file: str | None = field(
         default=None,
         metadata={
@@ -179,6 +188,7 @@ class ConvertArguments:
             calibration_file=self.calibration_file,
             calibration_tokens=self.calibration_tokens,
             trust_remote_code=self.trust_remote_code,
+            head_budget=self.head_budget,
         )
 
 

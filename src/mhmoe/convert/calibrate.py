@@ -11,7 +11,8 @@ mean, over its calibration std) or "l2_relative" (query norm over its calibratio
 head, the mean norm of the head's contribution to the attention output (its o_proj columns times its attention output:
 the importance) and the mean and std of its pre-RoPE query norm (the calibrated routers' statistics).
 `choose_heads(plan, recipe, ...)` turns them into per-layer head orders and the config fields, and the record
-written to moh_conversion.json.
+written to moh_conversion.json. With `head_budget="calibrated"` it also gives each layer its own number of routed
+heads active per token (`head_budgets`: the same total as the uniform budget, more where dropping heads loses more).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import ConversionError
 
 SHARED_CHOICES = ("first", "importance")
+HEAD_BUDGETS = ("uniform", "calibrated")
 ROUTER_CHOICES = ("l2", "l2_standardized", "l2_relative")
 CALIBRATION_TOKENS = 4096
 CALIBRATION_BLOCK = 256
@@ -236,6 +238,26 @@ def _load_source(source_dir: str, trust_remote_code: bool = False):
     return model, tokenizer
 
 
+def head_budgets(routed_importance: list[list[float]], active: int) -> list[int]:
+    """Per-layer routed heads active per token at the uniform budget's total (layers × `active`): every layer keeps
+    its most important routed head, and the rest of the total goes to the largest routed-head importances over all
+    layers (equal importances: shared out evenly). A layer whose routed heads contribute more, so loses more when they are dropped,
+    gets more of them; each budget stays within [1, its routed heads]. `routed_importance`: (layers, R)."""
+    layers, routed = len(routed_importance), len(routed_importance[0])
+    if not 1 <= active <= routed:
+        raise ConversionError(f"the uniform budget must be within [1, {routed}] routed heads, got {active}")
+    budgets = [1] * layers
+    # each layer's importances after its most important one, best first: the marginal gain of one more head
+    candidates = [
+        (-value, rank, layer)  # ties: the layer with fewer heads so far, then the earlier layer
+        for layer, row in enumerate(routed_importance)
+        for rank, value in enumerate(sorted(row, reverse=True)[1:])
+    ]
+    for *_, layer in sorted(candidates)[: layers * (active - 1)]:
+        budgets[layer] += 1
+    return budgets
+
+
 def choose_heads(
     plan,
     recipe: HeadRecipe,
@@ -243,16 +265,20 @@ def choose_heads(
     calibration_tokens: int = CALIBRATION_TOKENS,
     trust_remote_code: bool = False,
     progress: bool = False,
+    head_budget: str = "uniform",
 ) -> HeadChoices:
-    """Measure the source of `plan` on calibration text (unless the recipe needs none), choose every layer's shared
-    heads and set the recipe's router (and its statistics, in the permuted head order) on `plan.config`."""
+    """Measure the source of `plan` on calibration text (unless the recipe and the head budget need none), choose
+    every layer's shared heads and set the recipe's router (and its statistics, in the permuted head order) on
+    `plan.config`; `head_budget="calibrated"` sets `moh_active_heads_per_layer` (`head_budgets`)."""
     from .heads import head_order, permute_rows
 
+    if head_budget not in HEAD_BUDGETS:
+        raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
     config = plan.config
     if recipe.name == "auto":
         recipe = resolve_auto(plan)
-    record = {"recipe": asdict(recipe)}
-    if not recipe.needs_calibration:
+    record = {"recipe": asdict(recipe), "head_budget": {"kind": head_budget}}
+    if not recipe.needs_calibration and head_budget == "uniform":
         return HeadChoices(None, record)
     if calibration_tokens < 2:
         raise ConversionError(f"--calibration_tokens must be >= 2, got {calibration_tokens}")
@@ -275,6 +301,11 @@ def choose_heads(
         config.moh_head_norm_std = [
             [round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)
         ]
+    if head_budget == "calibrated":
+        # importance of the routed heads only (the shared ones are always on), in the new head order
+        routed = [[row[h] for h in order[shared:]] for row, order in zip(stats.importance, orders, strict=True)]
+        config.moh_active_heads_per_layer = head_budgets(routed, config.moh_active_heads)
+        record["head_budget"]["routed_active_heads_per_layer"] = config.moh_active_heads_per_layer
     record["calibration"] = {
         "source": label,
         "sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -297,6 +328,7 @@ def choose_heads(
 __all__ = [
     "CALIBRATION_TOKENS",
     "DEFAULT_RECIPE",
+    "HEAD_BUDGETS",
     "RECIPES",
     "ROUTER_CHOICES",
     "SHARED_CHOICES",
@@ -306,6 +338,7 @@ __all__ = [
     "calibration_blocks",
     "choose_heads",
     "default_calibration_text",
+    "head_budgets",
     "head_recipe",
     "measure_heads",
     "read_calibration",

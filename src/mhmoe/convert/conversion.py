@@ -34,7 +34,7 @@ from .._plumbing.checkpoint_files import (
     replace_dir,
     temporary_dir_next_to,
 )
-from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HeadRecipe, choose_heads, head_recipe
+from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HEAD_BUDGETS, HeadRecipe, choose_heads, head_recipe
 from .errors import ConversionError
 from .heads import permute_checkpoint
 from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
@@ -216,6 +216,7 @@ class ConversionReport:
     verification: dict | None = None
     router: str = ROUTER
     recipe: str = "paper"
+    routed_active_heads_per_layer: list[int] | None = None  # --head_budget calibrated
 
     @classmethod
     def of(cls, plan: ConversionPlan, input_dir: str, output_dir: str, seconds: float, verification: dict | None):
@@ -236,6 +237,7 @@ class ConversionReport:
             notes=plan.notes,
             verification=verification,
             router=config.moh_router,
+            routed_active_heads_per_layer=getattr(config, "moh_active_heads_per_layer", None),
         )
 
     @property
@@ -250,6 +252,11 @@ class ConversionReport:
             f"active = {self.active_heads}/{h} ({100 * self.active_heads / h:.1f}%); recipe {self.recipe}, router "
             f"{self.router}, {GATES}; "
             f"{self.num_layers} layers",
+        ]
+        if self.routed_active_heads_per_layer is not None:
+            budgets = ", ".join(map(str, self.routed_active_heads_per_layer))
+            lines.append(f"  head budget calibrated: routed heads active per layer {budgets} (average {k})")
+        lines += [
             f"  weights: {self.tensors} tensors, {self.bytes / 1e6:,.1f} MB in {self.shards} shard(s), copied in "
             f"{self.seconds:.2f} s ({self.bytes / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)",
         ]
@@ -289,6 +296,7 @@ def convert(
     trust_remote_code: bool = False,
     shared_heads: int | None = None,
     active_heads: int | None = None,
+    head_budget: str = "uniform",
 ) -> ConversionReport:
     """Convert `input_dir` (llama / mistral / qwen2, safetensors; or `gguf_file` inside it) into a moh_llama
     checkpoint at `output_dir`.
@@ -302,7 +310,8 @@ def convert(
     report's and moh_conversion.json's notes. `trust_remote_code`: let Transformers run the code the source's tokenizer
     names (calibration, the logit check); the model's code is always Transformers' own and no code is copied.
     `shared_heads` / `active_heads`: the head split as counts per layer (active = shared + routed) instead of the
-    ratios. Arguments of the wrong type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).
+    ratios. `head_budget`: "uniform" (every layer `active_heads`) or "calibrated" (per-layer routed budgets at the
+    same total, from the calibration measurements: `calibrate.head_budgets`). Arguments of the wrong type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).
     """
     start = time.time()
     _check_numbers(
@@ -310,6 +319,8 @@ def convert(
         active_heads_ratio if active_heads is None else 0.0,
         moh_aux_loss_coef,
     )
+    if head_budget not in HEAD_BUDGETS:
+        raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
     check_paths(input_dir, output_dir)
     output_state(output_dir, overwrite)
     recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -328,6 +339,7 @@ def convert(
             trust_remote_code=trust_remote_code,
             shared_heads=shared_heads,
             active_heads=active_heads,
+            head_budget=head_budget,
         )
         return _convert_gguf(input_dir, output_dir, gguf_file, **options)
     plan = plan_conversion(
@@ -336,7 +348,7 @@ def convert(
     plan.notes[:0] = source_notes or []
     _check_disk_space(plan, output_dir)
     calibration_start = time.time()
-    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress)
+    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress, head_budget)
     if "calibration" in choices.record:
         choices.record["calibration"]["seconds"] = round(time.time() - calibration_start, 3)
     start += time.time() - calibration_start  # "copied in" counts the copy (and the permutation), not calibration
