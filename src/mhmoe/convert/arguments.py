@@ -111,8 +111,8 @@ class ConvertArguments:
         default="uniform",
         metadata={
             "help": "Routed heads active per token in each layer: 'uniform' (the same in every layer) or "
-            "'calibrated' (measured on --calibration_file: layers whose heads contribute more get more of them, "
-            "the same total, each layer within 1 and its routed heads; recorded in config.json).",
+            "'calibrated' (measured on --calibration_file: layers whose restriction changes the model's predictions "
+            "more get more heads, the same total, each layer within 1 and its routed heads; recorded in config.json).",
             "choices": list(HEAD_BUDGETS),
         },
     )

@@ -12,7 +12,8 @@ head, the mean norm of the head's contribution to the attention output (its o_pr
 the importance) and the mean and std of its pre-RoPE query norm (the calibrated routers' statistics).
 `choose_heads(plan, recipe, ...)` turns them into per-layer head orders and the config fields, and the record
 written to moh_conversion.json. With `head_budget="calibrated"` it also gives each layer its own number of routed
-heads active per token (`head_budgets`: the same total as the uniform budget, more where dropping heads loses more).
+heads active per token (head_budget.py: the same total as the uniform budget, more where restricting the layer's heads
+changes the model's predictions more).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from .errors import ConversionError
+from .head_budget import SENSITIVITY_TOKENS, calibrated_budgets
 
 SHARED_CHOICES = ("first", "importance")
 HEAD_BUDGETS = ("uniform", "calibrated")
@@ -238,26 +240,6 @@ def _load_source(source_dir: str, trust_remote_code: bool = False):
     return model, tokenizer
 
 
-def head_budgets(routed_importance: list[list[float]], active: int) -> list[int]:
-    """Per-layer routed heads active per token at the uniform budget's total (layers × `active`): every layer keeps
-    its most important routed head, and the rest of the total goes to the largest routed-head importances over all
-    layers (equal importances: shared out evenly). A layer whose routed heads contribute more, so loses more when they are dropped,
-    gets more of them; each budget stays within [1, its routed heads]. `routed_importance`: (layers, R)."""
-    layers, routed = len(routed_importance), len(routed_importance[0])
-    if not 1 <= active <= routed:
-        raise ConversionError(f"the uniform budget must be within [1, {routed}] routed heads, got {active}")
-    budgets = [1] * layers
-    # each layer's importances after its most important one, best first: the marginal gain of one more head
-    candidates = [
-        (-value, rank, layer)  # ties: the layer with fewer heads so far, then the earlier layer
-        for layer, row in enumerate(routed_importance)
-        for rank, value in enumerate(sorted(row, reverse=True)[1:])
-    ]
-    for *_, layer in sorted(candidates)[: layers * (active - 1)]:
-        budgets[layer] += 1
-    return budgets
-
-
 def choose_heads(
     plan,
     recipe: HeadRecipe,
@@ -269,7 +251,8 @@ def choose_heads(
 ) -> HeadChoices:
     """Measure the source of `plan` on calibration text (unless the recipe and the head budget need none), choose
     every layer's shared heads and set the recipe's router (and its statistics, in the permuted head order) on
-    `plan.config`; `head_budget="calibrated"` sets `moh_active_heads_per_layer` (`head_budgets`)."""
+    `plan.config`; `head_budget="calibrated"` sets `moh_active_heads_per_layer` (head_budget.py: measured on the
+    first `SENSITIVITY_TOKENS` calibration tokens)."""
     from .heads import head_order, permute_rows
 
     if head_budget not in HEAD_BUDGETS:
@@ -288,7 +271,6 @@ def choose_heads(
     if int(blocks.max()) >= config.vocab_size:
         raise ConversionError("the source's tokenizer gives token ids beyond the model's vocabulary")
     stats = measure_heads(model, blocks, progress)
-    del model
     shared, kv = config.moh_shared_heads, config.num_key_value_heads
     heads = config.num_attention_heads
     if recipe.shared_heads == "importance":
@@ -302,10 +284,17 @@ def choose_heads(
             [round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)
         ]
     if head_budget == "calibrated":
-        # importance of the routed heads only (the shared ones are always on), in the new head order
-        routed = [[row[h] for h in order[shared:]] for row, order in zip(stats.importance, orders, strict=True)]
-        config.moh_active_heads_per_layer = head_budgets(routed, config.moh_active_heads)
-        record["head_budget"]["routed_active_heads_per_layer"] = config.moh_active_heads_per_layer
+        sensitivity = blocks[: max(1, SENSITIVITY_TOKENS // blocks.shape[1])]  # (N, T): the first blocks
+        budgets, delta = calibrated_budgets(model, config, orders, sensitivity, progress)
+        config.moh_active_heads_per_layer = budgets
+        record["head_budget"].update(
+            routed_active_heads_per_layer=budgets,
+            sensitivity="mean KL(source || model) of the next-token distributions with only layer l at K routed "
+            "heads active, K = 1..R; the budgets minimise its sum over the layers at the uniform total",
+            sensitivity_tokens=sensitivity.numel(),
+            kl=[[round(v, 6) for v in row] for row in delta],
+        )
+    del model
     record["calibration"] = {
         "source": label,
         "sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -338,7 +327,6 @@ __all__ = [
     "calibration_blocks",
     "choose_heads",
     "default_calibration_text",
-    "head_budgets",
     "head_recipe",
     "measure_heads",
     "read_calibration",

@@ -311,7 +311,8 @@ def convert(
     names (calibration, the logit check); the model's code is always Transformers' own and no code is copied.
     `shared_heads` / `active_heads`: the head split as counts per layer (active = shared + routed) instead of the
     ratios. `head_budget`: "uniform" (every layer `active_heads`) or "calibrated" (per-layer routed budgets at the
-    same total, from the calibration measurements: `calibrate.head_budgets`). Arguments of the wrong type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).
+    same total, from each layer's measured effect on the model's predictions: head_budget.py). Arguments of the wrong
+    type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).
     """
     start = time.time()
     _check_numbers(
