@@ -19,7 +19,8 @@ active per token in layer l, at a fixed mean over the 30 layers (7/9 heads: mean
 Recipes at each budget: MoH (`l2_relative` routing per token, the converter's calibrated recipe) and static pruning
 (every token keeps the K_l routed heads of largest calibration importance: a pruned dense model); "+ mean fill": an
 inactive head contributes its calibration-mean output instead of nothing (for static pruning this is an o_proj bias;
-for MoH it depends on the token's routed heads). Everything is measured on the calibration text (the converter's
+for MoH it depends on the token's routed heads). "Oracle routing" is a diagnostic bound, not a recipe: every head
+computed, then per token the K_l routed heads of largest o_proj contribution kept. Everything is measured on the calibration text (the converter's
 default: the first 40,000 characters of `pydoc_data.topics`), nothing on the evaluation texts: held-out = the last
 Python-docs topics (benchmarks/reproduce/moh_convert_real.py's split, `--eval_blocks` × 256 tokens); other domain =
 the GPL-3 licence text (Debian's common-licenses copy), as moh_convert_real's other_text stage.
@@ -106,7 +107,34 @@ def mean_fill(model, means, orders) -> None:
         attention.o_proj.register_forward_pre_hook(on_output)
 
 
+def oracle_routing(model, means, orders, fill: bool) -> None:
+    """A diagnostic, not a router: every head is computed, then per token the K_l routed heads whose o_proj
+    contribution (minus its calibration mean, with the fill) is largest are kept. The best any per-token router could
+    choose at these budgets (by this criterion); it saves nothing, as every head was computed."""
+    model.oracle_budgets = [ROUTED] * len(model.model.layers)
+    for i, (layer, mean, order) in enumerate(zip(model.model.layers, means, orders, strict=True)):
+        attention = layer.self_attn
+        attention.head_router.active_heads = ROUTED  # all heads computed; the hook below chooses
+        mu = torch.tensor(mean)[order] if fill else torch.zeros(len(order), len(mean[0]))  # (H, hd)
+        w = attention.o_proj.weight.detach().view(-1, len(order), mu.shape[1]).transpose(0, 1)  # (H, d, hd)
+        gram = w.transpose(1, 2) @ w  # (H, hd, hd): ‖W_h a‖² = aᵀ G_h a
+
+        def on_output(module, args, i=i, mu=mu, gram=gram):
+            heads = args[0].unflatten(-1, mu.shape)  # (B, T, H, hd)
+            centred = heads - mu
+            strength = torch.einsum("bthd,hde,bthe->bth", centred, gram, centred)[..., SHARED:]  # (B, T, R)
+            keep = torch.zeros_like(strength, dtype=torch.bool)
+            keep.scatter_(-1, strength.topk(model.oracle_budgets[i], dim=-1).indices, True)
+            keep = torch.cat([keep.new_ones(*keep.shape[:-1], SHARED), keep], dim=-1)[..., None]  # (B, T, H, 1)
+            return (torch.where(keep, heads, mu).flatten(-2),)
+
+        attention.o_proj.register_forward_pre_hook(on_output)
+
+
 def set_budgets(model, budgets: list[int]) -> None:
+    if hasattr(model, "oracle_budgets"):
+        model.oracle_budgets = list(budgets)
+        return
     for layer, k in zip(model.model.layers, budgets, strict=True):
         layer.self_attn.head_router.active_heads = k
 
@@ -135,14 +163,16 @@ def load_parent(args):
 
 
 def build(source, parent, cache, kind: str):
-    """(model, orders) for kind "MoH" / "static pruning", with " + mean fill" when asked."""
+    """(model, orders) for kind "MoH" / "static pruning" / "oracle routing (diagnostic)", " + mean fill" when asked."""
     from mhmoe.convert.calibrate import HeadStats
 
     stats = HeadStats(cache["importance"], cache["norm_mean"], cache["norm_std"], 0)
     model, orders = real.moh_model(source, dict(parent.state_dict()), stats, SHARED, FRACTIONS["7/9"], RECIPE)
     if kind.startswith("static"):
         static_routing(model, cache, orders)
-    if kind.endswith("mean fill"):
+    if kind.startswith("oracle"):
+        oracle_routing(model, cache["head_means"], orders, fill=kind.endswith("mean fill"))
+    elif kind.endswith("mean fill"):
         mean_fill(model, cache["head_means"], orders)
     return model, orders
 
@@ -229,6 +259,10 @@ ROWS = [  # (budget, recipe)
     ("calibrated for static", "static pruning"),
     ("calibrated for static", "static pruning + mean fill"),
     ("importance rule", "MoH"),
+    ("uniform", "oracle routing (diagnostic)"),
+    ("calibrated", "oracle routing (diagnostic)"),
+    ("uniform", "oracle routing (diagnostic) + mean fill"),
+    ("calibrated", "oracle routing (diagnostic) + mean fill"),
 ]
 
 
