@@ -19,7 +19,9 @@ active per token in layer l, at a fixed mean over the 30 layers (7/9 heads: mean
 Recipes at each budget: MoH (`l2_relative` routing per token, the converter's calibrated recipe) and static pruning
 (every token keeps the K_l routed heads of largest calibration importance: a pruned dense model); "+ mean fill": an
 inactive head contributes its calibration-mean output instead of nothing (for static pruning this is an o_proj bias;
-for MoH it depends on the token's routed heads). "Oracle routing" is a diagnostic bound, not a recipe: every head
+for MoH it depends on the token's routed heads). "MoH, linear router": the routed heads scored by a ridge regression of
+the log of each head's o_proj contribution on the attention's input, fitted on the calibration text (the paper's
+learned router, top-K of W_r x, with W_r fitted zero-shot). "Oracle routing" is a diagnostic bound, not a recipe: every head
 computed, then per token the K_l routed heads of largest o_proj contribution kept. Everything is measured on the calibration text (the converter's
 default: the first 40,000 characters of `pydoc_data.topics`), nothing on the evaluation texts: held-out = the last
 Python-docs topics (benchmarks/reproduce/moh_convert_real.py's split, `--eval_blocks` × 256 tokens); other domain =
@@ -131,6 +133,66 @@ def oracle_routing(model, means, orders, fill: bool) -> None:
         attention.o_proj.register_forward_pre_hook(on_output)
 
 
+def fit_linear_routers(parent, calibration, head_means) -> dict[str, list[list[list[float]]]]:
+    """Per layer a ridge regression, on the calibration text, from the attention's input (after the layer norm) to
+    the log of each head's o_proj contribution norm ("plain") and of the norm of its contribution minus its
+    calibration-mean output ("centred", for the mean fill): W (H, d) per layer. λ = 1e-2 × the mean squared feature,
+    fixed beforehand. Such scores are the paper's learned router (`moh_router="learned"`: top-K of W_r x) with
+    W_r fitted zero-shot instead of trained."""
+    config = parent.config
+    heads, d = config.num_attention_heads, config.hidden_size
+    head_dim = d // heads
+    inputs, gram, cross = {}, {}, {"plain": {}, "centred": {}}
+
+    def on_attention(i):
+        def hook(module, args, kwargs):
+            x = kwargs["hidden_states"].detach().double().reshape(-1, d)
+            inputs[i] = x
+            gram[i] = gram.get(i, 0) + x.T @ x
+
+        return hook
+
+    def on_output(i):
+        w = parent.model.layers[i].self_attn.o_proj.weight.detach().double().view(d, heads, head_dim)
+        mu = torch.tensor(head_means[i], dtype=torch.float64)  # (H, hd)
+
+        def hook(module, args):
+            a = args[0].detach().double().reshape(-1, heads, head_dim)  # (N, H, hd)
+            for kind, centre in (("plain", 0), ("centred", mu)):
+                y = torch.einsum("nhe,dhe->nhd", a - centre, w).norm(dim=-1).clamp_min(1e-6).log()  # (N, H)
+                cross[kind][i] = cross[kind].get(i, 0) + inputs[i].T @ y
+
+        return hook
+
+    hooks = []
+    for i, layer in enumerate(parent.model.layers):
+        hooks.append(layer.self_attn.register_forward_pre_hook(on_attention(i), with_kwargs=True))
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(on_output(i)))
+    with torch.no_grad():
+        for start in range(0, len(calibration), 4):
+            parent(calibration[start : start + 4])
+    for hook in hooks:
+        hook.remove()
+    fitted = {}
+    for kind in cross:
+        fitted[kind] = []
+        for i in range(len(parent.model.layers)):
+            ridge = 1e-2 * gram[i].diagonal().mean() * torch.eye(d, dtype=torch.float64)
+            fitted[kind].append(torch.linalg.solve(gram[i] + ridge, cross[kind][i]).T.float().tolist())  # (H, d)
+    return fitted
+
+
+def linear_routing(model, weights, orders) -> None:
+    """The routed heads scored by the fitted linear map of the attention input (`fit_linear_routers`)."""
+    for layer, w, order in zip(model.model.layers, weights, orders, strict=True):
+        routed = torch.tensor(w)[order[SHARED:]]  # (R, d) in the permuted order
+
+        def scores(hidden_states, query_states, head_norms, routed=routed):
+            return torch.nn.functional.linear(hidden_states.float(), routed)  # (B, T, R)
+
+        layer.self_attn.head_router.scores = scores
+
+
 def set_budgets(model, budgets: list[int]) -> None:
     if hasattr(model, "oracle_budgets"):
         model.oracle_budgets = list(budgets)
@@ -170,6 +232,9 @@ def build(source, parent, cache, kind: str):
     model, orders = real.moh_model(source, dict(parent.state_dict()), stats, SHARED, FRACTIONS["7/9"], RECIPE)
     if kind.startswith("static"):
         static_routing(model, cache, orders)
+    if kind.startswith("MoH, linear router"):
+        centred = kind.endswith("mean fill")
+        linear_routing(model, cache["linear_routers"]["centred" if centred else "plain"], orders)
     if kind.startswith("oracle"):
         oracle_routing(model, cache["head_means"], orders, fill=kind.endswith("mean fill"))
     elif kind.endswith("mean fill"):
@@ -210,6 +275,9 @@ def stage_sensitivity(args, cache_path: Path) -> None:
         "calibration_seconds": round(time.time() - started),
     }
     say(f"calibration: {calibration.numel()} tokens, {cache['calibration_seconds']} s")
+    t = time.time()
+    cache["linear_routers"] = fit_linear_routers(parent, calibration, cache["head_means"])
+    say(f"linear routers fitted: {time.time() - t:.0f} s")
     sensitivity = calibration[: SENSITIVITY_TOKENS // real.BLOCK]
     cache["sensitivity_tokens"] = sensitivity.numel()
     cache["delta"] = {}
@@ -248,21 +316,21 @@ def allocations(cache, mean_k: int, layers: int) -> dict:
 
 
 ROWS = [  # (budget, recipe)
-    ("uniform", "MoH"),
-    ("uniform", "static pruning"),
-    ("uniform", "MoH + mean fill"),
-    ("uniform", "static pruning + mean fill"),
-    ("calibrated", "MoH"),
-    ("calibrated", "static pruning"),
-    ("calibrated", "MoH + mean fill"),
-    ("calibrated", "static pruning + mean fill"),
+    *(
+        (budget, recipe)
+        for budget in ("uniform", "calibrated")
+        for recipe in (
+            "MoH",
+            "static pruning",
+            "MoH + mean fill",
+            "static pruning + mean fill",
+            "MoH, linear router",
+            "MoH, linear router + mean fill",
+            "oracle routing (diagnostic)",
+        )
+    ),
     ("calibrated for static", "static pruning"),
-    ("calibrated for static", "static pruning + mean fill"),
     ("importance rule", "MoH"),
-    ("uniform", "oracle routing (diagnostic)"),
-    ("calibrated", "oracle routing (diagnostic)"),
-    ("uniform", "oracle routing (diagnostic) + mean fill"),
-    ("calibrated", "oracle routing (diagnostic) + mean fill"),
 ]
 
 
@@ -379,7 +447,7 @@ def report(results: dict) -> str:
                     f"- {fraction}, {budget} budgets, {recipe}: ×{ratio:.3f} the parent (goal ≤ ×{GOALS[fraction]}: "
                     f"{'met' if ratio <= GOALS[fraction] else 'missed'})"
                 )
-                static = rows.get((budget, recipe.replace("MoH", "static pruning")))
+                static = rows.get((budget, "static pruning + mean fill" if "mean fill" in recipe else "static pruning"))
                 if static:
                     gain = 100 * (1 - rows[budget, recipe][names[0]]["ppl"] / static[names[0]]["ppl"])
                     line += (
