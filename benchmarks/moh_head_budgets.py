@@ -415,6 +415,8 @@ def report(results: dict) -> str:
         "",
     ]
     lines += [f"    {command}    # {results['commits'][stage]}" for stage, command in results["commands"].items()]
+    if results.get("note"):
+        lines += ["", results["note"]]
     sens = results.get("sensitivity")
     if sens:
         lines += [
