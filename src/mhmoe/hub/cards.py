@@ -100,8 +100,29 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
     return rows
 
 
+def verification_rows(record: dict) -> list[tuple[str, str]]:
+    """The conversion's own measured quality: its logit check against the source (moh_conversion.json)."""
+    if "verification" not in record:
+        return []
+    v = record["verification"]
+    if v is None:
+        return [("logit check", "not run (`--skip_logit_check`)")]
+    try:
+        text = (
+            f"every head on: max \\|Δlogit\\| {v['all_heads_max_abs_diff']:.3g} vs the source "
+            f"({'within' if v['all_heads_equal'] else 'NOT within'} {v['all_heads_tolerance']:.3g}); routing on: "
+            f"probe perplexity {v['source_probe_ppl']:.2f} → {v['routed_probe_ppl']:.2f} "
+            f"(×{v['routed_probe_ppl'] / v['source_probe_ppl']:.2f}), top-1 agreement with the source "
+            f"{100 * v['routed_top1_agreement']:.1f}%"
+        )
+    except (KeyError, TypeError, ZeroDivisionError):  # an older or partial record
+        return []
+    return [(f"logit check ({v.get('probe', 'probe')}, {v.get('dtype', '')})", text)]
+
+
 def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
-    """(label, text) rows from a converted model's moh_conversion.json: head recipe and calibration data."""
+    """(label, text) rows from a converted model's moh_conversion.json: head recipe, calibration data and the logit
+    check's figures."""
     if not record or "recipe" not in record:
         return []
     recipe = record["recipe"]
@@ -129,7 +150,7 @@ def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
                 shown + (f"; … ({len(layers)} layers in moh_conversion.json)" if len(layers) > 4 else ""),
             )
         )
-    return rows
+    return rows + verification_rows(record)
 
 
 def parity_rows(config) -> list[tuple[str, str]]:
@@ -327,4 +348,5 @@ __all__ = [
     "public_paths",
     "templates_dir",
     "training_text",
+    "verification_rows",
 ]
