@@ -55,8 +55,10 @@ def _reference(tune: dict, entry: dict) -> tuple[str, dict | None]:
 
 def goal_rows(tune: dict) -> list[dict]:
     """Per budget, model (MoH tuned, MoH distilled) and other-domain text: the ratio to the parent tuned on the same
-    seed, per seed, and whether every seed meets the goal."""
+    seed, per seed, and whether every seed meets the goal; `untuned`: the mean ratio to the untuned parent instead
+    (the comparison made before the dense control was run)."""
     rows = []
+    parent = next((e for e in tune.get("untuned", []) if e["model"] == "parent"), None)
     for _, entries in _table_rows(tune):
         model = entries[0]["model"]
         if model not in ("MoH tuned", "MoH distilled"):
@@ -76,6 +78,9 @@ def goal_rows(tune: dict) -> list[dict]:
                         "ratios": ratios,
                         "mean": sum(ratios.values()) / len(ratios),
                         "met": all(v <= GOAL for v in ratios.values()),
+                        "untuned": None
+                        if parent is None
+                        else sum(e["ppl"][key] for e in entries) / len(entries) / parent["ppl"][key],
                     }
                 )
     return rows
@@ -128,6 +133,7 @@ def _recovery_section(tune: dict) -> list[str]:
         out.append(
             f"- {r['model']} {r['budget']} on {texts[r['text']]['name']}: {seeds} (mean ×{r['mean']:.3f}; goal "
             f"≤ ×{GOAL}){': **' + verdict + '**' if verdict else ''}"
+            + (f"; ÷ the untuned parent: ×{r['untuned']:.3f}" if r.get("untuned") else "")
         )
     out += [
         "",

@@ -187,3 +187,4 @@ def test_goal_rows_compare_each_seed_with_its_own_control():
     assert rows[("MoH tuned", "gpl3")]["met"]
     assert rows[("MoH tuned", "packages")]["ratios"] == {0: pytest.approx(1.2), 1: pytest.approx(1.0)}
     assert not rows[("MoH tuned", "packages")]["met"]  # one seed misses it
+    assert rows[("MoH tuned", "gpl3")]["untuned"] == pytest.approx(23 / 30)  # seeds' mean ÷ the untuned parent
