@@ -129,11 +129,11 @@ def moh_model(source, dense_state, stats, shared, active, variant):
     if score == "random":
         generator = torch.Generator().manual_seed(0)
         for router in routers:
-            router.calibrated_scores = lambda norms: torch.rand(norms.shape, generator=generator)
+            router.calibrated = lambda norms: torch.rand(norms.shape, generator=generator)
     elif score == "static":
         for router, row, order in zip(routers, stats.importance, orders):
             fixed = torch.tensor([row[h] for h in order[shared:]])
-            router.calibrated_scores = lambda norms, fixed=fixed: fixed.expand_as(norms)
+            router.calibrated = lambda norms, fixed=fixed: fixed.expand_as(norms)
     return model.eval(), orders
 
 
