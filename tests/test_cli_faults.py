@@ -146,17 +146,23 @@ def test_ctrl_c_in_training_says_how_to_resume(checkpoint_dir, corpus, tmp_path)
     # the same pytest process may have set it so (Python then installs no KeyboardInterrupt handler in the child)
     proc = subprocess.Popen(
         command,
-        env=_env(),
+        env=_env(PYTHONUNBUFFERED="1"),  # not inherited from the caller's shell: the summary line comes at once
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    for line in proc.stdout:  # the summary line: the loop starts
-        if line.startswith("mhmoe-train: "):
-            break
-    while not list(out.glob("checkpoint-*")):
-        time.sleep(0.01)
+    try:
+        for line in proc.stdout:  # the summary line: the loop starts
+            if line.startswith("mhmoe-train: "):
+                break
+        deadline = time.monotonic() + 180
+        while not list(out.glob("checkpoint-*")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(out.glob("checkpoint-*")), "no checkpoint within 180 s"
+    except BaseException:
+        proc.kill()
+        raise
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=180)
     lines = [line for line in err.splitlines() if line.startswith("mhmoe-train")]  # (Transformers' loading bar too)

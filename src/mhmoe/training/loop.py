@@ -215,7 +215,8 @@ def _print_run(run: TrainRun) -> None:
         f"{len(run.train_blocks)} blocks × {run.block_size} tokens, {run.steps_per_epoch} steps/epoch, steps "
         f"{run.start_step} → {run.total_steps}, global batch {run.global_blocks} blocks ({run.world} process(es) × "
         f"{args.per_device_train_batch_size} × {args.gradient_accumulation_steps} accum), {_distribution(run)}, "
-        f"mixed precision {accelerator.mixed_precision}"
+        f"mixed precision {accelerator.mixed_precision}",
+        flush=True,  # the run's first line, also when stdout is a pipe (a log, a supervisor)
     )
 
 
