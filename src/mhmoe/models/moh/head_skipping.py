@@ -56,10 +56,10 @@ def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -
         # `ops/backends.AUTOMATIC` until a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py); ask for
         # moh_head_skipping="triton" to use them
         return False
+    if asked is not True:  # a backend asked for by name runs everywhere
+        return asked
     kv_heads = router.num_heads // module.num_key_value_groups
-    if asked is True and not head_sparse_pays(router, query_states.shape[2], kv_heads):
-        return False
-    return None if asked is True else asked
+    return None if head_sparse_pays(router, query_states.shape[2], kv_heads) else False
 
 
 def head_sparse_pays(router, tokens: int, kv_heads: int) -> bool:
