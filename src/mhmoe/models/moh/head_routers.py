@@ -75,6 +75,12 @@ def l2_scores(norms: torch.Tensor) -> torch.Tensor:
     return norms / std.clamp_min(L2_STD_MIN)
 
 
+def routed_query_norms(query_states: torch.Tensor, shared_heads: int) -> torch.Tensor:
+    """(B, T, H, hd) pre-RoPE queries -> (B, T, R) fp32 L2 norms of the routed heads' queries (computed in fp32; one
+    op, not the Python wrapper of `Tensor.norm`: it runs once per layer and decoding step)."""
+    return torch.linalg.vector_norm(query_states[..., shared_heads:, :], dim=-1, dtype=torch.float32)
+
+
 def straight_through(soft: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
     """Forward value exactly `hard`, gradient of `soft` (eq. 10)."""
     return hard + (soft - soft.detach())
@@ -106,6 +112,7 @@ class MoHRouter(nn.Module):
         self.active_heads = active_heads
         self.straight_through = straight_through
         self.routing_backend = None  # "torch" | "triton" | None: by device (ops/backends.py)
+        self._shared_gate_row = None  # shared_gate_row's cache
 
     @classmethod
     def from_config(cls, config, layer_idx: int | None = None) -> "MoHRouter":
@@ -141,13 +148,22 @@ class MoHRouter(nn.Module):
 
     def hard_gates(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The straight-through gates' forward value alone (no gradient to build: inference): shared heads 1, the
-        top-K routed heads 1 (selected as `routed_gates` selects), others 0. Five ops after the scores: in decoding the router runs once
-        per layer and token, and each op costs about as much as a short step's attention."""
-        index = torch.topk(torch.softmax(router_logits, dim=-1), self.active_heads, dim=-1).indices  # (B, T, K)
-        gates = router_logits.new_zeros(*router_logits.shape[:-1], self.num_heads)  # (B, T, H)
-        gates[..., : self.shared_heads].fill_(1.0)
-        gates[..., self.shared_heads :].scatter_(-1, index, 1.0)
-        return gates, router_logits, index
+        top-K routed heads 1, others 0. The top-K of the logits are the top-K of their softmax (monotone): the heads
+        `routed_gates` selects. Three ops after the scores: in decoding the router runs once per layer and token, and
+        each op costs about as much as a short step's attention."""
+        index = torch.topk(router_logits, self.active_heads, dim=-1).indices  # (B, T, K)
+        base = self.shared_gate_row(router_logits).expand(*router_logits.shape[:-1], self.num_heads)  # (B, T, H)
+        return base.scatter(-1, index + self.shared_heads, 1.0), router_logits, index
+
+    def shared_gate_row(self, like: torch.Tensor) -> torch.Tensor:
+        """(H,) 1 on the shared heads, 0 on the routed ones, in `like`'s dtype and device (cached: not a buffer, so
+        not in the state dict)."""
+        row = getattr(self, "_shared_gate_row", None)
+        if row is None or row.device != like.device or row.dtype != like.dtype:
+            row = torch.zeros(self.num_heads, dtype=like.dtype, device=like.device)
+            row[: self.shared_heads] = 1.0
+            self._shared_gate_row = row
+        return row
 
     def weigh_stages(self, hidden_states: torch.Tensor, shared_soft: torch.Tensor, routed_soft: torch.Tensor):
         """(shared gates (B, T, S), routed gates (B, T, R)) after any weighting of the two (the learned router's)."""
@@ -227,7 +243,7 @@ class L2Router(MoHRouter):
     def scores(self, hidden_states, query_states, head_norms):
         if head_norms is not None:
             return l2_scores(head_norms[..., self.shared_heads :])
-        return l2_scores(query_states[..., self.shared_heads :, :].float().norm(dim=-1))
+        return l2_scores(routed_query_norms(query_states, self.shared_heads))
 
     def forward(self, hidden_states, query_states, head_norms=None):
         # the fused kernel reads the queries' own heads (not tensor parallelism's gathered norms); every
@@ -289,7 +305,7 @@ class CalibratedRouter(MoHRouter):
     def scores(self, hidden_states, query_states, head_norms):
         if head_norms is not None:
             return self.calibrated(head_norms[..., self.shared_heads :])
-        return self.calibrated(query_states[..., self.shared_heads :, :].float().norm(dim=-1))
+        return self.calibrated(routed_query_norms(query_states, self.shared_heads))
 
     def calibrated(self, norms: torch.Tensor) -> torch.Tensor:
         """(B, T, R) fp32 query norms of the routed heads -> (B, T, R) scores."""

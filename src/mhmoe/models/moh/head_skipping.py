@@ -17,6 +17,8 @@ Shape legend: B batch, T query tokens, L key/value tokens (cache included), d hi
 key/value heads, hd head_dim.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,17 +34,25 @@ DECODE_MAX_TOKENS = 16
 
 def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -> str | None | bool:
     """Whether `attention_forward` computes only the active heads, and with which backend: False (every head computed
-    and masked), None (the default backend of `ops/backends.py`) or a backend name."""
+    and masked), None (the default backend of `ops/backends.py`) or a backend name. It runs in every layer of every
+    decoding step: the default's cheap refusals (device, `head_sparse_pays`) come before the config is read."""
     asked = getattr(module, "moh_head_skipping", True)
+    if asked is False or torch.compiler.is_compiling():  # traced graphs take the dense path (the op reads the gates)
+        return False
     router = module.head_router
-    if asked is False:
-        return False
-    if torch.compiler.is_compiling():  # the CPU path reads the gates on the host; traced graphs take the dense path
-        return False
     if router.shared_heads + router.active_heads >= router.num_heads:  # every head is active: nothing to skip
         return False
     if query_states.shape[1] != router.num_heads:  # tensor parallel: this rank holds some heads
         return False
+    if asked is True:
+        # off by default off the CPU: the CPU path calls torch's CPU flash kernel, and the Triton kernels are not in
+        # `ops/backends.AUTOMATIC` until a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py); ask for
+        # moh_head_skipping="triton" to use them
+        if query_states.device.type != "cpu":
+            return False
+        kv_heads = router.num_heads // module.num_key_value_groups
+        if not head_sparse_pays(router, query_states.shape[2], kv_heads):
+            return False
     if (module.training and module.attention_dropout > 0) or kwargs.get("output_attentions"):
         return False
     if gates.requires_grad and router.straight_through == "scores":  # needs every routed head's attention
@@ -51,15 +61,7 @@ def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -
         return False
     if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
         return False
-    if asked is True and query_states.device.type != "cpu":
-        # off by default off the CPU: the CPU path calls torch's CPU flash kernel, and the Triton kernels are not in
-        # `ops/backends.AUTOMATIC` until a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py); ask for
-        # moh_head_skipping="triton" to use them
-        return False
-    if asked is not True:  # a backend asked for by name runs everywhere
-        return asked
-    kv_heads = router.num_heads // module.num_key_value_groups
-    return None if head_sparse_pays(router, query_states.shape[2], kv_heads) else False
+    return None if asked is True else asked  # a backend asked for by name runs everywhere
 
 
 def head_sparse_pays(router, tokens: int, kv_heads: int) -> bool:
@@ -73,10 +75,15 @@ def head_sparse_pays(router, tokens: int, kv_heads: int) -> bool:
 def kv_heads_skippable(router, kv_heads: int) -> bool:
     """Whether a token's active heads can leave a key/value head unread: a GQA group with no shared head (the first S)
     and at least K routed heads outside it (else every top-K selection takes one of its heads)."""
-    groups = router.num_heads // kv_heads
-    for first in range(0, router.num_heads, groups):
-        routed_inside = min(groups, max(0, first + groups - router.shared_heads))
-        if first >= router.shared_heads and router.routed_heads - routed_inside >= router.active_heads:
+    return _kv_heads_skippable(router.num_heads, router.shared_heads, router.active_heads, kv_heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _kv_heads_skippable(num_heads: int, shared_heads: int, active_heads: int, kv_heads: int) -> bool:
+    groups, routed_heads = num_heads // kv_heads, num_heads - shared_heads
+    for first in range(0, num_heads, groups):
+        routed_inside = min(groups, max(0, first + groups - shared_heads))
+        if first >= shared_heads and routed_heads - routed_inside >= active_heads:
             return True
     return False
 
