@@ -93,20 +93,20 @@ def run_recovery_demo(
     perplexities. Everything is written under `workdir` (dense/, moh/, dense_continued/). `data_files`: (train,
     validation) JSONL/text files instead of the standard-library corpus; the tokenizer is trained on the first."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from ..training.data import read_files, train_tokenizer
     from ..training.prepare import reset_accelerate_state
-    from .arguments import ConvertArguments
-    from .continue_tune import continue_tune_arguments, convert_and_continue_tune
 
     started = time.time()
     train_file, val_file = data_files or write_corpus(os.path.join(workdir, "data"), stdlib=stdlib)
     tokenizer = train_tokenizer(read_files([train_file]), vocab_size, 4 * block_size)
+    common = _training_settings(train_file, val_file, block_size, batch_size, seed, progress)
 
     # 1. the dense parent
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = _parent_config(
+        tokenizer,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -114,23 +114,8 @@ def run_recovery_demo(
         num_attention_heads=num_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=4 * block_size,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
     )
     dense_dir = os.path.join(workdir, "dense")
-    common = dict(
-        train_file=[train_file],
-        validation_file=[val_file],
-        block_size=block_size,
-        per_device_train_batch_size=batch_size,
-        per_device_eval_batch_size=32,
-        seed=seed,
-        disable_tqdm=not progress,
-        plot=False,
-        weight_decay=0.1,
-        max_grad_norm=1.0,
-    )
     dense_ppl = _train_dense_parent(LlamaForCausalLM(config), tokenizer, common, dense_dir, dense_steps, dense_lr)
 
     # 2. convert + continue-tune (the converter's own code path)
@@ -143,9 +128,72 @@ def run_recovery_demo(
         eval_steps=eval_steps,
         eval_at_start=True,
     )
-    reset_accelerate_state()
     moh_dir = os.path.join(workdir, "moh")
-    outcome = convert_and_continue_tune(
+    outcome = _convert_and_tune(dense_dir, moh_dir, tune, shared_heads_ratio, active_heads_ratio, progress)
+
+    # 3. control: the dense parent continue-tuned the same way
+    control_ppl = _continue_dense(tune, dense_dir, os.path.join(workdir, "dense_continued")) if control else None
+    reset_accelerate_state()
+
+    tokens_per_step = batch_size * block_size
+    result = {
+        "chance_ppl": float(vocab_size),
+        "dense_ppl": dense_ppl,
+        **_moh_figures(outcome, dense_ppl),
+        "dense_continued_ppl": control_ppl,
+        "active_heads": f"{outcome['conversion'].active_heads}/{outcome['conversion'].num_heads}",
+        "dense_tokens": dense_steps * tokens_per_step,
+        "tune_tokens": tune_steps * tokens_per_step,
+        "seconds": round(time.time() - started, 1),
+        "workdir": os.path.basename(os.path.abspath(workdir)),  # its name: the record never holds a local path
+    }
+    with open(os.path.join(workdir, "recovery_demo.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
+
+def _training_settings(
+    train_file: str, val_file: str, block_size: int, batch_size: int, seed: int, progress: bool
+) -> dict:
+    """The `mhmoe.training` settings the dense parent, the continue-tuning and the control share."""
+    return dict(
+        train_file=[train_file],
+        validation_file=[val_file],
+        block_size=block_size,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=32,
+        seed=seed,
+        disable_tqdm=not progress,
+        plot=False,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+    )
+
+
+def _parent_config(tokenizer, **sizes):
+    """The dense parent's `LlamaConfig`: `sizes` (LlamaConfig's own field names), the tokenizer's BOS / EOS ids,
+    untied embeddings."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **sizes,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def _convert_and_tune(
+    dense_dir: str, moh_dir: str, tune: dict, shared_heads_ratio: float, active_heads_ratio: float, progress: bool
+) -> dict:
+    """The dense parent converted with the paper's recipe and continue-tuned by `mhmoe-convert`'s own code path;
+    `convert_and_continue_tune`'s outcome."""
+    from ..training.prepare import reset_accelerate_state
+    from .arguments import ConvertArguments
+    from .continue_tune import continue_tune_arguments, convert_and_continue_tune
+
+    reset_accelerate_state()
+    return convert_and_continue_tune(
         ConvertArguments(
             input_dir=dense_dir,
             output_dir=moh_dir,
@@ -157,32 +205,18 @@ def run_recovery_demo(
         continue_tune_arguments(**tune),
         progress=progress,
     )
+
+
+def _moh_figures(outcome: dict, dense_ppl: float) -> dict:
+    """The converted model's perplexities from its recovery summary, and how the tuned one compares to the parent."""
     recovery = outcome["recovery"]
-
-    # 3. control: the dense parent continue-tuned the same way
-    control_ppl = _continue_dense(tune, dense_dir, os.path.join(workdir, "dense_continued")) if control else None
-    reset_accelerate_state()
-
-    report = outcome["conversion"]
-    tokens_per_step = batch_size * block_size
-    result = {
-        "chance_ppl": float(vocab_size),
-        "dense_ppl": dense_ppl,
+    return {
         "dense_ppl_all_heads_reference": recovery["dense_ppl"],  # the converted model with every head on
         "moh_ppl_before_tuning": recovery["start_ppl"],
         "moh_ppl_after_tuning": recovery["final_ppl"],
         "moh_over_dense": recovery["final_ppl"] / dense_ppl,
         "tokens_to_recover": recovery["tokens_to_recover"],
-        "dense_continued_ppl": control_ppl,
-        "active_heads": f"{report.active_heads}/{report.num_heads}",
-        "dense_tokens": dense_steps * tokens_per_step,
-        "tune_tokens": tune_steps * tokens_per_step,
-        "seconds": round(time.time() - started, 1),
-        "workdir": os.path.basename(os.path.abspath(workdir)),  # its name: the record never holds a local path
     }
-    with open(os.path.join(workdir, "recovery_demo.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    return result
 
 
 def _continue_dense(tune: dict, dense_dir: str, output_dir: str) -> float:

@@ -187,17 +187,45 @@ def main(argv: list[str] | None = None) -> None:
     `--print_tasks_dir` (alone) prints the eval_tasks/ folder and exits."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--print_tasks_dir" in argv:
-        if argv != ["--print_tasks_dir"]:
-            _exit_with_error("--print_tasks_dir takes no other argument")
-        tasks_dir = eval_tasks_dir()
-        if tasks_dir is None:
-            _exit_with_error(f"this installation has no eval_tasks/ folder (set ${EVAL_TASKS_ENV})")
-        print(tasks_dir)
+        _print_tasks_dir(argv)
         return
     if not argv:
         _exit_with_error(
             "give the checkpoint and the tasks: --model_args pretrained=DIR --tasks TASKS (see mhmoe-eval --help)"
         )
+    parser, args = _parse(argv)
+    from . import lm_eval_model  # noqa: F401 - registers the `mhmoe` lm-eval model (imports torch and Transformers)
+
+    tasks_dir = eval_tasks_dir()
+    if tasks_dir is None:
+        log.warning("eval_tasks/ not found (set $%s): the mhmoe suites are unavailable", EVAL_TASKS_ENV)
+    if getattr(args, "command", None) != "run":  # ls / validate
+        _execute_other_command(parser, args, tasks_dir)
+        return
+    suites_only = _prepare_run(args, tasks_dir)
+    problem = _run_arguments_problem(args) or _model_args_problem(args.model, args.model_args)
+    if problem:
+        _exit_with_error(problem)
+    results = _execute_run(parser, args, suites_only)
+    if results:
+        summary = _format_summary(results)
+        if summary:
+            print(summary)
+
+
+def _print_tasks_dir(argv: list[str]) -> None:
+    """`--print_tasks_dir`, given alone: the installed eval_tasks/ folder on stdout."""
+    if argv != ["--print_tasks_dir"]:
+        _exit_with_error("--print_tasks_dir takes no other argument")
+    tasks_dir = eval_tasks_dir()
+    if tasks_dir is None:
+        _exit_with_error(f"this installation has no eval_tasks/ folder (set ${EVAL_TASKS_ENV})")
+    print(tasks_dir)
+
+
+def _parse(argv: list[str]):
+    """lm-eval's parser under mhmoe-eval's name and the arguments it reads from `argv`; lm-eval's logging to today's
+    stderr."""
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
@@ -214,20 +242,22 @@ def main(argv: list[str] | None = None) -> None:
         _exit_with_error(f"{e} (see mhmoe-eval run --help)")
     finally:
         sys.argv = saved_argv
-    from . import lm_eval_model  # noqa: F401 - registers the `mhmoe` lm-eval model (imports torch and Transformers)
+    return parser, args
 
-    tasks_dir = eval_tasks_dir()
-    if tasks_dir is None:
-        log.warning("eval_tasks/ not found (set $%s): the mhmoe suites are unavailable", EVAL_TASKS_ENV)
-    if getattr(args, "command", None) != "run":  # ls / validate
-        if tasks_dir is not None and hasattr(args, "include_path"):
-            user = args.include_path
-            args.include_path = [str(tasks_dir), *([user] if user else [])]
-        parser.execute(args)
-        return
 
+def _execute_other_command(parser, args, tasks_dir: Path | None) -> None:
+    """`ls` / `validate`, with eval_tasks/ first on the include path."""
+    if tasks_dir is not None and hasattr(args, "include_path"):
+        user = args.include_path
+        args.include_path = [str(tasks_dir), *([user] if user else [])]
+    parser.execute(args)
+
+
+def _prepare_run(args, tasks_dir: Path | None) -> bool:
+    """`run`'s arguments completed in place (keeping a --config YAML's model, tasks and include_path): `--model mhmoe`
+    by default, eval_tasks/ first on the include path. Returns whether every requested task is one of eval_tasks/."""
     yaml_cfg = {}
-    if getattr(args, "config", None):  # keep a --config YAML's model, tasks and include_path
+    if getattr(args, "config", None):
         from lm_eval.config.evaluate_config import EvaluatorConfig
 
         yaml_cfg = EvaluatorConfig.load_yaml_config(args.config)
@@ -237,11 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     args.include_path = ([str(tasks_dir)] if tasks_dir else []) + [str(p) for p in user]
     requested = _requested_tasks(args.tasks or yaml_cfg.get("tasks"))
     ours = _suite_names(tasks_dir)
-    suites_only = bool(requested) and all(name in ours for name in requested)
+    return bool(requested) and all(name in ours for name in requested)
 
-    problem = _run_arguments_problem(args) or _model_args_problem(args.model, args.model_args)
-    if problem:
-        _exit_with_error(problem)
+
+def _execute_run(parser, args, suites_only: bool) -> dict | None:
+    """lm-eval's `run` with mhmoe's patches; its results (with the paper table rows), None if it produced none. A
+    user's mistake or a machine's problem (offline data, a full disk, a failed save) ends the command with one line."""
     captured: list = []
     saving = _SaveFailure()
     tracker_log = logging.getLogger("lm_eval.loggers.evaluation_tracker")
@@ -283,10 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     finally:
         tracker_log.removeFilter(saving)
-    if captured and captured[-1]:
-        summary = _format_summary(captured[-1])
-        if summary:
-            print(summary)
+    return captured[-1] if captured else None
 
 
 _USER_ERRORS = ("Tasks not found", "mhmoe_ppl_")  # lm-eval's unknown tasks; the ppl tasks' missing data
