@@ -278,27 +278,31 @@ def typed_command(argv: list[str], args, program: str = "mhmoe-convert") -> str:
     return " ".join([program, *typed_args(argv, args)])
 
 
-def stage_cli(args, results: dict) -> None:
-    """One end-to-end conversion with the command line: GGUF in, the calibrated recipe, logits verified."""
-    from mhmoe.convert import main
-
-    out = Path(args.workdir) / "cli-converted"
-    argv = [
+def calibrated_convert_argv(source: str, out: Path, active_heads: int, gguf_file: str | None = None) -> list[str]:
+    """The `mhmoe-convert` arguments the cli and tune stages start with: SOURCE (its GGUF file `gguf_file`, when given)
+    into OUT (replaced), 3 of the 9 heads shared, `active_heads` of 9 active, the calibrated recipe."""
+    return [
         "--input_dir",
-        args.gguf_dir,
-        "--gguf_file",
-        GGUF,
+        source,
+        *(["--gguf_file", gguf_file] if gguf_file else []),
         "--output_dir",
         str(out),
         "--overwrite",
         "--shared_heads_ratio",
         repr(1 / 3),
         "--active_heads_ratio",
-        repr(7 / 9),
+        repr(active_heads / 9),
         "--recipe",
         "calibrated",
-        "--disable_tqdm",
     ]
+
+
+def stage_cli(args, results: dict) -> None:
+    """One end-to-end conversion with the command line: GGUF in, the calibrated recipe, logits verified."""
+    from mhmoe.convert import main
+
+    out = Path(args.workdir) / "cli-converted"
+    argv = [*calibrated_convert_argv(args.gguf_dir, out, 7, gguf_file=GGUF), "--disable_tqdm"]
     t = time.time()
     main(argv)
     record = json.loads((out / "moh_conversion.json").read_text())

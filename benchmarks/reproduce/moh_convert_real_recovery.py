@@ -127,19 +127,8 @@ def dense_argv(source: str, out: Path, data: Path, args, seed: int) -> list[str]
 def moh_argv(source: str, out: Path, data: Path, args, seed: int, budget: str, recipe, distill: bool) -> list[str]:
     """mhmoe-convert --train_file: the conversion at `budget` with the zero-shot stage's best recipe, then the tuning."""
     shared, active = real.BUDGETS[budget]
-    heads = shared + active
     return [
-        "--input_dir",
-        source,
-        "--output_dir",
-        str(out),
-        "--overwrite",
-        "--shared_heads_ratio",
-        repr(1 / 3),
-        "--active_heads_ratio",
-        repr(heads / 9),
-        "--recipe",
-        "calibrated",
+        *real.calibrated_convert_argv(source, out, shared + active),
         "--shared_heads_by",
         recipe[0],
         "--moh_router",
