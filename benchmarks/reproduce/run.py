@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Reproduce the papers' tables in miniature, one command per table (results: benchmarks/results/reproduce_*.{json,md,png}).
 
-    python benchmarks/reproduce/run.py mhmoe_table1 [--scale cpu|gpu] [--seeds 0 1] [--quick]
+    python benchmarks/reproduce/run.py mhmoe_table1 [--scale cpu|cpu_long|gpu|gpu_slice] [--seeds 0 1] [--quick]
     python benchmarks/reproduce/run.py mhmoe_table1 --cells smoe mhmoe_h3 --seeds 0 --out DIR [--deadline MINUTES]
         [--seed_from SOURCE ...] [--bundle FILE] [--probe_file FILE ...] [--started EPOCH]
     python benchmarks/reproduce/run.py mhmoe_table1 --merge SOURCE [SOURCE ...] [--out RESULTS]
-    python benchmarks/reproduce/run.py moh_fig2 [--quick]
-    python benchmarks/reproduce/run.py moh_convert_real --stage zero_shot|cli|tune|report   (moh_convert_real.py)
+    python benchmarks/reproduce/run.py moh_fig2 [--scale cpu|cpu_long|gpu] [--seeds 0 1] [--quick]
+    python benchmarks/reproduce/run.py moh_convert_real --stage zero_shot|cli|tune|other_text|report
+        (moh_convert_real.py; other_text: the zero-shot recipes on text of another domain, the GPL-3 licence)
     python benchmarks/reproduce/run.py --list
 
 Tables: see `tables.py` (cells and scales) and `harness.py` (data, training, results). `--quick` is the CI smoke run:
@@ -716,7 +717,7 @@ def main(argv=None) -> int:
             print(f"{name:16s} {title}")
             print(f"{'':16s} cells: {' '.join(cell_id(c) for c in build(tables.SCALES['quick']))}")
         print(f"{'moh_fig2':16s} MoH Fig. 2: dense LLaMA -> MoH recovery, continue-tuned, with a dense control")
-        print(f"{'moh_convert_real':16s} SmolLM2-135M-Instruct (GGUF) -> MoH: head recipes zero-shot, recovery")
+        print(f"{'moh_convert_real':16s} SmolLM2-135M-Instruct (GGUF) -> MoH: zero-shot recipes, other text, recovery")
         return 0
     if args.merge:
         if args.table == "moh_fig2":
