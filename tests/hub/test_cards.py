@@ -1,10 +1,14 @@
-"""The converted model's card states its own conversion's measured figures (issue 31): the logit check."""
+"""The converted model's card states its own conversion's measured figures (issue 31): the logit check, and after
+continue-tuning the parent's, the untuned and the tuned perplexity (recovery_summary.json)."""
 
 import json
+import re
 
-from mhmoe.convert import convert
-from mhmoe.hub.cards import verification_rows
-from tests.convert.test_convert import _llama_dir
+import pytest
+
+from mhmoe.convert import convert, main
+from mhmoe.hub.cards import recovery_text, verification_rows
+from tests.convert.test_convert import _llama_dir, _tune_flags
 
 
 def test_converted_card_states_its_logit_check(tmp_path, tokenizer_dir):
@@ -25,3 +29,58 @@ def test_converted_card_states_its_logit_check(tmp_path, tokenizer_dir):
 def test_older_or_partial_records_give_no_row():
     assert verification_rows({}) == []
     assert verification_rows({"verification": {"all_heads_max_abs_diff": 1e-5}}) == []
+
+
+def test_continue_tuned_card_states_the_recovery_it_measured(tmp_path, corpus, tokenizer_dir):
+    """`mhmoe-convert --train_file --validation_file`: the final card (rewritten after recovery_summary.json, whole)
+    gives the dense parent's, the untuned and the tuned MoH perplexity, the figures of recovery_summary.json; an export
+    of the folder keeps them."""
+    from mhmoe.hub.export import export_pretrained
+
+    source = _llama_dir(tmp_path / "Tiny-Llama", tokenizer_dir)
+    out = tmp_path / "tuned"
+    main(_tune_flags(source, out, corpus, "--validation_file", corpus["val"], "--max_steps", "2", "--eval_steps", "2"))
+    recovery = json.loads((out / "recovery_summary.json").read_text())
+    assert recovery["dense_ppl"] and recovery["start_ppl"] and recovery["final_step"] == 2  # all three measured
+
+    def stated(card: str) -> dict:
+        found = re.search(
+            r"Validation perplexity: dense parent ([\d.]+) \(every head on\); MoH before tuning ([\d.]+) "
+            r"\(×([\d.]+) of the parent's\); MoH after tuning \(([\d,]+) tokens\) ([\d.]+) "
+            r"\(×([\d.]+) of the parent's\)\.",
+            card,
+        )
+        assert found, card
+        dense, start, start_ratio, tokens, final, final_ratio = found.groups()
+        return {
+            "dense_ppl": float(dense),
+            "start_ppl": float(start),
+            "start_ratio": float(start_ratio),
+            "final_tokens": int(tokens.replace(",", "")),
+            "final_ppl": float(final),
+            "final_ratio": float(final_ratio),
+        }
+
+    card = (out / "README.md").read_text()
+    figures = stated(card)
+    for key in ("dense_ppl", "start_ppl", "final_ppl", "final_ratio"):
+        assert figures[key] == pytest.approx(recovery[key], abs=5e-4), key
+    assert figures["start_ratio"] == pytest.approx(recovery["start_ppl"] / recovery["dense_ppl"], abs=5e-4)
+    assert figures["final_tokens"] == recovery["final_tokens"] > 0
+    assert "Trained with `mhmoe-train` for 2 steps (" in card and "base_model: Tiny-Llama" in card
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]  # replaced whole: no temporary left
+
+    export_pretrained(str(out), str(tmp_path / "exported"))
+    assert stated((tmp_path / "exported" / "README.md").read_text()) == figures
+
+
+def test_recovery_text_leaves_out_what_was_not_measured():
+    measured = {"dense_ppl": 10.0, "start_ppl": 12.5, "final_ppl": 10.2, "final_tokens": 4096}
+    assert recovery_text(measured) == (
+        "Validation perplexity: dense parent 10.000 (every head on); MoH before tuning 12.500 (×1.250 of the "
+        "parent's); MoH after tuning (4,096 tokens) 10.200 (×1.020 of the parent's)."
+    )
+    no_start = recovery_text({**measured, "start_ppl": None})  # --eval_at_start False
+    assert "before tuning" not in no_start and "dense parent 10.000" in no_start
+    no_parent = recovery_text({"dense_ppl": None, "start_ppl": 12.5, "final_ppl": 10.2, "final_tokens": None})
+    assert no_parent == "Validation perplexity: MoH before tuning 12.500; MoH after tuning 10.200."

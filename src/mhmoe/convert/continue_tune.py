@@ -3,7 +3,7 @@
 `convert_and_continue_tune(args, tune)` converts into OUTPUT_DIR/converted (main process; skipped when resuming), then
 trains it with `mhmoe.training` into OUTPUT_DIR on every process, with the recipe's continue-tuning defaults (recipe.py),
 periodic validation, the dense parent's perplexity (all heads on) at step 0, and a recovery curve (perplexity vs
-training tokens: recovery_curve.csv / .png, recovery_summary.json).
+training tokens: recovery_curve.csv / .png, recovery_summary.json), which the model card then states.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import time
 
 from transformers.utils import CONFIG_NAME
 
-from .._plumbing.checkpoint_files import replace_dir, temporary_dir_next_to
+from .._plumbing.checkpoint_files import replace_dir, temporary_dir_next_to, write_json_atomic
+from ..hub.cards import RECOVERY_RECORD
 from .arguments import ConvertArguments, _continue_tune_arguments_class
 from .conversion import check_paths, convert, output_state
 from .errors import ConversionError
@@ -138,9 +139,23 @@ def _tune(args: ConvertArguments, tune, state):
         summary = recovery_curve(out)
         if summary is not None:
             print(format_recovery(summary), flush=True)
-            with open(os.path.join(out, "recovery_summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            write_json_atomic(os.path.join(out, RECOVERY_RECORD), summary)
+            _cards_with_recovery(out, result.model)
     return result, summary
+
+
+def _cards_with_recovery(out: str, model) -> None:
+    """The cards training's final save wrote (OUTPUT_DIR's; OUTPUT_DIR/merged's with --merge_lora) rendered again now
+    that recovery_summary.json is there, so that their Training section gives the parent's, the untuned and the tuned
+    perplexity. Each card is replaced whole (a temporary file renamed); one mhmoe did not write (PEFT's) is kept."""
+    from ..hub.cards import folder_records
+    from ..training.outputs import _rewrite_card
+
+    training = folder_records(out).get("training")
+    _rewrite_card(out, model, training)
+    merged = os.path.join(out, "merged")
+    if hasattr(model, "get_base_model") and os.path.isdir(merged):  # a PeftModel: its merged copy's card
+        _rewrite_card(merged, model.get_base_model(), training, out)
 
 
 def convert_and_continue_tune(args: ConvertArguments, tune, progress: bool = True) -> dict:

@@ -222,16 +222,34 @@ def training_text(summary: dict) -> str:
     return " ".join(parts)
 
 
+def recovery_text(summary: dict) -> str:
+    """The Training section's last sentence for a continue-tuned conversion, from its recovery_summary.json: the
+    validation perplexity of the dense parent (the converted model with every head on), of the converted model before
+    tuning and after it. A figure the run did not measure is left out."""
+    dense, start, final, tokens = (summary.get(k) for k in ("dense_ppl", "start_ppl", "final_ppl", "final_tokens"))
+
+    def versus_parent(ppl: float) -> str:
+        return f" (×{ppl / dense:.3f} of the parent's)" if dense else ""
+
+    parts = [f"dense parent {dense:.3f} (every head on)"] if dense is not None else []
+    if start is not None:
+        parts.append(f"MoH before tuning {start:.3f}{versus_parent(start)}")
+    after = f" ({tokens:,} tokens)" if isinstance(tokens, int) else ""
+    parts.append(f"MoH after tuning{after} {final:.3f}{versus_parent(final)}")
+    return f"Validation perplexity: {'; '.join(parts)}."
+
+
 CONVERSION_RECORDS = ("moh_conversion.json", "converted/moh_conversion.json")  # converted; converted + continue-tuned
+RECOVERY_RECORD = "recovery_summary.json"  # a continue-tuned conversion's (convert/continue_tune.py)
 
 
 def folder_records(folder) -> dict:
     """What a checkpoint folder records about how it was made, for its card: {"base_model", "conversion", "training"}
-    from moh_conversion.json (mhmoe-convert; in converted/ after continue-tuning) and train_summary.json
-    (mhmoe-train); unreadable records are skipped."""
+    from moh_conversion.json (mhmoe-convert; in converted/ after continue-tuning), train_summary.json (mhmoe-train)
+    and recovery_summary.json (continue-tuning's perplexities, after the training); unreadable records are skipped."""
     found = {}
     conversion = next((n for n in CONVERSION_RECORDS if os.path.isfile(os.path.join(folder, n))), CONVERSION_RECORDS[0])
-    for name, key in ((conversion, "base_model"), ("train_summary.json", "training")):
+    for name, key in ((conversion, "base_model"), ("train_summary.json", "training"), (RECOVERY_RECORD, "recovery")):
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 record = json.load(f)
@@ -240,6 +258,8 @@ def folder_records(folder) -> dict:
                 found["conversion"] = record  # its head recipe and calibration data join the architecture table
             elif key == "training" and isinstance(record, dict):
                 found[key] = training_text(record)
+            elif key == "recovery" and isinstance(record, dict):
+                found["training"] = " ".join(filter(None, (found.get("training"), recovery_text(record))))
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             continue
     return found
@@ -346,6 +366,7 @@ __all__ = [
     "model_card",
     "parity_rows",
     "public_paths",
+    "recovery_text",
     "templates_dir",
     "training_text",
     "verification_rows",
