@@ -14,8 +14,12 @@ batch row):
 - prefill: one forward over B × T tokens, no cache, the last position's logits only (as `generate`'s prefill);
 - decode: greedy decoding of `--new_tokens` tokens (argmax, one token per forward, the model's dynamic cache) after a
   prompt of C tokens (the prompt's prefill is not timed; the cache is cropped back after each round).
-Every round runs the three models once each in a rotated order; a cell is the median over rounds of the per-round
-speed ratio parent time / MoH time (> 1: MoH faster). One warm-up forward per model first.
+Every round runs the three models in a rotated order; a cell is the median over rounds of the per-round speed ratio
+parent time / MoH time (> 1: MoH faster). Prefill: each model's forward once per round; cells shorter than
+`--min_cell_s` get more rounds, up to that much time per model (this shared machine's load drifts within seconds, and a
+short cell's few rounds leave the ratio to chance). Decode in lockstep: every step runs each model's next token in a
+rotated order, so a drift in the machine's load falls on the three models alike; a model's round time is the sum of
+its step times. One warm-up forward per model first.
 
 Ideal (the speed-up if the inactive heads' work cost nothing and everything else stayed; from the shapes):
 - flops: the model's multiply-adds per token (2 per weight of every linear layer, the lm_head for the last position in
@@ -52,6 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--big_rounds", type=int, default=1, help="rounds of cells over --big_tokens tokens")
     parser.add_argument("--big_tokens", type=int, default=8192, help="B × T above which --big_rounds apply")
+    parser.add_argument(
+        "--min_cell_s", type=float, default=20.0, help="prefill: more rounds until a model's calls take this long"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=None, help="also write the rows as JSON here")
     return parser.parse_args(argv)
@@ -178,6 +185,28 @@ def interleaved(calls: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def lockstep_decode(models: dict, caches: dict, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per model and round of greedy decoding `new_tokens` tokens from `caches` ({name: (cache, first token)}),
+    every step running each model's next token in a rotated order; the caches are cropped back after each round."""
+    names = list(models)
+    times = {name: [] for name in names}
+    for index in range(rounds):
+        tokens = {name: caches[name][1] for name in names}
+        spent = dict.fromkeys(names, 0.0)
+        with torch.no_grad():
+            for step in range(new_tokens):
+                shift = (index * new_tokens + step) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    start = time.perf_counter()
+                    logits = models[name](tokens[name], past_key_values=caches[name][0], use_cache=True).logits
+                    tokens[name] = logits[:, -1].argmax(-1, keepdim=True)
+                    spent[name] += time.perf_counter() - start
+        for name in names:
+            caches[name][0].crop(-new_tokens)  # back to the prompt for the next round (negative: tokens removed)
+            times[name].append(spent[name])
+    return times
+
+
 def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[int]) -> None:
     config = models["parent"].config
     for batch in batches:
@@ -188,6 +217,11 @@ def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[
             def forward(model):
                 with torch.no_grad():
                     model(ids, use_cache=False, logits_to_keep=1)
+
+            if batch * tokens <= args.big_tokens:
+                start = time.perf_counter()
+                forward(models["parent"])  # untimed: how long one call takes, for the rounds of a short cell
+                rounds = max(rounds, min(int(args.min_cell_s / (time.perf_counter() - start)), 5 * args.rounds))
 
             times = interleaved({name: (lambda m=model: forward(m)) for name, model in models.items()}, rounds)
             for name, recorder in recorders.items():  # untimed: the gates of the same call
@@ -210,14 +244,14 @@ def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
                 out = model(ids, use_cache=True, logits_to_keep=1)
                 caches[name] = (out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True))
 
-        def greedy(name):
+        def greedy(name):  # untimed, for the recorder: one model's decoding alone
             model, (cache, token) = models[name], caches[name]
             with torch.no_grad():
                 for _ in range(args.new_tokens):
                     token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             cache.crop(-args.new_tokens)  # back to the prompt for the next round (negative: tokens removed)
 
-        times = interleaved({name: (lambda n=name: greedy(n)) for name in models}, args.rounds)
+        times = lockstep_decode(models, caches, args.new_tokens, args.rounds)
         for name, recorder in recorders.items():  # untimed: the gates of the same decoding
             recorder.record(lambda n=name: greedy(n))
         keys_seen = args.new_tokens * (context + (args.new_tokens + 1) / 2)
@@ -265,7 +299,7 @@ def report(rows, mode, batch, tokens, name, times, ideal_flops, ideal_bytes, act
     print(
         f"| {mode} | {batch} | {tokens} | {name} | {row['parent_s']:.2f} | {row['moh_s']:.2f} | "
         f"**{row['speed_ratio']:.3f}** | {ideal_flops:.3f} | {bytes_cell} | {active_share:.3f} | "
-        f"{'–' if needed_share is None else f'{needed_share:.3f}'} | {goal} | {'yes' if met else 'NO'} |",
+        f"{'–' if needed_share is None else f'{needed_share:.3f}'} | {goal} | {'yes' if met else 'NO'} | {len(ratios)} |",
         flush=True,
     )
 
@@ -298,14 +332,15 @@ def main(argv=None) -> int:
     recipe = json.loads((Path(folders["7/9"]) / "moh_conversion.json").read_text()).get("recipe")
     print(
         f"torch {torch.__version__}, {args.threads} threads, fp32, CPU; attention {attn}; MoH recipe {recipe}; "
-        f"median of {args.rounds} interleaved rounds ({args.big_rounds} for cells over {args.big_tokens} tokens); "
+        f"median of {args.rounds} interleaved rounds ({args.big_rounds} for cells over {args.big_tokens} tokens, more "
+        f"for prefills under {args.min_cell_s:g} s a model; decoding in lockstep); "
         f"setup {setup_s:.0f} s; load average {load_average()}"
     )
     print(
         "| pass | batch | tokens (prefill) / prompt (decode) | MoH | parent s | MoH s | speed MoH / parent | "
-        "ideal (flops) | ideal (bytes) | active pairs | needed K/V heads | goal | met |"
+        "ideal (flops) | ideal (bytes) | active pairs | needed K/V heads | goal | met | rounds |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
     prefill_cells(models, recorders, tokenizer, args, rows, args.batch[:1])
     decode_cells(models, recorders, tokenizer, args, rows)  # before the larger batches, the longest cells
