@@ -374,6 +374,12 @@ def main(argv=None) -> None:
     parser.add_argument("--sample_variant", default="important shared, l2_standardized")
     parser.add_argument("--tune_shared", default="best", help="'best': the best zero-shot recipe at 7/9")
     parser.add_argument("--tune_router", default="l2_standardized")
+    parser.add_argument(
+        "--tune_recipe",
+        default=None,
+        help="tune: convert with this --recipe as it stands (default: the best zero-shot)",
+    )
+    parser.add_argument("--tune_head_budget", default="uniform", help="tune: mhmoe-convert --head_budget")
     parser.add_argument("--tune_steps", type=int, default=12)
     parser.add_argument("--tune_eval_every", type=int, default=4)
     parser.add_argument("--tune_eval_blocks", type=int, default=8)

@@ -124,15 +124,27 @@ def dense_argv(source: str, out: Path, data: Path, args, seed: int) -> list[str]
     ]
 
 
+def recipe_tag(args) -> str | None:
+    """How a MoH run's conversion differs from the section's recipe (`--tune_recipe` / `--tune_head_budget`), in
+    words; None: it does not (the zero-shot stage's best recipe, uniform head budgets)."""
+    if args.tune_recipe is None and args.tune_head_budget == "uniform":
+        return None
+    return f"recipe {args.tune_recipe or 'calibrated'}, {args.tune_head_budget} head budgets"
+
+
 def moh_argv(source: str, out: Path, data: Path, args, seed: int, budget: str, recipe, distill: bool) -> list[str]:
-    """mhmoe-convert --train_file: the conversion at `budget` with the zero-shot stage's best recipe, then the tuning."""
+    """mhmoe-convert --train_file: the conversion at `budget` with the zero-shot stage's best recipe (or
+    `--tune_recipe` as it stands, and `--tune_head_budget`), then the tuning."""
     shared, active = real.BUDGETS[budget]
+    argv = real.calibrated_convert_argv(source, out, shared + active)
+    if args.tune_recipe is None:
+        argv += ["--shared_heads_by", recipe[0], "--moh_router", recipe[1]]
+    else:
+        argv[argv.index("--recipe") + 1] = args.tune_recipe
+    if args.tune_head_budget != "uniform":
+        argv += ["--head_budget", args.tune_head_budget]
     return [
-        *real.calibrated_convert_argv(source, out, shared + active),
-        "--shared_heads_by",
-        recipe[0],
-        "--moh_router",
-        recipe[1],
+        *argv,
         "--skip_logit_check",
         *tuning_flags(data, args, seed),
         *(["--distill", "--distill_temperature", "2.0", "--distill_weight", "0.5"] if distill else []),
@@ -143,12 +155,13 @@ def evaluate(model, blocks: dict[str, torch.Tensor]) -> dict[str, float]:
     return {key: real.perplexity(model, b)["ppl"] for key, b in blocks.items()}
 
 
-def _entry(entries: list[dict], model: str, budget, seed) -> dict | None:
-    return next((e for e in entries if (e["model"], e.get("budget"), e.get("seed")) == (model, budget, seed)), None)
+def _entry(entries: list[dict], model: str, budget, seed, recipe: str | None = None) -> dict | None:
+    key = (model, budget, seed, recipe)
+    return next((e for e in entries if (e["model"], e.get("budget"), e.get("seed"), e.get("recipe")) == key), None)
 
 
 def _put(entries: list[dict], entry: dict) -> None:
-    old = _entry(entries, entry["model"], entry.get("budget"), entry.get("seed"))
+    old = _entry(entries, entry["model"], entry.get("budget"), entry.get("seed"), entry.get("recipe"))
     if old is not None:
         entries.remove(old)
     entries.append(entry)
@@ -201,10 +214,13 @@ def stage_tune(args, results: dict, driver: str) -> None:
         for budget in args.budgets:
             for run in args.runs:
                 run_budget = None if run == "dense" else budget
-                if _entry(tune["runs"], RUNS[run], run_budget, seed) is not None:
-                    print(f"{RUNS[run]} {run_budget or ''} seed {seed}: already in the results", flush=True)
+                tag = None if run == "dense" else recipe_tag(args)
+                if _entry(tune["runs"], RUNS[run], run_budget, seed, tag) is not None:
+                    what = " ".join(filter(None, (RUNS[run], run_budget, tag)))
+                    print(f"{what} seed {seed}: already in the results", flush=True)
                     continue
                 name = "dense" if run == "dense" else f"moh-{budget.replace('/', 'of')}-{run}"
+                name += "" if tag is None else f"-{args.tune_recipe or 'calibrated'}-{args.tune_head_budget}"
                 out = Path(args.workdir) / "tune" / f"seed{seed}" / name
                 if run == "dense":
                     argv, program = dense_argv(source, out, data, args, seed), "mhmoe-train"
@@ -226,6 +242,7 @@ def stage_tune(args, results: dict, driver: str) -> None:
                     "model": RUNS[run],
                     "budget": run_budget,
                     "seed": seed,
+                    **({} if tag is None else {"recipe": tag}),
                     "command": real.typed_command(argv, args, program),
                     "driver": driver,
                     "commit": results["environment"]["commit"],
@@ -239,15 +256,16 @@ def stage_tune(args, results: dict, driver: str) -> None:
                 del model
                 print(f"{RUNS[run]} {run_budget or ''} seed {seed} ({seconds:.0f} s): {entry['ppl']}", flush=True)
                 _put(tune["runs"], entry)
-                if run != "dense" and _entry(tune["untuned"], "MoH zero-shot", budget, None) is None:
+                if run != "dense" and _entry(tune["untuned"], "MoH zero-shot", budget, None, tag) is None:
                     converted = MoHLlamaForCausalLM.from_pretrained(str(out / "converted"), dtype=torch.float32)
                     ppl = evaluate(converted.eval(), blocks)
-                    _put(tune["untuned"], {"model": "MoH zero-shot", "budget": budget, "seed": None, "ppl": ppl})
-                    print(f"MoH zero-shot {budget}: {ppl}", flush=True)
+                    untuned = {"model": "MoH zero-shot", "budget": budget, "seed": None, "ppl": ppl}
+                    _put(tune["untuned"], {**untuned, **({} if tag is None else {"recipe": tag})})
+                    print(f"MoH zero-shot {budget} {tag or ''}: {ppl}", flush=True)
                     del converted
                 real.save(results)
     import moh_convert_real_report as report
 
     for r in report.goal_rows(tune):
         seeds = ", ".join(f"seed {s} ×{v:.3f}" for s, v in sorted(r["ratios"].items()))
-        print(f"{r['model']} {r['budget']} / parent tuned on {TEXTS[r['text']]}: {seeds}; goal ≤ ×{report.GOAL}")
+        print(f"{r['label']} / parent tuned on {TEXTS[r['text']]}: {seeds}; goal ≤ ×{report.GOAL}")

@@ -26,9 +26,10 @@ OTHER_DOMAIN = ("gpl3", "packages")
 RUN_ORDER = ("parent", "parent tuned", "MoH zero-shot", "MoH tuned", "MoH distilled")
 
 
-def _label(entry: dict) -> str:
+def _label(entry: dict, seed: bool = True) -> str:
     parts = [entry["model"]] + ([entry["budget"]] if entry.get("budget") else [])
-    return " ".join(parts) + (f", seed {entry['seed']}" if entry.get("seed") is not None else "")
+    recipe = f" ({entry['recipe']})" if entry.get("recipe") else ""  # a conversion other than the section's recipe
+    return " ".join(parts) + recipe + (f", seed {entry['seed']}" if seed and entry.get("seed") is not None else "")
 
 
 def _table_rows(tune: dict) -> list[tuple[str, list[dict]]]:
@@ -37,9 +38,13 @@ def _table_rows(tune: dict) -> list[tuple[str, list[dict]]]:
     entries = tune.get("untuned", []) + tune.get("runs", [])
     order = {model: i for i, model in enumerate(RUN_ORDER)}
     groups: dict[tuple, list[dict]] = {}
-    for e in sorted(entries, key=lambda e: (e.get("budget") or "", order[e["model"]], e.get("seed") or 0)):
-        groups.setdefault((e["model"], e.get("budget")), []).append(e)
-    return [(" ".join(filter(None, key)), group) for key, group in groups.items()]
+
+    def sort_key(e):
+        return (e.get("budget") or "", e.get("recipe") or "", order[e["model"]], e.get("seed") or 0)
+
+    for e in sorted(entries, key=sort_key):
+        groups.setdefault(_label(e, seed=False), []).append(e)
+    return list(groups.items())
 
 
 def _reference(tune: dict, entry: dict) -> tuple[str, dict | None]:
@@ -59,7 +64,7 @@ def goal_rows(tune: dict) -> list[dict]:
     (the comparison made before the dense control was run)."""
     rows = []
     parent = next((e for e in tune.get("untuned", []) if e["model"] == "parent"), None)
-    for _, entries in _table_rows(tune):
+    for label, entries in _table_rows(tune):
         model = entries[0]["model"]
         if model not in ("MoH tuned", "MoH distilled"):
             continue
@@ -73,6 +78,7 @@ def goal_rows(tune: dict) -> list[dict]:
                 rows.append(
                     {
                         "model": model,
+                        "label": label,
                         "budget": entries[0]["budget"],
                         "text": key,
                         "ratios": ratios,
@@ -100,7 +106,8 @@ def _recovery_section(tune: dict) -> list[str]:
         "lines build the same training arguments); *MoH tuned* / *MoH distilled*: `mhmoe-convert --train_file` with "
         f"the zero-shot table's best recipe (shared heads `{recipe.get('shared_heads_by')}`, router "
         f"`{recipe.get('moh_router')}`), LM loss, or with `--distill` (T = 2, weight 0.5). *MoH zero-shot*: the same "
-        "conversion, untuned. Texts (blocks of 256 tokens):",
+        "conversion, untuned. A row with a recipe in brackets was converted with that recipe instead "
+        "(`--tune_recipe`, `--tune_head_budget`). Texts (blocks of 256 tokens):",
         "",
     ]
     out += [f"- **{t['name']}** ({t['tokens']:,} tokens): {t['source']}." for t in texts.values()]
@@ -131,7 +138,7 @@ def _recovery_section(tune: dict) -> list[str]:
         seeds = ", ".join(f"seed {s} ×{v:.3f}" for s, v in sorted(r["ratios"].items()))
         verdict = ("met" if r["met"] else "NOT met") if r["model"] == "MoH tuned" and r["budget"] == "7/9" else ""
         out.append(
-            f"- {r['model']} {r['budget']} on {texts[r['text']]['name']}: {seeds} (mean ×{r['mean']:.3f}; goal "
+            f"- {r['label']} on {texts[r['text']]['name']}: {seeds} (mean ×{r['mean']:.3f}; goal "
             f"≤ ×{GOAL}){': **' + verdict + '**' if verdict else ''}"
             + (f"; ÷ the untuned parent: ×{r['untuned']:.3f}" if r.get("untuned") else "")
         )

@@ -53,6 +53,8 @@ def _args(tmp_path, **changes):
         tune_lr=1e-4,
         eval_blocks=12,
         tune_eval_blocks=8,
+        tune_recipe=None,
+        tune_head_budget="uniform",
     )
     return type("Args", (), {**parser_defaults, **changes})()
 
@@ -77,6 +79,23 @@ def test_the_dense_control_gets_the_same_training_arguments(tmp_path):
     five = recovery.moh_argv("dense", tmp_path / "m", data, args, 1, "5/9", ("first", "l2"), True)
     conversion, _ = convert_parser().parse_args_into_dataclasses(args=five)
     assert conversion.active_heads_ratio == pytest.approx(5 / 9) and conversion.distill
+    assert recovery.recipe_tag(args) is None
+
+
+def test_another_recipe_is_converted_as_asked_and_tagged(tmp_path):
+    """--tune_recipe / --tune_head_budget: the MoH run converts with that recipe as it stands (no shared-head or router
+    override) and its entries carry a tag that keeps them apart from the section's recipe."""
+    from mhmoe.convert.cli import build_parser as convert_parser
+
+    args = _args(tmp_path, tune_recipe="paper", tune_head_budget="calibrated")
+    argv = recovery.moh_argv("dense", tmp_path / "m", tmp_path / "data", args, 0, "7/9", ("importance", "x"), False)
+    conversion, _ = convert_parser().parse_args_into_dataclasses(args=argv)
+    assert conversion.recipe == "paper" and conversion.head_budget == "calibrated"
+    assert "--moh_router" not in argv and "--shared_heads_by" not in argv
+    assert recovery.recipe_tag(args) == "recipe paper, calibrated head budgets"
+    entries = [{"model": "MoH tuned", "budget": "7/9", "seed": 0}]
+    recovery._put(entries, {"model": "MoH tuned", "budget": "7/9", "seed": 0, "recipe": recovery.recipe_tag(args)})
+    assert len(entries) == 2  # the tagged run does not replace the section recipe's
 
 
 def test_commands_are_recorded_with_placeholders(tmp_path):
@@ -126,7 +145,7 @@ def test_tune_stage_end_to_end(tmp_path, tokenizer_dir, monkeypatch, capsys):
     real.main(common + ["--runs", "dense", "lm", "distill", "--seeds", "0"])
     real.main(common + ["--runs", "dense", "--seeds", "0", "1"])
     out = capsys.readouterr().out
-    assert "parent tuned  seed 0: already in the results" in out
+    assert "parent tuned seed 0: already in the results" in out
     data = json.loads(results.read_text())
     tune = data["tune"]
     assert {k: t["tokens"] for k, t in tune["texts"].items()} == {"python_docs": 256, "gpl3": 512, "packages": 512}
