@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HEAD_BUDGETS, RECIPES, ROUTER_CHOICES, SHARED_CHOICES
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, CONTINUE_TUNING_DEFAULTS, SHARED_HEADS_RATIO
+from .speed import SPEED_NEW_TOKENS, SPEED_ROUNDS, SPEED_TOKENS
 
 
 class Ratio(float):
@@ -134,6 +135,27 @@ class ConvertArguments:
             "refused. The code is never copied into the output."
         },
     )
+    measure_speed: bool = field(
+        default=False,
+        metadata={
+            "help": "After the conversion is verified, time it against its parent on this machine (prefill of "
+            "--speed_tokens tokens, greedy decoding of --speed_new_tokens after them, interleaved rounds) and state "
+            "the speed ratios in moh_conversion.json and the card. Costs both models in memory at once and, for a "
+            "135M model on 2 CPU threads, about a minute; the figures are this machine's and noisy "
+            "(benchmarks/moh_head_sparse.py is the repeatable benchmark)."
+        },
+    )
+    speed_tokens: int = field(
+        default=SPEED_TOKENS,
+        metadata={"help": "--measure_speed: prompt tokens (capped by the calibration text and the model's positions)."},
+    )
+    speed_new_tokens: int = field(
+        default=SPEED_NEW_TOKENS, metadata={"help": "--measure_speed: greedy tokens decoded."}
+    )
+    speed_rounds: int = field(
+        default=SPEED_ROUNDS,
+        metadata={"help": "--measure_speed: rounds per cell (more for prefills under 5 s a model, up to 5×)."},
+    )
     distill: bool = field(
         default=False,
         metadata={
@@ -171,9 +193,11 @@ class ConvertArguments:
     def conversion_options(self) -> dict:
         """The keyword arguments of `convert` these arguments give (besides input and output folders)."""
         from .calibrate import head_recipe
+        from .speed import SpeedSettings
         from .verify import read_probe
 
         shared_heads, shared_heads_by = self.head_counts()
+        speed = SpeedSettings(self.speed_tokens, self.speed_new_tokens, self.speed_rounds)  # checked even when off
         return dict(
             shared_heads_ratio=self.shared_heads_ratio,
             active_heads_ratio=self.active_heads_ratio,
@@ -189,6 +213,7 @@ class ConvertArguments:
             calibration_tokens=self.calibration_tokens,
             trust_remote_code=self.trust_remote_code,
             head_budget=self.head_budget,
+            speed=speed if self.measure_speed else None,
         )
 
 

@@ -48,6 +48,7 @@ from .recipe import (
     check_number,
     head_split,
 )
+from .speed import SpeedSettings, measure_speed, speed_line
 from .verify import verified
 
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -217,6 +218,7 @@ class ConversionReport:
     router: str = ROUTER
     recipe: str = "paper"
     routed_active_heads_per_layer: list[int] | None = None  # --head_budget calibrated
+    speed: dict | None = None  # --measure_speed (speed.py)
 
     @classmethod
     def of(cls, plan: ConversionPlan, input_dir: str, output_dir: str, seconds: float, verification: dict | None):
@@ -274,6 +276,8 @@ class ConversionReport:
                 f"{v['routed_mean_abs_diff']:.3g}, top-1 agreement {100 * v['routed_top1_agreement']:.1f}%, probe "
                 f"perplexity {v['source_probe_ppl']:.2f} -> {v['routed_probe_ppl']:.2f} (continue-tune to recover)"
             )
+        if self.speed is not None:
+            lines.append(speed_line(self.speed))
         return "\n".join(lines)
 
 
@@ -297,6 +301,7 @@ def convert(
     shared_heads: int | None = None,
     active_heads: int | None = None,
     head_budget: str = "uniform",
+    speed: SpeedSettings | None = None,
 ) -> ConversionReport:
     """Convert `input_dir` (llama / mistral / qwen2, safetensors; or `gguf_file` inside it) into a moh_llama
     checkpoint at `output_dir`.
@@ -311,7 +316,9 @@ def convert(
     names (calibration, the logit check); the model's code is always Transformers' own and no code is copied.
     `shared_heads` / `active_heads`: the head split as counts per layer (active = shared + routed) instead of the
     ratios. `head_budget`: "uniform" (every layer `active_heads`) or "calibrated" (per-layer routed budgets at the
-    same total, from each layer's measured effect on the model's predictions: head_budget.py). Arguments of the wrong
+    same total, from each layer's measured effect on the model's predictions: head_budget.py). `speed`: time the
+    converted model against its parent on this machine before the folder is renamed into place (speed.py; recorded in
+    moh_conversion.json and the card). Arguments of the wrong
     type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).
     """
     start = time.time()
@@ -322,6 +329,8 @@ def convert(
     )
     if head_budget not in HEAD_BUDGETS:
         raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
+    if speed is not None and not isinstance(speed, SpeedSettings):
+        raise TypeError(f"speed must be a SpeedSettings or None, not {type(speed).__name__}")
     check_paths(input_dir, output_dir)
     output_state(output_dir, overwrite)
     recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -341,6 +350,7 @@ def convert(
             shared_heads=shared_heads,
             active_heads=active_heads,
             head_budget=head_budget,
+            speed=speed,
         )
         return _convert_gguf(input_dir, output_dir, gguf_file, **options)
     plan = plan_conversion(
@@ -369,6 +379,8 @@ def convert(
         copy_seconds = time.time() - start
         verification = verified(input_dir, temporary, probe_text, trust_remote_code) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
+        if speed is not None:
+            report.speed = measure_speed(input_dir, temporary, speed, calibration_file, trust_remote_code, progress)
         report.recipe = choices.record["recipe"]["name"]
         record = dataclasses.asdict(report)
         from ..hub.cards import public_paths

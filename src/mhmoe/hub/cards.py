@@ -120,9 +120,32 @@ def verification_rows(record: dict) -> list[tuple[str, str]]:
     return [(f"logit check ({v.get('probe', 'probe')}, {v.get('dtype', '')})", text)]
 
 
+def speed_rows(record: dict) -> list[tuple[str, str]]:
+    """The conversion's own timing against its parent (`mhmoe-convert --measure_speed`, moh_conversion.json's
+    "speed"); none when it was not measured."""
+    speed = record.get("speed")
+    if not speed:
+        return []
+    try:
+        p, d = speed["prefill"], speed["decode"]
+        text = (
+            f"prefill of {p['tokens']:,} tokens ×{p['speed_ratio']:.2f} the parent's speed (MoH "
+            f"{p['moh_tokens_per_s']:,.1f} vs parent {p['parent_tokens_per_s']:,.1f} tokens/s; ideal "
+            f"×{p['ideal_speed_ratio']:.2f}, {p['rounds']} rounds); greedy decoding of {d['new_tokens']} tokens after "
+            f"it ×{d['speed_ratio']:.2f} ({d['moh_tokens_per_s']:,.1f} vs {d['parent_tokens_per_s']:,.1f} tokens/s; "
+            f"ideal ×{d['ideal_speed_ratio']:.2f}, {d['rounds']} rounds in lockstep); medians of the per-round ratios "
+            f"parent time / MoH time, batch {speed['batch']}, {speed['dtype']}, {speed['device']}, "
+            f"{speed['threads']} thread{'' if speed['threads'] == 1 else 's'}, {speed['text']}. These are the converting machine's timings of this "
+            f"conversion, and noisy; the repeatable benchmark is `{speed['benchmark']}` in mhmoe's repository"
+        )
+    except (KeyError, TypeError, ValueError):  # an older or partial record
+        return []
+    return [("speed vs the parent (`--measure_speed`)", text)]
+
+
 def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
-    """(label, text) rows from a converted model's moh_conversion.json: head recipe, calibration data and the logit
-    check's figures."""
+    """(label, text) rows from a converted model's moh_conversion.json: head recipe, calibration data, the logit
+    check's figures and, where measured, its speed against the parent."""
     if not record or "recipe" not in record:
         return []
     recipe = record["recipe"]
@@ -150,7 +173,7 @@ def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
                 shown + (f"; … ({len(layers)} layers in moh_conversion.json)" if len(layers) > 4 else ""),
             )
         )
-    return rows + verification_rows(record)
+    return rows + verification_rows(record) + speed_rows(record)
 
 
 def parity_rows(config) -> list[tuple[str, str]]:
@@ -367,6 +390,7 @@ __all__ = [
     "parity_rows",
     "public_paths",
     "recovery_text",
+    "speed_rows",
     "templates_dir",
     "training_text",
     "verification_rows",
