@@ -78,7 +78,8 @@ def test_measure_speed_records_the_timings_and_the_card_states_them(tmp_path, to
     assert f"ideal ×{p['ideal_speed_ratio']:.2f}, {p['rounds']} rounds)" in row
     assert f"greedy decoding of 5 tokens after it ×{d['speed_ratio']:.2f}" in row
     assert f"ideal ×{d['ideal_speed_ratio']:.2f}, 3 rounds in lockstep" in row
-    assert f"float32, cpu, {speed['threads']} threads" in row
+    threads = f"{speed['threads']} thread{'' if speed['threads'] == 1 else 's'},"
+    assert f"float32, cpu, {threads} pydoc_data.topics (default)." in row
     assert "timings of this conversion, and noisy" in row and "`benchmarks/moh_head_sparse.py`" in row
     assert row.count(" | ") == 1  # a two-column row
     assert f"decode 5 tokens ×{d['speed_ratio']:.3f}" in printed  # the converter's report says it too
