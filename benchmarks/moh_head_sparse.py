@@ -41,6 +41,9 @@ from pathlib import Path
 
 import torch
 
+from mhmoe.convert.speed import forward_flops, lockstep_decode  # the converter's --measure_speed: the same timing
+from mhmoe.models.cache_naming import CACHE
+
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SETTINGS = {"7/9": 7 / 9, "5/9": 5 / 9}  # active heads of 9 (3 shared + 4 or 2 of 6 routed)
 
@@ -112,18 +115,6 @@ def text_ids(tokenizer, rows: int, tokens: int) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def model_flops(config, tokens: int, num_keys_seen: float, logits_rows: int) -> tuple[float, float]:
-    """(all flops, attention core flops) of a forward over `tokens` tokens that see `num_keys_seen` keys in total
-    (summed over tokens), with the lm_head on `logits_rows` positions."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * config.intermediate_size
-    linear = 2 * tokens * layers * per_layer + 2 * logits_rows * hidden * config.vocab_size
-    attention = 2 * 2 * layers * heads * head_dim * num_keys_seen
-    return linear + attention, attention
-
-
 def decode_bytes(model, config, context: int, new_tokens: int, needed_kv_share: float) -> tuple[float, float]:
     """(bytes read per decoding step, of which the K/V cache that no active head needs: skippable), fp32, averaged
     over the steps."""
@@ -185,28 +176,6 @@ def interleaved(calls: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def lockstep_decode(models: dict, caches: dict, new_tokens: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per model and round of greedy decoding `new_tokens` tokens from `caches` ({name: (cache, first token)}),
-    every step running each model's next token in a rotated order; the caches are cropped back after each round."""
-    names = list(models)
-    times = {name: [] for name in names}
-    for index in range(rounds):
-        tokens = {name: caches[name][1] for name in names}
-        spent = dict.fromkeys(names, 0.0)
-        with torch.no_grad():
-            for step in range(new_tokens):
-                shift = (index * new_tokens + step) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    start = time.perf_counter()
-                    logits = models[name](tokens[name], past_key_values=caches[name][0], use_cache=True).logits
-                    tokens[name] = logits[:, -1].argmax(-1, keepdim=True)
-                    spent[name] += time.perf_counter() - start
-        for name in names:
-            caches[name][0].crop(-new_tokens)  # back to the prompt for the next round (negative: tokens removed)
-            times[name].append(spent[name])
-    return times
-
-
 def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[int]) -> None:
     config = models["parent"].config
     for batch in batches:
@@ -227,7 +196,7 @@ def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[
             for name, recorder in recorders.items():  # untimed: the gates of the same call
                 recorder.record(lambda m=models[name]: forward(m))
             keys_seen = batch * tokens * (tokens + 1) / 2
-            total, attention = model_flops(config, batch * tokens, keys_seen, batch)
+            total, attention = forward_flops(config, batch * tokens, keys_seen, batch)
             for name in SETTINGS:
                 active_share, _ = recorders[name].shares()
                 ideal = total / (total - (1 - active_share) * attention)
@@ -248,14 +217,14 @@ def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
             model, (cache, token) = models[name], caches[name]
             with torch.no_grad():
                 for _ in range(args.new_tokens):
-                    token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                    token = model(token, **{CACHE: cache}, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             cache.crop(-args.new_tokens)  # back to the prompt for the next round (negative: tokens removed)
 
         times = lockstep_decode(models, caches, args.new_tokens, args.rounds)
         for name, recorder in recorders.items():  # untimed: the gates of the same decoding
             recorder.record(lambda n=name: greedy(n))
         keys_seen = args.new_tokens * (context + (args.new_tokens + 1) / 2)
-        total, attention = model_flops(config, args.new_tokens, keys_seen, args.new_tokens)
+        total, attention = forward_flops(config, args.new_tokens, keys_seen, args.new_tokens)
         for name in SETTINGS:
             active_share, needed_share = recorders[name].shares()
             ideal_flops = total / (total - (1 - active_share) * attention)
