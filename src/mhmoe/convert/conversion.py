@@ -357,7 +357,7 @@ def convert(
     temporary = temporary_dir_next_to(output_dir)
     try:
         _write_checkpoint(plan, temporary, progress)
-        if choices.orders is not None:
+        if choices.orders is not None or choices.tensors:  # heads permuted, the fitted router's weights filled
             config = plan.config
             permute_checkpoint(
                 temporary,
@@ -365,6 +365,7 @@ def convert(
                 choices.orders,
                 config.num_key_value_heads,
                 config.head_dim,
+                replace=choices.tensors,
             )
         copy_seconds = time.time() - start
         verification = verified(input_dir, temporary, probe_text, trust_remote_code) if verify_logits else None

@@ -141,6 +141,17 @@ def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
                 f"{calibration['source']}, {calibration['tokens']:,} tokens, sha256 `{calibration['sha256'][:16]}…`",
             )
         )
+    fit = record.get("router_fit")
+    if fit:
+        r2 = fit.get("r2") or [0.0]
+        rows.append(
+            (
+                "router fit",
+                f"W_r of the learned router fitted on the calibration text ({fit['tokens']:,} tokens): per layer a "
+                f"ridge regression of the {fit['target']} on {fit['features']}, {fit['ridge']}; R² "
+                f"{min(r2):.2f}–{max(r2):.2f} over the layers",
+            )
+        )
     layers = record.get("layers") or []
     if layers and recipe["shared_heads"] != "first":
         shown = "; ".join(f"{i}: {layer['shared_source_heads']}" for i, layer in enumerate(layers[:4]))
