@@ -470,7 +470,9 @@ def stage_cli_fitted(args, cache_path: Path, results: dict) -> None:
         del model
     results["parent_ppl_cli_fitted"] = parent_ppl
     cli_rows = [r for r in results.get("cli_fitted", []) if r["fraction"] != args.fraction] + rows
-    results["cli_fitted"] = sorted(cli_rows, key=lambda r: (list(FRACTIONS).index(r["fraction"]), r["budget"]))
+    results["cli_fitted"] = sorted(
+        cli_rows, key=lambda r: (list(FRACTIONS).index(r["fraction"]), ("uniform", "calibrated").index(r["budget"]))
+    )
     for row in rows:
         row["commit"] = commit()
 
@@ -490,19 +492,21 @@ def cli_fitted_report(results: dict, names: list[str]) -> list[str]:
         "",
         "| heads | budget | "
         + " | ".join(f"{n}: CLI fitted (× parent)" for n in names)
-        + " | static pruning, same budgets (held-out) | below static | study: linear router | study: MoH l2_relative "
-        "| goal met |",
-        "|---|---|" + "---|" * (len(names) + 5),
+        + " | static pruning, same budgets (held-out) | below static | below static pruning at its own calibrated "
+        "budgets | study: linear router | study: MoH l2_relative | goal met |",
+        "|---|---|" + "---|" * (len(names) + 6),
     ]
     study = {(r["fraction"], r["budget"], r["recipe"]): r for r in results.get("rows", [])}
     for row in results["cli_fitted"]:
         fraction, budget, held = row["fraction"], row["budget"], row[names[0]]
         linear, moh = study.get((fraction, budget, "MoH, linear router")), study.get((fraction, budget, "MoH"))
         met = held["ratio"] <= GOALS[fraction] and held["below_static_pct"] >= GAIN_GOAL
+        own = study.get((fraction, "calibrated for static", "static pruning"))
+        own = f"{100 * (1 - held['ppl'] / own[names[0]]['ppl']):.1f}%" if own and budget == "calibrated" else "–"
         lines.append(
             f"| {fraction} | {budget} | "
             + " | ".join(f"{row[n]['ppl']:.2f} (×{row[n]['ratio']:.3f})" for n in names)
-            + f" | {held['static_ppl']:.2f} (×{held['static_ratio']:.3f}) | {held['below_static_pct']:.1f}% | "
+            + f" | {held['static_ppl']:.2f} (×{held['static_ratio']:.3f}) | {held['below_static_pct']:.1f}% | {own} | "
             + (f"×{linear[names[0]]['ratio']:.3f}" if linear else "–")
             + " | "
             + (f"×{moh[names[0]]['ratio']:.3f}" if moh else "–")
