@@ -88,7 +88,7 @@ class ConvertArguments:
             "--calibration_file shared, heads permuted within their key/value groups; l2_relative "
             "router: query norm over its calibration mean), 'fitted' (the same shared heads; the paper's learned "
             "router with its weights fitted on --calibration_file: a ridge regression of each head's log "
-            "contribution on the attention input) or 'auto' (calibrated when the source has a tokenizer, else "
+            "contribution on the attention input) or 'auto' (fitted when the source has a tokenizer, else "
             "paper).",
             "choices": ["auto", *RECIPES],
         },

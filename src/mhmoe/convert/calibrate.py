@@ -1,15 +1,19 @@
 """Calibrated conversion: measure each head on calibration text, choose the shared heads and the routed-head score.
 
-`HeadRecipe` says how heads are chosen (the default, "auto", is "calibrated" when the source has a tokenizer, else
+`HeadRecipe` says how heads are chosen (the default, "auto", is "fitted" when the source has a tokenizer, else
 "paper"): `shared_heads` "first" (the paper: the first S heads of every layer) or
 "importance" (the S heads that contribute most on calibration text, moved first by a GQA-respecting permutation:
 heads.py), and the router's score: "l2" (the paper's), "l2_standardized" (each head's query norm minus its calibration
-mean, over its calibration std) or "l2_relative" (query norm over its calibration mean). `RECIPES` names the presets;
-"paper" is exactly the paper's and needs no calibration.
+mean, over its calibration std), "l2_relative" (query norm over its calibration mean) or "fitted" (the paper's learned
+router, `moh_router="learned"` with straight-through 0/1 gates, its W_r fitted instead of trained: per layer a ridge
+regression of the log of each head's o_proj contribution norm on the attention's input, λ = `FIT_RIDGE` × the mean of
+diag(XᵀX), a fixed choice, not tuned). `RECIPES` names the presets; "paper" is exactly the paper's and needs no
+calibration; "fitted" (importance + fitted) was best on SmolLM2-135M (benchmarks/results/moh_head_budgets.md).
 
 `measure_heads(source_dir, text)` runs the dense source over the calibration text once and returns, per layer and
 head, the mean norm of the head's contribution to the attention output (its o_proj columns times its attention output:
-the importance) and the mean and std of its pre-RoPE query norm (the calibrated routers' statistics).
+the importance) and the mean and std of its pre-RoPE query norm (the calibrated routers' statistics); with
+`fit_router` the same pass accumulates XᵀX and XᵀY in float64 and fits the "fitted" router (`RouterFit`).
 `choose_heads(plan, recipe, ...)` turns them into per-layer head orders and the config fields, and the record
 written to moh_conversion.json. With `head_budget="calibrated"` it also gives each layer its own number of routed
 heads active per token (head_budget.py: the same total as the uniform budget, more where restricting the layer's heads
@@ -48,14 +52,15 @@ class HeadRecipe:
 
 RECIPES = {
     "paper": HeadRecipe("paper", "first", "l2"),
-    # measured best on SmolLM2-135M (benchmarks/results/moh_convert_real.md): ×1.38 the parent's perplexity zero-shot
-    # at 7/9 heads, against ×4.69 for "paper"; l2_standardized was ×1.40
+    # on SmolLM2-135M (benchmarks/results/moh_convert_real.md): ×1.38 the parent's perplexity zero-shot at 7/9
+    # heads, against ×4.69 for "paper"; l2_standardized was ×1.40
     "calibrated": HeadRecipe("calibrated", "importance", "l2_relative"),
-    # the paper's learned router with W_r fitted on the calibration text instead of trained
-    # (benchmarks/results/moh_head_budgets.md: ×1.079 the parent at 7/9 heads, ×1.879 at 5/9, calibrated budgets)
+    # the paper's learned router with W_r fitted on the calibration text instead of trained; measured best on
+    # SmolLM2-135M through mhmoe-convert (benchmarks/results/moh_head_budgets.md): ×1.171 / ×2.002 the parent at 7/9 /
+    # 5/9 heads (uniform budgets), ×1.062 / ×1.835 with --head_budget calibrated, 18% / 55% below static pruning
     "fitted": HeadRecipe("fitted", "importance", "fitted"),
 }
-# "auto": "calibrated" when the source has a tokenizer (calibration needs one), else "paper"
+# "auto": "fitted" when the source has a tokenizer (calibration needs one), else "paper"
 DEFAULT_RECIPE = "auto"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -263,12 +268,12 @@ class HeadChoices:
 
 
 def resolve_auto(plan) -> HeadRecipe:
-    """--recipe auto: "calibrated" when the source folder has a tokenizer, else "paper" (with a note on the plan)."""
+    """--recipe auto: "fitted" when the source folder has a tokenizer, else "paper" (with a note on the plan)."""
     if any(os.path.isfile(os.path.join(plan.input_dir, name)) for name in TOKENIZER_FILES):
-        return RECIPES["calibrated"]
+        return RECIPES["fitted"]
     plan.notes.append(
-        "recipe paper: the source has no tokenizer, which calibration needs (--recipe calibrated with a "
-        "tokenizer in --input_dir measures the heads)"
+        "recipe paper: the source has no tokenizer, which calibration needs (--recipe fitted with a "
+        "tokenizer in --input_dir measures the heads and fits the router)"
     )
     return RECIPES["paper"]
 

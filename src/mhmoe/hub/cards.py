@@ -143,13 +143,14 @@ def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
         )
     fit = record.get("router_fit")
     if fit:
-        r2 = fit.get("r2") or [0.0]
+        r2 = sorted(fit.get("r2") or [0.0])
         rows.append(
             (
                 "router fit",
                 f"W_r of the learned router fitted on the calibration text ({fit['tokens']:,} tokens): per layer a "
-                f"ridge regression of the {fit['target']} on {fit['features']}, {fit['ridge']}; R² "
-                f"{min(r2):.2f}–{max(r2):.2f} over the layers",
+                f"ridge regression of the {fit['target']} on {fit['features']}, {fit['ridge']}; R² per layer from "
+                f"{r2[0]:.2f} to {r2[-1]:.2f} (median {r2[len(r2) // 2]:.2f}; no intercept, so below 0 where a "
+                "head's mean is not fitted)",
             )
         )
     layers = record.get("layers") or []
