@@ -148,9 +148,9 @@ def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
             (
                 "router fit",
                 f"W_r of the learned router fitted on the calibration text ({fit['tokens']:,} tokens): per layer a "
-                f"ridge regression of the {fit['target']} on {fit['features']}, {fit['ridge']}; R² per layer from "
-                f"{r2[0]:.2f} to {r2[-1]:.2f} (median {r2[len(r2) // 2]:.2f}; no intercept, so below 0 where a "
-                "head's mean is not fitted)",
+                f"ridge regression of the {fit['target']} on {fit['features']}, {fit['ridge']}; R² per layer (the "
+                f"mean over its heads, on the calibration tokens; no intercept) from {r2[0]:.2f} to {r2[-1]:.2f}, "
+                f"median {r2[len(r2) // 2]:.2f}",
             )
         )
     layers = record.get("layers") or []
