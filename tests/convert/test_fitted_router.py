@@ -151,6 +151,8 @@ def test_continue_tuning_the_fitted_model_trains_its_router(tmp_path, corpus, to
     (the straight-through gates pass the gradient to the learned router)."""
     from safetensors.torch import load_file
 
+    from mhmoe.models.moh_llama import MoHLlamaForCausalLM
+
     source = _llama_dir(tmp_path / "src", tokenizer_dir)
     out = tmp_path / "tuned"
     main(
@@ -165,7 +167,12 @@ def test_continue_tuning_the_fitted_model_trains_its_router(tmp_path, corpus, to
     converted = load_file(out / "converted" / "model.safetensors")[name]
     tuned = load_file(out / "model.safetensors")[name]
     assert converted.abs().sum() > 0  # the fitted start, not zeros
-    assert not torch.equal(converted, tuned)  # the gradient reached W_r
+    assert not torch.equal(converted, tuned)  # the run moved W_r
+    model = MoHLlamaForCausalLM.from_pretrained(str(out / "converted")).train()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(4))
+    model(ids, labels=ids).loss.backward()
+    for layer in model.model.layers:  # through the straight-through gates (not weight decay alone)
+        assert layer.self_attn.head_router.routed_weight.grad.abs().sum() > 0
 
 
 def test_fitted_refusals(tmp_path, tokenizer_dir, capsys):
@@ -212,3 +219,27 @@ def test_calibrated_head_budgets_are_measured_with_the_fitted_router(tmp_path, t
     budgets = allocate_budgets(kl, 2 * 3)
     assert moh.config.moh_active_heads_per_layer == budgets
     assert [layer.self_attn.head_router.active_heads for layer in moh.model.layers] == budgets
+
+
+def test_fitted_router_in_a_sharded_bf16_checkpoint(tmp_path, tokenizer_dir):
+    """The router's tensors go into the shard of their layer's o_proj, in the checkpoint's dtype, and into the index;
+    the converted checkpoint loads without missing or unexpected keys and passes the converter's logit check."""
+    from safetensors import safe_open
+
+    from mhmoe.models.moh_llama import MoHLlamaForCausalLM
+
+    source = _llama_dir(tmp_path / "src", tokenizer_dir, dtype=torch.bfloat16, shard_size="40KB")
+    out = tmp_path / "out"
+    report = convert(str(source), str(out), 0.25, 0.625, recipe="fitted", calibration_tokens=256, progress=False)
+    assert report.verification["all_heads_equal"] and report.shards > 1
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for i in range(TINY["num_hidden_layers"]):
+        for key, rows in (("routed_weight", 6), ("shared_weight", 2), ("stage_weight", 2)):
+            name = f"model.layers.{i}.self_attn.head_router.{key}"
+            assert weight_map[name] == weight_map[f"model.layers.{i}.self_attn.o_proj.weight"]
+            with safe_open(str(out / weight_map[name]), framework="pt") as f:
+                tensor = f.get_tensor(name)
+            assert tensor.dtype == torch.bfloat16 and tensor.shape == (rows, TINY["hidden_size"])
+            assert tensor.any() == (key == "routed_weight")
+    _, info = MoHLlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
