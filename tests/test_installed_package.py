@@ -370,8 +370,9 @@ def test_converter_and_paper_cuts_from_the_wheel(installed):
     work.mkdir()
     _check([installed["python"], "-c", _TINY_LLAMA], env=env, cwd=work)
     proc = _check(["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"], env=env, cwd=work)
-    # the default recipe calibrates and permutes heads: o_proj sums the heads in another order (float rounding only)
-    assert "recipe calibrated" in proc.stdout, proc.stdout
+    # the default recipe calibrates, permutes heads (o_proj sums the heads in another order: float rounding only) and
+    # fits the learned router
+    assert "recipe fitted, router learned" in proc.stdout, proc.stdout
     assert re.search(r"all heads active: max \|Δlogit\| = \S+ vs source -> OK", proc.stdout), proc.stdout
     proc = _check([installed["python"], "-m", "mhmoe.convert", "--help"], env=env, cwd=work)
     assert "--input_dir" in proc.stdout

@@ -172,8 +172,8 @@ def test_calibrated_conversion_end_to_end(tmp_path, tokenizer_dir, corpus):
 
 
 def test_recipe_paper_copies_bytes_and_recipe_flags(tmp_path, tokenizer_dir):
-    """--recipe paper copies the weights as they are; the default (auto) calibrates a source with a tokenizer and
-    falls back to paper, saying so, without one."""
+    """--recipe paper copies the weights as they are; the default (auto) calibrates a source with a tokenizer (the
+    fitted recipe) and falls back to paper, saying so, without one."""
     source = _llama_dir(tmp_path / "src", tokenizer_dir)
     convert(str(source), str(tmp_path / "paper"), progress=False, recipe="paper")
     assert (tmp_path / "paper" / "model.safetensors").read_bytes()[-4096:] == (
@@ -190,7 +190,7 @@ def test_recipe_paper_copies_bytes_and_recipe_flags(tmp_path, tokenizer_dir):
         head_recipe("auto", router="l2")
     convert(str(source), str(tmp_path / "auto"), progress=False, calibration_tokens=128)
     record = json.loads((tmp_path / "auto" / "moh_conversion.json").read_text())
-    assert record["recipe"] == {"name": "calibrated", "shared_heads": "importance", "router": "l2_relative"}
+    assert record["recipe"] == {"name": "fitted", "shared_heads": "importance", "router": "fitted"}
     bare = _llama_dir(tmp_path / "bare")
     report = convert(str(bare), str(tmp_path / "auto-bare"), progress=False)
     record = json.loads((tmp_path / "auto-bare" / "moh_conversion.json").read_text())

@@ -87,8 +87,10 @@ class ConvertArguments:
             "help": "How shared heads and the routed-head score are chosen: 'paper' (first heads shared, l2 "
             "router, weights copied as they are), 'calibrated' (the heads that contribute most on "
             "--calibration_file shared, heads permuted within their key/value groups; l2_relative "
-            "router: query norm over its calibration mean) or 'auto' (calibrated when the source has a "
-            "tokenizer, else paper).",
+            "router: query norm over its calibration mean), 'fitted' (the same shared heads; the paper's learned "
+            "router with its weights fitted on --calibration_file: a ridge regression of each head's log "
+            "contribution on the attention input) or 'auto' (fitted when the source has a tokenizer, else "
+            "paper).",
             "choices": ["auto", *RECIPES],
         },
     )
@@ -104,7 +106,8 @@ class ConvertArguments:
         default=None,
         metadata={
             "help": "Override the recipe's routed-head score: 'l2' (the paper's), 'l2_standardized' or "
-            "'l2_relative' (per-head calibration statistics).",
+            "'l2_relative' (per-head calibration statistics), 'fitted' (the learned router, its weights fitted on "
+            "calibration text).",
             "choices": list(ROUTER_CHOICES),
         },
     )

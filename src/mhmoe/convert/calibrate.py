@@ -1,15 +1,19 @@
 """Calibrated conversion: measure each head on calibration text, choose the shared heads and the routed-head score.
 
-`HeadRecipe` says how heads are chosen (the default, "auto", is "calibrated" when the source has a tokenizer, else
+`HeadRecipe` says how heads are chosen (the default, "auto", is "fitted" when the source has a tokenizer, else
 "paper"): `shared_heads` "first" (the paper: the first S heads of every layer) or
 "importance" (the S heads that contribute most on calibration text, moved first by a GQA-respecting permutation:
 heads.py), and the router's score: "l2" (the paper's), "l2_standardized" (each head's query norm minus its calibration
-mean, over its calibration std) or "l2_relative" (query norm over its calibration mean). `RECIPES` names the presets;
-"paper" is exactly the paper's and needs no calibration.
+mean, over its calibration std), "l2_relative" (query norm over its calibration mean) or "fitted" (the paper's learned
+router, `moh_router="learned"` with straight-through 0/1 gates, its W_r fitted instead of trained: per layer a ridge
+regression of the log of each head's o_proj contribution norm on the attention's input, λ = `FIT_RIDGE` × the mean of
+diag(XᵀX), a fixed choice, not tuned). `RECIPES` names the presets; "paper" is exactly the paper's and needs no
+calibration; "fitted" (importance + fitted) was best on SmolLM2-135M (benchmarks/results/moh_head_budgets.md).
 
 `measure_heads(source_dir, text)` runs the dense source over the calibration text once and returns, per layer and
 head, the mean norm of the head's contribution to the attention output (its o_proj columns times its attention output:
-the importance) and the mean and std of its pre-RoPE query norm (the calibrated routers' statistics).
+the importance) and the mean and std of its pre-RoPE query norm (the calibrated routers' statistics); with
+`fit_router` the same pass accumulates XᵀX and XᵀY in float64 and fits the "fitted" router (`RouterFit`).
 `choose_heads(plan, recipe, ...)` turns them into per-layer head orders and the config fields, and the record
 written to moh_conversion.json. With `head_budget="calibrated"` it also gives each layer its own number of routed
 heads active per token (head_budget.py: the same total as the uniform budget, more where restricting the layer's heads
@@ -28,9 +32,11 @@ from .head_budget import SENSITIVITY_TOKENS, calibrated_budgets
 
 SHARED_CHOICES = ("first", "importance")
 HEAD_BUDGETS = ("uniform", "calibrated")
-ROUTER_CHOICES = ("l2", "l2_standardized", "l2_relative")
+ROUTER_CHOICES = ("l2", "l2_standardized", "l2_relative", "fitted")
 CALIBRATION_TOKENS = 4096
 CALIBRATION_BLOCK = 256
+FIT_RIDGE = 1e-2  # "fitted": λ = FIT_RIDGE × the mean of diag(XᵀX), fixed beforehand (benchmarks/moh_head_budgets.py)
+FIT_LOG_FLOOR = 1e-6  # "fitted": contribution norms clamped here before the log
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,15 @@ class HeadRecipe:
 
 RECIPES = {
     "paper": HeadRecipe("paper", "first", "l2"),
-    # measured best on SmolLM2-135M (benchmarks/results/moh_convert_real.md): ×1.38 the parent's perplexity zero-shot
-    # at 7/9 heads, against ×4.69 for "paper"; l2_standardized was ×1.40
+    # on SmolLM2-135M (benchmarks/results/moh_convert_real.md): ×1.38 the parent's perplexity zero-shot at 7/9
+    # heads, against ×4.69 for "paper"; l2_standardized was ×1.40
     "calibrated": HeadRecipe("calibrated", "importance", "l2_relative"),
+    # the paper's learned router with W_r fitted on the calibration text instead of trained; measured best on
+    # SmolLM2-135M through mhmoe-convert (benchmarks/results/moh_head_budgets.md): ×1.171 / ×2.002 the parent at 7/9 /
+    # 5/9 heads (uniform budgets), ×1.062 / ×1.835 with --head_budget calibrated, 18% / 55% below static pruning
+    "fitted": HeadRecipe("fitted", "importance", "fitted"),
 }
-# "auto": "calibrated" when the source has a tokenizer (calibration needs one), else "paper"
+# "auto": "fitted" when the source has a tokenizer (calibration needs one), else "paper"
 DEFAULT_RECIPE = "auto"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -62,8 +72,8 @@ def head_recipe(name: str = DEFAULT_RECIPE, shared_heads: str | None = None, rou
     if name == "auto":
         if shared_heads is not None or router is not None:
             raise ConversionError(
-                "--shared_heads_by and --moh_router change a named recipe: give --recipe paper or "
-                "--recipe calibrated with them"
+                "--shared_heads_by and --moh_router change a named recipe: give --recipe paper, "
+                "--recipe calibrated or --recipe fitted with them"
             )
         return HeadRecipe("auto", "auto", "auto")
     if shared_heads is not None and shared_heads not in SHARED_CHOICES:
@@ -134,15 +144,44 @@ def calibration_blocks(tokenizer, text: str, tokens: int, block: int):
 
 
 @dataclass
+class RouterFit:
+    """The "fitted" router: per layer W (H, d), the ridge regression of y_h = log ‖W_o[:, h] · attn_h‖ (clamped at
+    `FIT_LOG_FLOOR`) on the attention's input x (the hidden states after the input layer norm), over the calibration
+    tokens: W = solve(XᵀX + λI, XᵀY)ᵀ, λ = `FIT_RIDGE` × mean(diag XᵀX)."""
+
+    weights: list  # (layers,) float32 tensors (H, d), in the source's head order
+    ridge: list[float]  # (layers,) λ
+    r2: list[float]  # (layers,) the fit's R² on the calibration tokens, averaged over the heads
+
+
+def fit_routers(gram, cross, y_sum, y_squares, tokens: int, ridge: float = FIT_RIDGE) -> RouterFit:
+    """`RouterFit` from the float64 sums per layer: XᵀX (d, d), XᵀY (d, H), Σy (H), Σy² (H) over `tokens` rows."""
+    import torch
+
+    weights, lambdas, r2 = [], [], []
+    for g, c, s, s2 in zip(gram, cross, y_sum, y_squares, strict=True):
+        lam = ridge * g.diagonal().mean()
+        w = torch.linalg.solve(g + lam * torch.eye(g.shape[0], dtype=g.dtype), c)  # (d, H)
+        residual = s2 - 2 * (w * c).sum(0) + (w * (g @ w)).sum(0)  # Σ (y - xᵀw)² per head
+        total = (s2 - s**2 / tokens).clamp_min(1e-12)
+        weights.append(w.T.float().contiguous())
+        lambdas.append(float(lam))
+        r2.append(float((1 - residual / total).mean()))
+    return RouterFit(weights, lambdas, r2)
+
+
+@dataclass
 class HeadStats:
     importance: list[list[float]]  # (layers, heads): mean ‖W_o[:, h] · attn_h‖ over calibration tokens
     norm_mean: list[list[float]]  # (layers, heads): mean pre-RoPE query norm
     norm_std: list[list[float]]  # (layers, heads): its std
     tokens: int
+    router_fit: RouterFit | None = None  # measure_heads(..., fit_router=True)
 
 
-def measure_heads(model, blocks, progress: bool = False) -> HeadStats:
-    """One pass of the dense `model` (Llama-style attention) over `blocks` (N, T), hooks on q_proj and o_proj."""
+def measure_heads(model, blocks, progress: bool = False, fit_router: bool = False) -> HeadStats:
+    """One pass of the dense `model` (Llama-style attention) over `blocks` (N, T), hooks on q_proj and o_proj.
+    `fit_router`: the same pass also fits the "fitted" router (`RouterFit`; its input x is q_proj's input)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -151,6 +190,11 @@ def measure_heads(model, blocks, progress: bool = False) -> HeadStats:
     head_dim = head_dim or config.hidden_size // heads
     layers = model.model.layers
     sums = {i: torch.zeros(3, heads, dtype=torch.float64) for i in range(len(layers))}  # Σ contribution, Σn, Σn²
+    d = config.hidden_size
+    inputs = {}  # layer -> (B·T, d) float64 attention input of the current batch
+    gram = [torch.zeros(d, d, dtype=torch.float64) for _ in layers] if fit_router else None  # XᵀX
+    cross = [torch.zeros(d, heads, dtype=torch.float64) for _ in layers] if fit_router else None  # XᵀY
+    y_sums = [torch.zeros(2, heads, dtype=torch.float64) for _ in layers] if fit_router else None  # Σy, Σy²
     hooks = []
 
     def on_query(i):
@@ -158,6 +202,10 @@ def measure_heads(model, blocks, progress: bool = False) -> HeadStats:
             norms = output.detach().float().view(*output.shape[:-1], heads, head_dim).norm(dim=-1)  # (B, T, H)
             sums[i][1] += norms.sum(dim=(0, 1)).double()
             sums[i][2] += norms.pow(2).sum(dim=(0, 1)).double()
+            if fit_router:
+                x = args[0].detach().double().reshape(-1, d)  # (B·T, d)
+                inputs[i] = x
+                gram[i].addmm_(x.T, x)
 
         return hook
 
@@ -171,6 +219,12 @@ def measure_heads(model, blocks, progress: bool = False) -> HeadStats:
                 grams[i] = w.transpose(1, 2) @ w
             squared = (torch.bmm(x, grams[i]) * x).sum(-1).clamp_min(0)  # (H, B·T)
             sums[i][0] += squared.sqrt().sum(dim=1).double()
+            if fit_router:
+                y = squared.double().sqrt().clamp_min(FIT_LOG_FLOOR).log().T  # (B·T, H)
+                cross[i].addmm_(inputs.pop(i).T, y)
+                y_sums[i] += torch.stack([y.sum(0), y.pow(2).sum(0)])
+
+        return hook
 
         return hook
 
@@ -197,24 +251,29 @@ def measure_heads(model, blocks, progress: bool = False) -> HeadStats:
         importance.append(s[0].tolist())
         mean.append(s[1].tolist())
         std.append((s[2] - s[1] ** 2).clamp_min(1e-12).sqrt().tolist())
-    return HeadStats(importance, mean, std, n)
+    fit = None
+    if fit_router:
+        fit = fit_routers(gram, cross, [y[0] for y in y_sums], [y[1] for y in y_sums], n)
+    return HeadStats(importance, mean, std, n, fit)
 
 
 @dataclass
 class HeadChoices:
-    """What the calibration chose: per-layer head orders (None: unchanged) and the record for moh_conversion.json."""
+    """What the calibration chose: per-layer head orders (None: unchanged), the record for moh_conversion.json and
+    tensors the checkpoint gets (name -> tensor: the "fitted" router's weights, planned as zeros on `plan`)."""
 
     orders: list[list[int]] | None
     record: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)
 
 
 def resolve_auto(plan) -> HeadRecipe:
-    """--recipe auto: "calibrated" when the source folder has a tokenizer, else "paper" (with a note on the plan)."""
+    """--recipe auto: "fitted" when the source folder has a tokenizer, else "paper" (with a note on the plan)."""
     if any(os.path.isfile(os.path.join(plan.input_dir, name)) for name in TOKENIZER_FILES):
-        return RECIPES["calibrated"]
+        return RECIPES["fitted"]
     plan.notes.append(
-        "recipe paper: the source has no tokenizer, which calibration needs (--recipe calibrated with a "
-        "tokenizer in --input_dir measures the heads)"
+        "recipe paper: the source has no tokenizer, which calibration needs (--recipe fitted with a "
+        "tokenizer in --input_dir measures the heads and fits the router)"
     )
     return RECIPES["paper"]
 
@@ -270,7 +329,8 @@ def choose_heads(
     blocks = calibration_blocks(tokenizer, text, calibration_tokens, CALIBRATION_BLOCK)
     if int(blocks.max()) >= config.vocab_size:
         raise ConversionError("the source's tokenizer gives token ids beyond the model's vocabulary")
-    stats = measure_heads(model, blocks, progress)
+    fitted = recipe.router == "fitted"
+    stats = measure_heads(model, blocks, progress, fit_router=fitted)
     shared, kv = config.moh_shared_heads, config.num_key_value_heads
     heads = config.num_attention_heads
     if recipe.shared_heads == "importance":
@@ -278,14 +338,26 @@ def choose_heads(
     else:
         orders = [list(range(heads)) for _ in stats.importance]
     config.moh_router = recipe.router
-    if recipe.router != "l2":
+    tensors = {}
+    if fitted:
+        tensors = _fitted_router(plan, stats.router_fit, orders)
+        record["router_fit"] = {
+            "router": "learned (moh_router), W_r fitted; W_s and W_h zero (shared gates and stage weights 1)",
+            "target": f"log of each head's o_proj contribution norm (clamped at {FIT_LOG_FLOOR:g})",
+            "features": "the attention's input (hidden states after the input layer norm)",
+            "ridge": f"lambda = {FIT_RIDGE:g} x mean(diag X^T X) per layer, fixed beforehand",
+            "lambda": [round(v, 6) for v in stats.router_fit.ridge],
+            "r2": [round(v, 4) for v in stats.router_fit.r2],
+            "tokens": stats.tokens,
+        }
+    elif recipe.router != "l2":
         config.moh_head_norm_mean = [[round(v, 6) for v in row] for row in permute_rows(stats.norm_mean, orders)]
         config.moh_head_norm_std = [
             [round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)
         ]
     if head_budget == "calibrated":
         sensitivity = blocks[: max(1, SENSITIVITY_TOKENS // blocks.shape[1])]  # (N, T): the first blocks
-        budgets, delta = calibrated_budgets(model, config, orders, sensitivity, progress)
+        budgets, delta = calibrated_budgets(model, config, orders, sensitivity, progress, tensors)
         config.moh_active_heads_per_layer = budgets
         record["head_budget"].update(
             routed_active_heads_per_layer=budgets,
@@ -311,12 +383,37 @@ def choose_heads(
         for i, order in enumerate(orders)
     ]
     identity = all(order == list(range(heads)) for order in orders)
-    return HeadChoices(None if identity else orders, record)
+    return HeadChoices(None if identity else orders, record, tensors)
+
+
+def _fitted_router(plan, fit: RouterFit, orders: list[list[int]]) -> dict:
+    """The "fitted" recipe on `plan`: the paper's learned router with straight-through 0/1 gates, its weights
+    planned (as zeros, in the shard of each layer's o_proj) and returned by name: W_r (R, d) = the fitted rows of
+    the routed heads in the permuted head order, in the checkpoint's dtype; W_s, W_h zero."""
+    import torch
+
+    from .plan import plan_added_tensors
+
+    config = plan.config
+    config.moh_router, config.moh_straight_through = "learned", True
+    shared, d = config.moh_shared_heads, config.hidden_size
+    shapes = {"routed_weight": (config.num_attention_heads - shared, d)}
+    if shared > 1:
+        shapes["shared_weight"] = (shared, d)
+    if shared > 0:
+        shapes["stage_weight"] = (2, d)
+    dtypes = plan_added_tensors(plan, "self_attn.head_router.", shapes)
+    tensors = {name: torch.zeros(shapes[name.rsplit(".", 1)[1]], dtype=dtype) for name, dtype in dtypes.items()}
+    for i, (w, order) in enumerate(zip(fit.weights, orders, strict=True)):
+        name = f"model.layers.{i}.self_attn.head_router.routed_weight"
+        tensors[name] = w[order[shared:]].to(dtypes[name])  # (R, d)
+    return tensors
 
 
 __all__ = [
     "CALIBRATION_TOKENS",
     "DEFAULT_RECIPE",
+    "FIT_RIDGE",
     "HEAD_BUDGETS",
     "RECIPES",
     "ROUTER_CHOICES",
@@ -324,9 +421,11 @@ __all__ = [
     "HeadChoices",
     "HeadRecipe",
     "HeadStats",
+    "RouterFit",
     "calibration_blocks",
     "choose_heads",
     "default_calibration_text",
+    "fit_routers",
     "head_recipe",
     "measure_heads",
     "read_calibration",

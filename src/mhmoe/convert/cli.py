@@ -21,7 +21,8 @@ def build_parser():
         (ConvertArguments, _continue_tune_arguments_class()),
         prog="mhmoe-convert",
         description="Convert a dense LLaMA / Mistral / Qwen2 checkpoint into MoH-LLaMA (Mixture-of-Head attention, "
-        f"{ROUTER} router, {GATES} gates); with --train_file, continue-tune it with mhmoe-train (paper stage-2 "
+        f"{GATES} gates; the router fitted on calibration text when the source has a tokenizer, else the paper's "
+        f"{ROUTER}: --recipe); with --train_file, continue-tune it with mhmoe-train (paper stage-2 "
         f"defaults: {continue_tuning_words()}).",
     )
 

@@ -1,8 +1,9 @@
 """Write a planned conversion: shards streamed byte for byte into a temporary folder, renamed into place at the end.
 
 `convert(input_dir, output_dir, ...)` is the whole conversion: plan (plan.py), write, verify (verify.py), record. The
-recipe's router adds no parameters, so the weights are copied byte for byte, shard by shard (same shard names, same
-index), without building the model: memory stays far below one shard (`os.copy_file_range` where the kernel has it).
+weights are copied byte for byte, shard by shard (same shard names, same index), without building the model: memory
+stays far below one shard (`os.copy_file_range` where the kernel has it). A calibrated recipe then rewrites the shards
+once: heads permuted, and the "fitted" router's weights (the only tensors a recipe adds) filled in.
 Everything is checked before anything is written. The output is written to a temporary directory next to
 `output_dir`, its safetensors headers re-read and compared with the plan, every file flushed to disk, and the folder
 renamed at the end, so a failed or interrupted conversion leaves nothing at `output_dir` (and hidden folders that the
@@ -367,7 +368,7 @@ def convert(
     temporary = temporary_dir_next_to(output_dir)
     try:
         _write_checkpoint(plan, temporary, progress)
-        if choices.orders is not None:
+        if choices.orders is not None or choices.tensors:  # heads permuted, the fitted router's weights filled
             config = plan.config
             permute_checkpoint(
                 temporary,
@@ -375,6 +376,7 @@ def convert(
                 choices.orders,
                 config.num_key_value_heads,
                 config.head_dim,
+                replace=choices.tensors,
             )
         copy_seconds = time.time() - start
         verification = verified(input_dir, temporary, probe_text, trust_remote_code) if verify_logits else None

@@ -104,9 +104,10 @@ def measure_sensitivity(model, blocks, progress: bool = False, batch: int = 4) -
     return delta
 
 
-def converted_in_memory(source, config, orders: list[list[int]] | None):
-    """The MoH model `config` describes, holding `source`'s weights (its heads permuted by `orders`), in `source`'s
-    dtype and device: what the converter will write, without writing it (the weights are shared, not copied)."""
+def converted_in_memory(source, config, orders: list[list[int]] | None, tensors: dict | None = None):
+    """The MoH model `config` describes, holding `source`'s weights (its heads permuted by `orders`) and `tensors`
+    (the ones the converter adds: the fitted router's), in `source`'s dtype and device: what the converter will
+    write, without writing it (the weights are shared, not copied)."""
     import torch
 
     from ..models.moh_llama import MoHLlamaForCausalLM
@@ -115,6 +116,7 @@ def converted_in_memory(source, config, orders: list[list[int]] | None):
     state = source.state_dict()
     if orders is not None:
         state = permute_state_dict(state, orders, config.num_key_value_heads, config.head_dim)
+    state.update({name: t.to(source.device) for name, t in (tensors or {}).items()})
     dtype = next(source.parameters()).dtype
     with torch.device(source.device):
         model = MoHLlamaForCausalLM._from_config(config, dtype=dtype)
@@ -125,10 +127,12 @@ def converted_in_memory(source, config, orders: list[list[int]] | None):
     return model.eval()
 
 
-def calibrated_budgets(source, config, orders, blocks, progress: bool = False) -> tuple[list[int], list[list[float]]]:
-    """(per-layer routed budgets at the uniform total, Δ) for the conversion `config` + `orders` of `source`,
-    measured on `blocks`."""
-    model = converted_in_memory(source, config, orders)
+def calibrated_budgets(
+    source, config, orders, blocks, progress: bool = False, tensors: dict | None = None
+) -> tuple[list[int], list[list[float]]]:
+    """(per-layer routed budgets at the uniform total, Δ) for the conversion `config` + `orders` (+ added `tensors`)
+    of `source`, measured on `blocks` with the router the conversion writes."""
+    model = converted_in_memory(source, config, orders, tensors)
     delta = measure_sensitivity(model, blocks, progress)
     return allocate_budgets(delta, config.moh_active_heads * len(delta)), delta
 

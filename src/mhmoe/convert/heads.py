@@ -81,18 +81,37 @@ def permute_state_dict(state_dict: dict, orders: list[list[int]], kv_heads: int,
 
 
 def permute_checkpoint(
-    directory: str, shard_names: list[str], orders: list[list[int]], kv_heads: int, head_dim: int
+    directory: str,
+    shard_names: list[str],
+    orders: list[list[int]] | None,
+    kv_heads: int,
+    head_dim: int,
+    replace: dict | None = None,
 ) -> None:
     """Permute the attention weights of a written checkpoint in place, one shard at a time (same names, dtypes,
-    shapes, metadata); the folder is the converter's temporary one."""
+    shapes, metadata); the folder is the converter's temporary one. `replace`: tensors (name -> tensor of the
+    written one's dtype and shape) written instead, after the permutation; `orders` None: no permutation, only the
+    shards holding them are rewritten."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    replace = replace or {}
     for name in shard_names:
         path = os.path.join(directory, name)
         with safe_open(path, framework="pt") as f:
+            if orders is None and not replace.keys() & set(f.keys()):
+                continue
             metadata = f.metadata()
-            tensors = {k: permute_tensor(k, f.get_tensor(k), orders, kv_heads, head_dim) for k in f.keys()}
+
+            def rewritten(k):
+                tensor = f.get_tensor(k)
+                if k in replace:
+                    if replace[k].shape != tensor.shape or replace[k].dtype != tensor.dtype:
+                        raise ValueError(f"{k}: the replacement is not {tensor.dtype} {list(tensor.shape)}")
+                    return replace[k].contiguous()
+                return tensor if orders is None else permute_tensor(k, tensor, orders, kv_heads, head_dim)
+
+            tensors = {k: rewritten(k) for k in f.keys()}
         save_file(tensors, path + ".permuted", metadata=metadata)
         del tensors
         os.replace(path + ".permuted", path)

@@ -247,6 +247,29 @@ def _add_zero_biases(shards: list[ShardPlan]) -> None:
                 shard.tensors.append(TensorEntry(name, t.dtype, (t.shape[0],), added=True))
 
 
+def plan_added_tensors(plan: ConversionPlan, prefix: str, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Plan new per-layer tensors `model.layers.{i}.<prefix><key>` of `shapes[key]`, written as zeros in the shard
+    and dtype of the layer's o_proj weight (a calibrated recipe fills them after writing). Returns each name's torch
+    dtype."""
+    import re
+
+    import torch
+
+    torch_dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    o_proj = re.compile(r"^model\.layers\.(\d+)\.self_attn\.o_proj\.weight$")
+    dtypes = {}
+    for shard in plan.shards:
+        for t in list(shard.tensors):
+            match = o_proj.match(t.name)
+            if match is None:
+                continue
+            for key, shape in shapes.items():
+                name = f"model.layers.{match[1]}.{prefix}{key}"
+                shard.tensors.append(TensorEntry(name, t.dtype, tuple(shape), added=True))
+                dtypes[name] = torch_dtypes[t.dtype]
+    return dtypes
+
+
 def _files_to_copy(input_dir: str) -> tuple[list[str], list[str]]:
     """(files copied beside the weights: generation config, tokenizer, chat template; notes on what is not copied).
     Never code, never a symbolic link out of the folder (`_plumbing.checkpoint_files.side_files`)."""

@@ -1,6 +1,9 @@
 """The MoH paper's recipe for turning a dense LLaMA into MoH-LLaMA (§4.4, App. B.2, Table D): every default, once.
 
-Change the converter's recipe here; plan.py, write.py, continue_tune.py and cli.py read it from this file.
+Change the converter's recipe here; plan.py, write.py, continue_tune.py and cli.py read it from this file. The head
+choices measured on calibration text (which heads are shared, the routed-head score: the default for a source with a
+tokenizer is "fitted", the learned router with W_r fitted, `moh_straight_through=True`) are calibrate.py's; the
+fields below are what the paper's recipe (`--recipe paper`) writes.
 
 * Head split: the first `SHARED_HEADS_RATIO × H` heads of every layer are shared (always on); `ACTIVE_HEADS_RATIO` is
   the fraction of *all* heads active per token (shared + routed), as in the paper: LLaMA3-8B, 32 heads, 16 shared,

@@ -164,6 +164,18 @@ def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
                 f"{calibration['source']}, {calibration['tokens']:,} tokens, sha256 `{calibration['sha256'][:16]}…`",
             )
         )
+    fit = record.get("router_fit")
+    if fit:
+        r2 = sorted(fit.get("r2") or [0.0])
+        rows.append(
+            (
+                "router fit",
+                f"W_r of the learned router fitted on the calibration text ({fit['tokens']:,} tokens): per layer a "
+                f"ridge regression of the {fit['target']} on {fit['features']}, {fit['ridge']}; R² per layer (the "
+                f"mean over its heads, on the calibration tokens; no intercept) from {r2[0]:.2f} to {r2[-1]:.2f}, "
+                f"median {r2[len(r2) // 2]:.2f}",
+            )
+        )
     layers = record.get("layers") or []
     if layers and recipe["shared_heads"] != "first":
         shown = "; ".join(f"{i}: {layer['shared_source_heads']}" for i, layer in enumerate(layers[:4]))
