@@ -76,9 +76,9 @@ def l2_scores(norms: torch.Tensor) -> torch.Tensor:
 
 
 def routed_query_norms(query_states: torch.Tensor, shared_heads: int) -> torch.Tensor:
-    """(B, T, H, hd) pre-RoPE queries -> (B, T, R) fp32 L2 norms of the routed heads' queries (computed in fp32; one
-    op, not the Python wrapper of `Tensor.norm`: it runs once per layer and decoding step)."""
-    return torch.linalg.vector_norm(query_states[..., shared_heads:, :], dim=-1, dtype=torch.float32)
+    """(B, T, H, hd) pre-RoPE queries -> (B, T, R) fp32 L2 norms of the routed heads' queries (computed in fp32; the
+    op itself, not the Python wrapper of `Tensor.norm`: it runs once per layer and decoding step)."""
+    return torch.linalg.vector_norm(query_states[..., shared_heads:, :].float(), dim=-1)  # float(): also from fp64
 
 
 def straight_through(soft: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
