@@ -1,13 +1,15 @@
 """MoH on a real model vs its parent, side by side on CPU: SmolLM2-135M-Instruct (GGUF, dequantised to fp32)
-converted by `mhmoe-convert --recipe calibrated` at 7/9 and 5/9 active heads, with MoH's head-sparse attention
+converted by `mhmoe-convert --recipe <--recipe>` (default `fitted`, the converter's default) at 7/9 and 5/9 active
+heads, with MoH's head-sparse attention
 (`moh_head_skipping`, the default: attention computed only for the active (token, head) pairs, the CPU path of
 ops/head_sparse_attention), against the dense parent (Transformers' LlamaForCausalLM, sdpa).
 
     python benchmarks/moh_head_sparse.py --gguf_dir <folder with SmolLM2-135M-Instruct.Q4_1.gguf> --workdir <dir>
 
 Setup, once per --workdir (not timed): the parent dequantised (`dequantise_gguf`, the converter's GGUF step) and the
-two conversions (`mhmoe-convert --input_dir <workdir>/dense --recipe calibrated --shared_heads_ratio 1/3
---active_heads_ratio 7/9 | 5/9`: 3 shared heads, one whole key/value group, and 4 or 2 of the 6 routed heads).
+two conversions (`mhmoe-convert --input_dir <workdir>/dense --recipe <--recipe> --shared_heads_ratio 1/3
+--active_heads_ratio 7/9 | 5/9`: 3 shared heads, one whole key/value group, and 4 or 2 of the 6 routed heads; uniform
+head budgets), in <workdir>/moh-<recipe>-7of9 and -5of9.
 
 Cells (fp32, `--threads` threads, no gradients), on Python-docs text (`pydoc_data.topics`, a different stretch per
 batch row):
@@ -28,8 +30,9 @@ Ideal (the speed-up if the inactive heads' work cost nothing and everything else
 - bytes (decoding, which is memory-bound): the weights read once per step plus the K/V cache; what MoH can skip is the
   K/V of the key/value heads that no active head of the token needs (with GQA groups of 3 and 3 shared heads, one
   whole group is always needed). The share needed is measured from the model's own gates during the run.
-The router reads every query (all q_proj rows are computed), so q_proj, k_proj, v_proj (every head's K/V is cached:
-a later token may select it) and o_proj cost the same as in the parent.
+Every q_proj row is computed (the l2 routers read every query; the fitted router reads the attention input, but the
+rows of the inactive heads are not skipped), and k_proj, v_proj (every head's K/V is cached: a later token may select
+it) and o_proj cost the same as in the parent.
 """
 
 import argparse
@@ -62,6 +65,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--min_cell_s", type=float, default=20.0, help="prefill: more rounds until a model's calls take this long"
     )
+    parser.add_argument("--recipe", default="fitted", help="mhmoe-convert --recipe of the two conversions")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=None, help="also write the rows as JSON here")
     return parser.parse_args(argv)
@@ -79,7 +83,7 @@ def setup(args) -> dict[str, str]:
         dequantise_gguf(args.gguf_dir, GGUF, str(dense))
     folders = {"parent": str(dense)}
     for name, ratio in SETTINGS.items():
-        out = work / f"moh-{name.replace('/', 'of')}"
+        out = work / f"moh-{args.recipe}-{name.replace('/', 'of')}"
         if not (out / "moh_conversion.json").is_file():
             convert(
                 [
@@ -89,7 +93,7 @@ def setup(args) -> dict[str, str]:
                     str(out),
                     "--overwrite",
                     "--recipe",
-                    "calibrated",
+                    args.recipe,
                     "--shared_heads_ratio",
                     repr(1 / 3),
                     "--active_heads_ratio",
