@@ -719,6 +719,8 @@ def main(argv=None) -> int:
         print(f"{'moh_fig2':16s} MoH Fig. 2: dense LLaMA -> MoH recovery, continue-tuned, with a dense control")
         print(f"{'moh_convert_real':16s} SmolLM2-135M-Instruct (GGUF) -> MoH: zero-shot recipes, other text, recovery")
         return 0
+    if args.table == "moh_fig2" and args.scale not in FIG2_SCALES:
+        parser.error(f"moh_fig2 has the scales {', '.join(s for s in FIG2_SCALES if s != 'quick')}, not {args.scale}")
     if args.merge:
         if args.table == "moh_fig2":
             parser.error("--merge builds the tables of tables.py; moh_fig2 writes its results in one run")

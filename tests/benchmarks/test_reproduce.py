@@ -237,6 +237,12 @@ def test_quick_fig2_end_to_end(tmp_path):
     assert {"commit", "dirty", "env"} <= set(data)
 
 
+def test_fig2_refuses_a_scale_it_has_not(capsys):
+    with pytest.raises(SystemExit):
+        run.main(["moh_fig2", "--scale", "gpu_slice"])
+    assert "moh_fig2 has the scales cpu, cpu_long, gpu, not gpu_slice" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("scale", ["cpu", "gpu", "gpu_slice"])
 def test_every_table_is_matched_to_the_top1_smoe(scale):
     """FLOPs and parameter parity as the paper sets it: equal activated expert + head/merge MACs (the routers' d·E
