@@ -323,15 +323,8 @@ def convert(
     type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).
     """
     start = time.time()
-    _check_numbers(
-        shared_heads_ratio if shared_heads is None else 0.0,
-        active_heads_ratio if active_heads is None else 0.0,
-        moh_aux_loss_coef,
-    )
-    if head_budget not in HEAD_BUDGETS:
-        raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
-    if speed is not None and not isinstance(speed, SpeedSettings):
-        raise TypeError(f"speed must be a SpeedSettings or None, not {type(speed).__name__}")
+    _check_arguments(shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads)
+    _check_options(head_budget, speed)
     check_paths(input_dir, output_dir)
     output_state(output_dir, overwrite)
     recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -367,40 +360,68 @@ def convert(
 
     temporary = temporary_dir_next_to(output_dir)
     try:
-        _write_checkpoint(plan, temporary, progress)
-        if choices.orders is not None or choices.tensors:  # heads permuted, the fitted router's weights filled
-            config = plan.config
-            permute_checkpoint(
-                temporary,
-                [s.filename for s in plan.shards],
-                choices.orders,
-                config.num_key_value_heads,
-                config.head_dim,
-                replace=choices.tensors,
-            )
+        _write_converted(plan, choices, temporary, progress)
         copy_seconds = time.time() - start
         verification = verified(input_dir, temporary, probe_text, trust_remote_code) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
         if speed is not None:
             report.speed = measure_speed(input_dir, temporary, speed, calibration_file, trust_remote_code, progress)
         report.recipe = choices.record["recipe"]["name"]
-        record = dataclasses.asdict(report)
-        from ..hub.cards import public_paths
-
-        # names, not local paths: the record is published with the model
-        record.update(
-            shared_heads_ratio=shared_heads_ratio,
-            active_heads_ratio=active_heads_ratio,
-            **public_paths(source_name or input_dir, output_dir),
-            **choices.record,
-        )
-        with open(os.path.join(temporary, RECORD_NAME), "w") as f:
-            json.dump(record, f, indent=2)
+        names = (source_name or input_dir, output_dir)
+        _write_record(temporary, report, choices, shared_heads_ratio, active_heads_ratio, names)
         _commit(temporary, output_dir, overwrite)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
     return report
+
+
+def _check_arguments(shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads) -> None:
+    """The numbers given, before anything is read (a ratio replaced by its count is not checked as a ratio)."""
+    _check_numbers(
+        shared_heads_ratio if shared_heads is None else 0.0,
+        active_heads_ratio if active_heads is None else 0.0,
+        moh_aux_loss_coef,
+    )
+
+
+def _check_options(head_budget: str, speed) -> None:
+    if head_budget not in HEAD_BUDGETS:
+        raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
+    if speed is not None and not isinstance(speed, SpeedSettings):
+        raise TypeError(f"speed must be a SpeedSettings or None, not {type(speed).__name__}")
+
+
+def _write_converted(plan, choices, temporary: str, progress: bool) -> None:
+    """The source's shards copied into `temporary`, then (calibrated recipes) the heads permuted and the fitted
+    router's weights filled in."""
+    _write_checkpoint(plan, temporary, progress)
+    if choices.orders is not None or choices.tensors:
+        config = plan.config
+        permute_checkpoint(
+            temporary,
+            [s.filename for s in plan.shards],
+            choices.orders,
+            config.num_key_value_heads,
+            config.head_dim,
+            replace=choices.tensors,
+        )
+
+
+def _write_record(temporary: str, report, choices, shared_heads_ratio, active_heads_ratio, names) -> None:
+    """moh_conversion.json: the report, the ratios and the recipe's record, with `names` (source, output) as names,
+    not local paths: the record is published with the model."""
+    from ..hub.cards import public_paths
+
+    record = dataclasses.asdict(report)
+    record.update(
+        shared_heads_ratio=shared_heads_ratio,
+        active_heads_ratio=active_heads_ratio,
+        **public_paths(*names),
+        **choices.record,
+    )
+    with open(os.path.join(temporary, RECORD_NAME), "w") as f:
+        json.dump(record, f, indent=2)
 
 
 def _check_numbers(shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef) -> None:
