@@ -324,8 +324,11 @@ def test_generation_computes_active_heads_only_and_equals_the_masked_path(
     name, cache, monkeypatch, sparse_from_two_tokens
 ):
     """Greedy generation from a left-padded prompt (prefill of 19 tokens, then single-token steps), dynamic and static
-    caches: the same tokens and scores as every head computed and masked; every step takes the head-sparse path."""
+    caches: the same tokens and scores as every head computed and masked; every step takes the head-sparse path (the
+    fused decoding step, which would take the single-token steps on the CPU, is off: tests/models/test_fused_decoding.py)."""
     model = build_skipping_models()[name].eval()
+    for layer in model.model.layers:
+        layer.self_attn.moh_fused_decoding = False
     calls = spy_head_sparse(monkeypatch)
     ids = torch.randint(1, VOCAB, (3, 19), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
@@ -408,13 +411,16 @@ def test_kv_heads_skippable_matches_brute_force():
 @pytest.mark.parametrize("active,decode_sparse", [(3, False), (2, True)])
 def test_default_takes_the_head_sparse_op_only_where_it_pays(active, decode_sparse, monkeypatch):
     """Prefill: the op from PREFILL_MIN_TOKENS query tokens on, the masked path below; decoding: the op only where a
-    key/value head can go unread (8 heads on 4 key/value heads, 4 shared: 3 routed active leave none unread)."""
+    key/value head can go unread (8 heads on 4 key/value heads, 4 shared: 3 routed active leave none unread). The
+    fused decoding step, which takes single-token steps on the CPU first, is off here (test_fused_decoding.py)."""
     monkeypatch.setattr(head_skipping, "PREFILL_MIN_TOKENS", 20)
     calls = spy_head_sparse(monkeypatch)
     fields = tiny_llama_fields()
     model = MoHLlamaForCausalLM(
         MoHLlamaConfig(**fields, moh_shared_heads=4, moh_active_heads=active, moh_straight_through=True)
     ).eval()
+    for layer in model.model.layers:
+        layer.self_attn.moh_fused_decoding = False
     with torch.no_grad():
         for tokens, sparse in ((19, False), (20, True)):
             calls.clear()

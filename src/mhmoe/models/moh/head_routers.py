@@ -146,6 +146,11 @@ class MoHRouter(nn.Module):
         """(B, T, R) fp32 logits of the routed heads."""
         raise NotImplementedError
 
+    def score_weight(self) -> torch.Tensor | None:
+        """The (R, d) matrix W with scores = x Wᵀ when the router scores the hidden states linearly (the decoding
+        step fuses it with the query/key/value projections: `fused_decoding.py`); None otherwise."""
+        return None
+
     def hard_gates(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The straight-through gates' forward value alone (no gradient to build: inference): shared heads 1, the
         top-K routed heads 1, others 0. The top-K of the logits are the top-K of their softmax (monotone): the heads
@@ -219,6 +224,9 @@ class LearnedRouter(MoHRouter):
 
     def scores(self, hidden_states, query_states, head_norms):
         return F.linear(hidden_states.float(), self.routed_weight.float())  # (B, T, R)
+
+    def score_weight(self):
+        return self._parameters["routed_weight"]
 
     def weigh_stages(self, hidden_states, shared_soft, routed_soft):
         if self.stage_weight is None:

@@ -7,7 +7,8 @@ heads, hd head_dim, S shared heads (always on, the first S), R = H - S routed he
 Per token the gates g_i (B, T, H) of the head router (`head_routers.py`, chosen by `moh_router`) multiply each head's
 attention output (B, T, H, hd) before `o_proj` (the paper's summation form, eq. 4), so every attention backend (eager,
 sdpa, flex, flash) and GQA work unchanged. Where it can, attention is computed for the active (token, head) pairs only
-(`head_skipping.py`: prefill, training and decoding, through `ops/backends.head_sparse_attention`). The balance loss is
+(`head_skipping.py`: prefill, training and decoding, through `ops/backends.head_sparse_attention`). A decoding step on
+the CPU runs `fused_decoding.py` (one GEMV for queries, keys, values and the router's scores). The balance loss is
 `moh_losses.py`; tensor parallelism of the router `moh_parallel.py`.
 
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
@@ -22,6 +23,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 
 from ..cache_naming import either_cache
 from ..ops.backends import head_sparse_attention
+from .fused_decoding import fused_decoding_projection, fused_decoding_step
 from .head_routers import MoHRouter
 from .head_skipping import head_skipping_backend
 from .moh_config import moh_enabled
@@ -38,6 +40,7 @@ def add_head_router(attention: nn.Module, config) -> nn.Module:
         router = router.to(device=weight.device, dtype=dtype)
     attention.head_router = router
     attention.moh_head_skipping = True
+    attention.moh_fused_decoding = True
     return attention
 
 
@@ -55,8 +58,15 @@ def attention_forward(
     layer_idx, head_router): plain multi-head attention when `module.head_router` is None (no gates), else MoH gates on
     each head's output before o_proj. With all heads active and gates of exactly 1 it performs Llama's operations in
     Llama's order. Where `head_skipping_backend` allows, only the active heads are computed (`head_sparse_attention`),
-    which equals the gated computation. `attention_interface`: the backend function (default:
+    which equals the gated computation; a decoding step on the CPU takes `fused_decoding_step` (the same computation in
+    fewer ops: `fused_decoding.py`). `attention_interface`: the backend function (default:
     `config._attn_implementation`'s in ALL_ATTENTION_FUNCTIONS)."""
+    if module.head_router is not None:  # a decoding step on the CPU with sdpa (the backend the caller's config names)
+        fused = fused_decoding_projection(
+            module, hidden_states, position_embeddings, attention_mask, cache, sliding_window, kwargs
+        )
+        if fused is not None:
+            return fused_decoding_step(module, hidden_states, position_embeddings, attention_mask, cache, fused)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query_states = module.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd), pre-RoPE
