@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from mhmoe import MoHLlamaConfig, MoHLlamaForCausalLM
+from mhmoe import MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
 from mhmoe.models.moh import fused_decoding, moh_attention
 from mhmoe.models.moh.head_routers import HEAD_ROUTERS
 from mhmoe.models.moh_llama.patch import apply_moh
 from tests.causal_lm_tester import randomise_moh_routers
-from tests.models.test_moh import VOCAB, tiny_llama_fields
+from tests.models.test_moh import VOCAB, tiny_llama_fields, tiny_mhmoe
 
 
 def moh_llama(router="learned", kv_heads=4, shared=3, active=2, seed=0):
@@ -107,6 +107,19 @@ def test_fused_step_with_qkv_biases_equals_the_masked_path(monkeypatch):
     ids, mask = padded_prompt()
     masked, fused, calls = generate_both(model, ids, mask, monkeypatch)
     assert calls
+    assert_same_generation(masked, fused)
+
+
+def test_mhmoe_attention_takes_the_fused_step_too(monkeypatch):
+    """MHMoE's attention (MoH option, learned router, straight-through gates, MH-MoE layers) routes through the same
+    attention forward."""
+    torch.manual_seed(3)
+    config = tiny_mhmoe(moh_shared_heads=2, moh_active_heads=3, moh_router="learned", moh_straight_through=True)
+    model = MHMoEForCausalLM(config).eval()
+    randomise_moh_routers(model)
+    ids, mask = padded_prompt()
+    masked, fused, calls = generate_both(model, ids, mask, monkeypatch)
+    assert calls == [3] * 2 * 4
     assert_same_generation(masked, fused)
 
 

@@ -1,9 +1,9 @@
 """MoH's decoding step on the CPU: one token per sequence, without autograd, in as few ops as its arithmetic allows.
 
-Why: a decoding step of a small model on the CPU is bound by the cost of each op, not by its arithmetic (SmolLM2-135M,
-2 threads: ~60 ops per layer of ~10 µs each in a step, next to the weights' GEMVs). The router's own few ops (scores,
-top-K, gates, the multiply) made MoH decoding ×0.94 its parent's speed (benchmarks/results/moh_head_sparse.md). This
-step makes the same computation in fewer ops than the parent's attention does:
+Why: a decoding step of a small model on the CPU costs as much in per-op dispatch as in arithmetic, and the router's
+few ops per layer (scores, top-K, gates, the multiply) made MoH decoding of SmolLM2-135M ×0.90–0.93 its parent's speed
+(benchmarks/results/moh_head_sparse.md, the run at b922794; ×0.98–0.99 with this step, the run at c391b2e). This step
+makes the same computation in fewer ops than the parent's own attention does:
 
 - one GEMV for the queries, keys, values and (for a router that scores with a matrix, the learned one) the router's
   scores, over a cached concatenation of the projections' weights (`fused_projection`: one more copy of q/k/v's
@@ -66,7 +66,8 @@ def fused_decoding_projection(
 def fused_projection(module) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
     """(weight ((H + 2·Hkv)·hd [+ R], d), bias or None, whether the router's scores are its last R rows): q_proj,
     k_proj and v_proj [and the router's score matrix] concatenated, cached on the module (not in the state dict) and
-    rebuilt whenever one of them changes (training, loading, `.to()`). None when a projection is not a plain
+    rebuilt whenever one of them changes (training, loading, `.to()`: a new tensor or an in-place update; an edit
+    through `.data` bypasses the version counter and is not seen). None when a projection is not a plain
     nn.Linear (LoRA, BitNet, quantised) or q_proj holds only some heads (tensor parallelism).
 
     The router's matrix is fused when it scores the hidden states linearly (`score_weight`) in an fp32 model: it
