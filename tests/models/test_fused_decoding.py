@@ -184,6 +184,7 @@ def decode_once(model, ids, **kwargs):
         "router_hooks",
         "all_heads",
         "lora_like",
+        "offloaded",
         "window",
     ],
 )
@@ -205,6 +206,9 @@ def test_fused_step_runs_only_where_it_equals_the_masked_path(case, monkeypatch)
     elif case == "lora_like":
         for attention in attentions:
             attention.v_proj = torch.nn.Sequential(attention.v_proj)  # not a plain nn.Linear
+    elif case == "offloaded":  # Accelerate's offloading hook: the weights are loaded in the projection's forward
+        for attention in attentions:
+            attention.k_proj._hf_hook = object()
     elif case == "window":
         monkeypatch.setattr(model.config, "sliding_window", 4, raising=False)
         for attention in attentions:

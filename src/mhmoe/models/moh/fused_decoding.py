@@ -68,15 +68,18 @@ def fused_projection(module) -> tuple[torch.Tensor, torch.Tensor | None, bool] |
     k_proj and v_proj [and the router's score matrix] concatenated, cached on the module (not in the state dict) and
     rebuilt whenever one of them changes (training, loading, `.to()`: a new tensor or an in-place update; an edit
     through `.data` bypasses the version counter and is not seen). None when a projection is not a plain
-    nn.Linear (LoRA, BitNet, quantised) or q_proj holds only some heads (tensor parallelism).
+    nn.Linear (LoRA, BitNet, quantised) or is offloaded (Accelerate's hooks, weights off the CPU), or q_proj holds only
+    some heads (tensor parallelism).
 
     The router's matrix is fused when it scores the hidden states linearly (`score_weight`) in an fp32 model: it
     scores in fp32 in every other path, so in bf16 it scores on its own."""
     modules = module._modules
     projections = (modules["q_proj"], modules["k_proj"], modules["v_proj"])
-    if any(type(projection) is not nn.Linear for projection in projections):
-        return None
+    if any(type(projection) is not nn.Linear or "_hf_hook" in projection.__dict__ for projection in projections):
+        return None  # LoRA, BitNet, quantised layers; Accelerate's offloading hooks (weights loaded in forward)
     weights = [projection._parameters["weight"] for projection in projections]
+    if not all(weight.is_cpu for weight in weights):
+        return None
     biases = [projection._parameters["bias"] for projection in projections]
     score_weight = modules["head_router"].score_weight() if weights[0].dtype == torch.float32 else None
     tensors = (*weights, *biases, score_weight)
