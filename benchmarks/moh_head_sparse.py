@@ -16,12 +16,14 @@ batch row):
 - prefill: one forward over B × T tokens, no cache, the last position's logits only (as `generate`'s prefill);
 - decode: greedy decoding of `--new_tokens` tokens (argmax, one token per forward, the model's dynamic cache) after a
   prompt of C tokens (the prompt's prefill is not timed; the cache is cropped back after each round).
-Every round runs the three models in a rotated order; a cell is the median over rounds of the per-round speed ratio
-parent time / MoH time (> 1: MoH faster). Prefill: each model's forward once per round; cells shorter than
-`--min_cell_s` get more rounds, up to that much time per model (this shared machine's load drifts within seconds, and a
-short cell's few rounds leave the ratio to chance). Decode in lockstep: every step runs each model's next token in a
-rotated order, so a drift in the machine's load falls on the three models alike; a model's round time is the sum of
-its step times. One warm-up forward per model first.
+Every round runs the models (three; four with --control) in a rotated order; a cell is the median over rounds of
+the per-round speed ratio parent time / MoH time (> 1: MoH faster). Prefill: each model's forward once per round;
+cells shorter than `--min_cell_s` get more rounds, up to that much time per model (this shared machine's load drifts
+within seconds, and a short cell's few rounds leave the ratio to chance). Decode in lockstep: every step runs each
+model's next token in a rotated order, so a drift in the machine's load falls on all models alike; a model's round
+time is the sum of its step times. One warm-up forward per model first. `--control` adds a second, separately loaded copy of the parent
+to every rotation and a row per cell with the speed of the parent against its copy: what this machine's noise alone
+makes of a ratio whose true value is 1.
 
 Ideal (the speed-up if the inactive heads' work cost nothing and everything else stayed; from the shapes):
 - flops: the model's multiply-adds per token (2 per weight of every linear layer, the lm_head for the last position in
@@ -49,6 +51,8 @@ from mhmoe.models.cache_naming import CACHE
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SETTINGS = {"7/9": 7 / 9, "5/9": 5 / 9}  # active heads of 9 (3 shared + 4 or 2 of 6 routed)
+CONTROL = "parent copy"  # --control: the parent against a second copy of itself
+MET = {True: "yes", False: "NO", None: "–"}
 
 
 def parse_args(argv=None):
@@ -67,6 +71,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--recipe", default="fitted", help="mhmoe-convert --recipe of the two conversions")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--control", action="store_true", help="also time a copy of the parent: the noise's row")
     parser.add_argument("--output", default=None, help="also write the rows as JSON here")
     return parser.parse_args(argv)
 
@@ -205,6 +210,8 @@ def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[
                 active_share, _ = recorders[name].shares()
                 ideal = total / (total - (1 - active_share) * attention)
                 report(rows, "prefill", batch, tokens, name, times, ideal, None, active_share)
+            if CONTROL in times:
+                report(rows, "prefill", batch, tokens, CONTROL, times, 1.0, None, 1.0)
 
 
 def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
@@ -246,6 +253,8 @@ def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
                 active_share,
                 needed_share,
             )
+        if CONTROL in times:
+            report(rows, f"decode {args.new_tokens}", 1, context, CONTROL, times, 1.0, 1.0, 1.0, 1.0)
 
 
 def report(rows, mode, batch, tokens, name, times, ideal_flops, ideal_bytes, active_share, needed_share=None):
@@ -268,11 +277,13 @@ def report(rows, mode, batch, tokens, name, times, ideal_flops, ideal_bytes, act
     ideal = row["ideal_bytes"] if row["ideal_bytes"] is not None else row["ideal_flops"]
     goal = "≥ 0.98" + (f", ≥ {ideal - 0.03:.2f}" if mode == "prefill" and tokens >= 4096 else "")
     met = row["speed_ratio"] >= 0.98 and (mode != "prefill" or tokens < 4096 or row["speed_ratio"] >= ideal - 0.03)
+    if name == CONTROL:  # no goal: the spread a true ratio of 1 shows on this machine
+        goal, met = "(control)", None
     bytes_cell = f"{ideal_bytes:.3f}" if ideal_bytes is not None else "–"
     print(
         f"| {mode} | {batch} | {tokens} | {name} | {row['parent_s']:.2f} | {row['moh_s']:.2f} | "
         f"**{row['speed_ratio']:.3f}** | {ideal_flops:.3f} | {bytes_cell} | {active_share:.3f} | "
-        f"{'–' if needed_share is None else f'{needed_share:.3f}'} | {goal} | {'yes' if met else 'NO'} | {len(ratios)} |",
+        f"{'–' if needed_share is None else f'{needed_share:.3f}'} | {goal} | {MET[met]} | {len(ratios)} |",
         flush=True,
     )
 
@@ -294,6 +305,8 @@ def main(argv=None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(folders["parent"])
     models = {"parent": AutoModelForCausalLM.from_pretrained(folders["parent"], dtype=torch.float32).eval()}
+    if args.control:
+        models[CONTROL] = AutoModelForCausalLM.from_pretrained(folders["parent"], dtype=torch.float32).eval()
     for name in SETTINGS:
         models[name] = MoHLlamaForCausalLM.from_pretrained(folders[name], dtype=torch.float32).eval()
     recorders = {name: GateRecorder(models[name]) for name in SETTINGS}
