@@ -2,8 +2,8 @@
 
 Why: a decoding step of a small model on the CPU costs as much in per-op dispatch as in arithmetic, and the router's
 few ops per layer (scores, top-K, gates, the multiply) made MoH decoding of SmolLM2-135M ×0.90–0.93 its parent's speed
-(benchmarks/results/moh_head_sparse.md, the run at b922794; ×0.98–0.99 with this step, the run at c391b2e). This step
-makes the same computation in fewer ops than the parent's own attention does:
+(benchmarks/results/moh_head_sparse.md, the run at b922794; ×0.97–0.99 with this step, the runs at c391b2e and
+97fc1ed). This step makes the same computation in fewer ops than the parent's own attention does:
 
 - one GEMV for the queries, keys, values and (for a router that scores with a matrix, the learned one) the router's
   scores, over a cached concatenation of the projections' weights (`fused_projection`: one more copy of q/k/v's
