@@ -21,9 +21,9 @@ the per-round speed ratio parent time / MoH time (> 1: MoH faster). Prefill: eac
 cells shorter than `--min_cell_s` get more rounds, up to that much time per model (this shared machine's load drifts
 within seconds, and a short cell's few rounds leave the ratio to chance). Decode in lockstep: every step runs each
 model's next token in a rotated order, so a drift in the machine's load falls on all models alike; a model's round
-time is the sum of its step times. One warm-up forward per model first. `--control` adds a second, separately loaded copy of the parent
-to every rotation and a row per cell with the speed of the parent against its copy: what this machine's noise alone
-makes of a ratio whose true value is 1.
+time is the sum of its step times. One warm-up forward per model first. `--control` adds a second, separately loaded
+copy of the parent to every rotation and a row per cell with the speed of the parent against its copy: what this
+machine's noise alone makes of a ratio whose true value is 1.
 
 Ideal (the speed-up if the inactive heads' work cost nothing and everything else stayed; from the shapes):
 - flops: the model's multiply-adds per token (2 per weight of every linear layer, the lm_head for the last position in
@@ -46,7 +46,11 @@ from pathlib import Path
 
 import torch
 
-from mhmoe.convert.speed import forward_flops, lockstep_decode  # the converter's --measure_speed: the same timing
+from mhmoe.convert.speed import (  # the converter's --measure_speed: the same timing
+    forward_flops,
+    interleaved_prefill,
+    lockstep_decode,
+)
 from mhmoe.models.cache_naming import CACHE
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -172,19 +176,6 @@ class GateRecorder:
         return self.active / max(self.pairs, 1), self.needed / max(self.kv, 1)
 
 
-def interleaved(calls: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call, `rounds` rounds, each running every call once in a rotated order."""
-    names = list(calls)
-    times = {name: [] for name in names}
-    for index in range(rounds):
-        order = names[index % len(names) :] + names[: index % len(names)]
-        for name in order:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[int]) -> None:
     config = models["parent"].config
     for batch in batches:
@@ -201,7 +192,7 @@ def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[
                 forward(models["parent"])  # untimed: how long one call takes, for the rounds of a short cell
                 rounds = max(rounds, min(int(args.min_cell_s / (time.perf_counter() - start)), 5 * args.rounds))
 
-            times = interleaved({name: (lambda m=model: forward(m)) for name, model in models.items()}, rounds)
+            times = interleaved_prefill(models, ids, rounds)
             for name, recorder in recorders.items():  # untimed: the gates of the same call
                 recorder.record(lambda m=models[name]: forward(m))
             keys_seen = batch * tokens * (tokens + 1) / 2

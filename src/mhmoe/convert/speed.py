@@ -239,6 +239,7 @@ __all__ = [
     "SpeedSettings",
     "active_head_share",
     "forward_flops",
+    "interleaved_prefill",
     "lockstep_decode",
     "measure_speed",
     "speed_line",

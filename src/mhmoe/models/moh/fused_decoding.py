@@ -131,8 +131,7 @@ def fused_decoding_step(module, hidden_states, position_embeddings, attention_ma
     router, head_dim = modules["head_router"], module.head_dim
     batch, _, hidden = hidden_states.shape
     weight, bias, fused_scores = projection
-    heads = router.num_heads
-    kv_heads = (weight.shape[0] - heads * head_dim - (router.routed_heads if fused_scores else 0)) // (2 * head_dim)
+    heads, kv_heads = router.num_heads, modules["k_proj"].out_features // head_dim
     projected = F.linear(hidden_states.view(batch, hidden), weight, bias)  # (B, (H + 2Hkv)·hd [+ R])
     qk_width, v_end = (heads + kv_heads) * head_dim, (heads + 2 * kv_heads) * head_dim
     if fused_scores:
