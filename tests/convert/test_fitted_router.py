@@ -243,3 +243,32 @@ def test_fitted_router_in_a_sharded_bf16_checkpoint(tmp_path, tokenizer_dir):
             assert tensor.any() == (key == "routed_weight")
     _, info = MoHLlamaForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_disk_space_check_counts_the_fitted_router(tmp_path, tokenizer_dir, monkeypatch):
+    """The free-space check covers the tensors calibration adds (the fitted router): with room for the source's
+    tensors but not the router's, a one-line refusal and nothing written; with room for both, the conversion runs."""
+    from collections import namedtuple
+
+    from mhmoe._plumbing import checkpoint_files
+    from mhmoe.convert.plan import plan_conversion
+
+    source = _llama_dir(tmp_path / "src", tokenizer_dir)
+    without_router = plan_conversion(str(source), 0.25, 0.625).total_bytes
+    heads, d = TINY["num_attention_heads"], TINY["hidden_size"]
+    shared = 2  # a quarter of 8 heads
+    router = TINY["num_hidden_layers"] * (heads - shared + shared + 2) * d * 4  # W_r, W_s, W_h per layer, fp32
+    usage = namedtuple("usage", "total used free")
+    for free, fits in ((without_router + router // 2, False), (without_router + router, True)):
+        monkeypatch.setattr(checkpoint_files.shutil, "disk_usage", lambda path, free=free: usage(10**12, 0, free))
+        out = tmp_path / f"out-{fits}"
+        if fits:
+            report = convert(
+                str(source), str(out), 0.25, 0.625, recipe="fitted", calibration_tokens=256, progress=False
+            )
+            assert report.bytes == without_router + router  # the router counted as planned
+        else:
+            with pytest.raises(ConversionError, match="not enough disk space") as error:
+                convert(str(source), str(out), 0.25, 0.625, recipe="fitted", calibration_tokens=256, progress=False)
+            assert "\n" not in str(error.value) and not out.exists()
+            assert not list(tmp_path.glob(".out-*"))  # no temporary folder left

@@ -351,9 +351,12 @@ def convert(
         input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads
     )
     plan.notes[:0] = source_notes or []
-    _check_disk_space(plan, output_dir)
+    _check_disk_space(plan, output_dir)  # before calibration's minutes
+    planned = plan.total_bytes
     calibration_start = time.time()
     choices = choose_heads(plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress, head_budget)
+    if plan.total_bytes > planned:  # the fitted router's tensors, planned by calibration
+        _check_disk_space(plan, output_dir)
     if "calibration" in choices.record:
         choices.record["calibration"]["seconds"] = round(time.time() - calibration_start, 3)
     start += time.time() - calibration_start  # "copied in" counts the copy (and the permutation), not calibration
