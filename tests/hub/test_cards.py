@@ -7,7 +7,7 @@ import re
 import pytest
 
 from mhmoe.convert import convert, main
-from mhmoe.hub.cards import recovery_text, verification_rows
+from mhmoe.hub.cards import recovery_text, training_text, verification_rows
 from tests.convert.test_convert import _llama_dir, _tune_flags
 
 
@@ -68,6 +68,7 @@ def test_continue_tuned_card_states_the_recovery_it_measured(tmp_path, corpus, t
     assert figures["start_ratio"] == pytest.approx(recovery["start_ppl"] / recovery["dense_ppl"], abs=5e-4)
     assert figures["final_tokens"] == recovery["final_tokens"] > 0
     assert "Trained with `mhmoe-train` for 2 steps (" in card and "base_model: Tiny-Llama" in card
+    assert f"{figures['final_ppl']:.3f}" in card and "Final validation perplexity" not in card  # stated once
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]  # replaced whole: no temporary left
 
     export_pretrained(str(out), str(tmp_path / "exported"))
@@ -84,3 +85,12 @@ def test_recovery_text_leaves_out_what_was_not_measured():
     assert "before tuning" not in no_start and "dense parent 10.000" in no_start
     no_parent = recovery_text({"dense_ppl": None, "start_ppl": 12.5, "final_ppl": 10.2, "final_tokens": None})
     assert no_parent == "Validation perplexity: MoH before tuning 12.500; MoH after tuning 10.200."
+
+
+def test_training_text_states_the_final_perplexity_unless_told_not_to():
+    summary = {"step": 3, "global_batch_blocks": 2, "block_size": 8, "final_eval": {"eval_ppl": 7.25}}
+    assert training_text(summary).endswith("Final validation perplexity 7.250.")
+    assert (
+        training_text(summary, final_ppl=False)
+        == "Trained with `mhmoe-train` for 3 steps (48 tokens, 2 blocks of 8 per step)."
+    )

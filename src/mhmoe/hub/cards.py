@@ -227,8 +227,10 @@ def _recorded_base_model(input_dir: str) -> str:
     return base_model_name(input_dir) if os.path.isabs(input_dir) else input_dir
 
 
-def training_text(summary: dict) -> str:
-    """The card's Training section from mhmoe-train's train_summary.json (data file names, not their paths)."""
+def training_text(summary: dict, final_ppl: bool = True) -> str:
+    """The card's Training section from mhmoe-train's train_summary.json (data file names, not their paths).
+    `final_ppl=False` leaves out the final validation perplexity (a continue-tuned conversion's recovery sentence
+    states it beside the parent's)."""
     args = summary.get("args") or {}
     tokens = (summary.get("step") or 0) * (summary.get("global_batch_blocks") or 0) * (summary.get("block_size") or 0)
     files = [os.path.basename(str(f)) for f in args.get("train_file") or []]
@@ -252,7 +254,7 @@ def training_text(summary: dict) -> str:
     if args.get("lora"):
         parts.append(f"LoRA (rank {args.get('lora_r')})" + (", merged." if args.get("merge_lora") else "."))
     final = summary.get("final_eval") or {}
-    if final.get("eval_ppl") is not None:
+    if final_ppl and final.get("eval_ppl") is not None:
         parts.append(f"Final validation perplexity {final['eval_ppl']:.3f}.")
     return " ".join(parts)
 
@@ -282,7 +284,7 @@ def folder_records(folder) -> dict:
     """What a checkpoint folder records about how it was made, for its card: {"base_model", "conversion", "training"}
     from moh_conversion.json (mhmoe-convert; in converted/ after continue-tuning), train_summary.json (mhmoe-train)
     and recovery_summary.json (continue-tuning's perplexities, after the training); unreadable records are skipped."""
-    found = {}
+    found, training, recovery = {}, None, None
     conversion = next((n for n in CONVERSION_RECORDS if os.path.isfile(os.path.join(folder, n))), CONVERSION_RECORDS[0])
     for name, key in ((conversion, "base_model"), ("train_summary.json", "training"), (RECOVERY_RECORD, "recovery")):
         try:
@@ -292,11 +294,15 @@ def folder_records(folder) -> dict:
                 found[key] = _recorded_base_model(record["input_dir"])
                 found["conversion"] = record  # its head recipe and calibration data join the architecture table
             elif key == "training" and isinstance(record, dict):
-                found[key] = training_text(record)
+                training = training_text(record), record
             elif key == "recovery" and isinstance(record, dict):
-                found["training"] = " ".join(filter(None, (found.get("training"), recovery_text(record))))
+                recovery = recovery_text(record)
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             continue
+    if training and recovery:  # the final perplexity once, in the recovery sentence
+        found["training"] = f"{training_text(training[1], final_ppl=False)} {recovery}"
+    elif training or recovery:
+        found["training"] = training[0] if training else recovery
     return found
 
 
