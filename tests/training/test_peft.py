@@ -141,3 +141,76 @@ def test_train_with_lora(tmp_path, corpus, checkpoint_dir):
     )
     assert resumed.history[0]["step"] == 3
     assert resumed.history[0]["loss"] == pytest.approx(result.history[2]["loss"], rel=1e-6)
+
+
+def _moh_checkpoint(path, router):
+    from mhmoe.models.moh_llama import MoHLlamaConfig, MoHLlamaForCausalLM
+    from tests.fixtures.training import MOH_CONFIG
+
+    fields = {k: v for k, v in MOH_CONFIG.items() if k != "model_type"}
+    config = MoHLlamaConfig(**fields, moh_shared_heads=1, moh_active_heads=2, moh_router=router)
+    torch.manual_seed(0)
+    model = MoHLlamaForCausalLM(config)
+    if router == "learned":  # a fitted-like start: not the zero init, so that routing differs per token
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.head_router.routed_weight, std=0.5)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_lora_trains_moh_routers(tmp_path, corpus, tokenizer_dir, monkeypatch):
+    """mhmoe-train --lora on MoH with a learned router: the router's parameters train in full beside the adapters
+    (PEFT modules_to_save), are saved in the adapter, and the merged model (router included) equals base + adapter;
+    --lora_routers False freezes them; a parameter-free router (l2) adds nothing."""
+    from safetensors.torch import load_file
+
+    from mhmoe.training.peft import router_modules
+
+    source = _moh_checkpoint(tmp_path / "moh", "learned")
+    base = load_file(os.path.join(source, "model.safetensors"))
+    runs = {}
+    for routers in (True, False):
+        out = tmp_path / f"lora-{routers}"
+        fresh_accelerate_state()
+        _train(
+            TrainArguments(
+                model_name_or_path=source, tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["train"]],
+                output_dir=str(out), block_size=16,
+                per_device_train_batch_size=2, max_steps=3, save_steps=2, learning_rate=1e-2, lora=True, lora_r=4,
+                lora_routers=routers, merge_lora=True, disable_tqdm=True, plot=False,
+            )
+        )  # fmt: skip
+        runs[routers] = out, load_file(out / "adapter_model.safetensors")
+    out, adapter = runs[True]
+    saved = {k.split("base_model.model.", 1)[1]: v for k, v in adapter.items() if "head_router" in k}
+    assert sorted(saved) == sorted(k for k in base if "head_router" in k)  # every router parameter, in full
+    name = "model.layers.0.self_attn.head_router.routed_weight"
+    assert not torch.equal(saved[name], base[name])  # trained
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    torch.testing.assert_close(merged.model.layers[0].self_attn.head_router.routed_weight, saved[name])
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), out).eval()
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, peft_model(ids).logits, rtol=1e-5, atol=1e-5)
+    assert not any("head_router" in k for k in runs[False][1])  # --lora_routers False: frozen, not saved
+
+    # a LoRA checkpoint saved before --lora_routers existed froze the routers: resuming it with them trained is refused
+    from mhmoe.training import TrainingError, checkpoints
+
+    state = checkpoints.read_state(str(out / "checkpoint-2"))
+    assert state["args"]["lora_routers"] is True
+    older = {**state, "args": {k: v for k, v in state["args"].items() if k != "lora_routers"}}
+    monkeypatch.setattr(checkpoints, "read_state", lambda path: older)
+    resume = TrainArguments(
+        model_name_or_path=source, train_file=[corpus["train"]], output_dir=str(out), lora=True, lora_r=4,
+        resume_from_checkpoint=str(out / "checkpoint-2"),
+    )  # fmt: skip
+    with pytest.raises(TrainingError, match=r"other trained parameters \(--lora_routers False -> True\)"):
+        checkpoints.check_resume(resume)
+    resume.lora_routers = False
+    checkpoints.check_resume(resume)  # the older run's setting: accepted
+
+    l2 = AutoModelForCausalLM.from_pretrained(_moh_checkpoint(tmp_path / "l2", "l2"))
+    assert router_modules(l2) == [] and lora_config(l2).modules_to_save is None
+    learned = AutoModelForCausalLM.from_pretrained(source)
+    assert lora_config(learned, modules_to_save=["lm_head"]).modules_to_save == ["head_router", "lm_head"]

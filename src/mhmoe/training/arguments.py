@@ -143,6 +143,10 @@ class TrainArguments:
     lora_experts: bool = field(
         default=True, metadata={"help": "Also LoRA the 3-D expert weights (PEFT target_parameters)."}
     )
+    lora_routers: bool = field(
+        default=True,
+        metadata={"help": "Train MoH head routers with parameters (learned, fitted) in full beside the adapters."},
+    )
     merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model in output_dir/merged."})
     ddp_find_unused_parameters: bool = False
     disable_tqdm: bool = False

@@ -34,7 +34,8 @@ CHECKPOINT_PREFIX = "checkpoint-"
 TEMPORARY_SUFFIX = ".tmp"  # `.checkpoint-N.tmp`: a checkpoint being written (hidden: never listed as a checkpoint)
 RNG_STATE_FILE = "random_states_{}.pkl"  # Accelerate's RNG_STATE_NAME, one per process
 # settings that decide which parameters train: a checkpoint resumes only with the same ones
-PARAMETER_SETTINGS = ("lora", "lora_r", "lora_target_modules", "lora_experts")
+PARAMETER_SETTINGS = ("lora", "lora_r", "lora_target_modules", "lora_experts", "lora_routers")
+SETTINGS_BEFORE = {"lora_routers": False}  # what a checkpoint saved before a setting existed did
 
 
 def _warn(message: str) -> None:
@@ -163,6 +164,8 @@ def check_resume(args: TrainArguments) -> None:
     args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     state = read_state(args.resume_from_checkpoint)
     saved = state.get("args", {})
+    if saved.get("lora"):
+        saved = {**SETTINGS_BEFORE, **saved}
     changed = [
         f"--{key} {saved[key]!r} -> {getattr(args, key)!r}"
         for key in PARAMETER_SETTINGS

@@ -9,6 +9,10 @@ Experts are stored as 3-D parameters (`mlp.experts.gate_up_proj` (E, 2I, W), `ml
 which `target_modules` cannot reach: PEFT adapts them through `target_parameters` (its `ParamWrapper`: one rank-r
 LoRA per expert, no dropout, no DoRA, the delta rebuilt every forward). PEFT has no per-model-type table for
 `target_parameters`, so `lora_config(model)` below adds them: it is what `mhmoe-train --lora` uses.
+
+MoH head routers (`self_attn.head_router`, the learned and fitted routers' W_r, W_s, W_h) are parameters outside any
+Linear: with `routers=True` they train in full beside the adapters (PEFT's `modules_to_save`; a few rows of
+`hidden_size` per layer), saved in the adapter and merged back; a frozen router could not adapt its routing.
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ def expert_target_parameters(model) -> list[str]:
     return sorted(suffixes)
 
 
+def router_modules(model) -> list[str]:
+    """The `modules_to_save` names of `model`'s MoH head routers that have parameters ([] for parameter-free ones)."""
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if name.endswith("self_attn.head_router") and any(True for _ in module.parameters(recurse=False))
+        }
+    )
+
+
 def lora_config(
     model,
     r: int = 8,
@@ -42,10 +57,12 @@ def lora_config(
     lora_dropout: float = 0.0,
     target_modules: list[str] | str | None = None,
     experts: bool = True,
+    routers: bool = True,
     **kwargs,
 ) -> LoraConfig:
     """A `LoraConfig` for an mhmoe / moh_llama model: attention projections (or `target_modules`) and, with
-    `experts=True`, every expert's `gate_up_proj` and `down_proj` through PEFT's `target_parameters`.
+    `experts=True`, every expert's `gate_up_proj` and `down_proj` through PEFT's `target_parameters`; with
+    `routers=True`, the MoH head routers with parameters trained in full (`modules_to_save`).
     BitNet models: LoRA trains full-precision adapters beside the quantised projections (PEFT wraps `BitLinear` as a
     Linear; expert deltas join the latent weights before quantisation); packed exports are refused."""
     if getattr(getattr(model, "config", None), "bitnet_packed", False):
@@ -71,6 +88,8 @@ def lora_config(
             f"lora_dropout={lora_dropout}: PEFT's LoRA on expert parameters (target_parameters) has no dropout; use "
             "lora_dropout=0 or leave the experts out"
         )
+    if routers and router_modules(model):
+        kwargs["modules_to_save"] = sorted({*(kwargs.get("modules_to_save") or ()), *router_modules(model)})
     return LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
@@ -82,4 +101,4 @@ def lora_config(
     )
 
 
-__all__ = ["ATTENTION_TARGETS", "MODEL_TYPES", "expert_target_parameters", "lora_config"]
+__all__ = ["ATTENTION_TARGETS", "MODEL_TYPES", "expert_target_parameters", "lora_config", "router_modules"]

@@ -202,6 +202,7 @@ def build_model(run: TrainRun, model) -> None:
                 lora_dropout=args.lora_dropout,
                 target_modules=args.lora_target_modules,
                 experts=args.lora_experts,
+                routers=args.lora_routers,
             )
             model = get_peft_model(model, peft_config)
         except ValueError as e:
