@@ -65,7 +65,9 @@ def parse_args(argv=None):
     parser.add_argument("--workdir", required=True, help="dense parent and conversions are written here once")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 4096], help="prefill lengths")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="prefill batch sizes")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096], help="decoding: prompt lengths")
+    parser.add_argument(
+        "--contexts", type=int, nargs="*", default=[512, 4096], help="decoding: prompt lengths (none: no decoding)"
+    )
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--big_rounds", type=int, default=1, help="rounds of cells over --big_tokens tokens")
