@@ -209,6 +209,9 @@ def test_lora_trains_moh_routers(tmp_path, corpus, tokenizer_dir, monkeypatch):
         checkpoints.check_resume(resume)
     resume.lora_routers = False
     checkpoints.check_resume(resume)  # the older run's setting: accepted
+    full = {**older, "args": {**older["args"], "lora": False}}  # a run without LoRA: the LoRA settings do not matter
+    monkeypatch.setattr(checkpoints, "read_state", lambda path: full)
+    checkpoints.check_resume(TrainArguments(**{**vars(resume), "lora": False, "lora_r": 16, "lora_routers": True}))
 
     l2 = AutoModelForCausalLM.from_pretrained(_moh_checkpoint(tmp_path / "l2", "l2"))
     assert router_modules(l2) == [] and lora_config(l2).modules_to_save is None

@@ -166,9 +166,10 @@ def check_resume(args: TrainArguments) -> None:
     saved = state.get("args", {})
     if saved.get("lora"):
         saved = {**SETTINGS_BEFORE, **saved}
+    settings = PARAMETER_SETTINGS if saved.get("lora") or args.lora else ("lora",)  # the rest only matter with LoRA
     changed = [
         f"--{key} {saved[key]!r} -> {getattr(args, key)!r}"
-        for key in PARAMETER_SETTINGS
+        for key in settings
         if key in saved and saved[key] != getattr(args, key)
     ]
     if changed:  # the saved optimizer state belongs to another set of trained parameters
