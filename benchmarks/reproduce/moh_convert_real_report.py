@@ -137,15 +137,17 @@ def _recovery_section(tune: dict) -> list[str]:
     for r in goal_rows(tune):
         seeds = ", ".join(f"seed {s} ×{v:.3f}" for s, v in sorted(r["ratios"].items()))
         verdict = ("met" if r["met"] else "NOT met") if r["model"] == "MoH tuned" and r["budget"] == "7/9" else ""
+        goal = f"goal ≤ ×{GOAL}" if r["budget"] == "7/9" else f"no goal at {r['budget']}"
         out.append(
-            f"- {r['label']} on {texts[r['text']]['name']}: {seeds} (mean ×{r['mean']:.3f}; goal "
-            f"≤ ×{GOAL}){': **' + verdict + '**' if verdict else ''}"
+            f"- {r['label']} on {texts[r['text']]['name']}: {seeds} (mean ×{r['mean']:.3f}; {goal})"
+            f"{': **' + verdict + '**' if verdict else ''}"
             + (f"; ÷ the untuned parent: ×{r['untuned']:.3f}" if r.get("untuned") else "")
         )
     out += [
         "",
-        "The runs (wall times on the 2 shared cores, other jobs running; the trainer's own evaluation of the "
-        "Python-docs validation text by tokens seen; the command as typed):",
+        "The runs (the commit each started at: e85932a is a branch's before its rebase onto main, the same content as "
+        "5926d44; the others are main; wall times on the 2 shared cores, other jobs running; the trainer's own "
+        "evaluation of the Python-docs validation text by tokens seen; the command as typed):",
         "",
     ]
     order = list(RUN_ORDER)
