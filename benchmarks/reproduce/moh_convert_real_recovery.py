@@ -268,5 +268,4 @@ def stage_tune(args, results: dict, driver: str) -> None:
 
     for r in report.goal_rows(tune):
         seeds = ", ".join(f"seed {s} ×{v:.3f}" for s, v in sorted(r["ratios"].items()))
-        goal = f"goal ≤ ×{report.GOAL}" if r["budget"] == "7/9" else f"no goal at {r['budget']}"
-        print(f"{r['label']} / parent tuned on {TEXTS[r['text']]}: {seeds}; {goal}")
+        print(f"{r['label']} / parent tuned on {TEXTS[r['text']]}: {seeds}; {report.goal_words(r)}")

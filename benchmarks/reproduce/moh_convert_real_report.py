@@ -22,6 +22,7 @@ def _zero_shot_table(data: dict) -> list[str]:
 
 
 GOAL = 1.05  # MoH tuned / parent tuned, 7/9 heads, other-domain texts (issue 31)
+GOAL_BUDGET = "7/9"
 OTHER_DOMAIN = ("gpl3", "packages")
 RUN_ORDER = ("parent", "parent tuned", "MoH zero-shot", "MoH tuned", "MoH distilled")
 
@@ -92,6 +93,11 @@ def goal_rows(tune: dict) -> list[dict]:
     return rows
 
 
+def goal_words(row: dict) -> str:
+    """A `goal_rows` row's goal, in words: the goal at its budget, or that there is none."""
+    return f"goal ≤ ×{GOAL}" if row["budget"] == GOAL_BUDGET else f"no goal at {row['budget']}"
+
+
 def _recovery_section(tune: dict) -> list[str]:
     texts = tune["texts"]
     recipe, st = tune.get("recipe", {}), tune["settings"]
@@ -136,10 +142,9 @@ def _recovery_section(tune: dict) -> list[str]:
     out.append("")
     for r in goal_rows(tune):
         seeds = ", ".join(f"seed {s} ×{v:.3f}" for s, v in sorted(r["ratios"].items()))
-        verdict = ("met" if r["met"] else "NOT met") if r["model"] == "MoH tuned" and r["budget"] == "7/9" else ""
-        goal = f"goal ≤ ×{GOAL}" if r["budget"] == "7/9" else f"no goal at {r['budget']}"
+        verdict = ("met" if r["met"] else "NOT met") if r["model"] == "MoH tuned" and r["budget"] == GOAL_BUDGET else ""
         out.append(
-            f"- {r['label']} on {texts[r['text']]['name']}: {seeds} (mean ×{r['mean']:.3f}; {goal})"
+            f"- {r['label']} on {texts[r['text']]['name']}: {seeds} (mean ×{r['mean']:.3f}; {goal_words(r)})"
             f"{': **' + verdict + '**' if verdict else ''}"
             + (f"; ÷ the untuned parent: ×{r['untuned']:.3f}" if r.get("untuned") else "")
         )

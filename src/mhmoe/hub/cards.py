@@ -284,7 +284,7 @@ def folder_records(folder) -> dict:
     """What a checkpoint folder records about how it was made, for its card: {"base_model", "conversion", "training"}
     from moh_conversion.json (mhmoe-convert; in converted/ after continue-tuning), train_summary.json (mhmoe-train)
     and recovery_summary.json (continue-tuning's perplexities, after the training); unreadable records are skipped."""
-    found, training, recovery = {}, None, None
+    found, training, summary, recovery = {}, None, None, None
     conversion = next((n for n in CONVERSION_RECORDS if os.path.isfile(os.path.join(folder, n))), CONVERSION_RECORDS[0])
     for name, key in ((conversion, "base_model"), ("train_summary.json", "training"), (RECOVERY_RECORD, "recovery")):
         try:
@@ -294,15 +294,15 @@ def folder_records(folder) -> dict:
                 found[key] = _recorded_base_model(record["input_dir"])
                 found["conversion"] = record  # its head recipe and calibration data join the architecture table
             elif key == "training" and isinstance(record, dict):
-                training = training_text(record), record
+                training, summary = training_text(record), record
             elif key == "recovery" and isinstance(record, dict):
                 recovery = recovery_text(record)
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             continue
-    if training and recovery:  # the final perplexity once, in the recovery sentence
-        found["training"] = f"{training_text(training[1], final_ppl=False)} {recovery}"
-    elif training or recovery:
-        found["training"] = training[0] if training else recovery
+    if summary is not None and recovery:  # the final perplexity once, in the recovery sentence
+        training = training_text(summary, final_ppl=False)
+    if training or recovery:
+        found["training"] = " ".join(filter(None, (training, recovery)))
     return found
 
 

@@ -88,8 +88,9 @@ def lora_config(
             f"lora_dropout={lora_dropout}: PEFT's LoRA on expert parameters (target_parameters) has no dropout; use "
             "lora_dropout=0 or leave the experts out"
         )
-    if routers and router_modules(model):
-        kwargs["modules_to_save"] = sorted({*(kwargs.get("modules_to_save") or ()), *router_modules(model)})
+    trained_in_full = router_modules(model) if routers else []
+    if trained_in_full:
+        kwargs["modules_to_save"] = sorted({*(kwargs.get("modules_to_save") or ()), *trained_in_full})
     return LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
