@@ -169,13 +169,16 @@ def test_nan_and_inf_logits_give_in_range_experts(top_k, capacity):
     assert int(offsets[-1]) == int(kept.sum()) and sorted(order.tolist()) == list(range(experts.numel()))
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("num_bins", [1, 2, 8, 41, 97])
-def test_counting_sort_is_a_stable_sort(num_bins):
-    ids = torch.randint(0, num_bins, (203,), generator=torch.Generator().manual_seed(num_bins))
-    pos, order, counts = routing_triton.counting_sort(ids, num_bins, block=32)
+def test_counting_sort_is_a_stable_sort(num_bins, chunks):
+    """Against torch's stable sort, with one or several one-hot tiles per program (the place carried across them).
+    1,500 ids in tiles of 16: 94 programs (or 32), more than the scan kernel takes in one tile at 97 bins (32)."""
+    ids = torch.randint(0, num_bins, (1500,), generator=torch.Generator().manual_seed(num_bins))
+    pos, order, counts = routing_triton.counting_sort(ids, num_bins, block=16, chunks=chunks)
     expected = torch.sort(ids, stable=True).indices
     assert torch.equal(order, expected)
-    assert torch.equal(pos[order], torch.arange(203))  # pos is the inverse permutation
+    assert torch.equal(pos[order], torch.arange(1500))  # pos is the inverse permutation
     assert torch.equal(counts, torch.bincount(ids, minlength=num_bins))
 
 
@@ -228,10 +231,14 @@ def test_route_properties(num_rows, num_experts, top_k, capacity, norm, seed):
 
 
 @settings(max_examples=20, deadline=None)
-@given(ids=st.lists(st.integers(0, 9), min_size=1, max_size=150), block=st.sampled_from([16, 32, 128]))
-def test_counting_sort_properties(ids, block):
+@given(
+    ids=st.lists(st.integers(0, 9), min_size=1, max_size=150),
+    block=st.sampled_from([16, 32, 128]),
+    chunks=st.sampled_from([1, 2, 5]),
+)
+def test_counting_sort_properties(ids, block, chunks):
     ids = torch.tensor(ids)
-    pos, order, counts = routing_triton.counting_sort(ids, 10, block=block)
+    pos, order, counts = routing_triton.counting_sort(ids, 10, block=block, chunks=chunks)
     assert torch.equal(order, torch.sort(ids, stable=True).indices)
     assert torch.equal(order[pos], torch.arange(len(ids)))
     assert int(counts.sum()) == len(ids)

@@ -5,10 +5,14 @@ Same contract as `routing_naive.py` (its `route` and `sort_by_expert`), which th
 TRITON_INTERPRET=1. Shape legend: N rows, E experts, K = top_k (1..8), S = N·K assignments, B bins of the counting
 sort (E, or E + 1 with the dropped sentinel), BLOCK_* tile sizes (powers of two; E and B are padded up to one).
 
-Counting sort, for ids in [0, B): each program takes BLOCK consecutive ids and (1) counts its ids per bin; a scan over
-the (programs, B) table gives each (program, bin) its first place in the sorted order; (2) each id's place is that
-base plus the number of equal ids before it in the program's block (a cumulative sum over a one-hot (BLOCK, B)
-tile). Stable by construction: ties keep their input order.
+Counting sort, for ids in [0, B), in three launches: each of P programs takes CHUNKS·BLOCK consecutive ids and (1)
+counts them per bin, a one-hot (BLOCK, B) tile at a time; (2) one program scans the (P, B) table, first over
+programs for the bins' totals, then again to give each (program, bin) its first place in the sorted order (bin start
++ the bin's ids in earlier programs) and writes the bins' counts and ends; (3) each id's place is its (program, bin)
+base plus the equal ids before it in the program (a cumulative sum over the one-hot tile, carried across chunks).
+Stable by construction: ties keep their input order. The scan is a kernel because the (P, B) table's cumulative sum
+over its outer dimension is a serial loop per bin in PyTorch's CUDA scan (1.75 ms of the h=3 block's fwd+bwd at 32K
+tokens on an H200, benchmarks/results/gpu_moe-nvidia-h200-939cae8); P is kept small by looping CHUNKS tiles.
 
 NaN or inf logits never give an expert id outside [0, E) (on a GPU such an id would make the later kernels read and
 write out of bounds, an asynchronous error no fallback can catch): a row whose softmax is NaN takes the lowest ids,
@@ -80,14 +84,49 @@ def _softmax_topk_kernel(
 
 
 @_jit
-def _block_histogram_kernel(ids_ptr, counts_ptr, num_ids, num_bins, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
-    """counts[program, b] = number of ids equal to b among the program's BLOCK ids."""
+def _block_histogram_kernel(
+    ids_ptr, counts_ptr, num_ids, num_bins, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CHUNKS: tl.constexpr
+):
+    """counts[program, b] = number of ids equal to b among the program's CHUNKS·BLOCK ids."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ids = tl.load(ids_ptr + offs, mask=offs < num_ids, other=BLOCK_B).to(tl.int32)  # past the end: in no bin
     bins = tl.arange(0, BLOCK_B)
-    counts = tl.sum((ids[:, None] == bins[None, :]).to(tl.int32), axis=0)
+    counts = tl.zeros((BLOCK_B,), dtype=tl.int32)
+    for chunk in range(CHUNKS):
+        offs = (pid.to(tl.int64) * CHUNKS + chunk) * BLOCK + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_ids, other=BLOCK_B).to(tl.int32)  # past the end: in no bin
+        counts += tl.sum((ids[:, None] == bins[None, :]).to(tl.int32), axis=0)
     tl.store(counts_ptr + pid.to(tl.int64) * num_bins + bins, counts, mask=bins < num_bins)
+
+
+@_jit
+def _scan_counts_kernel(
+    counts_ptr, base_ptr, bin_counts_ptr, ends_ptr, num_programs, num_bins, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr
+):
+    """One program: bin_counts[b] = Σ_p counts[p, b]; ends[b] = Σ_{b' <= b} bin_counts[b'] (int32);
+    base[p, b] = (bin b's start) + Σ_{p' < p} counts[p', b]."""
+    bins = tl.arange(0, BLOCK_B)
+    bin_ok = bins < num_bins
+    totals = tl.zeros((BLOCK_B,), dtype=tl.int64)
+    start = 0
+    while start < num_programs:  # (P, B) -> (B,) totals; `while`: Triton 3.6's interpreter takes no range() bound
+        progs = start + tl.arange(0, BLOCK_P)
+        offs = progs[:, None].to(tl.int64) * num_bins + bins[None, :]
+        tile = tl.load(counts_ptr + offs, mask=(progs < num_programs)[:, None] & bin_ok[None, :], other=0)
+        totals += tl.sum(tile.to(tl.int64), axis=0)
+        start += BLOCK_P
+    ends = tl.cumsum(totals, axis=0)
+    tl.store(bin_counts_ptr + bins, totals, mask=bin_ok)
+    tl.store(ends_ptr + bins, ends.to(tl.int32), mask=bin_ok)
+    running = ends - totals  # (B,) bin starts, then moved past each program's ids
+    start = 0
+    while start < num_programs:  # exclusive scan over programs, per bin
+        progs = start + tl.arange(0, BLOCK_P)
+        offs = progs[:, None].to(tl.int64) * num_bins + bins[None, :]
+        mask = (progs < num_programs)[:, None] & bin_ok[None, :]
+        tile = tl.load(counts_ptr + offs, mask=mask, other=0).to(tl.int64)
+        tl.store(base_ptr + offs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=mask)
+        running += tl.sum(tile, axis=0)
+        start += BLOCK_P
 
 
 @_jit
@@ -101,20 +140,23 @@ def _stable_scatter_kernel(
     WRITE_ORDER: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    """pos[i] = base[program, ids[i]] + (equal ids before i in the block); order[pos[i]] = i when WRITE_ORDER."""
+    """pos[i] = base[program, ids[i]] + (equal ids before i in the program); order[pos[i]] = i when WRITE_ORDER."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < num_ids
-    ids = tl.load(ids_ptr + offs, mask=valid, other=BLOCK_B).to(tl.int32)
     bins = tl.arange(0, BLOCK_B)
-    onehot = (ids[:, None] == bins[None, :]).to(tl.int32)  # (BLOCK, BLOCK_B)
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # equal ids before, in input order
-    base = tl.load(base_ptr + pid.to(tl.int64) * num_bins + ids, mask=valid, other=0)
-    pos = base + rank
-    tl.store(pos_ptr + offs, pos, mask=valid)
-    if WRITE_ORDER:
-        tl.store(order_ptr + pos, offs, mask=valid)
+    place = tl.load(base_ptr + pid.to(tl.int64) * num_bins + bins, mask=bins < num_bins, other=0)  # (B,) next place
+    for chunk in range(CHUNKS):
+        offs = (pid.to(tl.int64) * CHUNKS + chunk) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < num_ids
+        ids = tl.load(ids_ptr + offs, mask=valid, other=BLOCK_B).to(tl.int32)
+        onehot = (ids[:, None] == bins[None, :]).to(tl.int32)  # (BLOCK, BLOCK_B); no bin past the end
+        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # equal ids before, in the chunk
+        pos = tl.sum(onehot.to(tl.int64) * place[None, :], axis=1) + rank
+        tl.store(pos_ptr + offs, pos, mask=valid)
+        if WRITE_ORDER:
+            tl.store(order_ptr + pos, offs, mask=valid)
+        place += tl.sum(onehot, axis=0)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -132,30 +174,43 @@ def _check(tensor: torch.Tensor) -> None:
 
 
 def counting_sort(
-    ids: torch.Tensor, num_bins: int, write_order: bool = True, block: int | None = None
+    ids: torch.Tensor, num_bins: int, write_order: bool = True, block: int | None = None, chunks: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Stable counting sort of `ids` (S,) with values in [0, num_bins).
 
     Returns `pos` (S,) int64, each id's place in sorted order (the inverse permutation), `order` (S,) int64 with
-    ids[order] sorted (None unless `write_order`), and `bin_counts` (num_bins,) int64.
+    ids[order] sorted (None unless `write_order`), and `bin_counts` (num_bins,) int64. `block` ids per one-hot tile,
+    `chunks` tiles per program (default: enough programs to fill a GPU, at most 32 tiles each).
     """
+    pos, order, bin_counts, _ = _counting_sort(ids, num_bins, write_order, block, chunks)
+    return pos, order, bin_counts
+
+
+def _counting_sort(ids, num_bins, write_order, block, chunks):
+    """`counting_sort`, plus the bins' ends (num_bins,) int32 (the inclusive cumulative sum of their counts)."""
     _check(ids)
     ids = ids.reshape(-1).contiguous()
     num_ids, device = ids.numel(), ids.device
     block_b = _next_power_of_2(num_bins)
     if block is None:  # one-hot tiles of ~4k entries on a GPU; large ones under the interpreter (per-program cost)
         block = max(16, (2**16 if interpreting() else 2**12) // block_b)
-    num_blocks = -(-num_ids // block)
+    num_tiles = -(-num_ids // block)
+    if chunks is None:  # ~512 programs at most (a few per SM), at most 32 tiles each
+        chunks = 1 if interpreting() else min(32, _next_power_of_2(-(-num_tiles // 512)))
+    num_programs = -(-num_tiles // chunks)
     pos = torch.empty(num_ids, dtype=torch.int64, device=device)
     order = torch.empty(num_ids, dtype=torch.int64, device=device) if write_order else None
+    bin_counts = torch.empty(num_bins, dtype=torch.int64, device=device)
+    ends = torch.empty(num_bins, dtype=torch.int32, device=device)
     if num_ids == 0:
-        return pos, order, torch.zeros(num_bins, dtype=torch.int64, device=device)
-    counts = torch.empty(num_blocks, num_bins, dtype=torch.int32, device=device)
-    _block_histogram_kernel[(num_blocks,)](ids, counts, num_ids, num_bins, BLOCK=block, BLOCK_B=block_b)
-    bin_counts = counts.sum(0, dtype=torch.int64)  # (B,)
-    bin_starts = torch.cumsum(bin_counts, 0) - bin_counts  # (B,) exclusive scan over bins
-    base = bin_starts + (torch.cumsum(counts, 0, dtype=torch.int64) - counts)  # (programs, B), then over programs
-    _stable_scatter_kernel[(num_blocks,)](
+        return pos, order, bin_counts.zero_(), ends.zero_()
+    counts = torch.empty(num_programs, num_bins, dtype=torch.int32, device=device)
+    base = torch.empty(num_programs, num_bins, dtype=torch.int64, device=device)
+    grid = (num_programs,)
+    _block_histogram_kernel[grid](ids, counts, num_ids, num_bins, BLOCK=block, BLOCK_B=block_b, CHUNKS=chunks)
+    block_p = max(1, min(_next_power_of_2(num_programs), 4096 // block_b))
+    _scan_counts_kernel[(1,)](counts, base, bin_counts, ends, num_programs, num_bins, BLOCK_P=block_p, BLOCK_B=block_b)
+    _stable_scatter_kernel[grid](
         ids,
         base,
         pos,
@@ -165,8 +220,9 @@ def counting_sort(
         WRITE_ORDER=write_order,
         BLOCK=block,
         BLOCK_B=block_b,
+        CHUNKS=chunks,
     )
-    return pos, order, bin_counts
+    return pos, order, bin_counts, ends
 
 
 def softmax_topk(
@@ -248,8 +304,8 @@ def route(
     if capacity_factor is not None:
         capacity = expert_capacity(capacity_factor, num_rows, top_k, num_experts, capacity_rounding)
         flat = experts.t().reshape(-1)  # (K·N,) slot-major: priority order
-        pos, _, counts = counting_sort(flat, num_experts, write_order=False, block=block)
-        rank = pos - (torch.cumsum(counts, 0) - counts)[flat]  # place among the expert's assignments
+        pos, _, counts, ends = _counting_sort(flat, num_experts, False, block, None)
+        rank = pos - (ends - counts)[flat]  # place among the expert's assignments
         kept = (rank < capacity).view(top_k, num_rows).t()
         experts = torch.where(kept, experts, num_experts)
         weights = weights * kept
@@ -261,5 +317,5 @@ def sort_by_expert(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing_naive.sort_by_expert` with the counting sort: `order` (S,) int64 (dropped id E last, stable) and
     `offsets` (E,) int32."""
-    _, order, counts = counting_sort(experts.reshape(-1), num_experts + 1, block=block)
-    return order, torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    _, order, _, ends = _counting_sort(experts.reshape(-1), num_experts + 1, True, block, None)
+    return order, ends[:num_experts]
