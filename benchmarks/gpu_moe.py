@@ -125,7 +125,7 @@ TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 3e-2}  # fp32 dots run as TF32
 
 def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
     """Every kernel against its reference, forward and backward, bf16 and fp32 (see the module docstring)."""
-    from mhmoe.models.ops.experts import experts_naive, experts_triton, grouped_gemm
+    from mhmoe.models.ops.experts import experts_grouped_mm, experts_naive, experts_triton, grouped_gemm
     from mhmoe.models.ops.head_router import head_router_naive, head_router_triton
     from mhmoe.models.ops.routing import routing_naive, routing_triton
 
@@ -237,6 +237,29 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
 
         if kernels:
             attempt(f"triton experts {tag}", experts_checks)
+
+        def grouped_experts_checks(dtype=dtype, tag=tag, route_e=route_e):
+            """The default experts op on CUDA: grouped GEMMs with the fused SwiGLU / combine steps (Triton)."""
+            ref_out, ref_grads = run_experts(
+                lambda x, w, gu, dn: experts_naive.experts_forward(
+                    x.double(), route_e, w.double(), gu.double(), dn.double()
+                )
+            )
+            order, offsets = routing_naive.sort_by_expert(route_e, experts)
+            got_out, got_grads = run_experts(
+                lambda x, w, gu, dn: experts_grouped_mm.experts_forward(
+                    x, route_e, w, gu, dn, torch.nn.SiLU(), order, offsets
+                )
+            )
+            out = [_errors(f"grouped_mm experts out {tag}", got_out, ref_out, TOLERANCE[dtype])]
+            for label, got, ref in zip(
+                ("d rows", "d routing weights", "d gate_up_proj", "d down_proj"), got_grads, ref_grads
+            ):
+                out.append(_errors(f"grouped_mm experts {label} {tag}", got, ref, TOLERANCE[dtype]))
+            return out
+
+        if kernels:
+            attempt(f"grouped_mm experts {tag}", grouped_experts_checks)
 
         def grouped_mm_checks(dtype=dtype, tag=tag, route_e=route_e):
             order, offsets = routing_naive.sort_by_expert(route_e, experts)

@@ -19,6 +19,7 @@ SHARED_MEMORY = {80: 163 * 1024, 90: 227 * 1024}  # bytes a block may use: A100,
 
 def _kernels(dtype: str, tile: dict, precision: str = "tf32"):
     """(name, jit function, signature, constexprs) of every kernel, operands in `dtype` ("fp32" | "bf16")."""
+    from mhmoe.models.ops.experts import experts_grouped_mm_steps_triton as st
     from mhmoe.models.ops.experts import experts_triton as ex
     from mhmoe.models.ops.head_router import head_router_triton as hr
     from mhmoe.models.ops.routing import routing_triton as rt
@@ -36,13 +37,26 @@ def _kernels(dtype: str, tile: dict, precision: str = "tf32"):
             "routing.block_histogram",
             rt._block_histogram_kernel,
             dict(ids_ptr="*i64", counts_ptr="*i32", num_ids=i32, num_bins=i32),
-            dict(BLOCK=32, BLOCK_B=128),
+            dict(BLOCK=32, BLOCK_B=128, CHUNKS=8),
+        ),
+        (
+            "routing.scan_counts",
+            rt._scan_counts_kernel,
+            dict(
+                counts_ptr="*i32",
+                base_ptr="*i64",
+                bin_counts_ptr="*i64",
+                ends_ptr="*i32",
+                num_programs=i32,
+                num_bins=i32,
+            ),
+            dict(BLOCK_P=32, BLOCK_B=128),
         ),
         (
             "routing.stable_scatter",
             rt._stable_scatter_kernel,
             dict(ids_ptr="*i64", base_ptr="*i64", pos_ptr="*i64", order_ptr="*i64", num_ids=i32, num_bins=i32),
-            dict(WRITE_ORDER=True, BLOCK=32, BLOCK_B=128),
+            dict(WRITE_ORDER=True, BLOCK=32, BLOCK_B=128, CHUNKS=8),
         ),
         (
             "head_router.l2_head_gates",
@@ -134,6 +148,43 @@ def _kernels(dtype: str, tile: dict, precision: str = "tf32"):
                 stride_am=i32,
             ),
             experts,
+        ),
+        (
+            "experts.swiglu",
+            st._swiglu_kernel,
+            dict(gate_up_ptr=p, out_ptr=p, rows=i32, inter=i32, stride_gu=i32, stride_out=i32),
+            dict(BLOCK_S=32, BLOCK_I=128),
+        ),
+        (
+            "experts.swiglu_backward",
+            st._swiglu_backward_kernel,
+            dict(
+                gate_up_ptr=p,
+                grad_hidden_ptr=p,
+                weights_ptr="*fp32",
+                grad_gate_up_ptr=p,
+                hidden_ptr=p,
+                dot_ptr="*fp32",
+                rows=i32,
+                inter=i32,
+                stride_gu=i32,
+            ),
+            dict(WRITE_GRAD=True, WRITE_HIDDEN=True, WRITE_DOT=True, BLOCK_S=16, BLOCK_I=128),
+        ),
+        (
+            "experts.combine_slots",
+            st._combine_kernel,
+            dict(
+                rows_ptr=p,
+                slot_pos_ptr="*i64",
+                dropped_ptr="*u8",
+                weights_ptr="*fp32",
+                out_ptr=p,
+                num_rows=i32,
+                width=i32,
+                stride_rows=i32,
+            ),
+            dict(TOP_K=3, WEIGHTED=True, BLOCK_N=16, BLOCK_W=128),
         ),
     ]
 

@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from .experts_grouped_mm_steps_triton import HAS_TRITON, combine_slots, swiglu, swiglu_backward
 from .grouped_gemm import autocast_dtype, grouped_mm, traced_grouped_mm
 
 
@@ -81,6 +82,16 @@ BUFFER_POOL = BufferPool(int(os.environ.get("MHMOE_CPU_BUFFER_POOL_MB", "2048"))
 
 def is_silu(act_fn) -> bool:
     return isinstance(act_fn, torch.nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
+# The fused steps (experts_grouped_mm_steps_triton.py) run on CUDA tensors with SiLU; tests set this to run them on CPU
+# under TRITON_INTERPRET=1 against the PyTorch code below.
+STEPS_KERNELS_ON_CPU = False
+
+
+def _steps_kernels(tensor: torch.Tensor, act_fn) -> bool:
+    """Whether act(gate)·up, its backward and the slots' weighted sum take the fused Triton kernels."""
+    return HAS_TRITON and is_silu(act_fn) and (tensor.is_cuda or STEPS_KERNELS_ON_CPU)
 
 
 def _activation(act_fn, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,7 +171,10 @@ def _experts_forward(
     buffer = BUFFER_POOL.take(num_kept, 2 * inter, rows)
     gate_up = grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets, out=buffer)  # (S_kept, 2I)
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
-    if for_backward:  # gate and up are kept: act(gate)·up goes to a new buffer; act itself is recomputed later
+    fused = _steps_kernels(rows, act_fn)
+    if fused:  # one pass over gate/up; without a backward to come, into the gate half
+        hidden = swiglu(gate_up, out=None if for_backward else gate)  # (S_kept, I)
+    elif for_backward:  # gate and up are kept: act(gate)·up goes to a new buffer; act itself is recomputed later
         hidden = _activation(act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, rows))
         hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
     else:
@@ -175,11 +189,14 @@ def _experts_forward(
         # per-assignment intermediates only gate_up (S, 2I) stays alive until the backward
         BUFFER_POOL.give(rows, hidden)
 
-    slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
+    if fused:
+        out = combine_slots(expert_out, slot_pos, dropped, top_k_weights, top_k, hidden_states.dtype)
+    else:
+        slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
+        acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
+        out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
+        BUFFER_POOL.give(slots)  # the backward gets d routing weights without them (see _GroupedExperts)
     BUFFER_POOL.give(expert_out)
-    acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
-    out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
-    BUFFER_POOL.give(slots)  # the backward gets d routing weights without them (see _GroupedExperts)
     if not for_backward:
         return out.to(hidden_states.dtype), ()
     if RECOMPUTE_GATE_UP:
@@ -247,6 +264,8 @@ class _GroupedExperts(torch.autograd.Function):
         grad_sorted = _select_rows(grad_out.to(dtype), source_rows)  # (S_kept, W) d expert output, unweighted
         buffer = BUFFER_POOL.take(num_kept, inter, grad_sorted)
         grad_hidden = grouped_mm(grad_sorted, down_proj, offsets, out=buffer)  # (S_kept, I), unweighted
+        if _steps_kernels(gate_up, ctx.act_fn):
+            return _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite)
         hidden = None  # act(gate)·up, recomputed (the forward did not keep it) into a buffer of this backward's
         if need_down or need_weights:
             hidden = _activation(ctx.act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, gate_up))
@@ -286,6 +305,40 @@ class _GroupedExperts(torch.autograd.Function):
         if overwrite:  # the graph no longer needs its saved buffer
             BUFFER_POOL.give(gate_up)
         return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
+
+
+def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
+    """`_GroupedExperts.backward` from d act·up on, with the fused kernels (CUDA, SiLU): act·up, d gate/up and the
+    routing weights' gradient in one pass over gate/up, the input gradient's sum over slots in one gather."""
+    _, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
+    order, offsets, slot_pos, dropped = ctx.index
+    need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
+    num_rows, top_k = top_k_weights.shape
+    num_kept, inter = grad_hidden.shape
+    grad_x = grad_weights = grad_gate_up_proj = grad_down = None
+    weights_sorted = top_k_weights.reshape(-1).index_select(0, order)  # (S_kept,)
+    hidden = gate_up.new_empty(num_kept, inter) if need_down else None  # act(gate)·up, recomputed
+    dot = torch.empty(num_kept, dtype=torch.float32, device=gate_up.device) if need_weights else None
+    grad_gate_up = None
+    if need_x or need_gate_up:
+        grad_gate_up = gate_up if overwrite else torch.empty_like(gate_up)  # (S_kept, 2I)
+    swiglu_backward(gate_up, grad_hidden, weights_sorted, grad_gate_up, hidden, dot)
+    if need_weights:  # d weight[n, k] = <d out[n] · down[e], act·up>; 0 for dropped slots (rows never computed)
+        dot.masked_fill_(dropped.index_select(0, order), 0.0)
+        grad_weights = top_k_weights.new_zeros(num_rows * top_k)
+        grad_weights.index_copy_(0, order, dot.to(grad_weights.dtype))
+        grad_weights = grad_weights.view(num_rows, top_k)
+    if need_down:
+        grad_expert_out = grad_sorted.mul_(weights_sorted[:, None].to(grad_sorted.dtype))  # (S_kept, W) weighted
+        grad_down = grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
+    if need_gate_up:
+        if rows is None:
+            rows = _select_rows(hidden_states, order // top_k).to(gate_up_proj.dtype)  # gathered again
+        grad_gate_up_proj = grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
+    if need_x:
+        grad_rows = grouped_mm(grad_gate_up, gate_up_proj, offsets)  # (S_kept, W)
+        grad_x = combine_slots(grad_rows, slot_pos, dropped, None, top_k, hidden_states.dtype)
+    return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
 def experts_forward(
