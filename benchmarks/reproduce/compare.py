@@ -108,22 +108,25 @@ def claims(data: dict, point: str = "final") -> str:
     values = _points(data, point)
     tokens = next(iter(data["cells"].values()))["summary"][point]["tokens"]
     seeds = len(data["seeds"])
+    runs = {name: len(data["cells"][name].get("runs", [])) for name in values}  # cells may lack seeds (a cut run)
+    fewer = [f"{name} {n} seed{'s' if n > 1 else ''}" for name, n in runs.items() if n < seeds]
     listed = ", ".join(f"{name} {harness._fmt(data['cells'][name]['summary'][point])}" for name in values)
     order = sorted(values, key=lambda name: values[name][0])
     text = [
         f"{'Final' if point == 'final' else 'Mid-training'} validation perplexity after {tokens:,} tokens, mean of "
-        f"{seeds} seeds (min–max): {listed}.",
+        f"{seeds} seeds (min–max){' (' + ', '.join(fewer) + ' so far)' if fewer else ''}: {listed}.",
         "Means: " + " < ".join(order) + ".",
     ]
     apart = [(a, b) for i, a in enumerate(order) for b in order[i + 1 :] if values[a][2] < values[b][1]]
     pairs = len(order) * (len(order) - 1) // 2
+    ranges = "seed ranges" + (" (one seed's range: its value)" if fewer else "")
     if not apart:
-        text.append("Every pair's seed ranges overlap.")
+        text.append(f"Every pair's {ranges} overlap.")
     elif len(apart) == pairs:
-        text.append("Every pair's seed ranges are apart.")
+        text.append(f"Every pair's {ranges} are apart.")
     else:
         gaps = "; ".join(f"{a} below {b} (by {values[b][1] - values[a][2]:.2f})" for a, b in apart)
-        text.append(f"Seed ranges apart: {gaps}; the other {pairs - len(apart)} pair(s) overlap.")
+        text.append(f"{ranges.capitalize()} apart: {gaps}; the other {pairs - len(apart)} pair(s) overlap.")
     if data["table"] in PAPER_ORDER:
         words, groups = PAPER_ORDER[data["table"]]
         groups = [kept for group in groups if (kept := [c for c in group if c in values])]  # the cells run

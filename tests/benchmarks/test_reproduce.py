@@ -470,3 +470,8 @@ def test_claims_say_order_apartness_and_the_papers_ordering():
     data["cells"]["SMoE"]["summary"] = harness.summarise(data["cells"]["SMoE"])
     said = compare.claims(data)
     assert "holds in the means, but the seed ranges do not separate MH-MoE h=2 from Fine-grained SMoE" in said
+    data["cells"]["SMoE"] = cell(11.2)  # a cut run: one seed of two
+    data["cells"]["SMoE"]["summary"] = harness.summarise(data["cells"]["SMoE"])
+    said = compare.claims(data)
+    assert "mean of 2 seeds (min–max) (SMoE 1 seed so far): " in said and "SMoE 11.20 (11.20–11.20)" in said
+    assert "Seed ranges (one seed's range: its value) apart: " in said
