@@ -221,8 +221,13 @@ run_stages() {
     done
 }
 
+# The log is committed with the results: no path of the machine in it ($OUT, <checkout>, <site-packages> instead)
+no_local_paths() {
+    sed -u -e "s#$OUT#\$OUT#g" -e "s#$ROOT#<checkout>#g" -e 's#[^ ]*/site-packages/#<site-packages>/#g'
+}
+
 set +e
-(set -e; run_stages) 2>&1 | tee -a "$OUT/gpu_run.log"  # one log of everything, returned with the results
+(set -e; run_stages) 2>&1 | no_local_paths | tee -a "$OUT/gpu_run.log"  # one log of everything, returned with the results
 status=${PIPESTATUS[0]}
-check_out 2>&1 | tee -a "$OUT/gpu_run.log"
+check_out 2>&1 | no_local_paths | tee -a "$OUT/gpu_run.log"
 exit "$status"

@@ -637,13 +637,20 @@ def write_cards(data: dict, out_dir: Path) -> list[Path]:
     paths = []
     for name, cell in data["cells"].items():
         final = cell["summary"]["final"]
-        seeds = len(cell["runs"])
+        seeds = [run["seed"] for run in cell["runs"]]  # this cell's own runs and commits, not the table's
+        commits = ", ".join(
+            dict.fromkeys(run.get("provenance", {}).get("commit") or data["commit"] for run in cell["runs"])
+        )
+        ppl = (
+            f"validation perplexity {final['mean']:.2f} (min {final['min']:.2f}, max {final['max']:.2f})"
+            if len(seeds) > 1
+            else f"validation perplexity {final['mean']:.2f}"
+        )
         training = (
             f'Trained from scratch with `mhmoe.training` for the reproduction table "{data["title"]}" '
             f"(benchmarks/reproduce, scale `{data['scale_name']}`): {cell['runs'][0]['steps']} steps, "
-            f"{cell['runs'][0]['tokens']:,} tokens of {data['data']}; {seeds} seeds ({', '.join(map(str, data['seeds']))}),"
-            f" validation perplexity {final['mean']:.2f} (min {final['min']:.2f}, max {final['max']:.2f}); device "
-            f"{data['device']}, commit {data['commit']}."
+            f"{cell['runs'][0]['tokens']:,} tokens of {data['data']}; {len(seeds)} seed{'s' if len(seeds) > 1 else ''} "
+            f"({', '.join(map(str, seeds))}), {ppl}; device {data['device']}, commit {commits}."
         )
         if not data["device"].startswith("CPU"):  # a GPU run: its speed is worth saying (on CPU it is not a speed)
             speed = statistics.median(run["tokens_per_second"] for run in cell["runs"])

@@ -171,6 +171,7 @@ def test_dry_run_of_both_calls_returns_everything_flat_with_provenance_and_seeds
     assert _returned(tmp_path / "out1") == ["gpu_moe.json", "gpu_run.log", "probe_mhmoe_table1_quick.json"]
     log = (tmp_path / "out1" / "gpu_run.log").read_text()
     assert '"tree_verified": true' in log and "gpu_pack: data/corpus from the pack" in log
+    assert str(tmp_path) not in log and "$OUT/gpu_moe.json" in log  # committed as it comes: no path of the machine
     bench = json.loads((tmp_path / "out1" / "gpu_moe.json").read_text())
     probe = json.loads((tmp_path / "out1" / "probe_mhmoe_table1_quick.json").read_text())
     for record in (bench, probe):
@@ -201,6 +202,7 @@ def test_dry_run_of_both_calls_returns_everything_flat_with_provenance_and_seeds
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     log = (tmp_path / "out3" / "gpu_run.log").read_text()
     assert "SMoE | seed 0: already in" in log and "MH-MoE h=3 | seed 0: already in" in log and "ppl" not in log
+    assert str(tmp_path) not in log and "<checkout>/outputs/gpu_reproduce/runs/" in log
     again = json.loads((tmp_path / "out3" / "runs_mhmoe_table1_quick.json").read_text())
     assert sorted(json.dumps(r, sort_keys=True) for r in again["runs"]) == sorted(
         json.dumps(r, sort_keys=True) for r in bundle["runs"]
