@@ -73,7 +73,18 @@ def block_parts(block, x) -> dict:
         )
         state["combined"] = torch.zeros_like(x)
 
+    # act·up and the combine as the block runs them: the fused Triton steps on CUDA (SiLU), else PyTorch's
+    fused = experts_grouped_mm._steps_kernels(state["gate_up"], experts.act_fn)
+
+    def act_up():
+        if fused:
+            return experts_grouped_mm.swiglu(state["gate_up"])
+        return F.silu(state["gate_up"][:, :inter]) * state["gate_up"][:, inter:]
+
     def combine():
+        if fused:
+            args = (state["expert_out"], state["slot_pos"], state["dropped"], state["weights"], k, x.dtype)
+            return experts_grouped_mm.combine_slots(*args)
         slots = experts_grouped_mm._gather_slots(state["expert_out"], state["slot_pos"], state["dropped"]).view(
             -1, k, width
         )
@@ -83,7 +94,6 @@ def block_parts(block, x) -> dict:
         pos = torch.empty_like(state["order"])
         return pos.index_copy_(0, state["order"], torch.arange(num_slots, device=x.device))
 
-    inter = experts.intermediate_dim
     return {
         "head layer": lambda: block.head_proj(x),
         "router GEMM (fp32)": lambda: F.linear(state["sub"].float(), gate.weight.float()),
@@ -96,7 +106,7 @@ def block_parts(block, x) -> dict:
         "gate/up grouped GEMM": lambda: grouped_gemm.grouped_mm(
             state["rows"], experts.gate_up_proj.transpose(1, 2), state["offsets"]
         ),
-        "act·up": lambda: F.silu(state["gate_up"][:, :inter]) * state["gate_up"][:, inter:],
+        "act·up": act_up,
         "down grouped GEMM": lambda: grouped_gemm.grouped_mm(
             state["hidden"], experts.down_proj.transpose(1, 2), state["offsets"]
         ),

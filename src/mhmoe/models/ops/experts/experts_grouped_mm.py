@@ -1,5 +1,7 @@
 """Experts on torch's grouped GEMM (`grouped_gemm.py`) with a hand-written backward: the "grouped_mm" backend of the
-experts op (`backends.py`), the default.
+experts op (`backends.py`), the default. On CUDA with SiLU the steps around the GEMMs (act(gate)·up, its backward, the
+slots' weighted sum) are fused Triton kernels (`experts_grouped_mm_steps_triton.py`); the PyTorch code here is what
+they are tested against and what runs everywhere else.
 
 Shape legend: N routed rows (tokens × moe_heads sub-tokens), W row width (hidden_size // moe_heads), E experts,
 K = num_experts_per_tok, S = N·K assignments, I = moe_intermediate_size. Expert weights are 3-D like Transformers'
