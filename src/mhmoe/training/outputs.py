@@ -9,7 +9,7 @@ import shutil
 
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from .._plumbing.checkpoint_files import overlapping
+from .._plumbing.checkpoint_files import machine_error, overlapping, size_words
 from .arguments import TrainArguments, TrainingError, recorded_args
 from .checkpoints import (
     check_resume,
@@ -101,9 +101,59 @@ def _remove_run_outputs(output_dir: str) -> None:
             os.remove(os.path.join(output_dir, name))
 
 
+def check_disk_space(run: TrainRun) -> None:
+    """Before anything is removed or written: the disk holds what the run will write (an estimate from the model:
+    the final model or adapter, and the checkpoints alive at once, each the weights plus AdamW's two moments of the
+    trainable ones), counting the space that --overwrite_output_dir frees. A full disk would otherwise stop the run at
+    its first checkpoint or its final save, after the training time is spent."""
+    args = run.args
+    params = list(run.accelerator.unwrap_model(run.model).parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    final = trainable + (weights if args.merge_lora else 0) if args.lora else weights
+    checkpoint = weights + 2 * trainable + (trainable if args.lora else 0)  # save_state (+ the adapter with LoRA)
+    existing = list_checkpoints(args.output_dir) if args.resume_from_checkpoint else []
+    saves = 0
+    if args.save_steps:
+        done = existing[-1][0] if existing else 0
+        saves = run.total_steps // args.save_steps - done // args.save_steps
+    if args.save_total_limit:  # the newest is written before the oldest goes
+        saves = max(0, min(saves, args.save_total_limit + 1 - len(existing)))
+    needed = final + saves * checkpoint
+    folder = os.path.abspath(args.output_dir)
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if args.overwrite_output_dir and not args.resume_from_checkpoint:
+        free += _run_outputs_bytes(args.output_dir)
+    if needed > free:
+        what = f"the final {'adapter' if args.lora else 'model'} ({size_words(final)})"
+        if saves:
+            what += f" and {saves} checkpoint(s) of {size_words(checkpoint)} (weights and optimizer state)"
+        raise machine_error(
+            TrainingError,
+            f"not enough disk space for this run in {args.output_dir}: {what}, {size_words(needed)} in all, "
+            f"{size_words(free)} free; free some space, keep fewer checkpoints (--save_total_limit), save less "
+            "often (--save_steps) or choose another --output_dir",
+        )
+
+
+def _run_outputs_bytes(output_dir: str) -> int:
+    """Bytes of what `_remove_run_outputs` would remove."""
+    total = 0
+    for _, path in list_checkpoints(output_dir, complete=False):
+        for root, _, files in os.walk(path):
+            total += sum(os.path.getsize(os.path.join(root, name)) for name in files)
+    for name in (METRICS_FILE, *RUN_OUTPUTS):
+        if os.path.isfile(os.path.join(output_dir, name)):
+            total += os.path.getsize(os.path.join(output_dir, name))
+    return total
+
+
 def prepare_output_dir(run: TrainRun) -> None:
     """Every input is checked: only now is an earlier run's output removed, and output_dir created."""
     args = run.args
+    check_disk_space(run)
     if run.is_main:
         os.makedirs(args.output_dir, exist_ok=True)
         removed = remove_stale_temporaries(args.output_dir)  # this run holds the folder's lock: they are no one's
