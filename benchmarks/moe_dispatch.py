@@ -11,11 +11,13 @@ every aten operation below autograd, which is where a GPU kernel would be launch
 - bytes: the tensors each device op reads and writes (inputs whole, an overestimate for gathers), scaled to
   `--scale_tokens` tokens (bytes grow with the tokens; the weights' do not, and are counted once);
 - Triton launches: the routing kernels' launches, counted by wrapping them (with `--triton`, under TRITON_INTERPRET=1
-  and MHMOE_ROUTING_BACKEND=triton, the path the GPU takes; else the PyTorch reference, the path under torch.compile).
+  and MHMOE_ROUTING_BACKEND=triton, the path the GPU takes; else the PyTorch reference, the path under torch.compile),
+  and with `--fused_steps` the grouped_mm experts' fused steps (SwiGLU, its backward, the slots' sum), which run on
+  CUDA only; each launch adds the bytes of the tensors it is given (read or written once) to the bytes moved.
 
 Per part of the h=3 forward (`gpu_moe_parts.block_parts`) and for the whole forward and forward+backward of each block.
 
-    TRITON_INTERPRET=1 MHMOE_ROUTING_BACKEND=triton PYTHONPATH=src python benchmarks/moe_dispatch.py --triton
+    TRITON_INTERPRET=1 MHMOE_ROUTING_BACKEND=triton PYTHONPATH=src python benchmarks/moe_dispatch.py --triton [--fused_steps]
 """
 
 from __future__ import annotations
@@ -78,46 +80,69 @@ class Counter(TorchDispatchMode):
         return out
 
 
-class TritonLaunches:
-    """Count the launches of the routing kernels (module globals replaced by counting proxies while inside)."""
+TRITON_KERNELS = {  # module -> the kernels counted (launches, and the bytes of the tensors each launch is given)
+    "mhmoe.models.ops.routing.routing_triton": (
+        "_softmax_topk_kernel",
+        "_block_histogram_kernel",
+        "_scan_counts_kernel",
+        "_stable_scatter_kernel",
+    ),
+    "mhmoe.models.ops.experts.experts_grouped_mm_steps_triton": (
+        "_swiglu_kernel",
+        "_swiglu_backward_kernel",
+        "_combine_kernel",
+    ),
+}
 
-    def __init__(self):
+
+class TritonLaunches:
+    """Count the launches of the Triton kernels (module globals replaced by counting proxies while inside), and add
+    the bytes of the tensors each launch is given to `counter` (each read or written once: a kernel's traffic)."""
+
+    def __init__(self, counter: Counter):
         self.count = collections.Counter()
-        self._saved = {}
+        self._saved = []
+        self._counter = counter
 
     def __enter__(self):
-        from mhmoe.models.ops.routing import routing_triton
+        import importlib
 
-        self.module = routing_triton
-        for name in ("_softmax_topk_kernel", "_block_histogram_kernel", "_stable_scatter_kernel"):
-            kernel = getattr(routing_triton, name)
-            self._saved[name] = kernel
-            counter, label = self.count, name
-
-            class Proxy:
-                def __getitem__(self, grid, kernel=kernel, label=label):
-                    counter[label] += 1
-                    launch = kernel[grid]
-
-                    def run(*args, **kwargs):
-                        Counter.paused = True
-                        try:
-                            return launch(*args, **kwargs)
-                        finally:
-                            Counter.paused = False
-
-                    return run
-
-            setattr(routing_triton, name, Proxy())
+        for module_name, names in TRITON_KERNELS.items():
+            module = importlib.import_module(module_name)
+            for name in names:
+                kernel = getattr(module, name)
+                self._saved.append((module, name, kernel))
+                setattr(module, name, self._proxy(kernel, name))
         return self
 
+    def _proxy(self, kernel, label):
+        launches, counter = self.count, self._counter
+
+        class Proxy:
+            def __getitem__(self, grid):
+                launches[label] += 1
+                launch = kernel[grid]
+
+                def run(*args, **kwargs):
+                    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                    counter.bytes[f"triton {label.strip('_')}"] += sum(t.numel() * t.element_size() for t in tensors)
+                    Counter.paused = True
+                    try:
+                        return launch(*args, **kwargs)
+                    finally:
+                        Counter.paused = False
+
+                return run
+
+        return Proxy()
+
     def __exit__(self, *exc):
-        for name, kernel in self._saved.items():
-            setattr(self.module, name, kernel)
+        for module, name, kernel in self._saved:
+            setattr(module, name, kernel)
 
 
 def _count(fn):
-    with TritonLaunches() as triton_launches, Counter() as counter:
+    with Counter() as counter, TritonLaunches(counter) as triton_launches:
         fn()
     return counter, triton_launches
 
@@ -149,9 +174,18 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens run here (counts do not depend on it)")
     parser.add_argument("--scale_tokens", type=int, default=32768, help="tokens the bytes are scaled to")
     parser.add_argument("--triton", action="store_true", help="the routing kernels (needs TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--fused_steps",
+        action="store_true",
+        help="the grouped_mm experts' fused steps, as on CUDA (experts_grouped_mm_steps_triton; TRITON_INTERPRET=1)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the counts here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    if args.fused_steps:
+        from mhmoe.models.ops.experts import experts_grouped_mm
+
+        experts_grouped_mm.STEPS_KERNELS_ON_CPU = True
     blocks = gpu_moe.build_blocks(args.hidden, torch.bfloat16, torch.device("cpu"))
     if args.triton:
         for block in blocks.values():
@@ -164,6 +198,7 @@ def main(argv=None) -> int:
         "tokens_run": args.tokens,
         "bytes_scaled_to_tokens": args.scale_tokens,
         "routing": "triton" if args.triton else "torch",
+        "fused_steps": args.fused_steps,
         "blocks": {},
         "h3_forward_parts": {},
     }
@@ -214,7 +249,7 @@ def main(argv=None) -> int:
     result.update(commit=git["commit"], dirty=git["dirty"], torch=torch.__version__)
     print(f"commit {git['commit']}{' (dirty)' if git['dirty'] else ''}, torch {torch.__version__}")
     print(
-        f"d={args.hidden}, routing {result['routing']}; device ops (ops that launch work), Triton launches, host "
+        f"d={args.hidden}, routing {result['routing']}, fused steps {'on' if args.fused_steps else 'off'}; device ops (ops that launch work), Triton launches, host "
         f"syncs, GB moved at {args.scale_tokens} tokens (approximate)"
     )
     for name, modes in result["blocks"].items():
