@@ -43,7 +43,7 @@ def test_swiglu_and_its_backward_match_the_formula(rows, inter):
     grad_gate_up = gate_up.clone()  # written over itself, as the backward does when the graph is freed
     steps.swiglu_backward(grad_gate_up, grad_hidden, weights, grad_gate_up, hidden, dot)
     torch.testing.assert_close(grad_gate_up, want_grad)
-    torch.testing.assert_close(hidden, F.silu(gate) * up)
+    torch.testing.assert_close(hidden, F.silu(gate) * up * weights[:, None])  # weighted: for d down_proj
     torch.testing.assert_close(dot, (grad_hidden * F.silu(gate) * up).sum(1))
     in_place = gate_up.clone()  # into the gate half (row stride 2I), as the inference forward does
     steps.swiglu(in_place, out=in_place[:, :inter])

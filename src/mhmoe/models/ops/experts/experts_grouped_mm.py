@@ -262,12 +262,12 @@ class _GroupedExperts(torch.autograd.Function):
         dtype = gate_up.dtype
         num_kept = gate_up.shape[0]
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)  # (S_kept, 1)
         grad_sorted = _select_rows(grad_out.to(dtype), source_rows)  # (S_kept, W) d expert output, unweighted
         buffer = BUFFER_POOL.take(num_kept, inter, grad_sorted)
         grad_hidden = grouped_mm(grad_sorted, down_proj, offsets, out=buffer)  # (S_kept, I), unweighted
         if _steps_kernels(gate_up, ctx.act_fn):
             return _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite)
+        weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)  # (S_kept, 1)
         hidden = None  # act(gate)·up, recomputed (the forward did not keep it) into a buffer of this backward's
         if need_down or need_weights:
             hidden = _activation(ctx.act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, gate_up))
@@ -319,7 +319,7 @@ def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
     num_kept, inter = grad_hidden.shape
     grad_x = grad_weights = grad_gate_up_proj = grad_down = None
     weights_sorted = top_k_weights.reshape(-1).index_select(0, order)  # (S_kept,)
-    hidden = gate_up.new_empty(num_kept, inter) if need_down else None  # act(gate)·up, recomputed
+    hidden = gate_up.new_empty(num_kept, inter) if need_down else None  # weight·act(gate)·up, recomputed
     dot = torch.empty(num_kept, dtype=torch.float32, device=gate_up.device) if need_weights else None
     grad_gate_up = None
     if need_x or need_gate_up:
@@ -330,9 +330,8 @@ def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
         grad_weights = top_k_weights.new_zeros(num_rows * top_k)
         grad_weights.index_copy_(0, order, dot.to(grad_weights.dtype))
         grad_weights = grad_weights.view(num_rows, top_k)
-    if need_down:
-        grad_expert_out = grad_sorted.mul_(weights_sorted[:, None].to(grad_sorted.dtype))  # (S_kept, W) weighted
-        grad_down = grouped_mm(grad_expert_out.t(), hidden, offsets)  # (E, W, I)
+    if need_down:  # Σ (weight · d out)ᵀ (act·up) = Σ d outᵀ (weight · act·up): no weighted copy of d out
+        grad_down = grouped_mm(grad_sorted.t(), hidden, offsets)  # (E, W, I)
     if need_gate_up:
         if rows is None:
             rows = _select_rows(hidden_states, order // top_k).to(gate_up_proj.dtype)  # gathered again

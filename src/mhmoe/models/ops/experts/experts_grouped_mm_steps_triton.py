@@ -10,8 +10,9 @@ Shape legend (as in experts_grouped_mm.py): S assignments in expert order, I = m
 K = num_experts_per_tok, W row width.
 - `swiglu`: (S, 2I) gate/up -> (S, I) silu(gate)·up, into any (S, I) view (the gate half itself included).
 - `swiglu_backward`: from gate/up and d(silu(gate)·up) (S, I) unweighted, and the assignments' routing weights (S,):
-  d gate/up (S, 2I) weighted (may be written over gate/up itself), silu(gate)·up (S, I) recomputed for the down
-  projection's weight gradient, and <d(silu(gate)·up), silu(gate)·up> (S,) fp32, the routing weights' gradient.
+  d gate/up (S, 2I) weighted (may be written over gate/up itself), weight·silu(gate)·up (S, I) recomputed for the down
+  projection's weight gradient (the weight folded in here, so d expert output stays unweighted), and
+  <d(silu(gate)·up), silu(gate)·up> (S,) fp32, the routing weights' gradient.
 - `combine_slots`: out[n] = Σ_k weight[n, k] · rows[slot_pos[n·K + k]] in slot order, fp32 accumulation, dropped slots 0
   (never read); without weights, the plain sum (the input gradient's gather over each row's K slots).
 All arithmetic in fp32, stored in the tensors' dtype. Imports without triton: the kernels stay plain functions.
@@ -76,8 +77,8 @@ def _swiglu_backward_kernel(
             hidden = act * up
             if WRITE_DOT:
                 dot += tl.sum(grad * hidden, axis=1)
-            if WRITE_HIDDEN:
-                tl.store(hidden_ptr + dense, hidden.to(hidden_ptr.dtype.element_ty), mask=mask)
+            if WRITE_HIDDEN:  # weighted: what the down projection's weight gradient takes (d out unweighted)
+                tl.store(hidden_ptr + dense, (hidden * weight[:, None]).to(hidden_ptr.dtype.element_ty), mask=mask)
         if WRITE_GRAD:  # same elements as read above, by this program only: may overwrite gate/up
             grad = grad * weight[:, None]
             grad_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
@@ -148,8 +149,9 @@ def swiglu_backward(
     hidden: torch.Tensor | None,
     dot: torch.Tensor | None,
 ) -> None:
-    """Writes whichever of `grad_gate_up` (S, 2I: may be `gate_up` itself), `hidden` (S, I) and `dot` (S,) fp32 is
-    given; `grad_hidden` (S, I) contiguous and unweighted, `weights` (S,) the assignments' routing weights."""
+    """Writes whichever of `grad_gate_up` (S, 2I: may be `gate_up` itself), `hidden` (S, I: weight·act·up) and `dot`
+    (S,) fp32 is given; `grad_hidden` (S, I) contiguous and unweighted, `weights` (S,) the assignments' routing
+    weights."""
     rows, inter = grad_hidden.shape
     if not rows or not inter:
         if dot is not None:
