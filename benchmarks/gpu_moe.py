@@ -218,48 +218,29 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
             grads = torch.autograd.grad(out, leaves, grad_out)
             return out, grads
 
-        def experts_checks(dtype=dtype, tag=tag, route_e=route_e):
+        def experts_checks(name, forward, dtype=dtype, tag=tag, route_e=route_e):
+            """An experts op (output and all four gradients) against the fp64 reference."""
             ref_out, ref_grads = run_experts(
                 lambda x, w, gu, dn: experts_naive.experts_forward(
                     x.double(), route_e, w.double(), gu.double(), dn.double()
                 )
             )
             order, offsets = routing_naive.sort_by_expert(route_e, experts)
-            got_out, got_grads = run_experts(
-                lambda x, w, gu, dn: experts_triton.experts_forward(x, route_e, w, gu, dn, order, offsets)
-            )
-            out = [_errors(f"triton experts out {tag}", got_out, ref_out, TOLERANCE[dtype])]
+            got_out, got_grads = run_experts(lambda x, w, gu, dn: forward(x, route_e, w, gu, dn, order, offsets))
+            out = [_errors(f"{name} out {tag}", got_out, ref_out, TOLERANCE[dtype])]
             for label, got, ref in zip(
                 ("d rows", "d routing weights", "d gate_up_proj", "d down_proj"), got_grads, ref_grads
             ):
-                out.append(_errors(f"triton experts {label} {tag}", got, ref, TOLERANCE[dtype]))
+                out.append(_errors(f"{name} {label} {tag}", got, ref, TOLERANCE[dtype]))
             return out
 
-        if kernels:
-            attempt(f"triton experts {tag}", experts_checks)
-
-        def grouped_experts_checks(dtype=dtype, tag=tag, route_e=route_e):
+        def grouped_experts(x, route_e, w, gu, dn, order, offsets):
             """The default experts op on CUDA: grouped GEMMs with the fused SwiGLU / combine steps (Triton)."""
-            ref_out, ref_grads = run_experts(
-                lambda x, w, gu, dn: experts_naive.experts_forward(
-                    x.double(), route_e, w.double(), gu.double(), dn.double()
-                )
-            )
-            order, offsets = routing_naive.sort_by_expert(route_e, experts)
-            got_out, got_grads = run_experts(
-                lambda x, w, gu, dn: experts_grouped_mm.experts_forward(
-                    x, route_e, w, gu, dn, torch.nn.SiLU(), order, offsets
-                )
-            )
-            out = [_errors(f"grouped_mm experts out {tag}", got_out, ref_out, TOLERANCE[dtype])]
-            for label, got, ref in zip(
-                ("d rows", "d routing weights", "d gate_up_proj", "d down_proj"), got_grads, ref_grads
-            ):
-                out.append(_errors(f"grouped_mm experts {label} {tag}", got, ref, TOLERANCE[dtype]))
-            return out
+            return experts_grouped_mm.experts_forward(x, route_e, w, gu, dn, torch.nn.SiLU(), order, offsets)
 
         if kernels:
-            attempt(f"grouped_mm experts {tag}", grouped_experts_checks)
+            attempt(f"triton experts {tag}", lambda: experts_checks("triton experts", experts_triton.experts_forward))
+            attempt(f"grouped_mm experts {tag}", lambda: experts_checks("grouped_mm experts", grouped_experts))
 
         def grouped_mm_checks(dtype=dtype, tag=tag, route_e=route_e):
             order, offsets = routing_naive.sort_by_expert(route_e, experts)
