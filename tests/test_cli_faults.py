@@ -96,8 +96,9 @@ def test_file_size_limit_is_one_line(inputs, tmp_path, capsys, command):
 
 
 def test_full_disk_is_one_line_in_every_command(inputs, tmp_path):
-    """A real file system of 16 KB (a tmpfs in a private mount namespace) as the output of each command: ENOSPC,
-    told in one line naming the folder, exit status 1."""
+    """A real file system of 16 KB (a tmpfs in a private mount namespace) as the output of each command, 12 KB of it
+    taken by a filler file while the command runs (what an earlier command left must not decide whether the next one
+    meets a full disk): ENOSPC, told in one line naming the folder, exit status 1."""
     script = (
         "import json, os, sys\nfrom mhmoe._plumbing.cli import run\ncommand = sys.argv[1]\n"
         "argv = [a.replace('MNT_OUT', os.environ['MNT'] + '/out-' + command) for a in json.loads(sys.argv[2])]\n"
@@ -107,8 +108,9 @@ def test_full_disk_is_one_line_in_every_command(inputs, tmp_path):
     for command in COMMANDS:
         argv = json.dumps(inputs(command, "MNT_OUT"))
         lines.append(
+            f'head -c 12288 /dev/zero > "$MNT/filler"; '
             f"""{sys.executable} -c "{script}" {command} '{argv}' 2> "{tmp_path}/{command}.err"; """
-            f'echo "status {command} $?"'
+            f'echo "status {command} $?"; rm -f "$MNT/filler"'
         )
     proc = _in_private_mount("\n".join(lines), tmp_path, "16k", read_only=False)
     statuses = dict(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("status "))

@@ -543,10 +543,11 @@ def test_output_folder_card_reads_its_train_summary(tmp_path, corpus, config_jso
 
 
 def test_a_run_the_disk_cannot_hold_is_refused_before_anything_is_written(
-    tmp_path, corpus, checkpoint_dir, monkeypatch
+    tmp_path, corpus, checkpoint_dir, monkeypatch, capsys
 ):
-    """The estimate (final model + checkpoints alive at once: weights and AdamW's two moments) against the free
-    space, with --overwrite_output_dir's freed space counted; refused in one line, nothing created or removed."""
+    """The estimate (final model, checkpoints alive at once: weights and AdamW's two moments) against the free space,
+    with --overwrite_output_dir's freed space counted: refused in one line when not even the final save and one
+    checkpoint fit (nothing created or removed), a warning when only later checkpoints do not."""
     from collections import namedtuple
     from types import SimpleNamespace
 
@@ -554,41 +555,43 @@ def test_a_run_the_disk_cannot_hold_is_refused_before_anything_is_written(
 
     usage = namedtuple("usage", "total used free")
     linear = torch.nn.Linear(10, 10)  # 110 fp32 parameters: 440 bytes, all trainable
-    model_bytes = 440
+    model_bytes, checkpoint_bytes = 440, 3 * 440  # a checkpoint: weights + AdamW's two moments
 
     def check(free, **overrides):
         monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: usage(10**9, 0, free))
         run = SimpleNamespace(
             args=_args(tmp_path / "unit", **overrides),
-            accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+            accelerator=SimpleNamespace(unwrap_model=lambda m: m, print=print),
             model=linear,
             total_steps=10,
         )
         outputs.check_disk_space(run)
+        return capsys.readouterr().out
 
-    # 10 steps, a checkpoint every 3: 3 checkpoints of 3 × 440 bytes (weights + 2 moments), then the final 440
-    needed = model_bytes + 3 * 3 * model_bytes
-    check(needed, save_steps=3)
-    with pytest.raises(TrainingError, match=r"the final model \(440 bytes\) and 3 checkpoint\(s\) of 1.3 KB"):
-        check(needed - 1, save_steps=3)
-    check(model_bytes + 2 * 3 * model_bytes, save_steps=3, save_total_limit=1)  # the newest before the oldest goes
-    check(model_bytes, save_steps=0)
+    # 10 steps, a checkpoint every 3: 3 checkpoints, then the final model
+    assert check(model_bytes + 3 * checkpoint_bytes, save_steps=3) == ""
+    warned = check(model_bytes + 3 * checkpoint_bytes - 1, save_steps=3)
+    assert "has room for 2 of this run's 3 checkpoints (1.3 KB each)" in warned and warned.count("\n") == 1
+    with pytest.raises(TrainingError, match=r"the final model \(440 bytes\) and a checkpoint \(1.3 KB.*need 1.8 KB"):
+        check(model_bytes + checkpoint_bytes - 1, save_steps=3)
+    assert check(model_bytes + 2 * checkpoint_bytes, save_steps=3, save_total_limit=1) == ""  # newest, then oldest goes
+    assert check(model_bytes, save_steps=0) == ""
     linear.requires_grad_(False)  # frozen weights: no optimizer state
-    check(model_bytes + 3 * model_bytes, save_steps=3)
+    assert check(model_bytes + 3 * model_bytes, save_steps=3) == ""
     linear.requires_grad_(True)
 
     # end to end: refused before the output folder exists; an earlier run kept, its space counted when overwriting
     out = tmp_path / "run"
     common = dict(model_name_or_path=checkpoint_dir, train_file=[corpus["train"]])
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: usage(10**9, 0, 1000))
-    with pytest.raises(TrainingError, match="not enough disk space for this run in .*--save_total_limit") as refused:
+    with pytest.raises(TrainingError, match="not enough disk space to write .*choose another --output_dir") as refused:
         train(_args(out, save_steps=1, **common))
     assert refused.value.exit_status == 1 and "\n" not in str(refused.value) and not out.exists()
     monkeypatch.undo()
     train(_args(out, **common))  # no checkpoints: the final model alone
     weights = (out / "model.safetensors").read_bytes()
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: usage(10**9, 0, 1000))
-    with pytest.raises(TrainingError, match=r"and 2 checkpoint\(s\)"):  # what it replaces is not room for those
+    with pytest.raises(TrainingError, match=r"and a checkpoint"):  # what it replaces is not room for a checkpoint too
         train(_args(out, overwrite_output_dir=True, save_steps=1, **common))
     assert (out / "model.safetensors").read_bytes() == weights  # nothing removed
     train(_args(out, overwrite_output_dir=True, **common))  # the model it replaces is room for the new one

@@ -104,8 +104,9 @@ def _remove_run_outputs(output_dir: str) -> None:
 def check_disk_space(run: TrainRun) -> None:
     """Before anything is removed or written: the disk holds what the run will write (an estimate from the model:
     the final model or adapter, and the checkpoints alive at once, each the weights plus AdamW's two moments of the
-    trainable ones), counting the space that --overwrite_output_dir frees. A full disk would otherwise stop the run at
-    its first checkpoint or its final save, after the training time is spent."""
+    trainable ones), counting the space that --overwrite_output_dir frees. Refused when not even the final save and
+    one checkpoint fit (the run could only fail, after its training time is spent); a warning when the later
+    checkpoints do not (a run may be stopped early, or old checkpoints removed while it runs)."""
     args = run.args
     params = list(run.accelerator.unwrap_model(run.model).parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
@@ -119,22 +120,29 @@ def check_disk_space(run: TrainRun) -> None:
         saves = run.total_steps // args.save_steps - done // args.save_steps
     if args.save_total_limit:  # the newest is written before the oldest goes
         saves = max(0, min(saves, args.save_total_limit + 1 - len(existing)))
-    needed = final + saves * checkpoint
     folder = os.path.abspath(args.output_dir)
     while not os.path.isdir(folder):
         folder = os.path.dirname(folder)
     free = shutil.disk_usage(folder).free
     if args.overwrite_output_dir and not args.resume_from_checkpoint:
         free += _run_outputs_bytes(args.output_dir)
-    if needed > free:
-        what = f"the final {'adapter' if args.lora else 'model'} ({size_words(final)})"
+    first = final + min(saves, 1) * checkpoint
+    kind = "adapter" if args.lora else "model"
+    if first > free:
+        what = f"the final {kind} ({size_words(final)})"
         if saves:
-            what += f" and {saves} checkpoint(s) of {size_words(checkpoint)} (weights and optimizer state)"
+            what += f" and a checkpoint ({size_words(checkpoint)}: weights and optimizer state)"
         raise machine_error(
             TrainingError,
-            f"not enough disk space for this run in {args.output_dir}: {what}, {size_words(needed)} in all, "
-            f"{size_words(free)} free; free some space, keep fewer checkpoints (--save_total_limit), save less "
-            "often (--save_steps) or choose another --output_dir",
+            f"not enough disk space to write {args.output_dir}: {what} need {size_words(first)}, {size_words(free)} "
+            "free; free some space or choose another --output_dir",
+        )
+    if final + saves * checkpoint > free:
+        fits = (free - final) // checkpoint
+        run.accelerator.print(
+            f"mhmoe-train: warning: {args.output_dir} has room for {fits} of this run's {saves} checkpoints "
+            f"({size_words(checkpoint)} each) beside the final {kind} ({size_words(free)} free); keep fewer "
+            "(--save_total_limit), save less often (--save_steps) or free space before the disk fills"
         )
 
 
