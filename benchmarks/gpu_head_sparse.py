@@ -24,7 +24,8 @@ so a run cut at its limit (scripts/gpu_run.sh: `HS_SECONDS`, 45 s) keeps what it
     python benchmarks/gpu_head_sparse.py [--tokens 4096 16384] [--repeats 20] [--out DIR] [--sections ...]
     TRITON_INTERPRET=1 python benchmarks/gpu_head_sparse.py --smoke --out DIR   # tiny shapes on CPU: the script runs
 
-Needs a CUDA GPU and triton (or --smoke); prints Markdown tables. The JSON is headed by the device, commit (from git,
+Needs a CUDA GPU and triton (or --smoke); prints Markdown tables. A section that fails is recorded under "errors"
+(exit 1) and the next one still runs. The JSON is headed by the device, commit (from git,
 or on a GPU machine from scripts/gpu_run.sh's pack: benchmarks/provenance.py), versions and precision
 (gpu_moe.provenance).
 """
@@ -285,91 +286,100 @@ def main(argv=None) -> int:
     }
     path = None if args.out is None else args.out / "gpu_head_sparse.json"
 
-    def save(section):
-        result.setdefault("section_seconds", {})[section] = round(time.time() - section_started, 1)
+    def save(section=None):
+        if section is not None:
+            result.setdefault("section_seconds", {})[section] = round(time.time() - section_started, 1)
         result["seconds"] = round(time.time() - started, 1)
         result["finished_utc"] = gpu_moe._utc()
         if path is not None:
             gpu_moe.write_json(path, result)
 
+    save()  # the header first: a run that stops early still says where it ran
+
     for section in args.sections:
         section_started = time.time()
-        if section == "check":
-            result["check_max_abs_diff"] = check(device, dtype)
-            print(
-                f"{result['device']}, torch {result['torch']}, triton {result['triton']}; kernels vs reference "
-                f"({result['precision']['operands']}): max |Δ| {result['check_max_abs_diff']:.3g}",
-                flush=True,
-            )
-        elif section == "table":
-            result["rows"] = []
-            print("| shape | tokens | active | pass | SDPA ms | kernel ms | kernel / SDPA | ideal | goal |")
-            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
-            for name, shape in shapes.items():
-                for tokens in args.tokens:
-                    for setting in shape[4]:
-                        cell = Cell(name, tokens, setting, device, dtype, shapes)
-                        for mode in ("forward", "forward+backward"):
-                            dense_ms = time_ms(cell.step(cell.sdpa, mode), args.repeats, device)
-                            sparse_ms = time_ms(cell.step(cell.kernel, mode), args.repeats, device)
-                            row = dict(
-                                shape=name,
-                                tokens=tokens,
-                                active=setting,
-                                mode=mode,
-                                sdpa_ms=dense_ms,
-                                kernel_ms=sparse_ms,
-                                ratio=sparse_ms / dense_ms,
-                                ideal=cell.ideal,
-                                goal=cell.ideal + 0.10,
+        try:  # a section that fails (a kernel that does not compile here, say) is recorded; the next still runs
+            if section == "check":
+                result["check_max_abs_diff"] = check(device, dtype)
+                print(
+                    f"{result['device']}, torch {result['torch']}, triton {result['triton']}; kernels vs reference "
+                    f"({result['precision']['operands']}): max |Δ| {result['check_max_abs_diff']:.3g}",
+                    flush=True,
+                )
+            elif section == "table":
+                result["rows"] = []
+                print("| shape | tokens | active | pass | SDPA ms | kernel ms | kernel / SDPA | ideal | goal |")
+                print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+                for name, shape in shapes.items():
+                    for tokens in args.tokens:
+                        for setting in shape[4]:
+                            cell = Cell(name, tokens, setting, device, dtype, shapes)
+                            for mode in ("forward", "forward+backward"):
+                                dense_ms = time_ms(cell.step(cell.sdpa, mode), args.repeats, device)
+                                sparse_ms = time_ms(cell.step(cell.kernel, mode), args.repeats, device)
+                                row = dict(
+                                    shape=name,
+                                    tokens=tokens,
+                                    active=setting,
+                                    mode=mode,
+                                    sdpa_ms=dense_ms,
+                                    kernel_ms=sparse_ms,
+                                    ratio=sparse_ms / dense_ms,
+                                    ideal=cell.ideal,
+                                    goal=cell.ideal + 0.10,
+                                )
+                                result["rows"].append(row)
+                                print(table_row(row), flush=True)
+                                save(section)
+                            del cell
+            elif section == "parts":
+                result["parts"] = []
+                for name, tokens, setting in profiled:
+                    cell = Cell(name, tokens, setting, device, dtype, shapes)
+                    for mode in ("forward", "forward+backward"):
+                        record = dict(shape=name, tokens=tokens, active=setting, mode=mode)
+                        for label, fn in (("kernel", cell.kernel), ("sdpa", cell.sdpa)):
+                            record[label] = profile(cell.step(fn, mode), args.profile_steps, device)
+                        result["parts"].append(record)
+                        print("\n".join(parts_lines(record)), flush=True)
+                        save(section)
+                    del cell
+            elif section == "tiles":
+                result["tile_configs"] = []
+                for name, (tokens, setting, alternatives) in tiled.items():
+                    cell = Cell(name, tokens, setting, device, dtype, shapes)
+                    default = hs.tiles(cell.head_dim, dtype)
+                    configs = [(default.block_m, default.block_n, default.num_warps, default.num_stages)] + alternatives
+                    dense_ms = time_ms(cell.step(cell.sdpa, "forward"), args.repeats, device)
+                    for index, (block_m, block_n, num_warps, num_stages) in enumerate(configs):
+                        tiles = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                        record = dict(shape=name, tokens=tokens, active=setting, mode="forward", **tiles)
+                        record["default"] = index == 0
+                        try:
+                            ms = time_ms(
+                                cell.step(lambda q, k, v: cell.kernel(q, k, v, **tiles), "forward"),
+                                args.repeats,
+                                device,
                             )
-                            result["rows"].append(row)
-                            print(table_row(row), flush=True)
-                            save(section)
-                        del cell
-        elif section == "parts":
-            result["parts"] = []
-            for name, tokens, setting in profiled:
-                cell = Cell(name, tokens, setting, device, dtype, shapes)
-                for mode in ("forward", "forward+backward"):
-                    record = dict(shape=name, tokens=tokens, active=setting, mode=mode)
-                    for label, fn in (("kernel", cell.kernel), ("sdpa", cell.sdpa)):
-                        record[label] = profile(cell.step(fn, mode), args.profile_steps, device)
-                    result["parts"].append(record)
-                    print("\n".join(parts_lines(record)), flush=True)
-                    save(section)
-                del cell
-        elif section == "tiles":
-            result["tile_configs"] = []
-            for name, (tokens, setting, alternatives) in tiled.items():
-                cell = Cell(name, tokens, setting, device, dtype, shapes)
-                default = hs.tiles(cell.head_dim, dtype)
-                configs = [(default.block_m, default.block_n, default.num_warps, default.num_stages)] + alternatives
-                dense_ms = time_ms(cell.step(cell.sdpa, "forward"), args.repeats, device)
-                for index, (block_m, block_n, num_warps, num_stages) in enumerate(configs):
-                    tiles = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-                    record = dict(shape=name, tokens=tokens, active=setting, mode="forward", **tiles)
-                    record["default"] = index == 0
-                    try:
-                        ms = time_ms(
-                            cell.step(lambda q, k, v: cell.kernel(q, k, v, **tiles), "forward"), args.repeats, device
+                            record.update(kernel_ms=ms, sdpa_ms=dense_ms, ratio=ms / dense_ms)
+                        except Exception as error:  # a config that does not compile or fit: recorded, the others run
+                            record["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                        result["tile_configs"].append(record)
+                        shown = f"{record['ratio']:.2f} of SDPA" if "ratio" in record else record["error"]
+                        print(
+                            f"tiles {name} {tokens} {setting} forward {block_m}x{block_n} warps={num_warps} "
+                            f"stages={num_stages}: {shown}",
+                            flush=True,
                         )
-                        record.update(kernel_ms=ms, sdpa_ms=dense_ms, ratio=ms / dense_ms)
-                    except Exception as error:  # a config that does not compile or fit: recorded, the others run
-                        record["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                    result["tile_configs"].append(record)
-                    shown = f"{record['ratio']:.2f} of SDPA" if "ratio" in record else record["error"]
-                    print(
-                        f"tiles {name} {tokens} {setting} forward {block_m}x{block_n} warps={num_warps} "
-                        f"stages={num_stages}: {shown}",
-                        flush=True,
-                    )
-                    save(section)
-                del cell
+                        save(section)
+                    del cell
+        except Exception as error:
+            result.setdefault("errors", {})[section] = f"{type(error).__name__}: {str(error)[:500]}"
+            print(f"{section}: FAILED {result['errors'][section]}", flush=True)
         save(section)
     if args.smoke:
         print("(smoke run on CPU: tiny shapes, not a measurement)")
-    return 0
+    return 1 if result.get("errors") else 0
 
 
 if __name__ == "__main__":

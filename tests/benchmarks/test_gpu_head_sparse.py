@@ -19,6 +19,7 @@ import gpu_head_sparse  # noqa: E402
 def test_smoke_run_writes_every_section_with_provenance(tmp_path):
     assert gpu_head_sparse.main(["--smoke", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "gpu_head_sparse.json").read_text())
+    assert "errors" not in data
     assert {"device", "commit", "dirty", "env", "torch", "triton", "transformers", "precision", "tiles"} <= set(data)
     assert data["precision"]["operands"] == "float32" and set(data["section_seconds"]) == set(gpu_head_sparse.SECTIONS)
     assert data["check_max_abs_diff"] < 1e-4
@@ -35,3 +36,14 @@ def test_smoke_run_writes_every_section_with_provenance(tmp_path):
     assert "key-block bounds: searchsorted" in backward["kernel"]["parts_us"]
     configs = data["tile_configs"]
     assert [c["default"] for c in configs] == [True, False] and all("ratio" in c for c in configs)
+
+
+@pytest.mark.skipif(not gpu_head_sparse.hs.interpreting(), reason="needs TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+def test_a_failing_section_is_recorded_and_the_header_written_first(tmp_path, monkeypatch):
+    def broken(device, dtype):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(gpu_head_sparse, "check", broken)
+    assert gpu_head_sparse.main(["--smoke", "--out", str(tmp_path), "--sections", "check"]) == 1
+    data = json.loads((tmp_path / "gpu_head_sparse.json").read_text())
+    assert data["errors"] == {"check": "RuntimeError: no kernel today"} and "commit" in data

@@ -3,8 +3,8 @@ backward, equal to `head_sparse_attention_naive.py` (the contract and the shape 
 
 Rows: the active (token, head) pairs of each (batch row, key/value head) segment, in token order (the G query heads
 of a key/value head share its keys, so one program's rows may mix them and every K/V tile it loads serves them all).
-Each segment owns a fixed slice of G·T row slots (`_Plan`): built with a cumsum and a scatter on the device, no
-`nonzero`, so nothing waits on the host; a program past its segment's count returns at once.
+Each segment owns a fixed slice of G·T row slots (`_Plan`): built with a cumsum and a scatter on the device (no
+`nonzero`, no `bincount`), so nothing waits on the host; a program past its segment's count returns at once.
 - forward: one program per BLOCK_M rows of a segment; online softmax (base 2: log2(e) folded into the scale, `exp2`)
   over the keys those rows can see, in BLOCK_N tiles. Causal attention without a window or a 4-D mask (prefill, the
   case that matters for speed) splits the loop: the tiles every row of the block sees whole run without any mask
@@ -13,9 +13,10 @@ Each segment owns a fixed slice of G·T row slots (`_Plan`): built with a cumsum
   row's log-sum-exp (base 2).
 - backward: dQ like the forward (one program per row block, the keys in a loop; it also computes each row's
   delta = rowsum(dO · O)); dK and dV one program per (segment, BLOCK_N keys), looping over the segment's rows that
-  can see those keys (`torch.searchsorted` on the device, batched over segments), the rows that see the whole key
-  block without a mask: every gradient written once, no atomics.
-Inactive pairs are in no row list: no work, no memory traffic.
+  can see those keys (`torch.searchsorted` on the device, batched over segments; the rows that see the whole key
+  block, causal only, without a per-element mask): every gradient written once, no atomics.
+Inactive pairs are in no row list: no work, no memory traffic. On a GPU the gates are always multiplied in (no
+host sync for the 0/1 test `apply_gates` makes elsewhere).
 
 Tiles (`tiles`): forward on bf16/fp16 128 rows × 64 keys, 8 warps, 3 stages (so that each K/V tile serves twice the
 rows it did at 64); backward 64 × 64, 4 warps; fp32 as before (64 × 64, 32 × 32 beyond 64 dims). Run on an H200 at
@@ -149,6 +150,23 @@ def _scores(
 
 
 @_jit
+def _key_tiles(real, positions, num_keys, window, CAUSAL_ONLY: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A block of rows in token order: keys [0, full_end) are whole tiles every row sees (causal only: they run
+    unmasked; 0 otherwise), [low, last] the tiles some row sees, masked per element (from the first row's window)."""
+    last = tl.max(positions)
+    first = tl.min(tl.where(real, positions, last))
+    if CAUSAL_ONLY:
+        full_end = tl.minimum(first + 1, num_keys) // BLOCK_N * BLOCK_N
+        low = full_end
+    else:
+        full_end = first * 0
+        low = full_end
+        if window > 0:
+            low = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    return full_end, low, last
+
+
+@_jit
 def _forward_tile(
     acc,
     m_i,
@@ -260,15 +278,16 @@ def _forward_kernel(
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
     k_seg, v_seg = k_ptr + kv_base, v_ptr + kv_base
     kv_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kl + dims[None, :]
-    last = tl.max(positions)
-    first = tl.min(tl.where(real, positions, last))
+    full_end, low, last = _key_tiles(real, positions, num_keys, window, CAUSAL_ONLY, BLOCK_N)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    if CAUSAL_ONLY:
-        # whole tiles of keys <= every row's position: no mask; then the diagonal tiles, masked
-        full_end = tl.minimum(first + 1, num_keys) // BLOCK_N * BLOCK_N
-        for start in range(0, full_end, BLOCK_N):
+    for phase in tl.static_range(2):  # 0: keys [0, full_end), unmasked; 1: keys [low, last], masked
+        if phase == 0:
+            lo, hi = 0, full_end
+        else:
+            lo, hi = low, last + 1
+        for start in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _forward_tile(
                 acc,
                 m_i,
@@ -289,46 +308,13 @@ def _forward_kernel(
                 stride_mt,
                 b,
                 qk_scale,
-                False,
+                phase == 1,
                 HAS_MASK,
                 PRECISION,
                 EVEN_D,
                 UPCAST,
                 BLOCK_N,
             )
-        low = full_end
-    else:
-        low = first * 0
-        if window > 0:
-            low = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start in range(low, last + 1, BLOCK_N):
-        acc, m_i, l_i = _forward_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_seg,
-            v_seg,
-            kv_offs,
-            start,
-            stride_kl,
-            num_keys,
-            dim_ok,
-            tokens,
-            positions,
-            window,
-            mask_ptr,
-            stride_mb,
-            stride_mt,
-            b,
-            qk_scale,
-            True,
-            HAS_MASK,
-            PRECISION,
-            EVEN_D,
-            UPCAST,
-            BLOCK_N,
-        )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_offs = ((b.to(tl.int64) * tokens_total + tokens[:, None]) * heads + heads_of[:, None]) * head_dim + dims[None, :]
@@ -453,12 +439,14 @@ def _dq_kernel(
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
     k_seg, v_seg = k_ptr + kv_base, v_ptr + kv_base
     kv_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kl + dims[None, :]
-    last = tl.max(positions)
-    first = tl.min(tl.where(real, positions, last))
+    full_end, low, last = _key_tiles(real, positions, num_keys, window, CAUSAL_ONLY, BLOCK_N)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    if CAUSAL_ONLY:
-        full_end = tl.minimum(first + 1, num_keys) // BLOCK_N * BLOCK_N
-        for start in range(0, full_end, BLOCK_N):
+    for phase in tl.static_range(2):  # 0: keys [0, full_end), unmasked; 1: keys [low, last], masked
+        if phase == 0:
+            lo, hi = 0, full_end
+        else:
+            lo, hi = low, last + 1
+        for start in range(lo, hi, BLOCK_N):
             dq = _dq_tile(
                 dq,
                 q,
@@ -480,47 +468,13 @@ def _dq_kernel(
                 stride_mt,
                 b,
                 qk_scale,
-                False,
+                phase == 1,
                 HAS_MASK,
                 PRECISION,
                 EVEN_D,
                 UPCAST,
                 BLOCK_N,
             )
-        low = full_end
-    else:
-        low = first * 0
-        if window > 0:
-            low = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start in range(low, last + 1, BLOCK_N):
-        dq = _dq_tile(
-            dq,
-            q,
-            do,
-            lse,
-            delta,
-            k_seg,
-            v_seg,
-            kv_offs,
-            start,
-            stride_kl,
-            num_keys,
-            dim_ok,
-            tokens,
-            positions,
-            window,
-            mask_ptr,
-            stride_mb,
-            stride_mt,
-            b,
-            qk_scale,
-            True,
-            HAS_MASK,
-            PRECISION,
-            EVEN_D,
-            UPCAST,
-            BLOCK_N,
-        )
     tl.store(dq_ptr + pair[:, None] * head_dim + dims[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -673,55 +627,20 @@ def _dkdv_kernel(
     row_end = tl.load(bounds_ptr + bound + 2)
     segment_slots = segment * groups * tokens_total
     if not CAUSAL_ONLY:
-        row_full = row_end
-    dk, dv = _dkdv_rows(
-        dk,
-        dv,
-        k,
-        v,
-        keys,
-        row_start,
-        row_full,
-        segment_slots,
-        b,
-        g,
-        q_ptr,
-        do_ptr,
-        lse_ptr,
-        delta_ptr,
-        rows_ptr,
-        mask_ptr,
-        stride_qb,
-        stride_qh,
-        stride_qt,
-        stride_mb,
-        stride_mt,
-        groups,
-        tokens_total,
-        heads,
-        head_dim,
-        num_keys,
-        offset,
-        window,
-        qk_scale,
-        dims,
-        dim_ok,
-        True,
-        HAS_MASK,
-        PRECISION,
-        UPCAST,
-        EVEN_D,
-        BLOCK_M,
-    )
-    if CAUSAL_ONLY:
+        row_full = row_end  # every row masked
+    for phase in tl.static_range(2):  # 0: rows that see part of the block, masked; 1: the rest, unmasked
+        if phase == 0:
+            lo, hi = row_start, row_full
+        else:
+            lo, hi = row_full, row_end
         dk, dv = _dkdv_rows(
             dk,
             dv,
             k,
             v,
             keys,
-            row_full,
-            row_end,
+            lo,
+            hi,
             segment_slots,
             b,
             g,
@@ -746,7 +665,7 @@ def _dkdv_kernel(
             qk_scale,
             dims,
             dim_ok,
-            False,
+            phase == 0,
             HAS_MASK,
             PRECISION,
             UPCAST,
@@ -1026,4 +945,6 @@ def head_sparse_attention_triton(
     out = _HeadSparseAttention.apply(
         query, key, value, active, scaling, attention_mask, offset, sliding_window, settings
     )
-    return apply_gates(out, gates, active)
+    # on a GPU the 0/1 test by which `apply_gates` may skip the multiply reads a bool back: a host sync per call,
+    # which stops the host from queueing ahead; the multiply (by exact 0s and 1s: the same values) costs one pass
+    return apply_gates(out, gates, active, zeroed=not out.is_cuda)
