@@ -1,11 +1,13 @@
 """Compile the head-sparse attention Triton kernels for a GPU architecture on a machine without one (Triton's
 ahead-of-time pipeline down to a cubin, as `gpu_compile.py` does for the other kernels): bf16 and fp32 (IEEE, TF32)
-operands, with and without a 4-D mask, head dims 64 and 128, at the tiles the launcher picks (`tiles`). Needs
+operands, with and without a 4-D mask, head dims 64 and 128, at the tiles, warps and stages the launcher picks (`tiles`). Needs
 TRITON_INTERPRET unset:
 
     env -u TRITON_INTERPRET PYTHONPATH=src python -m tests.models.ops.head_sparse_attention_gpu_compile [--arch 90]
 
-Prints each kernel's shared memory; exits 1 if one fails to compile, 77 if this triton has no NVIDIA backend.
+Each kernel is compiled with the arguments a prefill launch marks as multiples of 16 (`_aligned`: the loads then
+vectorise and the K/V loops pipeline, as on the GPU; without the marks the forward's loads are neither, and the shared
+memory printed is far below the launch's). Prints each kernel's shared memory; exits 1 if one fails to compile, 77 if this triton has no NVIDIA backend.
 """
 
 import argparse
@@ -16,11 +18,13 @@ from .gpu_compile import SHARED_MEMORY, _compile
 
 
 def _kernels(dtype: str, precision: str, has_mask: bool, head_dim: int):
-    """(name, jit function, signature, constexprs) of the three kernels, operands in `dtype`."""
+    """(name, jit function, signature, constexprs, tiles) of the three kernels, operands in `dtype`: without a mask
+    the causal-only variant (unmasked inner tiles), with one the variant that masks every tile."""
+    import torch
+
     from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as hs
 
     p, i32, f32 = f"*{dtype}", "i32", "*fp32"
-    rows = dict(rows_t_ptr="*i32", rows_h_ptr="*i32")
     strides = {
         name: i32
         for name in (
@@ -35,70 +39,51 @@ def _kernels(dtype: str, precision: str, has_mask: bool, head_dim: int):
         )
     }
     sizes = dict(
-        kv_heads=i32, tokens_total=i32, heads=i32, head_dim=i32, num_keys=i32, offset=i32, window=i32, scale="fp32"
+        kv_heads=i32,
+        groups=i32,
+        tokens_total=i32,
+        heads=i32,
+        head_dim=i32,
+        num_keys=i32,
+        offset=i32,
+        window=i32,
     )
-    import torch
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    kernels = []
+    for name, fn, pointers, scales, backward in (
+        ("forward", hs._forward_kernel, ("q", "k", "v", "o", "lse"), ("qk_scale",), False),
+        ("dq", hs._dq_kernel, ("q", "k", "v", "o", "do", "lse", "delta", "dq"), ("scale", "qk_scale"), True),
+        ("dkdv", hs._dkdv_kernel, ("q", "k", "v", "do", "lse", "delta", "dk", "dv"), ("scale", "qk_scale"), True),
+    ):
+        tile = hs.tiles(head_dim, torch_dtype, backward=backward)
+        signature = {f"{x}_ptr": f32 if x in ("lse", "delta") else p for x in pointers}
+        signature["rows_ptr"] = "*i32"
+        signature["bounds_ptr" if name == "dkdv" else "counts_ptr"] = "*i32"
+        signature.update(mask_ptr=f32, **strides, **sizes, **{x: "fp32" for x in scales})
+        if name == "dkdv":
+            signature["num_key_blocks"] = i32
+        meta = dict(
+            HAS_MASK=has_mask,
+            CAUSAL_ONLY=not has_mask,
+            PRECISION=precision,
+            UPCAST=False,
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_D=tile.block_d,
+            EVEN_D=tile.block_d == head_dim,
+        )
+        kernels.append((f"head_sparse_attention.{name}", fn, signature, meta, tile))
+    return kernels
 
-    block_m, block_n, block_d = hs.tiles(head_dim, torch.float32 if dtype == "fp32" else torch.bfloat16)
-    meta = dict(HAS_MASK=has_mask, PRECISION=precision, UPCAST=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+
+def _aligned(signature: dict) -> list[str]:
+    """The arguments a prefill launch marks as multiples of 16 (aligned tensors, strides and sizes of the benchmark's
+    shapes: head dims 64 and 128, 4K/16K tokens): the pointers, strides, head dim, tokens and keys."""
+    sizes = ("tokens_total", "head_dim", "num_keys")
     return [
-        (
-            "head_sparse_attention.forward",
-            hs._forward_kernel,
-            dict(
-                q_ptr=p,
-                k_ptr=p,
-                v_ptr=p,
-                o_ptr=p,
-                lse_ptr=f32,
-                **rows,
-                segments_ptr="*i32",
-                mask_ptr=f32,
-                **strides,
-                **sizes,
-            ),
-            meta,
-        ),
-        (
-            "head_sparse_attention.dq",
-            hs._dq_kernel,
-            dict(
-                q_ptr=p,
-                k_ptr=p,
-                v_ptr=p,
-                do_ptr=p,
-                lse_ptr=f32,
-                delta_ptr=f32,
-                dq_ptr=p,
-                **rows,
-                segments_ptr="*i32",
-                mask_ptr=f32,
-                **strides,
-                **sizes,
-            ),
-            meta,
-        ),
-        (
-            "head_sparse_attention.dkdv",
-            hs._dkdv_kernel,
-            dict(
-                q_ptr=p,
-                k_ptr=p,
-                v_ptr=p,
-                do_ptr=p,
-                lse_ptr=f32,
-                delta_ptr=f32,
-                dk_ptr=p,
-                dv_ptr=p,
-                **rows,
-                bounds_ptr="*i32",
-                mask_ptr=f32,
-                **strides,
-                **sizes,
-                num_key_blocks=i32,
-            ),
-            meta,
-        ),
+        name
+        for name, kind in signature.items()
+        if kind.startswith("*") or name.startswith("stride_q") or name.startswith("stride_k") or name in sizes
     ]
 
 
@@ -123,10 +108,15 @@ def main(argv=None) -> int:
         for dtype, precision in (("bf16", "ieee"), ("fp32", "ieee"), ("fp32", "tf32")):
             for has_mask in (False, True):
                 for head_dim in (64, 128):
-                    for name, fn, signature, constexprs in _kernels(dtype, precision, has_mask, head_dim):
-                        label = f"sm_{arch} {dtype} {precision} mask={has_mask} hd={head_dim} {name}"
+                    for name, fn, signature, constexprs, tile in _kernels(dtype, precision, has_mask, head_dim):
+                        label = (
+                            f"sm_{arch} {dtype} {precision} mask={has_mask} hd={head_dim} {name} "
+                            f"{tile.block_m}x{tile.block_n} warps={tile.num_warps} stages={tile.num_stages}"
+                        )
                         try:
-                            shared = _compile(fn, signature, constexprs, arch)
+                            shared = _compile(
+                                fn, signature, constexprs, arch, tile.num_warps, tile.num_stages, _aligned(signature)
+                            )
                         except Exception as error:  # report every kernel, then fail
                             failures += 1
                             print(f"{label}: FAILED {type(error).__name__}: {error}")

@@ -283,6 +283,7 @@ TRITON_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, full groups)
     "float-window": (2, 6, 2, 19, 23, 12, None, 5, "float", ()),
     "static-cache-mha": (2, 6, 6, 19, 30, 12, 2, None, "bool", ()),
     "one-kv-head-long": (1, 4, 1, 37, 40, 8, 3, None, None, ()),
+    "static-cache-causal": (2, 6, 2, 19, 30, 16, 2, None, None, (1,)),
     "decode": (2, 6, 2, 1, 21, 12, None, None, "bool", ()),
 }
 
@@ -327,23 +328,36 @@ def test_triton_kernels_bf16():
 
 
 @pytest.mark.skipif(not triton_path.HAS_TRITON, reason="triton is not installed")
-def test_triton_key_block_bounds_cover_exactly_the_rows_that_see_the_keys():
-    """dK/dV programs loop over the rows found by `key_block_bounds`: every row that sees a key of the block, and
-    (rows being in token order) no more than the window allows."""
-    batch, heads, kv_heads, tokens, keys, window, block = 2, 6, 3, 23, 30, 5, 4
+@pytest.mark.parametrize("window", [None, 5])
+def test_triton_row_lists_and_key_block_bounds(window):
+    """The row lists are each segment's active pairs in token order; dK/dV programs loop over the rows found by
+    `key_block_bounds`: every row that sees a key of the block, no more than the window allows, and from `full` on
+    (causal, no window) only rows that see every key of the block. A static cache: keys past the last query."""
+    batch, heads, kv_heads, tokens, keys, block, offset = 2, 6, 3, 23, 30, 4, 5
+    groups = heads // kv_heads
     generator = torch.Generator().manual_seed(0)
     active = torch.rand(batch, tokens, heads, generator=generator) < 0.5
-    plan = triton_path._Plan(active, kv_heads, keys - tokens, None, keys)
-    bounds = plan.key_block_bounds(keys, block, window)
-    segments = plan.segments.tolist()
+    plan = triton_path._Plan(active, kv_heads, None, keys)
+    bounds = plan.key_block_bounds(keys, block, window, offset)
+    capacity = groups * tokens
     for segment in range(batch * kv_heads):
-        positions = plan.positions[segments[segment] : segments[segment + 1]].tolist()
+        b, g = divmod(segment, kv_heads)
+        count = int(plan.counts[segment])
+        slots = plan.rows[segment * capacity : segment * capacity + count].tolist()
+        pairs = [(t, j) for t in range(tokens) for j in range(groups) if active[b, t, g * groups + j]]
+        assert slots == [t * groups + j for t, j in pairs]
+        positions = [t + offset for t, _ in pairs]
         for key_block in range(-(-keys // block)):
             first, last = key_block * block, min(keys, key_block * block + block) - 1
-            sees = [segments[segment] + i for i, p in enumerate(positions) if p >= first and p - window < last]
-            start, end = bounds[segment, key_block].tolist()
-            assert all(start <= row < end for row in sees)
-            assert end - start == len(sees)
+            in_window = [p >= first and (window is None or p - window < last) for p in positions]
+            sees = [i for i, yes in enumerate(in_window) if yes]
+            start, full, end = bounds[segment, key_block].tolist()
+            assert all(start <= row < end for row in sees) and end - start == len(sees)
+            assert start <= full <= end
+            if window is None:
+                whole = first + block - 1 < keys
+                assert all(positions[row] >= last for row in range(full, end)) and (whole or full == end)
+                assert all(positions[row] < first + block - 1 for row in range(start, full))
 
 
 @pytest.mark.skipif(not triton_path.HAS_TRITON, reason="triton is not installed")

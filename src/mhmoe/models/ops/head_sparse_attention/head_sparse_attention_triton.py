@@ -3,24 +3,37 @@ backward, equal to `head_sparse_attention_naive.py` (the contract and the shape 
 
 Rows: the active (token, head) pairs of each (batch row, key/value head) segment, in token order (the G query heads
 of a key/value head share its keys, so one program's rows may mix them and every K/V tile it loads serves them all).
-- forward: one program per BLOCK_M rows of a segment; online softmax over the keys those rows can see (from the
-  segment's first row's window start to its last row's position, in BLOCK_N tiles), causal / window / 4-D mask per
-  element; writes the output rows into (B, T, H, hd) and each row's log-sum-exp.
-- backward: dQ like the forward (one program per row block, the keys in a loop); dK and dV one program per
-  (segment, BLOCK_N keys), looping over the segment's rows that can see those keys (found by a binary search on the
-  host, `torch.searchsorted`): every gradient written once, no atomics. delta = rowsum(dO · O) in PyTorch.
-Inactive pairs are in no row list: no work, no memory traffic. The grids have a static size (row blocks: G·T /
-BLOCK_M per segment, programs past a segment's end return at once), so nothing waits on the host besides the rows'
-`nonzero`.
+Each segment owns a fixed slice of G·T row slots (`_Plan`): built with a cumsum and a scatter on the device (no
+`nonzero`, no `bincount`), so nothing waits on the host; a program past its segment's count returns at once.
+- forward: one program per BLOCK_M rows of a segment; online softmax (base 2: log2(e) folded into the scale, `exp2`)
+  over the keys those rows can see, in BLOCK_N tiles. Causal attention without a window or a 4-D mask (prefill, the
+  case that matters for speed) splits the loop: the tiles every row of the block sees whole run without any mask
+  (no per-element compare, no bounds check on the loads); only the last one or two tiles (the block's diagonal) are
+  masked per element. A window or a 4-D mask masks every tile. Writes the output rows into (B, T, H, hd) and each
+  row's log-sum-exp (base 2).
+- backward: dQ like the forward (one program per row block, the keys in a loop; it also computes each row's
+  delta = rowsum(dO · O)); dK and dV one program per (segment, BLOCK_N keys), looping over the segment's rows that
+  can see those keys (`torch.searchsorted` on the device, batched over segments; the rows that see the whole key
+  block, causal only, without a per-element mask): every gradient written once, no atomics.
+Inactive pairs are in no row list: no work, no memory traffic. On a GPU the gates are always multiplied in (no
+host sync for the 0/1 test `apply_gates` makes elsewhere).
+
+Tiles (`tiles`): forward on bf16/fp16 128 rows × 64 keys, 8 warps, 3 stages (so that each K/V tile serves twice the
+rows it did at 64); backward 64 × 64, 4 warps; fp32 as before (64 × 64, 32 × 32 beyond 64 dims). Run on an H200 at
+commit 939cae8 (before these changes): correct, and 1.9–7.9× the time of SDPA over all heads
+(benchmarks/results/gpu_moe-nvidia-h200-939cae8/gpu_head_sparse.json); the changes since are not yet timed.
 
 Precision: fp32 accumulation and softmax; bf16/fp16 operands go to `tl.dot` as they are, fp32 ones as IEEE fp32
 (exact, slower) or TF32 when torch's own fp32 matmuls may (`torch.backends.cuda.matmul.allow_tf32`). Under
 TRITON_INTERPRET=1 the dots run in fp32 (numpy has no bf16: `UPCAST`). A 4-D mask is turned into an fp32 additive
-(B or 1, T, L) tensor. Compiled ahead for sm_90 by tests/models/ops/head_sparse_attention_gpu_compile.py; tested
-against the reference under the interpreter; not yet run on a GPU.
+(B or 1, T, L) tensor in base-2 units. Compiled ahead for sm_90 by tests/models/ops/head_sparse_attention_gpu_compile.py;
+tested against the reference under the interpreter.
 
 Imports without triton (exported checkpoints): the kernels are then plain functions, never launched.
 """
+
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -28,19 +41,25 @@ from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  
 from ..triton_compat import jit as _jit
 from .head_sparse_attention_naive import apply_gates, check_inputs
 
+LOG2E = math.log2(math.e)  # scores are kept in base 2: exp(x) = exp2(x · log2(e))
+
 
 @_jit
-def _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M: tl.constexpr):
-    """This program's rows: token, head, key position (-1 past the segment's end) and whether any is real."""
-    segment = tl.program_id(1)
-    seg_start = tl.load(segments_ptr + segment)
-    seg_end = tl.load(segments_ptr + segment + 1)
-    rows = seg_start + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    real = rows < seg_end
-    tokens = tl.load(rows_t_ptr + rows, mask=real, other=0)
-    heads = tl.load(rows_h_ptr + rows, mask=real, other=0)
-    positions = tl.where(real, tokens + offset, -1)
-    return rows, real, tokens, heads, positions
+def _rows(rows_ptr, row_ids, real, g, groups, offset):
+    """Token, query head and key position (-1 where not real) of the rows `row_ids` (flat slots) of segment g."""
+    flat = tl.load(rows_ptr + row_ids, mask=real, other=0)  # t · G + j
+    tokens = flat // groups
+    heads = g * groups + flat % groups
+    return tokens, heads, tl.where(real, tokens + offset, -1)
+
+
+@_jit
+def _row_mask(real, dim_ok, EVEN_D: tl.constexpr):
+    """(BLOCK, 1) or (BLOCK, BLOCK_D): the real rows, and the head dims when BLOCK_D pads them."""
+    if EVEN_D:
+        return real[:, None]
+    else:
+        return real[:, None] & dim_ok[None, :]
 
 
 @_jit
@@ -57,25 +76,42 @@ def _load_rows(ptr, b, heads_of, tokens, dims, row_mask, stride_b, stride_h, str
 
 
 @_jit
-def _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok, UPCAST: tl.constexpr):
-    """(BLOCK_N, BLOCK_D) keys and values at positions `keys` of one key/value head (0 past the end)."""
-    offs = kv_base + keys[:, None].to(tl.int64) * stride_kl + dims[None, :]
-    kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
-    k, v = tl.load(k_ptr + offs, mask=kv_mask, other=0.0), tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    return k, v
+def _load_pairs(ptr, pair, dims, row_mask, head_dim, UPCAST: tl.constexpr):
+    """(BLOCK_M, BLOCK_D) rows `pair` of a contiguous (B, T, H, hd) tensor."""
+    rows = tl.load(ptr + pair[:, None] * head_dim + dims[None, :], mask=row_mask, other=0.0)
+    return rows.to(tl.float32) if UPCAST else rows
 
 
 @_jit
-def _key_range(real, positions, window, BLOCK_N: tl.constexpr):
-    """[low, last]: the keys a block of rows in token order can see (from the first row's window, tile-aligned)."""
-    last = tl.max(positions)
-    first = tl.min(tl.where(real, positions, last))
-    low = first * 0
-    if window > 0:
-        low = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
-    return low, last
+def _load_keys(
+    k_seg,
+    v_seg,
+    kv_offs,
+    start,
+    stride_kl,
+    num_keys,
+    dim_ok,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(BLOCK_N, BLOCK_D) keys and values from position `start` of one key/value head (0 past the end). Unmasked
+    tiles lie inside the keys: their loads check nothing (unless the head dim is not a power of two)."""
+    offs = start * stride_kl + kv_offs
+    if MASKED:
+        kv_mask = _row_mask((start + tl.arange(0, BLOCK_N)) < num_keys, dim_ok, EVEN_D)
+        k, v = tl.load(k_seg + offs, mask=kv_mask, other=0.0), tl.load(v_seg + offs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k, v = tl.load(k_seg + offs), tl.load(v_seg + offs)
+    else:
+        k, v = (
+            tl.load(k_seg + offs, mask=dim_ok[None, :], other=0.0),
+            tl.load(v_seg + offs, mask=dim_ok[None, :], other=0.0),
+        )
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
 
 
 @_jit
@@ -91,23 +127,103 @@ def _scores(
     stride_mb,
     stride_mt,
     b,
-    scale,
+    qk_scale,
+    MASKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """(BLOCK_M, BLOCK_N) scaled scores, -inf where a key is not visible (causal, window, 4-D mask)."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < num_keys)
-    if window > 0:
-        visible &= keys[None, :] > positions[:, None] - window
-    if HAS_MASK:
-        given = tl.load(
-            mask_ptr + b.to(tl.int64) * stride_mb + tokens[:, None].to(tl.int64) * stride_mt + keys[None, :],
-            mask=visible,
-            other=0.0,
-        )
-        s += given
-    return tl.where(visible, s, float("-inf"))
+    """(BLOCK_M, BLOCK_N) scores in base 2; masked tiles: -inf where a key is not visible (causal, window, 4-D mask)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < num_keys)
+        if window > 0:
+            visible &= keys[None, :] > positions[:, None] - window
+        if HAS_MASK:
+            given = tl.load(
+                mask_ptr + b.to(tl.int64) * stride_mb + tokens[:, None].to(tl.int64) * stride_mt + keys[None, :],
+                mask=visible,
+                other=0.0,
+            )
+            s += given
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@_jit
+def _key_tiles(real, positions, num_keys, window, CAUSAL_ONLY: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A block of rows in token order: keys [0, full_end) are whole tiles every row sees (causal only: they run
+    unmasked; 0 otherwise), [low, last] the tiles some row sees, masked per element (from the first row's window)."""
+    last = tl.max(positions)
+    first = tl.min(tl.where(real, positions, last))
+    if CAUSAL_ONLY:
+        full_end = tl.minimum(first + 1, num_keys) // BLOCK_N * BLOCK_N
+        low = full_end
+    else:
+        full_end = first * 0
+        low = full_end
+        if window > 0:
+            low = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+    return full_end, low, last
+
+
+@_jit
+def _forward_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_seg,
+    v_seg,
+    kv_offs,
+    start,
+    stride_kl,
+    num_keys,
+    dim_ok,
+    tokens,
+    positions,
+    window,
+    mask_ptr,
+    stride_mb,
+    stride_mt,
+    b,
+    qk_scale,
+    MASKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One step of the online softmax over the keys from `start`."""
+    k, v = _load_keys(k_seg, v_seg, kv_offs, start, stride_kl, num_keys, dim_ok, MASKED, EVEN_D, UPCAST, BLOCK_N)
+    keys = start + tl.arange(0, BLOCK_N)
+    s = _scores(
+        q,
+        k,
+        tokens,
+        positions,
+        keys,
+        num_keys,
+        window,
+        mask_ptr,
+        stride_mb,
+        stride_mt,
+        b,
+        qk_scale,
+        MASKED,
+        HAS_MASK,
+        PRECISION,
+    )
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    else:
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
 
 
 @_jit
@@ -117,9 +233,8 @@ def _forward_kernel(
     v_ptr,
     o_ptr,
     lse_ptr,
-    rows_t_ptr,
-    rows_h_ptr,
-    segments_ptr,
+    rows_ptr,
+    counts_ptr,
     mask_ptr,
     stride_qb,
     stride_qh,
@@ -130,65 +245,135 @@ def _forward_kernel(
     stride_mb,
     stride_mt,
     kv_heads,
+    groups,
     tokens_total,
     heads,
     head_dim,
     num_keys,
     offset,
     window,
-    scale,
+    qk_scale,
     HAS_MASK: tl.constexpr,
+    CAUSAL_ONLY: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
-    rows, real, tokens, heads_of, positions = _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M)
-    if tl.max(real.to(tl.int32)) == 0:
-        return
     segment = tl.program_id(1)
+    count = tl.load(counts_ptr + segment)
+    if tl.program_id(0) * BLOCK_M >= count:  # past the segment's rows (the grid is sized for every head active)
+        return
     b, g = segment // kv_heads, segment % kv_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    real = rows < count
+    row_ids = segment * groups * tokens_total + rows
+    tokens, heads_of, positions = _rows(rows_ptr, row_ids, real, g, groups, offset)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    row_mask = real[:, None] & dim_ok[None, :]
+    row_mask = _row_mask(real, dim_ok, EVEN_D)
     q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
-    low, last = _key_range(real, positions, window, BLOCK_N)
+    k_seg, v_seg = k_ptr + kv_base, v_ptr + kv_base
+    kv_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kl + dims[None, :]
+    full_end, low, last = _key_tiles(real, positions, num_keys, window, CAUSAL_ONLY, BLOCK_N)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(low, last + 1, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok, UPCAST)
-        s = _scores(
-            q,
-            k,
-            tokens,
-            positions,
-            keys,
-            num_keys,
-            window,
-            mask_ptr,
-            stride_mb,
-            stride_mt,
-            b,
-            scale,
-            HAS_MASK,
-            PRECISION,
-        )
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    for phase in tl.static_range(2):  # 0: keys [0, full_end), unmasked; 1: keys [low, last], masked
+        if phase == 0:
+            lo, hi = 0, full_end
+        else:
+            lo, hi = low, last + 1
+        for start in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _forward_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_seg,
+                v_seg,
+                kv_offs,
+                start,
+                stride_kl,
+                num_keys,
+                dim_ok,
+                tokens,
+                positions,
+                window,
+                mask_ptr,
+                stride_mb,
+                stride_mt,
+                b,
+                qk_scale,
+                phase == 1,
+                HAS_MASK,
+                PRECISION,
+                EVEN_D,
+                UPCAST,
+                BLOCK_N,
+            )
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_offs = ((b.to(tl.int64) * tokens_total + tokens[:, None]) * heads + heads_of[:, None]) * head_dim + dims[None, :]
     tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_mask)
-    tl.store(lse_ptr + rows, m_i + tl.log(l_safe), mask=real)
+    tl.store(lse_ptr + row_ids, m_i + tl.log2(l_safe), mask=real)
+
+
+@_jit
+def _dq_tile(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_seg,
+    v_seg,
+    kv_offs,
+    start,
+    stride_kl,
+    num_keys,
+    dim_ok,
+    tokens,
+    positions,
+    window,
+    mask_ptr,
+    stride_mb,
+    stride_mt,
+    b,
+    qk_scale,
+    MASKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    k, v = _load_keys(k_seg, v_seg, kv_offs, start, stride_kl, num_keys, dim_ok, MASKED, EVEN_D, UPCAST, BLOCK_N)
+    keys = start + tl.arange(0, BLOCK_N)
+    s = _scores(
+        q,
+        k,
+        tokens,
+        positions,
+        keys,
+        num_keys,
+        window,
+        mask_ptr,
+        stride_mb,
+        stride_mt,
+        b,
+        qk_scale,
+        MASKED,
+        HAS_MASK,
+        PRECISION,
+    )
+    p = tl.exp2(s - lse[:, None])  # 0 where not visible
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
 
 @_jit
@@ -196,13 +381,13 @@ def _dq_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    o_ptr,
     do_ptr,
     lse_ptr,
     delta_ptr,
     dq_ptr,
-    rows_t_ptr,
-    rows_h_ptr,
-    segments_ptr,
+    rows_ptr,
+    counts_ptr,
     mask_ptr,
     stride_qb,
     stride_qh,
@@ -213,6 +398,7 @@ def _dq_kernel(
     stride_mb,
     stride_mt,
     kv_heads,
+    groups,
     tokens_total,
     heads,
     head_dim,
@@ -220,34 +406,131 @@ def _dq_kernel(
     offset,
     window,
     scale,
+    qk_scale,
     HAS_MASK: tl.constexpr,
+    CAUSAL_ONLY: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
-    rows, real, tokens, heads_of, positions = _rows_block(rows_t_ptr, rows_h_ptr, segments_ptr, offset, BLOCK_M)
-    if tl.max(real.to(tl.int32)) == 0:
-        return
+    """dQ of a block of rows, and their delta = rowsum(dO · O) (stored for the dK/dV kernel)."""
     segment = tl.program_id(1)
+    count = tl.load(counts_ptr + segment)
+    if tl.program_id(0) * BLOCK_M >= count:
+        return
     b, g = segment // kv_heads, segment % kv_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    real = rows < count
+    row_ids = segment * groups * tokens_total + rows
+    tokens, heads_of, positions = _rows(rows_ptr, row_ids, real, g, groups, offset)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    row_mask = real[:, None] & dim_ok[None, :]
+    row_mask = _row_mask(real, dim_ok, EVEN_D)
     q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
     pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of  # (BLOCK_M,) in (B, T, H)
-    do = tl.load(do_ptr + pair[:, None] * head_dim + dims[None, :], mask=row_mask, other=0.0)
-    if UPCAST:
-        do = do.to(tl.float32)
-    lse = tl.load(lse_ptr + rows, mask=real, other=0.0)
-    delta = tl.load(delta_ptr + pair, mask=real, other=0.0)
+    do = _load_pairs(do_ptr, pair, dims, row_mask, head_dim, UPCAST)
+    o = _load_pairs(o_ptr, pair, dims, row_mask, head_dim, UPCAST)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    tl.store(delta_ptr + row_ids, delta, mask=real)
+    lse = tl.load(lse_ptr + row_ids, mask=real, other=0.0)
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
-    low, last = _key_range(real, positions, window, BLOCK_N)
+    k_seg, v_seg = k_ptr + kv_base, v_ptr + kv_base
+    kv_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kl + dims[None, :]
+    full_end, low, last = _key_tiles(real, positions, num_keys, window, CAUSAL_ONLY, BLOCK_N)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(low, last + 1, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        k, v = _load_keys(k_ptr, v_ptr, kv_base, keys, stride_kl, dims, num_keys, dim_ok, UPCAST)
+    for phase in tl.static_range(2):  # 0: keys [0, full_end), unmasked; 1: keys [low, last], masked
+        if phase == 0:
+            lo, hi = 0, full_end
+        else:
+            lo, hi = low, last + 1
+        for start in range(lo, hi, BLOCK_N):
+            dq = _dq_tile(
+                dq,
+                q,
+                do,
+                lse,
+                delta,
+                k_seg,
+                v_seg,
+                kv_offs,
+                start,
+                stride_kl,
+                num_keys,
+                dim_ok,
+                tokens,
+                positions,
+                window,
+                mask_ptr,
+                stride_mb,
+                stride_mt,
+                b,
+                qk_scale,
+                phase == 1,
+                HAS_MASK,
+                PRECISION,
+                EVEN_D,
+                UPCAST,
+                BLOCK_N,
+            )
+    tl.store(dq_ptr + pair[:, None] * head_dim + dims[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
+
+
+@_jit
+def _dkdv_rows(
+    dk,
+    dv,
+    k,
+    v,
+    keys,
+    row_start,
+    row_end,
+    segment_slots,
+    b,
+    g,
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    rows_ptr,
+    mask_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_mb,
+    stride_mt,
+    groups,
+    tokens_total,
+    heads,
+    head_dim,
+    num_keys,
+    offset,
+    window,
+    qk_scale,
+    dims,
+    dim_ok,
+    MASKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """dK and dV of one key block, accumulated over the rows [row_start, row_end) of its segment. Unmasked: the rows
+    see every key of the block (rows past `row_end` load zeros: q = dO = 0, so they add nothing)."""
+    for start in range(row_start, row_end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        real = rows < row_end
+        row_ids = segment_slots + rows
+        tokens, heads_of, positions = _rows(rows_ptr, row_ids, real, g, groups, offset)
+        row_mask = _row_mask(real, dim_ok, EVEN_D)
+        q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
+        pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of
+        do = _load_pairs(do_ptr, pair, dims, row_mask, head_dim, UPCAST)
+        lse = tl.load(lse_ptr + row_ids, mask=real, other=0.0)
+        delta = tl.load(delta_ptr + row_ids, mask=real, other=0.0)
         s = _scores(
             q,
             k,
@@ -260,15 +543,17 @@ def _dq_kernel(
             stride_mb,
             stride_mt,
             b,
-            scale,
+            qk_scale,
+            MASKED,
             HAS_MASK,
             PRECISION,
-        )
-        p = tl.exp(s - lse[:, None])  # 0 where not visible
+        )  # (BLOCK_M, BLOCK_N)
+        p = tl.exp2(s - lse[:, None])
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(dq_ptr + pair[:, None] * head_dim + dims[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
 
 
 @_jit
@@ -281,8 +566,7 @@ def _dkdv_kernel(
     delta_ptr,
     dk_ptr,
     dv_ptr,
-    rows_t_ptr,
-    rows_h_ptr,
+    rows_ptr,
     bounds_ptr,
     mask_ptr,
     stride_qb,
@@ -294,6 +578,7 @@ def _dkdv_kernel(
     stride_mb,
     stride_mt,
     kv_heads,
+    groups,
     tokens_total,
     heads,
     head_dim,
@@ -301,13 +586,16 @@ def _dkdv_kernel(
     offset,
     window,
     scale,
+    qk_scale,
     num_key_blocks,
     HAS_MASK: tl.constexpr,
+    CAUSAL_ONLY: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     key_block = tl.program_id(0)
     segment = tl.program_id(1)
@@ -315,58 +603,75 @@ def _dkdv_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_mask = (keys < num_keys)[:, None] & dim_ok[None, :]
+    kv_mask = _row_mask(keys < num_keys, dim_ok, EVEN_D)
+    kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
+    kv_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kl + dims[None, :]
     k, v = _load_keys(
-        k_ptr,
-        v_ptr,
-        b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh,
-        keys,
+        k_ptr + kv_base,
+        v_ptr + kv_base,
+        kv_offs,
+        key_block * BLOCK_N,
         stride_kl,
-        dims,
         num_keys,
         dim_ok,
+        True,
+        EVEN_D,
         UPCAST,
+        BLOCK_N,
     )
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    bound = (segment.to(tl.int64) * num_key_blocks + key_block) * 2
-    row_start = tl.load(bounds_ptr + bound)  # the segment's rows that can see one of these keys
-    row_end = tl.load(bounds_ptr + bound + 1)
-    for start in range(row_start, row_end, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        real = rows < row_end
-        tokens = tl.load(rows_t_ptr + rows, mask=real, other=0)
-        heads_of = tl.load(rows_h_ptr + rows, mask=real, other=0)
-        positions = tl.where(real, tokens + offset, -1)
-        row_mask = real[:, None] & dim_ok[None, :]
-        q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
-        pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of
-        do = tl.load(do_ptr + pair[:, None] * head_dim + dims[None, :], mask=row_mask, other=0.0)
-        if UPCAST:
-            do = do.to(tl.float32)
-        lse = tl.load(lse_ptr + rows, mask=real, other=0.0)
-        delta = tl.load(delta_ptr + pair, mask=real, other=0.0)
-        s = _scores(
-            q,
+    bound = (segment.to(tl.int64) * num_key_blocks + key_block) * 3
+    row_start = tl.load(bounds_ptr + bound)  # the segment's rows that can see one of these keys: [start, end)
+    row_full = tl.load(bounds_ptr + bound + 1)  # from here on (causal only) they see every key of the block
+    row_end = tl.load(bounds_ptr + bound + 2)
+    segment_slots = segment * groups * tokens_total
+    if not CAUSAL_ONLY:
+        row_full = row_end  # every row masked
+    for phase in tl.static_range(2):  # 0: rows that see part of the block, masked; 1: the rest, unmasked
+        if phase == 0:
+            lo, hi = row_start, row_full
+        else:
+            lo, hi = row_full, row_end
+        dk, dv = _dkdv_rows(
+            dk,
+            dv,
             k,
-            tokens,
-            positions,
+            v,
             keys,
-            num_keys,
-            window,
+            lo,
+            hi,
+            segment_slots,
+            b,
+            g,
+            q_ptr,
+            do_ptr,
+            lse_ptr,
+            delta_ptr,
+            rows_ptr,
             mask_ptr,
+            stride_qb,
+            stride_qh,
+            stride_qt,
             stride_mb,
             stride_mt,
-            b,
-            scale,
+            groups,
+            tokens_total,
+            heads,
+            head_dim,
+            num_keys,
+            offset,
+            window,
+            qk_scale,
+            dims,
+            dim_ok,
+            phase == 0,
             HAS_MASK,
             PRECISION,
-        )  # (BLOCK_M, BLOCK_N)
-        p = tl.exp(s - lse[:, None])
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+            UPCAST,
+            EVEN_D,
+            BLOCK_M,
+        )
     out_offs = (segment.to(tl.int64) * num_keys + keys[:, None]) * head_dim + dims[None, :]  # (B·Hkv, L, hd)
     tl.store(dk_ptr + out_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -391,96 +696,126 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-class _Plan:
-    """The row lists: `tokens`, `heads` (N,) int32 in (batch row, key/value head, token, head) order, `segments`
-    (B·Hkv + 1,) int32 row offsets, `positions` (N,) int64 (key positions), and the mask as kernel arguments."""
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
 
-    def __init__(self, active, kv_heads, offset, attention_mask, num_keys):
+
+def tiles(
+    head_dim: int,
+    dtype: torch.dtype,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    backward: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tiles:
+    """The forward's (or the backward's) tiles and launch settings. bf16/fp16 forward up to 128 dims: 128 rows × 64
+    keys, 8 warps, 3 stages (each K/V tile loaded serves 128 rows, the tile flash-attention kernels use on an H100);
+    everything else 64 × 64 with 4 warps, 32 × 32 for fp32 beyond 64 dims (so that the pipelined tiles fit an H100's
+    shared memory: checked by head_sparse_attention_gpu_compile.py). Not tuned on a GPU yet."""
+    block_d = max(16, _next_power_of_2(head_dim))
+    wide = not backward and dtype in (torch.bfloat16, torch.float16) and block_d <= 128
+    default_m = 128 if wide else 32 if dtype == torch.float32 and block_d > 64 else 64
+    default_n = 32 if dtype == torch.float32 and block_d > 64 else 64
+    return Tiles(
+        block_m or default_m,
+        block_n or default_n,
+        block_d,
+        num_warps or (8 if (block_m or default_m) >= 128 else 4),
+        num_stages or 3,
+    )
+
+
+class _Plan:
+    """The row lists, built on the device without a host sync. Segment s = (batch row, key/value head) owns the slots
+    [s·G·T, (s+1)·G·T) of `rows` (int32): its first `counts[s]` hold t·G + j of its active pairs (token t, head j of
+    the group) in token order; the slots past the count are never read. The log-sum-exp and delta of a row live in
+    the same slot. Also the mask as kernel arguments (additive, fp32, base 2)."""
+
+    def __init__(self, active, kv_heads, attention_mask, num_keys):
         batch, tokens, heads = active.shape
         groups = heads // kv_heads
-        rows = active.view(batch, tokens, kv_heads, groups).permute(0, 2, 1, 3).nonzero()  # (N, 4): b, g, t, j
-        b, g, t, j = rows.unbind(1)
-        segment = b * kv_heads + g
-        counts = torch.bincount(segment, minlength=batch * kv_heads)
-        self.segments = torch.zeros(batch * kv_heads + 1, dtype=torch.int32, device=active.device)
-        self.segments[1:] = counts.cumsum(0)
-        self.tokens, self.heads = t.to(torch.int32), (g * groups + j).to(torch.int32)
-        self.segment_of = segment
-        self.positions = t + offset
-        self.num_rows = rows.shape[0]
+        segments, capacity = batch * kv_heads, groups * tokens
+        flat = active.view(batch, tokens, kv_heads, groups).transpose(1, 2).reshape(segments, capacity)
+        index = flat.cumsum(1)  # (segments, G·T): 1 + each active pair's row in its segment
+        self.counts = index[:, -1].to(torch.int32)
+        base = torch.arange(segments, device=active.device)[:, None] * capacity
+        slot = torch.where(flat, base + index - 1, segments * capacity)  # inactive pairs: one spare slot at the end
+        rows = torch.empty(segments * capacity + 1, dtype=torch.int32, device=active.device)
+        rows.scatter_(
+            0, slot.view(-1), torch.arange(capacity, dtype=torch.int32, device=active.device).repeat(segments)
+        )
+        self.rows = rows
+        self.segments, self.groups, self.capacity = segments, groups, capacity
         self.mask, self.mask_strides = None, (0, 0)
         if attention_mask is not None:
             given = attention_mask[:, 0, :, :num_keys]
+            minimum = torch.finfo(torch.float32).min
             if given.dtype == torch.bool:
-                mask = torch.zeros(given.shape, dtype=torch.float32, device=given.device)
-                mask = mask.masked_fill(~given, torch.finfo(torch.float32).min)
+                mask = torch.zeros(given.shape, dtype=torch.float32, device=given.device).masked_fill(~given, minimum)
             else:
-                mask = given.float().clamp_min(torch.finfo(torch.float32).min)
+                mask = (given.float() * LOG2E).clamp_min(minimum)
             self.mask = mask.contiguous()
             self.mask_strides = (self.mask.stride(0) if self.mask.shape[0] > 1 else 0, self.mask.stride(1))
 
-    def key_block_bounds(self, num_keys, block_n, window):
-        """(B·Hkv, key blocks, 2) int32: per segment and key block the rows [start, end) that can see a key of the
-        block (position >= its first key, and within the window of its last key)."""
+    def positions(self, offset):
+        """(segments, G·T) int32: each slot's key position, in token order; past the count a position after every
+        key (so that the slots stay sorted)."""
+        slots = torch.arange(self.capacity, device=self.rows.device)
+        rows = self.rows[:-1].view(self.segments, self.capacity)
+        beyond = torch.iinfo(torch.int32).max
+        return torch.where(slots < self.counts[:, None], rows // self.groups + offset, beyond).contiguous()
+
+    def key_block_bounds(self, num_keys, block_n, window, offset):
+        """(segments, key blocks, 3) int32: per segment and key block the rows [start, end) that can see a key of the
+        block (position >= its first key, and within the window of its last key), and `full`: from there on (start <=
+        full <= end) the rows see every key of the block (position >= its last key; only used without a window)."""
+        positions = self.positions(offset)
         num_blocks = -(-num_keys // block_n)
-        stride = num_keys + 1
-        order = self.segment_of * stride + self.positions  # non-decreasing
-        segments = self.segments.shape[0] - 1
-        seg = torch.arange(segments, device=order.device)[:, None] * stride
-        first_key = torch.arange(num_blocks, device=order.device)[None, :] * block_n
+        first_key = torch.arange(num_blocks, device=positions.device, dtype=torch.int32) * block_n
         last_key = torch.clamp(first_key + block_n - 1, max=num_keys - 1)
-        start = torch.searchsorted(order, seg + first_key)
-        if window:
-            end = torch.searchsorted(order, seg + torch.clamp(last_key + window, max=num_keys))
-        else:
-            end = torch.searchsorted(order, seg + num_keys)
-        return torch.stack([start, torch.maximum(start, end)], dim=-1).to(torch.int32).contiguous()
 
+        def search(values):  # first slot with a position >= value, per segment
+            return torch.searchsorted(positions, values.expand(self.segments, -1).contiguous())
 
-def tiles(head_dim: int, dtype: torch.dtype, block_m: int | None = None, block_n: int | None = None):
-    """(BLOCK_M, BLOCK_N, BLOCK_D): 64 × 64 tiles, 32 × 32 for fp32 beyond 64 dims (so that the pipelined tiles fit
-    an H100's shared memory: checked by head_sparse_attention_gpu_compile.py)."""
-    block_d = max(16, _next_power_of_2(head_dim))
-    default = 32 if dtype == torch.float32 and block_d > 64 else 64
-    return block_m or default, block_n or default, block_d
+        start = search(first_key)
+        end = search(torch.clamp(last_key + window, max=num_keys) if window else torch.full_like(first_key, num_keys))
+        end = torch.maximum(start, end)
+        full = torch.minimum(torch.maximum(search(first_key + block_n - 1), start), end)  # a partial block: masked
+        return torch.stack([start, full, end], dim=-1).to(torch.int32).contiguous()
 
 
 class _HeadSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, active, scaling, attention_mask, offset, window, block_m, block_n):
+    def forward(ctx, query, key, value, active, scaling, attention_mask, offset, window, settings):
         batch, heads, tokens, head_dim = query.shape
         kv_heads, num_keys = key.shape[1], key.shape[2]
         key, value = key.contiguous(), value.contiguous()
         if query.stride(-1) != 1:
             query = query.contiguous()
-        plan = _Plan(active, kv_heads, offset, attention_mask, num_keys)
-        block_m, block_n, block_d = tiles(head_dim, query.dtype, block_m, block_n)
+        plan = _Plan(active, kv_heads, attention_mask, num_keys)
+        tile = tiles(head_dim, query.dtype, **settings)
         out = query.new_zeros(batch, tokens, heads, head_dim)
-        lse = torch.empty(plan.num_rows, dtype=torch.float32, device=query.device)
-        groups = heads // kv_heads
-        grid = (triton.cdiv(groups * tokens, block_m), batch * kv_heads)
-        args = _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window, scaling)
-        if plan.num_rows:
-            _forward_kernel[grid](
-                query,
-                key,
-                value,
-                out,
-                lse,
-                plan.tokens,
-                plan.heads,
-                plan.segments,
-                _mask_arg(plan, query),
-                *args,
-                HAS_MASK=plan.mask is not None,
-                PRECISION=_precision(query.dtype),
-                UPCAST=_upcast(query.dtype),
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                BLOCK_D=block_d,
-            )
+        lse = torch.empty(plan.rows.shape[0] - 1, dtype=torch.float32, device=query.device)
+        _forward_kernel[(triton.cdiv(plan.capacity, tile.block_m), plan.segments)](
+            query,
+            key,
+            value,
+            out,
+            lse,
+            plan.rows,
+            plan.counts,
+            _mask_arg(plan, query),
+            *_common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window),
+            scaling * LOG2E,
+            **_meta(plan, query, window, tile, head_dim),
+        )
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.plan, ctx.settings = plan, (scaling, offset, window, block_m, block_n, block_d)
+        ctx.plan, ctx.settings = plan, (scaling, offset, window, settings)
         return out
 
     @staticmethod
@@ -488,64 +823,59 @@ class _HeadSparseAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        scaling, offset, window, block_m, block_n, block_d = ctx.settings
+        scaling, offset, window, settings = ctx.settings
         batch, heads, tokens, head_dim = query.shape
-        kv_heads, num_keys = key.shape[1], key.shape[2]
+        num_keys = key.shape[2]
         grad_out = grad_out.contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1)  # (B, T, H)
+        tile = tiles(head_dim, query.dtype, backward=True, **settings)
+        delta = torch.empty_like(lse)  # written by the dQ kernel
         grad_query = torch.zeros(batch, tokens, heads, head_dim, dtype=query.dtype, device=query.device)
-        grad_key = torch.zeros_like(key)
-        grad_value = torch.zeros_like(value)
-        if plan.num_rows:
-            args = _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window, scaling)
-            meta = dict(
-                HAS_MASK=plan.mask is not None,
-                PRECISION=_precision(query.dtype),
-                UPCAST=_upcast(query.dtype),
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                BLOCK_D=block_d,
-            )
-            groups = heads // kv_heads
-            mask = _mask_arg(plan, query)
-            _dq_kernel[(triton.cdiv(groups * tokens, block_m), batch * kv_heads)](
-                query,
-                key,
-                value,
-                grad_out,
-                lse,
-                delta,
-                grad_query,
-                plan.tokens,
-                plan.heads,
-                plan.segments,
-                mask,
-                *args,
-                **meta,
-            )
-            num_blocks = triton.cdiv(num_keys, block_n)
-            bounds = plan.key_block_bounds(num_keys, block_n, window)
-            _dkdv_kernel[(num_blocks, batch * kv_heads)](
-                query,
-                key,
-                value,
-                grad_out,
-                lse,
-                delta,
-                grad_key,
-                grad_value,
-                plan.tokens,
-                plan.heads,
-                bounds,
-                mask,
-                *args,
-                num_blocks,
-                **meta,
-            )
-        return grad_query.transpose(1, 2), grad_key, grad_value, None, None, None, None, None, None, None
+        grad_key = torch.empty_like(key)  # every key written by the dK/dV kernel
+        grad_value = torch.empty_like(value)
+        args = _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window)
+        meta = _meta(plan, query, window, tile, head_dim)
+        mask = _mask_arg(plan, query)
+        _dq_kernel[(triton.cdiv(plan.capacity, tile.block_m), plan.segments)](
+            query,
+            key,
+            value,
+            out,
+            grad_out,
+            lse,
+            delta,
+            grad_query,
+            plan.rows,
+            plan.counts,
+            mask,
+            *args,
+            scaling,
+            scaling * LOG2E,
+            **meta,
+        )
+        num_blocks = triton.cdiv(num_keys, tile.block_n)
+        bounds = plan.key_block_bounds(num_keys, tile.block_n, window, offset)
+        _dkdv_kernel[(num_blocks, plan.segments)](
+            query,
+            key,
+            value,
+            grad_out,
+            lse,
+            delta,
+            grad_key,
+            grad_value,
+            plan.rows,
+            bounds,
+            mask,
+            *args,
+            scaling,
+            scaling * LOG2E,
+            num_blocks,
+            **meta,
+        )
+        return grad_query.transpose(1, 2), grad_key, grad_value, None, None, None, None, None, None
 
 
-def _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window, scaling):
+def _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, window):
     return (
         query.stride(0),
         query.stride(1),
@@ -555,13 +885,28 @@ def _common_args(query, key, plan, tokens, heads, head_dim, num_keys, offset, wi
         key.stride(2),
         *plan.mask_strides,
         key.shape[1],
+        plan.groups,
         tokens,
         heads,
         head_dim,
         num_keys,
         offset,
         window or 0,
-        scaling,
+    )
+
+
+def _meta(plan, query, window, tile, head_dim):
+    return dict(
+        HAS_MASK=plan.mask is not None,
+        CAUSAL_ONLY=plan.mask is None and not window,
+        PRECISION=_precision(query.dtype),
+        UPCAST=_upcast(query.dtype),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_D=tile.block_d,
+        EVEN_D=tile.block_d == head_dim,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
 
 
@@ -580,9 +925,12 @@ def head_sparse_attention_triton(
     sliding_window: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """`head_sparse_attention_naive` with the kernels: (B, T, H, hd), attention of the active (token, head) pairs
-    times their gates, 0 elsewhere. `block_m` / `block_n`: rows / keys per tile (powers of two, >= 16; default 64)."""
+    times their gates, 0 elsewhere. `block_m` / `block_n` (rows / keys per tile: powers of two, >= 16), `num_warps`,
+    `num_stages`: override `tiles`' choice, forward and backward."""
     if not HAS_TRITON:
         raise ImportError("the triton head-sparse attention kernels need triton: `pip install triton`")
     if not query.is_cuda and not interpreting():
@@ -593,7 +941,10 @@ def head_sparse_attention_triton(
     if sliding_window is not None and sliding_window > offset + tokens - 1:
         sliding_window = None
     active = gates != 0
+    settings = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     out = _HeadSparseAttention.apply(
-        query, key, value, active, scaling, attention_mask, offset, sliding_window, block_m, block_n
+        query, key, value, active, scaling, attention_mask, offset, sliding_window, settings
     )
-    return apply_gates(out, gates, active)
+    # on a GPU the 0/1 test by which `apply_gates` may skip the multiply reads a bool back: a host sync per call,
+    # which stops the host from queueing ahead; the multiply (by exact 0s and 1s: the same values) costs one pass
+    return apply_gates(out, gates, active, zeroed=not out.is_cuda)
