@@ -1,17 +1,19 @@
 """The kernels under the GPU image's Triton (3.6.0) as well as the dev pin's (3.9.0).
 
-Under Triton 3.6.0's CPU interpreter every routing and head-router kernel test of tests/models/ops/ passes, and the 18
-tests of tests/models/ops/test_experts_kernels.py that launch the experts kernels fail, all with one interpreter
-limitation: 3.6.0's interpreter turns a scalar tensor used as a Python index (a `range()` bound) into an int with
-`int(handle.data)` (triton/runtime/interpreter.py), which NumPy 2 refuses for the shape-(1,) array a `tl.where` of
-scalars gives ("only 0-dimensional arrays can be converted to Python scalars"); 3.9.0 squeezes it first. The experts
-kernels bound their K loops that way (`range(0, tl.where(valid, width, 0), BLOCK_K)` in `_gate_up_kernel`,
-`_down_scatter_kernel` and `_grouped_gemm_kernel`: no loop in a tile without rows). Compiled for a GPU there is no
-interpreter: the GPU check covers them, and did (the H200 run under Triton 3.6.0 below). Measured with a throwaway
-venv (`python -m venv /tmp/tri36`, `pip install --no-deps triton==3.6.0`, this venv's packages on its path,
-`TRITON_INTERPRET=1 PYTHONPATH=src /tmp/tri36/bin/python -m pytest tests/models/ops`: 93 passed, 18 failed, 8 skipped;
-this file under it: its two tests pass, the first on its 3.6 branch); tests/models/ops/test_gpu_compile.py (every kernel
-compiled for sm_90 down to a cubin) passes under 3.6.0 as well.
+Under Triton 3.6.0's CPU interpreter every routing, head-router and grouped_mm-steps kernel test of tests/models/ops/
+passes; the 18 tests of tests/models/ops/test_experts_kernels.py that launch the experts kernels and the 13 of
+test_head_sparse_attention.py that launch the head-sparse attention kernels fail, all with one interpreter limitation:
+3.6.0's interpreter turns a scalar used as a Python index (a `range()` bound) into an int with `int(handle.data)`
+(triton/runtime/interpreter.py), which NumPy 2 refuses for a shape-(1,) array ("only 0-dimensional arrays can be
+converted to Python scalars"); 3.9.0 squeezes it first. Scalars computed in a kernel are such arrays (the experts
+kernels bound their K loops with `range(0, tl.where(valid, width, 0), BLOCK_K)`: no loop in a tile without rows; the
+head-sparse kernels their key loops with the rows' positions), and so are a kernel's integer arguments; the routing
+scan and the grouped_mm steps loop with `while`, which the interpreter runs (a loop around `tl.dot` stays a `range()`
+loop: Triton pipelines only those). Compiled for a GPU there is no interpreter: the GPU check covers them, and did for
+the experts kernels (the H200 runs under Triton 3.6.0 below). Measured at f40da3d with a throwaway venv (`python -m
+venv /tmp/tri36`, `pip install --no-deps triton==3.6.0`, this venv's packages on its path, `TRITON_INTERPRET=1
+PYTHONPATH=src /tmp/tri36/bin/python -m pytest tests/models/ops`: 171 passed, 31 failed, 8 skipped);
+tests/models/ops/test_gpu_compile.py (every kernel compiled for sm_90 down to a cubin) passes under 3.6.0 as well.
 """
 
 import inspect
