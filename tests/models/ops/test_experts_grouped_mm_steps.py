@@ -18,14 +18,47 @@ pytestmark = pytest.mark.skipif(not steps.HAS_TRITON, reason="triton is not inst
 
 @pytest.fixture
 def fused(monkeypatch):
-    """Force the fused steps on CPU and count the kernels' calls."""
+    """Force the fused steps on CPU and count the kernels' calls; none of them may have failed (a failure would
+    quietly run the PyTorch steps instead)."""
     monkeypatch.setattr(experts_grouped_mm, "STEPS_KERNELS_ON_CPU", True)
     calls = []
     for name in ("swiglu", "swiglu_backward", "combine_slots"):
         original = getattr(experts_grouped_mm, name)
         counted = lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k)  # noqa: E731
         monkeypatch.setattr(experts_grouped_mm, name, counted)
-    return calls
+    yield calls
+    assert not experts_grouped_mm.STEPS_FAILED
+
+
+def test_a_failing_fused_step_runs_the_pytorch_steps_and_is_recorded(monkeypatch, caplog):
+    """A fused kernel that fails (a GPU Triton cannot compile for) must not stop training: warned once, recorded in
+    `backends.fallbacks()`, the PyTorch steps run from then on, forward and backward, with the same results."""
+    from mhmoe.models.ops import backends
+
+    monkeypatch.setattr(experts_grouped_mm, "STEPS_KERNELS_ON_CPU", True)
+    experts = _experts(8, 16, 13, 3, torch.float32)
+    index, weights, dropped = _routing(37, 13, 3, 0.3, torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    hidden, grad_out = torch.randn(37, 8, generator=generator), torch.randn(37, 8, generator=generator)
+    expected = _run(eager_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this GPU")
+
+    for step in ("swiglu", "combine_slots", "swiglu_backward"):  # each step failing first, alone
+        monkeypatch.setattr(experts_grouped_mm, step, broken)
+        backends.reset_fallbacks()
+        with caplog.at_level("WARNING"):
+            got = _run(grouped_experts_forward, experts, hidden, index, weights, dropped, grad_out)
+        for have, want in zip(got, expected):
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        assert backends.fallbacks() == {"experts.grouped_mm_steps": "RuntimeError: no kernel for this GPU"}
+        assert caplog.text.count("fused Triton steps failed") == 1
+        caplog.clear()
+        monkeypatch.undo()
+        monkeypatch.setattr(experts_grouped_mm, "STEPS_KERNELS_ON_CPU", True)
+    backends.reset_fallbacks()
+    assert not experts_grouped_mm.STEPS_FAILED
 
 
 @pytest.mark.parametrize("rows, inter", [(37, 7), (5, 130), (1, 1)])

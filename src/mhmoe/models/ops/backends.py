@@ -38,6 +38,7 @@ import threading
 
 import torch
 
+from .experts.experts_grouped_mm import STEPS_FAILED as grouped_mm_steps_failed
 from .experts.experts_grouped_mm import experts_forward as grouped_mm_experts
 from .experts.experts_grouped_mm import is_silu
 from .experts.experts_naive import experts_forward as naive_experts
@@ -231,12 +232,14 @@ def record_fallback(op: str, error: BaseException, note: str = "") -> bool:
 
 
 def fallbacks() -> dict[str, str]:
-    """{op: reason of its kernel's first failure} for every kernel replaced by its reference since the last reset."""
+    """{op: reason of its kernel's first failure} for every kernel replaced by its reference since the last reset
+    (the grouped_mm experts' fused steps included)."""
     with _LOCK:
-        return dict(_FALLBACKS)
+        return {**_FALLBACKS, **grouped_mm_steps_failed}
 
 
 def reset_fallbacks() -> None:
     """Forget recorded failures (tests; a harness between runs): kernels are chosen by default again."""
     with _LOCK:
         _FALLBACKS.clear()
+        grouped_mm_steps_failed.clear()

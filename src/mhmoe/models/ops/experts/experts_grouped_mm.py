@@ -9,6 +9,7 @@ v5 MoE models: `gate_up_proj` (E, 2I, W) and `down_proj` (E, W, I). Expert id E 
 """
 
 import contextlib
+import logging
 import os
 import threading
 
@@ -16,6 +17,8 @@ import torch
 
 from .experts_grouped_mm_steps_triton import HAS_TRITON, combine_slots, swiglu, swiglu_backward
 from .grouped_gemm import autocast_dtype, grouped_mm, traced_grouped_mm
+
+logger = logging.getLogger(__name__)
 
 
 class BufferPool:
@@ -89,11 +92,33 @@ def is_silu(act_fn) -> bool:
 # The fused steps (experts_grouped_mm_steps_triton.py) run on CUDA tensors with SiLU; tests set this to run them on CPU
 # under TRITON_INTERPRET=1 against the PyTorch code below.
 STEPS_KERNELS_ON_CPU = False
+STEPS_FAILED: dict[str, str] = {}  # {"experts.grouped_mm_steps": reason}: a fused step failed; PyTorch's from then on
 
 
 def _steps_kernels(tensor: torch.Tensor, act_fn) -> bool:
     """Whether act(gate)·up, its backward and the slots' weighted sum take the fused Triton kernels."""
-    return HAS_TRITON and is_silu(act_fn) and (tensor.is_cuda or STEPS_KERNELS_ON_CPU)
+    return HAS_TRITON and not STEPS_FAILED and is_silu(act_fn) and (tensor.is_cuda or STEPS_KERNELS_ON_CPU)
+
+
+UNFUSED = object()  # what `_fused` returns when the fused step did not run
+
+
+def _fused(step, *args, **kwargs):
+    """A fused step's result, or UNFUSED when its kernel fails (e.g. on a GPU Triton cannot compile for; such errors
+    come before the kernel writes anything): logged once and recorded (`backends.fallbacks()`), and the PyTorch steps
+    run from then on. The steps are chosen by default, so, like the other default kernels, a failure must not stop
+    training."""
+    try:
+        return step(*args, **kwargs)
+    except Exception as error:
+        if not STEPS_FAILED:
+            STEPS_FAILED["experts.grouped_mm_steps"] = f"{type(error).__name__}: {error}"
+            logger.warning(
+                "the grouped_mm experts' fused Triton steps failed (%s: %s); the PyTorch steps run instead",
+                type(error).__name__,
+                error,
+            )
+        return UNFUSED
 
 
 def _activation(act_fn, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,13 +198,13 @@ def _experts_forward(
     buffer = BUFFER_POOL.take(num_kept, 2 * inter, rows)
     gate_up = grouped_mm(rows, gate_up_proj.transpose(1, 2), offsets, out=buffer)  # (S_kept, 2I)
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
-    fused = _steps_kernels(rows, act_fn)
-    if fused:  # one pass over gate/up; without a backward to come, into the gate half
-        hidden = swiglu(gate_up, out=None if for_backward else gate)  # (S_kept, I)
-    elif for_backward:  # gate and up are kept: act(gate)·up goes to a new buffer; act itself is recomputed later
+    hidden = UNFUSED
+    if _steps_kernels(rows, act_fn):  # one pass over gate/up; without a backward to come, into the gate half
+        hidden = _fused(swiglu, gate_up, out=None if for_backward else gate)  # (S_kept, I)
+    if hidden is UNFUSED and for_backward:  # gate and up are kept: act(gate)·up to a new buffer, act recomputed later
         hidden = _activation(act_fn, gate, out=BUFFER_POOL.take(num_kept, inter, rows))
         hidden = hidden.mul_(up) if hidden.data_ptr() != gate.data_ptr() else hidden * up  # (S_kept, I)
-    else:
+    elif hidden is UNFUSED:
         hidden = _activation(act_fn, gate, out=gate).mul_(up)  # (S_kept, I) view, row stride 2I
     expert_out = grouped_mm(
         hidden, down_proj.transpose(1, 2), offsets, out=BUFFER_POOL.take(num_kept, rows.shape[1], rows)
@@ -191,9 +216,10 @@ def _experts_forward(
         # per-assignment intermediates only gate_up (S, 2I) stays alive until the backward
         BUFFER_POOL.give(rows, hidden)
 
-    if fused:
-        out = combine_slots(expert_out, slot_pos, dropped, top_k_weights, top_k, hidden_states.dtype)
-    else:
+    out = UNFUSED
+    if _steps_kernels(expert_out, act_fn):
+        out = _fused(combine_slots, expert_out, slot_pos, dropped, top_k_weights, top_k, hidden_states.dtype)
+    if out is UNFUSED:
         slots = _gather_slots(expert_out, slot_pos, dropped).view(top_k_weights.shape[0], top_k, -1)  # (N, K, W)
         acc = _accumulation_dtype(slots, top_k_weights)  # low precision summed in fp32, like eager
         out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots.to(acc)).squeeze(1)  # (N, W): Σ_k weight·slot
@@ -266,7 +292,9 @@ class _GroupedExperts(torch.autograd.Function):
         buffer = BUFFER_POOL.take(num_kept, inter, grad_sorted)
         grad_hidden = grouped_mm(grad_sorted, down_proj, offsets, out=buffer)  # (S_kept, I), unweighted
         if _steps_kernels(gate_up, ctx.act_fn):
-            return _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite)
+            grads = _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite)
+            if grads is not UNFUSED:
+                return grads
         weights_sorted = top_k_weights.reshape(-1).index_select(0, order)[:, None].to(dtype)  # (S_kept, 1)
         hidden = None  # act(gate)·up, recomputed (the forward did not keep it) into a buffer of this backward's
         if need_down or need_weights:
@@ -324,7 +352,8 @@ def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
     grad_gate_up = None
     if need_x or need_gate_up:
         grad_gate_up = gate_up if overwrite else torch.empty_like(gate_up)  # (S_kept, 2I)
-    swiglu_backward(gate_up, grad_hidden, weights_sorted, grad_gate_up, hidden, dot)
+    if _fused(swiglu_backward, gate_up, grad_hidden, weights_sorted, grad_gate_up, hidden, dot) is UNFUSED:
+        return UNFUSED  # the kernel did not run: the PyTorch backward does (gate/up unchanged)
     if need_weights:  # d weight[n, k] = <d out[n] · down[e], act·up>; 0 for dropped slots (rows never computed)
         dot.masked_fill_(dropped.index_select(0, order), 0.0)
         grad_weights = top_k_weights.new_zeros(num_rows * top_k)
@@ -338,7 +367,9 @@ def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
         grad_gate_up_proj = grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
     if need_x:
         grad_rows = grouped_mm(grad_gate_up, gate_up_proj, offsets)  # (S_kept, W)
-        grad_x = combine_slots(grad_rows, slot_pos, dropped, None, top_k, hidden_states.dtype)
+        grad_x = _fused(combine_slots, grad_rows, slot_pos, dropped, None, top_k, hidden_states.dtype)
+        if grad_x is UNFUSED:
+            grad_x = _sum_slots(_gather_slots(grad_rows, slot_pos, dropped), top_k).to(hidden_states.dtype)
     return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
