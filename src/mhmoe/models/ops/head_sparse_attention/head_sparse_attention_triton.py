@@ -479,13 +479,25 @@ def _dq_kernel(
 
 
 @_jit
+def _dkdv_row_ranges(bounds_ptr, segment, key_block, num_key_blocks, CAUSAL_ONLY: tl.constexpr):
+    """The segment's rows that can see one of the key block's keys, [start, end), and `full`: from there on (causal
+    only) they see every key of the block; without causal-only attention every row is masked (full = end)."""
+    bound = (segment.to(tl.int64) * num_key_blocks + key_block) * 3
+    row_start = tl.load(bounds_ptr + bound)
+    row_end = tl.load(bounds_ptr + bound + 2)
+    row_full = row_end
+    if CAUSAL_ONLY:
+        row_full = tl.load(bounds_ptr + bound + 1)
+    return row_start, row_full, row_end
+
+
+@_jit
 def _dkdv_rows(
-    dk,
-    dv,
     k,
     v,
     keys,
     row_start,
+    row_full,
     row_end,
     segment_slots,
     b,
@@ -511,48 +523,55 @@ def _dkdv_rows(
     qk_scale,
     dims,
     dim_ok,
-    MASKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """dK and dV of one key block, accumulated over the rows [row_start, row_end) of its segment. Unmasked: the rows
-    see every key of the block (rows past `row_end` load zeros: q = dO = 0, so they add nothing)."""
-    for start in range(row_start, row_end, BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        real = rows < row_end
-        row_ids = segment_slots + rows
-        tokens, heads_of, positions = _rows(rows_ptr, row_ids, real, g, groups, offset)
-        row_mask = _row_mask(real, dim_ok, EVEN_D)
-        q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
-        pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of
-        do = _load_pairs(do_ptr, pair, dims, row_mask, head_dim, UPCAST)
-        lse = tl.load(lse_ptr + row_ids, mask=real, other=0.0)
-        delta = tl.load(delta_ptr + row_ids, mask=real, other=0.0)
-        s = _scores(
-            q,
-            k,
-            tokens,
-            positions,
-            keys,
-            num_keys,
-            window,
-            mask_ptr,
-            stride_mb,
-            stride_mt,
-            b,
-            qk_scale,
-            MASKED,
-            HAS_MASK,
-            PRECISION,
-        )  # (BLOCK_M, BLOCK_N)
-        p = tl.exp2(s - lse[:, None])
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+    """dK and dV of one key block, accumulated over the rows [row_start, row_end) of its segment in two phases: rows
+    [row_start, row_full) see part of the block (masked per element), rows [row_full, row_end) all of it (unmasked).
+    Rows past a phase's end load zeros: q = dO = 0, so they add nothing."""
+    dk = tl.zeros(k.shape, tl.float32)
+    dv = tl.zeros(k.shape, tl.float32)
+    for phase in tl.static_range(2):
+        if phase == 0:
+            lo, hi = row_start, row_full
+        else:
+            lo, hi = row_full, row_end
+        for start in range(lo, hi, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            real = rows < hi
+            row_ids = segment_slots + rows
+            tokens, heads_of, positions = _rows(rows_ptr, row_ids, real, g, groups, offset)
+            row_mask = _row_mask(real, dim_ok, EVEN_D)
+            q = _load_rows(q_ptr, b, heads_of, tokens, dims, row_mask, stride_qb, stride_qh, stride_qt, UPCAST)
+            pair = (b.to(tl.int64) * tokens_total + tokens) * heads + heads_of
+            do = _load_pairs(do_ptr, pair, dims, row_mask, head_dim, UPCAST)
+            lse = tl.load(lse_ptr + row_ids, mask=real, other=0.0)
+            delta = tl.load(delta_ptr + row_ids, mask=real, other=0.0)
+            s = _scores(
+                q,
+                k,
+                tokens,
+                positions,
+                keys,
+                num_keys,
+                window,
+                mask_ptr,
+                stride_mb,
+                stride_mt,
+                b,
+                qk_scale,
+                phase == 0,
+                HAS_MASK,
+                PRECISION,
+            )  # (BLOCK_M, BLOCK_N)
+            p = tl.exp2(s - lse[:, None])
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
 
@@ -602,76 +621,51 @@ def _dkdv_kernel(
     b, g = segment // kv_heads, segment % kv_heads
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = key_block * BLOCK_N
+    keys = start + tl.arange(0, BLOCK_N)
     kv_mask = _row_mask(keys < num_keys, dim_ok, EVEN_D)
     kv_base = b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kh
+    k_seg, v_seg = k_ptr + kv_base, v_ptr + kv_base
     kv_offs = tl.arange(0, BLOCK_N)[:, None] * stride_kl + dims[None, :]
-    k, v = _load_keys(
-        k_ptr + kv_base,
-        v_ptr + kv_base,
-        kv_offs,
-        key_block * BLOCK_N,
-        stride_kl,
+    k, v = _load_keys(k_seg, v_seg, kv_offs, start, stride_kl, num_keys, dim_ok, True, EVEN_D, UPCAST, BLOCK_N)
+    row_start, row_full, row_end = _dkdv_row_ranges(bounds_ptr, segment, key_block, num_key_blocks, CAUSAL_ONLY)
+    dk, dv = _dkdv_rows(
+        k,
+        v,
+        keys,
+        row_start,
+        row_full,
+        row_end,
+        segment * groups * tokens_total,
+        b,
+        g,
+        q_ptr,
+        do_ptr,
+        lse_ptr,
+        delta_ptr,
+        rows_ptr,
+        mask_ptr,
+        stride_qb,
+        stride_qh,
+        stride_qt,
+        stride_mb,
+        stride_mt,
+        groups,
+        tokens_total,
+        heads,
+        head_dim,
         num_keys,
+        offset,
+        window,
+        qk_scale,
+        dims,
         dim_ok,
-        True,
-        EVEN_D,
+        HAS_MASK,
+        PRECISION,
         UPCAST,
-        BLOCK_N,
+        EVEN_D,
+        BLOCK_M,
     )
-    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    bound = (segment.to(tl.int64) * num_key_blocks + key_block) * 3
-    row_start = tl.load(bounds_ptr + bound)  # the segment's rows that can see one of these keys: [start, end)
-    row_full = tl.load(bounds_ptr + bound + 1)  # from here on (causal only) they see every key of the block
-    row_end = tl.load(bounds_ptr + bound + 2)
-    segment_slots = segment * groups * tokens_total
-    if not CAUSAL_ONLY:
-        row_full = row_end  # every row masked
-    for phase in tl.static_range(2):  # 0: rows that see part of the block, masked; 1: the rest, unmasked
-        if phase == 0:
-            lo, hi = row_start, row_full
-        else:
-            lo, hi = row_full, row_end
-        dk, dv = _dkdv_rows(
-            dk,
-            dv,
-            k,
-            v,
-            keys,
-            lo,
-            hi,
-            segment_slots,
-            b,
-            g,
-            q_ptr,
-            do_ptr,
-            lse_ptr,
-            delta_ptr,
-            rows_ptr,
-            mask_ptr,
-            stride_qb,
-            stride_qh,
-            stride_qt,
-            stride_mb,
-            stride_mt,
-            groups,
-            tokens_total,
-            heads,
-            head_dim,
-            num_keys,
-            offset,
-            window,
-            qk_scale,
-            dims,
-            dim_ok,
-            phase == 0,
-            HAS_MASK,
-            PRECISION,
-            UPCAST,
-            EVEN_D,
-            BLOCK_M,
-        )
     out_offs = (segment.to(tl.int64) * num_keys + keys[:, None]) * head_dim + dims[None, :]  # (B·Hkv, L, hd)
     tl.store(dk_ptr + out_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
