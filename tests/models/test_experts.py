@@ -131,6 +131,11 @@ def test_grouped_is_deterministic_and_leaves_inputs_alone():
 
 
 def test_bf16_close_to_eager():
+    _assert_bf16_close_to_eager()
+
+
+def _assert_bf16_close_to_eager():
+    """The grouped experts in bf16 against eager; returns the inputs (hidden, index, weights, dropped, grad_out)."""
     experts = _experts(8, 16, 13, 3, torch.bfloat16)
     index, weights, dropped = _routing(37, 13, 3, 0.0, torch.float32)
     generator = torch.Generator().manual_seed(3)
@@ -142,6 +147,7 @@ def test_bf16_close_to_eager():
         assert have.dtype == want.dtype
         # bf16 roundings happen in different places (grouped GEMM vs per-expert linear): compare to the tensor's scale
         assert (have.float() - want.float()).abs().max() <= 3e-2 * want.float().abs().max()
+    return hidden, index, weights, dropped, grad_out
 
 
 def test_frozen_experts_only_input_grads():
