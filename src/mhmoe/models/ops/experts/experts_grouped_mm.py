@@ -272,7 +272,7 @@ class _GroupedExperts(torch.autograd.Function):
         gate_up, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
         order, offsets, slot_pos, dropped = ctx.index
         need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
-        num_rows, top_k = top_k_weights.shape
+        top_k = top_k_weights.shape[1]
         inter = down_proj.shape[-1]
         grad_x = grad_weights = grad_gate_up_proj = grad_down = None
         if not (need_x or need_weights or need_gate_up or need_down):
@@ -304,10 +304,7 @@ class _GroupedExperts(torch.autograd.Function):
             # d weight[n, k] = <d out[n], expert output of slot (n, k)> = <d out[n] · down[e], act·up> (the expert
             # output itself is not kept); 0 for dropped slots
             per_assignment = torch.bmm(grad_hidden.unsqueeze(1), hidden.unsqueeze(2)).view(-1)  # (S_kept,)
-            per_assignment.masked_fill_(dropped.index_select(0, order), 0.0)  # rows never computed: undefined
-            grad_weights = top_k_weights.new_zeros(num_rows * top_k)
-            grad_weights.index_copy_(0, order, per_assignment.to(grad_weights.dtype))
-            grad_weights = grad_weights.view(num_rows, top_k)
+            grad_weights = _routing_weights_grad(per_assignment, order, dropped, top_k_weights)
         grad_expert_out = grad_sorted.mul_(weights_sorted)  # (S_kept, W) weighted
         grad_hidden.mul_(weights_sorted)  # (S_kept, I) weighted: d (act·up)
         if need_down:
@@ -337,13 +334,22 @@ class _GroupedExperts(torch.autograd.Function):
         return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
+def _routing_weights_grad(per_assignment, order, dropped, top_k_weights):
+    """(S_kept,) per-assignment d weight in expert order -> (N, K) in slot order; 0 for dropped slots (their rows were
+    never computed: undefined). `per_assignment` is overwritten."""
+    per_assignment.masked_fill_(dropped.index_select(0, order), 0.0)
+    grad_weights = top_k_weights.new_zeros(top_k_weights.numel())
+    grad_weights.index_copy_(0, order, per_assignment.to(grad_weights.dtype))
+    return grad_weights.view(top_k_weights.shape)
+
+
 def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
     """`_GroupedExperts.backward` from d act·up on, with the fused kernels (CUDA, SiLU): act·up, d gate/up and the
     routing weights' gradient in one pass over gate/up, the input gradient's sum over slots in one gather."""
     _, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
     order, offsets, slot_pos, dropped = ctx.index
     need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
-    num_rows, top_k = top_k_weights.shape
+    top_k = top_k_weights.shape[1]
     num_kept, inter = grad_hidden.shape
     grad_x = grad_weights = grad_gate_up_proj = grad_down = None
     weights_sorted = top_k_weights.reshape(-1).index_select(0, order)  # (S_kept,)
@@ -354,11 +360,8 @@ def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
         grad_gate_up = gate_up if overwrite else torch.empty_like(gate_up)  # (S_kept, 2I)
     if _fused(swiglu_backward, gate_up, grad_hidden, weights_sorted, grad_gate_up, hidden, dot) is UNFUSED:
         return UNFUSED  # the kernel did not run: the PyTorch backward does (gate/up unchanged)
-    if need_weights:  # d weight[n, k] = <d out[n] · down[e], act·up>; 0 for dropped slots (rows never computed)
-        dot.masked_fill_(dropped.index_select(0, order), 0.0)
-        grad_weights = top_k_weights.new_zeros(num_rows * top_k)
-        grad_weights.index_copy_(0, order, dot.to(grad_weights.dtype))
-        grad_weights = grad_weights.view(num_rows, top_k)
+    if need_weights:  # d weight[n, k] = <d out[n] · down[e], act·up>
+        grad_weights = _routing_weights_grad(dot, order, dropped, top_k_weights)
     if need_down:  # Σ (weight · d out)ᵀ (act·up) = Σ d outᵀ (weight · act·up): no weighted copy of d out
         grad_down = grouped_mm(grad_sorted.t(), hidden, offsets)  # (E, W, I)
     if need_gate_up:
