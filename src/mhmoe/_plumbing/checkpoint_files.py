@@ -325,13 +325,19 @@ def size_words(size: int) -> str:
     return f"{size} bytes"
 
 
+def nearest_folder(path: str) -> str:
+    """`path` if it is a folder, else its nearest parent that is (where a folder to be made there would live)."""
+    folder = os.path.abspath(path)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
+
+
 def check_writable(output_dir: str, error: type[ValueError] = CheckpointError, needed: int | None = None) -> None:
     """Refuse, in one line, an `output_dir` that cannot be written: on a read-only file system, in a folder this user
     may not add to (where it and its temporary folder are made), or (`needed` bytes) on a file system with less free
     space. Raised as `machine_error`s."""
-    existing = os.path.dirname(os.path.abspath(output_dir))
-    while not os.path.isdir(existing):
-        existing = os.path.dirname(existing)
+    existing = nearest_folder(os.path.dirname(os.path.abspath(output_dir)))
     if hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY:
         raise machine_error(
             error, f"cannot write {output_dir}: {existing} is on a read-only file system; choose another output folder"
@@ -387,9 +393,7 @@ def write_error_message(e: BaseException, output_dir: str) -> str | None:
         return os_error_message(OSError(code, os.strerror(code)), output_dir)
     if not _WRITE_FAILED.search(text):
         return None
-    existing = os.path.abspath(output_dir)
-    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
+    existing = nearest_folder(output_dir)
     free = shutil.disk_usage(existing).free
     if free < 64 * 1024 * 1024:
         return os_error_message(OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free:,} bytes free"), output_dir)

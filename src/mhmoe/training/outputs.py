@@ -9,7 +9,7 @@ import shutil
 
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from .._plumbing.checkpoint_files import machine_error, overlapping, size_words
+from .._plumbing.checkpoint_files import machine_error, nearest_folder, overlapping, size_words
 from .arguments import TrainArguments, TrainingError, recorded_args
 from .checkpoints import (
     check_resume,
@@ -120,10 +120,7 @@ def check_disk_space(run: TrainRun) -> None:
         saves = run.total_steps // args.save_steps - done // args.save_steps
     if args.save_total_limit:  # the newest is written before the oldest goes
         saves = max(0, min(saves, args.save_total_limit + 1 - len(existing)))
-    folder = os.path.abspath(args.output_dir)
-    while not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
-    free = shutil.disk_usage(folder).free
+    free = shutil.disk_usage(nearest_folder(args.output_dir)).free
     if args.overwrite_output_dir and not args.resume_from_checkpoint:
         free += _run_outputs_bytes(args.output_dir)
     first = final + min(saves, 1) * checkpoint
