@@ -92,13 +92,21 @@ def _check_writable(directory: str) -> None:
         )
 
 
+def _run_outputs(output_dir: str) -> tuple[list[str], list[str]]:
+    """What an earlier run left: (checkpoint folders, also those a crash left half-written; files: metrics, final
+    weights and summary)."""
+    folders = [path for _, path in list_checkpoints(output_dir, complete=False)]
+    files = [os.path.join(output_dir, name) for name in (METRICS_FILE, *RUN_OUTPUTS)]
+    return folders, [path for path in files if os.path.isfile(path)]
+
+
 def _remove_run_outputs(output_dir: str) -> None:
-    """--overwrite_output_dir: what an earlier run left (checkpoints, metrics, final weights and summary)."""
-    for _, path in list_checkpoints(output_dir, complete=False):  # also those a crash left half-written
+    """--overwrite_output_dir: what an earlier run left."""
+    folders, files = _run_outputs(output_dir)
+    for path in folders:
         shutil.rmtree(path)
-    for name in (METRICS_FILE, *RUN_OUTPUTS):
-        if os.path.isfile(os.path.join(output_dir, name)):
-            os.remove(os.path.join(output_dir, name))
+    for path in files:
+        os.remove(path)
 
 
 def check_disk_space(run: TrainRun) -> None:
@@ -145,14 +153,10 @@ def check_disk_space(run: TrainRun) -> None:
 
 def _run_outputs_bytes(output_dir: str) -> int:
     """Bytes of what `_remove_run_outputs` would remove."""
-    total = 0
-    for _, path in list_checkpoints(output_dir, complete=False):
-        for root, _, files in os.walk(path):
-            total += sum(os.path.getsize(os.path.join(root, name)) for name in files)
-    for name in (METRICS_FILE, *RUN_OUTPUTS):
-        if os.path.isfile(os.path.join(output_dir, name)):
-            total += os.path.getsize(os.path.join(output_dir, name))
-    return total
+    folders, files = _run_outputs(output_dir)
+    for folder in folders:
+        files += [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+    return sum(os.path.getsize(path) for path in files)
 
 
 def prepare_output_dir(run: TrainRun) -> None:
