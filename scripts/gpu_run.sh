@@ -25,7 +25,7 @@
 #   bench      benchmarks/gpu_head_sparse.py cut at HS_SECONDS (45): $OUT/gpu_head_sparse.json (MoH's head-sparse
 #              attention kernels vs SDPA over all heads; not in the dry run); then benchmarks/gpu_moe.py, cut at
 #              BENCH_SECONDS (205): $OUT/gpu_moe.json, rewritten after every section
-#   reproduce  Table 1 at SCALE (gpu_slice: the gpu scale's models, 1550 steps), seed by seed (SEEDS "0 1"), the cells
+#   reproduce  Table 1 at SCALE (gpu_slice: the gpu scale's models, 1550 steps), seed by seed (SEEDS "0 1 2"), the cells
 #              in the priority CELLS gives ("smoe mhmoe_h3 finegrained_smoe mhmoe_h2 dense"); the runs already in the
 #              committed benchmarks/results/reproduce_mhmoe_table1_<scale>.json or in .gpu_pack/seed/ are skipped; no
 #              run starts whose estimate does not fit DEADLINE_MINUTES (3.6) after this command began:
@@ -52,7 +52,7 @@ WORK="$ROOT/outputs/gpu_reproduce"  # git-ignored; kept on a warm machine betwee
 TABLE=mhmoe_table1
 DRY="${GPU_RUN_DRY:-0}"
 CELLS="${CELLS:-smoe mhmoe_h3 finegrained_smoe mhmoe_h2 dense}"
-SEEDS="${SEEDS:-0 1}"
+SEEDS="${SEEDS:-0 1 2}"
 SCALE="${SCALE:-gpu_slice}"
 export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1

@@ -71,9 +71,9 @@ def test_a_models_own_peak_memory_leaves_out_the_models_built_before_it():
 
 
 def test_the_model_card_template_reports_the_committed_gpu_run():
-    """model_cards/mhmoe.md's speed paragraph says what the latest window, benchmarks/results/gpu_moe-nvidia-h200-939cae8,
+    """model_cards/mhmoe.md's speed paragraph says what the latest window, benchmarks/results/gpu_moe-nvidia-h100-247e4e8,
     holds."""
-    folder = REPO / "benchmarks" / "results" / "gpu_moe-nvidia-h200-939cae8"
+    folder = REPO / "benchmarks" / "results" / "gpu_moe-nvidia-h100-247e4e8"
     data = json.loads((folder / "gpu_moe.json").read_text())
     probe = json.loads((folder / "probe_mhmoe_table1_gpu.json").read_text())["cells"]
 
