@@ -92,6 +92,12 @@ TRITON_KERNELS = {  # module -> the kernels counted (launches, and the bytes of 
         "_swiglu_backward_kernel",
         "_combine_kernel",
     ),
+    "mhmoe.models.ops.head_sparse_attention.head_sparse_attention_triton": (  # head_sparse_ops.py
+        "_row_lists_kernel",
+        "_forward_kernel",
+        "_dq_kernel",
+        "_dkdv_kernel",
+    ),
 }
 
 
@@ -110,7 +116,9 @@ class TritonLaunches:
         for module_name, names in TRITON_KERNELS.items():
             module = importlib.import_module(module_name)
             for name in names:
-                kernel = getattr(module, name)
+                kernel = getattr(module, name, None)
+                if kernel is None:  # not at this commit (a count of an earlier one)
+                    continue
                 self._saved.append((module, name, kernel))
                 setattr(module, name, self._proxy(kernel, name))
         return self

@@ -1,6 +1,6 @@
 """benchmarks/gpu_head_sparse.py off the GPU: its smoke run (tiny shapes, the kernels under TRITON_INTERPRET=1)
-writes the provenance header and every section: the table, the profiled parts (the row lists' operators found by
-name), the tile alternatives."""
+writes the provenance header and every section: the table, the profiled parts (operators found by name), the tile
+alternatives."""
 
 import json
 import sys
@@ -31,8 +31,9 @@ def test_smoke_run_writes_every_section_with_provenance(tmp_path):
     assert forward["mode"] == "forward" and backward["mode"] == "forward+backward"
     for record in (forward, backward):
         assert record["kernel"]["wall_us"] > 0 and record["sdpa"]["wall_us"] > 0
-        assert {"row lists: cumsum", "row lists: scatter"} <= set(record["kernel"]["parts_us"])
-        assert not any("nonzero" in k["kernel"] for k in record["kernel"]["kernels_us"])  # no host-syncing row lists
+        # the row lists are one Triton launch (not seen by the CPU profiler): no PyTorch cumsum/scatter, no nonzero
+        assert not {"cumsum", "scatter"} & set(record["kernel"]["parts_us"])
+        assert not any("nonzero" in k["kernel"] for k in record["kernel"]["kernels_us"])
     assert "key-block bounds: searchsorted" in backward["kernel"]["parts_us"]
     configs = data["tile_configs"]
     assert [c["default"] for c in configs] == [True, False] and all("ratio" in c for c in configs)

@@ -1,6 +1,7 @@
 """Compile the head-sparse attention Triton kernels for a GPU architecture on a machine without one (Triton's
 ahead-of-time pipeline down to a cubin, as `gpu_compile.py` does for the other kernels): bf16 and fp32 (IEEE, TF32)
-operands, with and without a 4-D mask, head dims 64 and 128, at the tiles, warps and stages the launcher picks (`tiles`). Needs
+operands, with and without a 4-D mask, head dims 64 and 128, at the tiles, warps and stages the launcher picks (`tiles`), and the
+row lists' kernel. Needs
 TRITON_INTERPRET unset:
 
     env -u TRITON_INTERPRET PYTHONPATH=src python -m tests.models.ops.head_sparse_attention_gpu_compile [--arch 90]
@@ -76,6 +77,15 @@ def _kernels(dtype: str, precision: str, has_mask: bool, head_dim: int):
     return kernels
 
 
+def _row_lists_kernel():
+    """(name, jit function, signature, constexprs) of the kernel that builds the row lists (no operands: once)."""
+    from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as hs
+
+    signature = dict(active_ptr="*u8", rows_ptr="*i32", positions_ptr="*i32", counts_ptr="*i32")
+    signature.update(tokens="i32", kv_heads="i32", groups="i32", offset="i32")
+    return "head_sparse_attention.row_lists", hs._row_lists_kernel, signature, dict(BLOCK=hs._Plan.MAX_BLOCK)
+
+
 def _aligned(signature: dict) -> list[str]:
     """The arguments a prefill launch marks as multiples of 16 (aligned tensors, strides and sizes of the benchmark's
     shapes: head dims 64 and 128, 4K/16K tokens): the pointers, strides, head dim, tokens and keys."""
@@ -105,6 +115,13 @@ def main(argv=None) -> int:
         return 77
     failures = 0
     for arch in args.arch:
+        name, fn, signature, constexprs = _row_lists_kernel()
+        try:
+            shared = _compile(fn, signature, constexprs, arch, 4, 1, [n for n in signature if n.endswith("_ptr")])
+            print(f"sm_{arch} {name} BLOCK={constexprs['BLOCK']}: shared {shared} B")
+        except Exception as error:
+            failures += 1
+            print(f"sm_{arch} {name}: FAILED {type(error).__name__}: {error}")
         for dtype, precision in (("bf16", "ieee"), ("fp32", "ieee"), ("fp32", "tf32")):
             for has_mask in (False, True):
                 for head_dim in (64, 128):

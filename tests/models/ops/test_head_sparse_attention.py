@@ -328,17 +328,21 @@ def test_triton_kernels_bf16():
 
 
 @pytest.mark.skipif(not triton_path.HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("window", [None, 5])
-def test_triton_row_lists_and_key_block_bounds(window):
-    """The row lists are each segment's active pairs in token order; dK/dV programs loop over the rows found by
-    `key_block_bounds`: every row that sees a key of the block, no more than the window allows, and from `full` on
-    (causal, no window) only rows that see every key of the block. A static cache: keys past the last query."""
+@pytest.mark.parametrize("window, max_block", [(None, 4096), (5, 4096), (None, 16)])
+def test_triton_row_lists_and_key_block_bounds(window, max_block, monkeypatch):
+    """The row lists are each segment's active pairs in token order, with their key positions (after every key past
+    the count); dK/dV programs loop over the rows found by `key_block_bounds`: every row that sees a key of the block,
+    no more than the window allows, and from `full` on (causal, no window) only rows that see every key of the block.
+    A static cache: keys past the last query. `max_block` 16: each segment scanned in several steps."""
+    monkeypatch.setattr(triton_path._Plan, "MAX_BLOCK", max_block)
     batch, heads, kv_heads, tokens, keys, block, offset = 2, 6, 3, 23, 30, 4, 5
     groups = heads // kv_heads
     generator = torch.Generator().manual_seed(0)
     active = torch.rand(batch, tokens, heads, generator=generator) < 0.5
-    plan = triton_path._Plan(active, kv_heads, None, keys)
-    bounds = plan.key_block_bounds(keys, block, window, offset)
+    active[0, :, groups : 2 * groups] = True  # a full segment
+    active[1, :, :groups] = False  # an empty one
+    plan = triton_path._Plan(active, kv_heads, None, keys, offset)
+    bounds = plan.key_block_bounds(keys, block, window)
     capacity = groups * tokens
     for segment in range(batch * kv_heads):
         b, g = divmod(segment, kv_heads)
@@ -347,6 +351,7 @@ def test_triton_row_lists_and_key_block_bounds(window):
         pairs = [(t, j) for t in range(tokens) for j in range(groups) if active[b, t, g * groups + j]]
         assert slots == [t * groups + j for t, j in pairs]
         positions = [t + offset for t, _ in pairs]
+        assert plan.positions[segment].tolist() == positions + [torch.iinfo(torch.int32).max] * (capacity - count)
         for key_block in range(-(-keys // block)):
             first, last = key_block * block, min(keys, key_block * block + block) - 1
             in_window = [p >= first and (window is None or p - window < last) for p in positions]
@@ -385,4 +390,4 @@ def test_triton_kernels_compile_for_sm90():
         pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stdout + run.stderr
     compiled = [line for line in run.stdout.splitlines() if line.startswith("sm_90")]
-    assert len(compiled) == 36 and all(": shared " in line for line in compiled), run.stdout
+    assert len(compiled) == 37 and all(": shared " in line for line in compiled), run.stdout

@@ -3,7 +3,7 @@ backward, equal to `head_sparse_attention_naive.py` (the contract and the shape 
 
 Rows: the active (token, head) pairs of each (batch row, key/value head) segment, in token order (the G query heads
 of a key/value head share its keys, so one program's rows may mix them and every K/V tile it loads serves them all).
-Each segment owns a fixed slice of G·T row slots (`_Plan`): built with a cumsum and a scatter on the device (no
+Each segment owns a fixed slice of G·T row slots (`_Plan`): built by one kernel on the device (a scan per segment; no
 `nonzero`, no `bincount`), so nothing waits on the host; a program past its segment's count returns at once.
 - forward: one program per BLOCK_M rows of a segment; online softmax (base 2: log2(e) folded into the scale, `exp2`)
   over the keys those rows can see, in BLOCK_N tiles. Causal attention without a window or a 4-D mask (prefill, the
@@ -19,9 +19,10 @@ Inactive pairs are in no row list: no work, no memory traffic. On a GPU the gate
 host sync for the 0/1 test `apply_gates` makes elsewhere).
 
 Tiles (`tiles`): forward on bf16/fp16 128 rows × 64 keys, 8 warps, 3 stages (so that each K/V tile serves twice the
-rows it did at 64); backward 64 × 64, 4 warps; fp32 as before (64 × 64, 32 × 32 beyond 64 dims). Run on an H200 at
-commit 939cae8 (before these changes): correct, and 1.9–7.9× the time of SDPA over all heads
-(benchmarks/results/gpu_moe-nvidia-h200-939cae8/gpu_head_sparse.json); the changes since are not yet timed.
+rows it did at 64); backward 64 × 64, 4 warps; fp32 as before (64 × 64, 32 × 32 beyond 64 dims). Run on an H100 at
+commit 247e4e8: correct, and 1.08–1.75× the time of SDPA over all heads at 16K tokens, 2.0–8.5× at 4K, where the
+host's ~21 launches per forward dominated (benchmarks/results/gpu_moe-nvidia-h100-247e4e8/gpu_head_sparse.json); the
+row lists have been one launch since, not yet timed.
 
 Precision: fp32 accumulation and softmax; bf16/fp16 operands go to `tl.dot` as they are, fp32 ones as IEEE fp32
 (exact, slower) or TF32 when torch's own fp32 matmuls may (`torch.backends.cuda.matmul.allow_tf32`). Under
@@ -675,6 +676,43 @@ def _dkdv_kernel(
 # launch
 
 
+@_jit
+def _row_lists_kernel(
+    active_ptr, rows_ptr, positions_ptr, counts_ptr, tokens, kv_heads, groups, offset, BLOCK: tl.constexpr
+):
+    """One program per segment s = (batch row b, key/value head h), its G·T slots scanned in token order: the n-th
+    active pair (token t, head h·G + j) gets rows[s·G·T + n] = t·G + j and positions[s·G·T + n] = t + offset;
+    counts[s] = how many; the positions past the count are int32's max (after every key: the slots stay sorted).
+    `active` (B, T, H) uint8, contiguous."""
+    segment = tl.program_id(0)
+    heads = kv_heads * groups
+    capacity = groups * tokens
+    base = segment.to(tl.int64) * capacity
+    first_head = (segment % kv_heads) * groups
+    batch_row = (segment // kv_heads).to(tl.int64)
+    count = 0
+    start = 0
+    while start < capacity:  # `while`: Triton 3.6's interpreter takes no range() bound from an argument
+        slots = start + tl.arange(0, BLOCK)  # t·G + j
+        valid = slots < capacity
+        token = slots // groups
+        flags = tl.load(
+            active_ptr + (batch_row * tokens + token) * heads + first_head + slots % groups, mask=valid, other=0
+        ).to(tl.int32)
+        place = base + count + tl.cumsum(flags, axis=0) - 1
+        keep = valid & (flags != 0)
+        tl.store(rows_ptr + place, slots, mask=keep)
+        tl.store(positions_ptr + place, token + offset, mask=keep)
+        count += tl.sum(flags, axis=0)
+        start += BLOCK
+    tl.store(counts_ptr + segment, count)
+    start = count
+    while start < capacity:
+        slots = start + tl.arange(0, BLOCK)
+        tl.store(positions_ptr + base + slots, 2147483647, mask=slots < capacity)
+        start += BLOCK
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -725,25 +763,35 @@ def tiles(
 
 
 class _Plan:
-    """The row lists, built on the device without a host sync. Segment s = (batch row, key/value head) owns the slots
-    [s·G·T, (s+1)·G·T) of `rows` (int32): its first `counts[s]` hold t·G + j of its active pairs (token t, head j of
-    the group) in token order; the slots past the count are never read. The log-sum-exp and delta of a row live in
-    the same slot. Also the mask as kernel arguments (additive, fp32, base 2)."""
+    """The row lists, built on the device by one launch (`_row_lists_kernel`), no host sync. Segment s = (batch row,
+    key/value head) owns the slots [s·G·T, (s+1)·G·T) of `rows` (int32): its first `counts[s]` hold t·G + j of its
+    active pairs (token t, head j of the group) in token order; the slots past the count are never read. `positions`
+    (segments, G·T) int32: each slot's key position, past the count after every key (for the backward's key-block
+    bounds). The log-sum-exp and delta of a row live in the same slot. Also the mask as kernel arguments (additive,
+    fp32, base 2)."""
 
-    def __init__(self, active, kv_heads, attention_mask, num_keys):
+    MAX_BLOCK = 4096  # slots per step of a segment's scan
+
+    def __init__(self, active, kv_heads, attention_mask, num_keys, offset):
         batch, tokens, heads = active.shape
         groups = heads // kv_heads
         segments, capacity = batch * kv_heads, groups * tokens
-        flat = active.view(batch, tokens, kv_heads, groups).transpose(1, 2).reshape(segments, capacity)
-        index = flat.cumsum(1)  # (segments, G·T): 1 + each active pair's row in its segment
-        self.counts = index[:, -1].to(torch.int32)
-        base = torch.arange(segments, device=active.device)[:, None] * capacity
-        slot = torch.where(flat, base + index - 1, segments * capacity)  # inactive pairs: one spare slot at the end
-        rows = torch.empty(segments * capacity + 1, dtype=torch.int32, device=active.device)
-        rows.scatter_(
-            0, slot.view(-1), torch.arange(capacity, dtype=torch.int32, device=active.device).repeat(segments)
+        device = active.device
+        self.rows = torch.empty(segments * capacity, dtype=torch.int32, device=device)
+        self.positions = torch.empty(segments, capacity, dtype=torch.int32, device=device)
+        self.counts = torch.empty(segments, dtype=torch.int32, device=device)
+        block = min(self.MAX_BLOCK, max(16, _next_power_of_2(capacity)))
+        _row_lists_kernel[(segments,)](
+            active.contiguous().view(torch.uint8),
+            self.rows,
+            self.positions,
+            self.counts,
+            tokens,
+            kv_heads,
+            groups,
+            offset,
+            BLOCK=block,
         )
-        self.rows = rows
         self.segments, self.groups, self.capacity = segments, groups, capacity
         self.mask, self.mask_strides = None, (0, 0)
         if attention_mask is not None:
@@ -756,19 +804,11 @@ class _Plan:
             self.mask = mask.contiguous()
             self.mask_strides = (self.mask.stride(0) if self.mask.shape[0] > 1 else 0, self.mask.stride(1))
 
-    def positions(self, offset):
-        """(segments, G·T) int32: each slot's key position, in token order; past the count a position after every
-        key (so that the slots stay sorted)."""
-        slots = torch.arange(self.capacity, device=self.rows.device)
-        rows = self.rows[:-1].view(self.segments, self.capacity)
-        beyond = torch.iinfo(torch.int32).max
-        return torch.where(slots < self.counts[:, None], rows // self.groups + offset, beyond).contiguous()
-
-    def key_block_bounds(self, num_keys, block_n, window, offset):
+    def key_block_bounds(self, num_keys, block_n, window):
         """(segments, key blocks, 3) int32: per segment and key block the rows [start, end) that can see a key of the
         block (position >= its first key, and within the window of its last key), and `full`: from there on (start <=
         full <= end) the rows see every key of the block (position >= its last key; only used without a window)."""
-        positions = self.positions(offset)
+        positions = self.positions
         num_blocks = -(-num_keys // block_n)
         first_key = torch.arange(num_blocks, device=positions.device, dtype=torch.int32) * block_n
         last_key = torch.clamp(first_key + block_n - 1, max=num_keys - 1)
@@ -791,10 +831,10 @@ class _HeadSparseAttention(torch.autograd.Function):
         key, value = key.contiguous(), value.contiguous()
         if query.stride(-1) != 1:
             query = query.contiguous()
-        plan = _Plan(active, kv_heads, attention_mask, num_keys)
+        plan = _Plan(active, kv_heads, attention_mask, num_keys, offset)
         tile = tiles(head_dim, query.dtype, **settings)
         out = query.new_zeros(batch, tokens, heads, head_dim)
-        lse = torch.empty(plan.rows.shape[0] - 1, dtype=torch.float32, device=query.device)
+        lse = torch.empty(plan.rows.shape[0], dtype=torch.float32, device=query.device)
         _forward_kernel[(triton.cdiv(plan.capacity, tile.block_m), plan.segments)](
             query,
             key,
@@ -847,7 +887,7 @@ class _HeadSparseAttention(torch.autograd.Function):
             **meta,
         )
         num_blocks = triton.cdiv(num_keys, tile.block_n)
-        bounds = plan.key_block_bounds(num_keys, tile.block_n, window, offset)
+        bounds = plan.key_block_bounds(num_keys, tile.block_n, window)
         _dkdv_kernel[(num_blocks, plan.segments)](
             query,
             key,
