@@ -13,8 +13,8 @@ so a run cut at its limit (scripts/gpu_run.sh: `HS_SECONDS`, 45 s) keeps what it
          attention FLOPs) and the goal (ideal + 10 points). Written after every cell.
   parts  where the time goes, for LLaMA-3-8B 16384 75% and SmolLM2 4096 7/9, forward and forward + backward: one
          torch.profiler run of `--profile_steps` calls each of the kernels and of SDPA: GPU time per kernel (per
-         call), grouped into parts (the Triton row lists, forward, dQ + delta and dK/dV kernels; the key-block
-         bounds: searchsorted, arange; fills; the gates), the GPU's busy time against the
+         call), grouped into parts (the Triton row lists, key-block bounds, forward, dQ + delta and dK/dV kernels;
+         fills; the gates; PyTorch's own ops by kind), the GPU's busy time against the
          host's wall time (timed without the profiler: a wall time far above the busy time says the host is the
          limit), the host syncs of one call (torch.cuda.set_sync_debug_mode) and the host time per operator.
          Written after every profile.
@@ -65,14 +65,15 @@ TILED = (  # the forward at alternatives to `tiles`: (block_m, block_n, num_warp
 )
 PARTS = (  # kernel name pattern -> part (the first that matches)
     ("_row_lists_kernel", "triton row lists"),
+    ("_key_block_bounds_kernel", "triton key-block bounds"),
     ("_forward_kernel", "triton forward"),
     ("_dq_kernel", "triton dQ + delta"),
     ("_dkdv_kernel", "triton dK/dV"),
     ("flash|fmha|attention|sdpa|cutlass", "SDPA kernels"),
     ("scan|cumsum", "cumsum"),
     ("scatter", "scatter"),
-    ("searchsorted|bucketize", "key-block bounds: searchsorted"),
-    ("arange|range_factory|linspace", "key-block bounds: arange"),
+    ("searchsorted|bucketize", "searchsorted"),
+    ("arange|range_factory|linspace", "arange"),
     ("fill|zero", "fills (zeros for inactive pairs / gradients)"),
     ("copy|transpose|cat|stack", "copies (contiguous, permute, stack)"),
     ("reduce|sum|all|any", "reductions (gates 0/1 check)"),

@@ -94,6 +94,7 @@ TRITON_KERNELS = {  # module -> the kernels counted (launches, and the bytes of 
     ),
     "mhmoe.models.ops.head_sparse_attention.head_sparse_attention_triton": (  # head_sparse_ops.py
         "_row_lists_kernel",
+        "_key_block_bounds_kernel",
         "_forward_kernel",
         "_dq_kernel",
         "_dkdv_kernel",

@@ -1,7 +1,7 @@
 """Compile the head-sparse attention Triton kernels for a GPU architecture on a machine without one (Triton's
 ahead-of-time pipeline down to a cubin, as `gpu_compile.py` does for the other kernels): bf16 and fp32 (IEEE, TF32)
 operands, with and without a 4-D mask, head dims 64 and 128, at the tiles, warps and stages the launcher picks (`tiles`), and the
-row lists' kernel. Needs
+kernels that build the row lists and the key-block bounds. Needs
 TRITON_INTERPRET unset:
 
     env -u TRITON_INTERPRET PYTHONPATH=src python -m tests.models.ops.head_sparse_attention_gpu_compile [--arch 90]
@@ -77,13 +77,24 @@ def _kernels(dtype: str, precision: str, has_mask: bool, head_dim: int):
     return kernels
 
 
-def _row_lists_kernel():
-    """(name, jit function, signature, constexprs) of the kernel that builds the row lists (no operands: once)."""
+def _plan_kernels():
+    """(name, jit function, signature, constexprs) of the kernels that build the row lists and the backward's
+    key-block bounds (no operands: once)."""
     from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as hs
 
-    signature = dict(active_ptr="*u8", rows_ptr="*i32", positions_ptr="*i32", counts_ptr="*i32")
-    signature.update(tokens="i32", kv_heads="i32", groups="i32", offset="i32")
-    return "head_sparse_attention.row_lists", hs._row_lists_kernel, signature, dict(BLOCK=hs._Plan.MAX_BLOCK)
+    rows = dict(active_ptr="*u8", rows_ptr="*i32", positions_ptr="*i32", counts_ptr="*i32")
+    rows.update(tokens="i32", kv_heads="i32", groups="i32", offset="i32")
+    bounds = dict(positions_ptr="*i32", bounds_ptr="*i32", capacity="i32", num_keys="i32", num_key_blocks="i32")
+    bounds.update(window="i32", steps="i32")
+    return [("head_sparse_attention.row_lists", hs._row_lists_kernel, rows, dict(BLOCK=hs._Plan.MAX_BLOCK))] + [
+        (
+            f"head_sparse_attention.key_block_bounds causal_only={causal_only}",
+            hs._key_block_bounds_kernel,
+            bounds,
+            dict(CAUSAL_ONLY=causal_only, BLOCK_N=64, BLOCK_K=128),
+        )
+        for causal_only in (True, False)
+    ]
 
 
 def _aligned(signature: dict) -> list[str]:
@@ -115,13 +126,13 @@ def main(argv=None) -> int:
         return 77
     failures = 0
     for arch in args.arch:
-        name, fn, signature, constexprs = _row_lists_kernel()
-        try:
-            shared = _compile(fn, signature, constexprs, arch, 4, 1, [n for n in signature if n.endswith("_ptr")])
-            print(f"sm_{arch} {name} BLOCK={constexprs['BLOCK']}: shared {shared} B")
-        except Exception as error:
-            failures += 1
-            print(f"sm_{arch} {name}: FAILED {type(error).__name__}: {error}")
+        for name, fn, signature, constexprs in _plan_kernels():
+            try:
+                shared = _compile(fn, signature, constexprs, arch, 4, 1, [n for n in signature if n.endswith("_ptr")])
+                print(f"sm_{arch} {name}: shared {shared} B")
+            except Exception as error:
+                failures += 1
+                print(f"sm_{arch} {name}: FAILED {type(error).__name__}: {error}")
         for dtype, precision in (("bf16", "ieee"), ("fp32", "ieee"), ("fp32", "tf32")):
             for has_mask in (False, True):
                 for head_dim in (64, 128):

@@ -13,8 +13,8 @@ Each segment owns a fixed slice of G·T row slots (`_Plan`): built by one kernel
   row's log-sum-exp (base 2).
 - backward: dQ like the forward (one program per row block, the keys in a loop; it also computes each row's
   delta = rowsum(dO · O)); dK and dV one program per (segment, BLOCK_N keys), looping over the segment's rows that
-  can see those keys (`torch.searchsorted` on the device, batched over segments; the rows that see the whole key
-  block, causal only, without a per-element mask): every gradient written once, no atomics.
+  can see those keys (found before by `_key_block_bounds_kernel`, binary searches in the rows' sorted positions; the
+  rows that see the whole key block, causal only, without a per-element mask): every gradient written once, no atomics.
 Inactive pairs are in no row list: no work, no memory traffic. On a GPU the gates are always multiplied in (no
 host sync for the 0/1 test `apply_gates` makes elsewhere).
 
@@ -22,7 +22,7 @@ Tiles (`tiles`): forward on bf16/fp16 128 rows × 64 keys, 8 warps, 3 stages (so
 rows it did at 64); backward 64 × 64, 4 warps; fp32 as before (64 × 64, 32 × 32 beyond 64 dims). Run on an H100 at
 commit 247e4e8: correct, and 1.08–1.75× the time of SDPA over all heads at 16K tokens, 2.0–8.5× at 4K, where the
 host's ~21 launches per forward dominated (benchmarks/results/gpu_moe-nvidia-h100-247e4e8/gpu_head_sparse.json); the
-row lists have been one launch since, not yet timed.
+row lists and the key-block bounds have been one launch each since, not yet timed.
 
 Precision: fp32 accumulation and softmax; bf16/fp16 operands go to `tl.dot` as they are, fp32 ones as IEEE fp32
 (exact, slower) or TF32 when torch's own fp32 matmuls may (`torch.backends.cuda.matmul.allow_tf32`). Under
@@ -713,6 +713,58 @@ def _row_lists_kernel(
         start += BLOCK
 
 
+@_jit
+def _first_at_or_after(positions_ptr, capacity, values, steps):
+    """(K,) the first slot whose position is >= each value (`capacity` if none): a binary search per lane over a
+    segment's sorted positions, `steps` >= bit length of `capacity` rounds (a lane that has converged stays)."""
+    low = values * 0
+    high = low + capacity
+    step = 0
+    while step < steps:
+        searching = low < high
+        mid = (low + high) // 2
+        below = tl.load(positions_ptr + mid, mask=searching, other=0) < values
+        low = tl.where(searching & below, mid + 1, low)
+        high = tl.where(searching & ~below, mid, high)
+        step += 1
+    return low
+
+
+@_jit
+def _key_block_bounds_kernel(
+    positions_ptr,
+    bounds_ptr,
+    capacity,
+    num_keys,
+    num_key_blocks,
+    window,
+    steps,
+    CAUSAL_ONLY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """bounds[s, kb] = (start, full, end) for BLOCK_K key blocks of segment s: `_Plan.key_block_bounds`."""
+    segment = tl.program_id(1)
+    blocks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    first_key = blocks * BLOCK_N
+    positions = positions_ptr + segment.to(tl.int64) * capacity
+    start = _first_at_or_after(positions, capacity, first_key, steps)
+    reach = first_key * 0 + num_keys
+    if window > 0:
+        reach = tl.minimum(tl.minimum(first_key + BLOCK_N - 1, num_keys - 1) + window, num_keys)
+    end = tl.maximum(start, _first_at_or_after(positions, capacity, reach, steps))
+    full = end
+    if CAUSAL_ONLY:  # a partial block: masked
+        full = tl.minimum(
+            tl.maximum(_first_at_or_after(positions, capacity, first_key + BLOCK_N - 1, steps), start), end
+        )
+    out = bounds_ptr + (segment.to(tl.int64) * num_key_blocks + blocks) * 3
+    valid = blocks < num_key_blocks
+    tl.store(out, start, mask=valid)
+    tl.store(out + 1, full, mask=valid)
+    tl.store(out + 2, end, mask=valid)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -807,20 +859,24 @@ class _Plan:
     def key_block_bounds(self, num_keys, block_n, window):
         """(segments, key blocks, 3) int32: per segment and key block the rows [start, end) that can see a key of the
         block (position >= its first key, and within the window of its last key), and `full`: from there on (start <=
-        full <= end) the rows see every key of the block (position >= its last key; only used without a window)."""
-        positions = self.positions
+        full <= end) the rows see every key of the block (position >= its last key; without a window only; with one,
+        full = end). One launch (`_key_block_bounds_kernel`): binary searches in the sorted positions."""
         num_blocks = -(-num_keys // block_n)
-        first_key = torch.arange(num_blocks, device=positions.device, dtype=torch.int32) * block_n
-        last_key = torch.clamp(first_key + block_n - 1, max=num_keys - 1)
-
-        def search(values):  # first slot with a position >= value, per segment
-            return torch.searchsorted(positions, values.expand(self.segments, -1).contiguous())
-
-        start = search(first_key)
-        end = search(torch.clamp(last_key + window, max=num_keys) if window else torch.full_like(first_key, num_keys))
-        end = torch.maximum(start, end)
-        full = torch.minimum(torch.maximum(search(first_key + block_n - 1), start), end)  # a partial block: masked
-        return torch.stack([start, full, end], dim=-1).to(torch.int32).contiguous()
+        bounds = torch.empty(self.segments, num_blocks, 3, dtype=torch.int32, device=self.positions.device)
+        block_k = min(128, _next_power_of_2(num_blocks))
+        _key_block_bounds_kernel[(triton.cdiv(num_blocks, block_k), self.segments)](
+            self.positions,
+            bounds,
+            self.capacity,
+            num_keys,
+            num_blocks,
+            window or 0,
+            self.capacity.bit_length(),
+            CAUSAL_ONLY=not window,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
+        return bounds
 
 
 class _HeadSparseAttention(torch.autograd.Function):
