@@ -1,7 +1,8 @@
 """Where the MH-MoE h=3 block's GPU time goes: the `parts` and `compiled` sections of benchmarks/gpu_moe.py.
 
 parts      the h=3 block's forward cut into the steps `experts.grouped_experts_forward` and the block run (no grad, bf16):
-           head layer, router GEMM (fp32), route (softmax + top-k), sort by expert, slot positions, gather of the
+           head layer, router GEMM (fp32), route (softmax + top-k), sort by expert (with the slots' positions: free
+           from the counting sort, an `index_copy_` after PyTorch's), gather of the
            rows, gate/up grouped GEMM, act·up, down grouped GEMM, combine (gather the K slots, weight, sum), merge
            layer; each timed alone, eagerly and replayed from a CUDA graph (the device's time without the host's
            launch cost), beside the whole block forward and forward+backward. Then one profiled forward+backward of
@@ -56,7 +57,9 @@ def block_parts(block, x) -> dict:
         state["weights"], state["index"] = routing.route(
             state["logits"], k, gate.norm_topk_prob, gate.capacity_factor, gate.routing_backend, gate.capacity_rounding
         )
-        state["order"], state["offsets"] = routing.sort_by_expert(state["index"], num_experts)
+        state["order"], state["offsets"], state["slot_pos"] = routing.sort_by_expert(
+            state["index"], num_experts, positions=True
+        )
         state["rows"] = state["sub"].index_select(0, state["order"] // k)  # (S, W)
         state["gate_up"] = grouped_gemm.grouped_mm(
             state["rows"], experts.gate_up_proj.transpose(1, 2), state["offsets"]
@@ -66,11 +69,7 @@ def block_parts(block, x) -> dict:
         state["expert_out"] = grouped_gemm.grouped_mm(
             state["hidden"], experts.down_proj.transpose(1, 2), state["offsets"]
         )
-        num_slots = state["index"].numel()
         state["dropped"] = state["index"].reshape(-1) >= num_experts
-        state["slot_pos"] = torch.empty_like(state["order"]).index_copy_(
-            0, state["order"], torch.arange(num_slots, device=x.device)
-        )
         state["combined"] = torch.zeros_like(x)
 
     # act·up and the combine as the block runs them: the fused Triton steps on CUDA (SiLU), else PyTorch's
@@ -90,18 +89,13 @@ def block_parts(block, x) -> dict:
         )
         return torch.bmm(state["weights"].float().unsqueeze(1), slots.float()).squeeze(1).to(x.dtype)
 
-    def slot_positions():
-        pos = torch.empty_like(state["order"])
-        return pos.index_copy_(0, state["order"], torch.arange(num_slots, device=x.device))
-
     return {
         "head layer": lambda: block.head_proj(x),
         "router GEMM (fp32)": lambda: F.linear(state["sub"].float(), gate.weight.float()),
         "route": lambda: routing.route(
             state["logits"], k, gate.norm_topk_prob, gate.capacity_factor, gate.routing_backend, gate.capacity_rounding
         ),
-        "sort by expert": lambda: routing.sort_by_expert(state["index"], num_experts),
-        "slot positions": slot_positions,
+        "sort by expert": lambda: routing.sort_by_expert(state["index"], num_experts, positions=True),
         "gather rows": lambda: state["sub"].index_select(0, state["order"] // k),
         "gate/up grouped GEMM": lambda: grouped_gemm.grouped_mm(
             state["rows"], experts.gate_up_proj.transpose(1, 2), state["offsets"]

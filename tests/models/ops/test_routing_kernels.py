@@ -192,6 +192,12 @@ def test_sort_by_expert_matches_reference(drop):
     ref_order, ref_offsets = routing_naive.sort_by_expert(experts, num_experts)
     assert order.dtype == ref_order.dtype and offsets.dtype == ref_offsets.dtype == torch.int32
     assert torch.equal(order, ref_order) and torch.equal(offsets, ref_offsets)
+    # with positions: where each assignment sits in `order` (its inverse permutation), from both sorts
+    *same, positions = routing_triton.sort_by_expert(experts, num_experts, block=16, positions=True)
+    *ref_same, ref_positions = routing_naive.sort_by_expert(experts, num_experts, positions=True)
+    assert all(torch.equal(a, b) for a, b in zip(same + ref_same, (order, offsets) * 2))
+    assert torch.equal(positions, ref_positions) and positions.dtype == torch.int64
+    assert torch.equal(order[positions], torch.arange(experts.numel()))
 
 
 def test_empty_input_and_bad_arguments():
@@ -331,7 +337,7 @@ def test_model_forced_onto_the_kernels_matches_torch(capacity_factor, monkeypatc
         monkeypatch.setitem(
             routing.IMPLEMENTATIONS[name],
             "triton",
-            lambda *a, original=original, name=name: calls.append(name) or original(*a),
+            lambda *a, original=original, name=name, **kw: calls.append(name) or original(*a, **kw),
         )
 
     results = []

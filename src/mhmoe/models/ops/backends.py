@@ -146,12 +146,12 @@ def route(
 
 
 def sort_by_expert(
-    experts: torch.Tensor, num_experts: int, backend: str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    experts: torch.Tensor, num_experts: int, backend: str | None = None, positions: bool = False
+) -> tuple[torch.Tensor, ...]:
     """Group assignments by expert (`routing_naive.sort_by_expert`): `order` (S,) sorted by expert, dropped last,
-    stable; `offsets` (E,) int32 ends."""
+    stable; `offsets` (E,) int32 ends; with `positions`, where each assignment sits in `order` (S,)."""
     requested = _routing_request(backend)
-    return _run("routing.sort_by_expert", experts, requested, experts, num_experts)
+    return _run("routing.sort_by_expert", experts, requested, experts, num_experts, positions=positions)
 
 
 def l2_head_gates(
@@ -208,13 +208,14 @@ def experts(
     implementation = IMPLEMENTATIONS["experts"][backend]
     if backend == "naive":
         return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
-    order, offsets = sort_by_expert(top_k_index, gate_up_proj.shape[0], routing_backend)  # (S,), (E,)
     if backend == "triton":
         if not is_silu(act_fn):
             raise ValueError(f"the triton experts implement SiLU experts only, got {type(act_fn).__name__}")
+        order, offsets = sort_by_expert(top_k_index, gate_up_proj.shape[0], routing_backend)  # (S,), (E,)
         return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, order, offsets)
+    sort = sort_by_expert(top_k_index, gate_up_proj.shape[0], routing_backend, positions=True)  # (S,), (E,), (S,)
     return implementation(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, may_drop
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn, *sort[:2], may_drop, sort[2]
     )
 
 

@@ -185,7 +185,8 @@ def _sum_slots(slots: torch.Tensor, top_k: int) -> torch.Tensor:
 def _experts_forward(
     hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped, for_backward
 ):
-    """The forward computation; returns (N, W) output and, `for_backward`, the tensors the backward needs.
+    """The forward computation; returns (N, W) output and, `for_backward`, the tensors the backward needs: gate/up
+    (None with `RECOMPUTE_GATE_UP`) and each sorted assignment's routed row.
 
     Without a backward to come, act(gate)·up is computed in place in gate_up's gate half (no (S, I) allocation).
     """
@@ -229,8 +230,8 @@ def _experts_forward(
         return out.to(hidden_states.dtype), ()
     if RECOMPUTE_GATE_UP:
         BUFFER_POOL.give(buffer if buffer is not None else gate_up)
-        return out.to(hidden_states.dtype), (None,)
-    return out.to(hidden_states.dtype), (gate_up,)
+        return out.to(hidden_states.dtype), (None, source_rows)
+    return out.to(hidden_states.dtype), (gate_up, source_rows)
 
 
 # Keep nothing of the experts' intermediates for the backward, not even gate/up (S, 2I): the backward recomputes it
@@ -258,11 +259,11 @@ class _GroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped):
-        out, (gate_up,) = _experts_forward(
+        out, (gate_up, source_rows) = _experts_forward(
             hidden_states, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, slot_pos, dropped, True
         )
         ctx.save_for_backward(gate_up, hidden_states, top_k_weights, gate_up_proj, down_proj)
-        ctx.index = (order, offsets, slot_pos, dropped)
+        ctx.index = (order, offsets, slot_pos, dropped, source_rows)
         ctx.act_fn = act_fn
         return out
 
@@ -270,14 +271,13 @@ class _GroupedExperts(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         gate_up, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
-        order, offsets, slot_pos, dropped = ctx.index
+        order, offsets, slot_pos, dropped, source_rows = ctx.index  # source_rows (S_kept,): each one's routed row
         need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         top_k = top_k_weights.shape[1]
         inter = down_proj.shape[-1]
         grad_x = grad_weights = grad_gate_up_proj = grad_down = None
         if not (need_x or need_weights or need_gate_up or need_down):
             return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
-        source_rows = order // top_k  # (S_kept,) the routed row of each sorted assignment
         rows = None
         overwrite = _may_overwrite_saved_tensors()
         if gate_up is None:  # RECOMPUTE_GATE_UP: nothing was kept; a buffer of this backward's, free to overwrite
@@ -304,7 +304,7 @@ class _GroupedExperts(torch.autograd.Function):
             # d weight[n, k] = <d out[n], expert output of slot (n, k)> = <d out[n] · down[e], act·up> (the expert
             # output itself is not kept); 0 for dropped slots
             per_assignment = torch.bmm(grad_hidden.unsqueeze(1), hidden.unsqueeze(2)).view(-1)  # (S_kept,)
-            grad_weights = _routing_weights_grad(per_assignment, order, dropped, top_k_weights)
+            grad_weights = _routing_weights_grad(per_assignment, slot_pos, dropped, top_k_weights)
         grad_expert_out = grad_sorted.mul_(weights_sorted)  # (S_kept, W) weighted
         grad_hidden.mul_(weights_sorted)  # (S_kept, I) weighted: d (act·up)
         if need_down:
@@ -334,20 +334,18 @@ class _GroupedExperts(torch.autograd.Function):
         return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
 
 
-def _routing_weights_grad(per_assignment, order, dropped, top_k_weights):
-    """(S_kept,) per-assignment d weight in expert order -> (N, K) in slot order; 0 for dropped slots (their rows were
-    never computed: undefined). `per_assignment` is overwritten."""
-    per_assignment.masked_fill_(dropped.index_select(0, order), 0.0)
-    grad_weights = top_k_weights.new_zeros(top_k_weights.numel())
-    grad_weights.index_copy_(0, order, per_assignment.to(grad_weights.dtype))
-    return grad_weights.view(top_k_weights.shape)
+def _routing_weights_grad(per_assignment, slot_pos, dropped, top_k_weights):
+    """(S_kept,) per-assignment d weight in expert order -> (N, K) in slot order, each slot's read at its position;
+    0 for dropped slots (their rows were never computed: undefined)."""
+    grad_weights = per_assignment.index_select(0, slot_pos).masked_fill_(dropped, 0.0)
+    return grad_weights.to(top_k_weights.dtype).view(top_k_weights.shape)
 
 
 def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
     """`_GroupedExperts.backward` from d act·up on, with the fused kernels (CUDA, SiLU): act·up, d gate/up and the
     routing weights' gradient in one pass over gate/up, the input gradient's sum over slots in one gather."""
     _, hidden_states, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
-    order, offsets, slot_pos, dropped = ctx.index
+    order, offsets, slot_pos, dropped, source_rows = ctx.index
     need_x, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
     top_k = top_k_weights.shape[1]
     num_kept, inter = grad_hidden.shape
@@ -361,12 +359,12 @@ def _fused_backward(ctx, gate_up, grad_hidden, grad_sorted, rows, overwrite):
     if _fused(swiglu_backward, gate_up, grad_hidden, weights_sorted, grad_gate_up, hidden, dot) is UNFUSED:
         return UNFUSED  # the kernel did not run: the PyTorch backward does (gate/up unchanged)
     if need_weights:  # d weight[n, k] = <d out[n] · down[e], act·up>
-        grad_weights = _routing_weights_grad(dot, order, dropped, top_k_weights)
+        grad_weights = _routing_weights_grad(dot, slot_pos, dropped, top_k_weights)
     if need_down:  # Σ (weight · d out)ᵀ (act·up) = Σ d outᵀ (weight · act·up): no weighted copy of d out
         grad_down = grouped_mm(grad_sorted.t(), hidden, offsets)  # (E, W, I)
     if need_gate_up:
         if rows is None:
-            rows = _select_rows(hidden_states, order // top_k).to(gate_up_proj.dtype)  # gathered again
+            rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # gathered again
         grad_gate_up_proj = grouped_mm(grad_gate_up.t(), rows, offsets)  # (E, 2I, W)
     if need_x:
         grad_rows = grouped_mm(grad_gate_up, gate_up_proj, offsets)  # (S_kept, W)
@@ -386,13 +384,15 @@ def experts_forward(
     order: torch.Tensor,
     offsets: torch.Tensor,
     may_drop: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows (N, W) in expert order (`order` (S,), `offsets` (E,) from `sort_by_expert`) -> two grouped GEMMs ->
     weighted sum of each row's K outputs (deterministic) -> (N, W).
 
     Dropped assignments (expert id E) sort last, past offsets[-1]: the grouped GEMMs never compute them and their
     slots are masked to 0. Shapes do not depend on the routing (no host sync): only with `may_drop` (capacity routing)
-    offsets[-1] is read once in eager mode, to skip the dropped rows' gathers.
+    offsets[-1] is read once in eager mode, to skip the dropped rows' gathers. `positions` (S,): where each assignment
+    sits in `order` (`sort_by_expert(..., positions=True)`), else computed here.
     """
     num_rows, top_k = top_k_index.shape
     num_slots = num_rows * top_k
@@ -401,9 +401,12 @@ def experts_forward(
     if may_drop and not _tracing():
         num_kept = int(offsets[-1])  # the one host sync, of capacity routing only
         order = order[:num_kept]
-    # slot_pos[j]: where flat assignment j sits in `order` (dropped ones past the kept rows, or at 0: masked)
-    slot_pos = order.new_zeros(num_slots) if num_kept < num_slots else order.new_empty(num_slots)
-    slot_pos.index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
+    # slot_pos[j]: where flat assignment j sits in `order` (dropped ones past the kept rows, or at 0 once the order is
+    # cut to the kept rows: masked)
+    slot_pos = positions
+    if positions is None or num_kept < num_slots:
+        slot_pos = order.new_zeros(num_slots) if num_kept < num_slots else order.new_empty(num_slots)
+        slot_pos.index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
     weights = (gate_up_proj, down_proj)
     compute = autocast_dtype(hidden_states.device)
     if compute is not None and weights[0].dtype != compute:

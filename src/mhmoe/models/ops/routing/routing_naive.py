@@ -70,15 +70,19 @@ def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> t
     return (rank < capacity).view(top_k, num_rows).t()
 
 
-def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(experts: torch.Tensor, num_experts: int, positions: bool = False) -> tuple[torch.Tensor, ...]:
     """Group assignments by expert.
 
     `experts` (N, K) with ids in [0, E] (E = dropped). Returns `order` (S,) indices into the flattened (N·K)
     assignments, sorted by expert with dropped ones last, stable (ties keep (row, slot) order), and `offsets` (E,)
     int32 cumulative end of each expert's group (offsets[-1] = number of kept assignments), the layout
-    `torch._grouped_mm` takes.
+    `torch._grouped_mm` takes. With `positions`, also the inverse permutation (S,) int64: where each assignment sits
+    in `order` (the kernel's sort has it for free).
     """
     flat = experts.reshape(-1)
     sorted_experts, order = torch.sort(flat, stable=True)
     ends = torch.searchsorted(sorted_experts, torch.arange(num_experts, device=flat.device), right=True)
-    return order, ends.to(torch.int32)
+    if not positions:
+        return order, ends.to(torch.int32)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
+    return order, ends.to(torch.int32), inverse

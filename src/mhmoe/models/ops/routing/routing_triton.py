@@ -313,9 +313,9 @@ def route(
 
 
 def sort_by_expert(
-    experts: torch.Tensor, num_experts: int, block: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`routing_naive.sort_by_expert` with the counting sort: `order` (S,) int64 (dropped id E last, stable) and
-    `offsets` (E,) int32."""
-    _, order, _, ends = _counting_sort(experts.reshape(-1), num_experts + 1, True, block, None)
-    return order, ends[:num_experts]
+    experts: torch.Tensor, num_experts: int, block: int | None = None, positions: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """`routing_naive.sort_by_expert` with the counting sort: `order` (S,) int64 (dropped id E last, stable),
+    `offsets` (E,) int32 and, with `positions`, the inverse permutation (S,) int64 (the sort's own `pos`)."""
+    pos, order, _, ends = _counting_sort(experts.reshape(-1), num_experts + 1, True, block, None)
+    return (order, ends[:num_experts], pos) if positions else (order, ends[:num_experts])
