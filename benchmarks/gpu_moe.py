@@ -160,12 +160,23 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
                     "ties_only": bool(same_choice),
                 }
             )
+            # the logits' gradient (the backward kernel), on the rows where both chose the same experts
+            leaves = [logits.detach().clone().requires_grad_() for _ in range(2)]
+            probe = torch.linspace(-1, 2, rows * top_k, device=device).view(rows, top_k)
+            for leaf, route in zip(leaves, (routing_triton.route, routing_naive.route)):
+                (route(leaf, top_k, True)[0] * probe).sum().backward()
+            alike = (got_e == ref_e).all(-1)
+            out.append(_errors(f"route logits' gradient {tag}", leaves[0].grad[alike], leaves[1].grad[alike], 1e-2))
             ref_o, ref_off = routing_naive.sort_by_expert(ref_e, experts)
-            got_o, got_off = routing_triton.sort_by_expert(ref_e, experts)
+            got_o, got_off, got_pos = routing_triton.sort_by_expert(ref_e, experts, positions=True)
             out.append(
                 {
                     "check": f"sort_by_expert {tag}",
-                    "ok": bool(torch.equal(got_o, ref_o) and torch.equal(got_off, ref_off)),
+                    "ok": bool(
+                        torch.equal(got_o, ref_o)
+                        and torch.equal(got_off, ref_off)
+                        and torch.equal(got_o[got_pos], torch.arange(ref_e.numel(), device=device))
+                    ),
                 }
             )
             bad = logits.clone()

@@ -83,6 +83,7 @@ class Counter(TorchDispatchMode):
 TRITON_KERNELS = {  # module -> the kernels counted (launches, and the bytes of the tensors each launch is given)
     "mhmoe.models.ops.routing.routing_triton": (
         "_softmax_topk_kernel",
+        "_softmax_topk_backward_kernel",
         "_block_histogram_kernel",
         "_scan_counts_kernel",
         "_stable_scatter_kernel",

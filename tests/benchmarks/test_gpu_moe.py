@@ -53,6 +53,8 @@ def test_smoke_run_writes_each_section(tmp_path):
     names = [c["check"] for c in data["checks"]]
     assert "moe grouped_mm tiled float32" in names and "moe grouped_mm kernel float32" in names
     assert all(c["ok"] for c in data["checks"] if c["check"].startswith("moe grouped_mm"))
+    routing_checks = [c for c in data["checks"] if c["check"].startswith(("route", "sort_by_expert"))]
+    assert "route logits' gradient float32" in names and all(c["ok"] for c in routing_checks), routing_checks
     assert "torch route" in data["routing"]["us"] and data["gemm"]["grouped_mm experts"]["tflops"] > 0
 
 

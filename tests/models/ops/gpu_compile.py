@@ -34,6 +34,20 @@ def _kernels(dtype: str, tile: dict, precision: str = "tf32"):
             dict(TOP_K=3, RENORM=True, BLOCK_K=4, BLOCK_N=16, BLOCK_E=128),
         ),
         (
+            "routing.softmax_topk_backward",
+            rt._softmax_topk_backward_kernel,
+            dict(
+                logits_ptr=p,
+                experts_ptr="*i64",
+                grad_weights_ptr="*fp32",
+                grad_logits_ptr=p,
+                num_rows=i32,
+                num_experts=i32,
+                stride_row=i32,
+            ),
+            dict(TOP_K=3, RENORM=True, BLOCK_N=16, BLOCK_E=128),
+        ),
+        (
             "routing.block_histogram",
             rt._block_histogram_kernel,
             dict(ids_ptr="*i64", counts_ptr="*i32", num_ids=i32, num_bins=i32),

@@ -52,6 +52,20 @@ def _both(logits, top_k, norm=True, capacity=None, block_rows=8, block=16):
     return results
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_backward_takes_strided_logits_and_an_expanded_gradient(norm):
+    """The backward kernel reads the logits by row stride (a transposed leaf: its last stride is not 1) and an
+    expanded gradient of the weights (stride 0 across rows), and matches the reference's."""
+    grads = []
+    for route in (routing_triton.route, routing_naive.route):
+        leaf = _logits(7, 19, seed=3).t().contiguous().requires_grad_()  # (19, 7)
+        weights, _ = route(leaf.t(), 3, norm)  # (7, 19) logits with strides (1, 7)
+        (weights * torch.tensor([1.0, -2.0, 3.0])).sum().backward()  # d weights: the row broadcast, stride (0, 1)
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    assert grads[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("norm", [True, "always", False])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"N{n}-E{e}-K{k}" for n, e, k in SHAPES])
 def test_route_matches_reference(shape, norm):

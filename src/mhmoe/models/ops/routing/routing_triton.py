@@ -84,6 +84,55 @@ def _softmax_topk_kernel(
 
 
 @_jit
+def _softmax_topk_backward_kernel(
+    logits_ptr,
+    experts_ptr,
+    grad_weights_ptr,
+    grad_logits_ptr,
+    num_rows,
+    num_experts,
+    stride_row,
+    TOP_K: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """BLOCK_N rows per program: the logits' gradient of `_softmax_topk_kernel`'s weights, the softmax recomputed.
+    Per row, with p = softmax(x), the chosen experts' p summing to S and the weights' gradient g:
+    d p[e_k] = g_k (renormalised: (g_k - Σ_j g_j·p[e_j] / S) / S), 0 elsewhere; d x = p · (d p - Σ d p · p)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_rows
+    col_ok = cols < num_experts
+    offs = rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+    x = tl.load(logits_ptr + offs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.where(col_ok[None, :], x, float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    probs = e / tl.sum(e, axis=1)[:, None]  # (BLOCK_N, BLOCK_E)
+    grad_probs = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)  # Σ_k g_k at e_k
+    chosen = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)  # 1 at the chosen experts
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)  # S
+    weighted = tl.zeros((BLOCK_N,), dtype=tl.float32)  # Σ g_k · p[e_k]
+    for k in tl.static_range(TOP_K):
+        expert = tl.load(experts_ptr + rows.to(tl.int64) * TOP_K + k, mask=row_ok, other=0).to(tl.int32)
+        grad = tl.load(grad_weights_ptr + rows.to(tl.int64) * TOP_K + k, mask=row_ok, other=0.0).to(tl.float32)
+        picked = cols[None, :] == expert[:, None]
+        prob = tl.sum(tl.where(picked, probs, 0.0), axis=1)
+        grad_probs += tl.where(picked, grad[:, None], 0.0)
+        chosen += picked.to(tl.float32)
+        total += prob
+        weighted += grad * prob
+    if RENORM:
+        grad_probs = (grad_probs - (weighted / total)[:, None] * chosen) / total[:, None]
+    grad_logits = probs * (grad_probs - tl.sum(grad_probs * probs, axis=1)[:, None])
+    out = rows[:, None].to(tl.int64) * num_experts + cols[None, :]
+    tl.store(
+        grad_logits_ptr + out, grad_logits.to(grad_logits_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
+    )
+
+
+@_jit
 def _block_histogram_kernel(
     ids_ptr, counts_ptr, num_ids, num_bins, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CHUNKS: tl.constexpr
 ):
@@ -229,7 +278,7 @@ def softmax_topk(
     router_logits: torch.Tensor, top_k: int, renormalise: bool, block_rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, E) logits -> weights (N, K) fp32 (renormalised when `renormalise`), experts (N, K) int64; one launch.
-    Differentiable in the weights (the backward is the softmax / renormalisation Jacobian, in PyTorch)."""
+    Differentiable in the weights (the backward, the softmax / renormalisation Jacobian, is one launch too)."""
     _check(router_logits)
     num_rows, num_experts = router_logits.shape
     if not 1 <= top_k <= min(MAX_TOP_K, num_experts):
@@ -276,16 +325,27 @@ class _SoftmaxTopK(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_weights, _):
-        logits, experts = ctx.saved_tensors
-        probs = torch.softmax(logits.float(), dim=-1)  # (N, E), recomputed rather than kept
-        chosen = probs.gather(1, experts)  # (N, K)
-        grad_chosen = grad_weights.float()
-        if ctx.renormalise:  # w = v / Σv: dv = (dw - Σ dw·w) / Σv
-            total = chosen.sum(-1, keepdim=True)
-            grad_chosen = (grad_chosen - (grad_chosen * chosen / total).sum(-1, keepdim=True)) / total
-        grad_probs = torch.zeros_like(probs).scatter_(1, experts, grad_chosen)  # distinct experts per row
-        grad_logits = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
-        return grad_logits.to(logits.dtype), None, None, None
+        logits, experts = ctx.saved_tensors  # the softmax is recomputed rather than kept
+        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+        num_rows, num_experts = logits.shape
+        grad_logits = torch.empty(num_rows, num_experts, dtype=logits.dtype, device=logits.device)
+        block_e = _next_power_of_2(num_experts)
+        block_rows = max(1, (2**14 if interpreting() else 2**11) // block_e)
+        if num_rows:
+            _softmax_topk_backward_kernel[(-(-num_rows // block_rows),)](
+                logits,
+                experts,
+                grad_weights.contiguous(),
+                grad_logits,
+                num_rows,
+                num_experts,
+                logits.stride(0),
+                TOP_K=experts.shape[1],
+                RENORM=ctx.renormalise,
+                BLOCK_N=block_rows,
+                BLOCK_E=block_e,
+            )
+        return grad_logits, None, None, None
 
 
 def route(
