@@ -7,7 +7,8 @@ parts      the h=3 block's forward cut into the steps `experts.grouped_experts_f
            layer; each timed alone, eagerly and replayed from a CUDA graph (the device's time without the host's
            launch cost), beside the whole block forward and forward+backward. Then one profiled forward+backward of
            the h=3, SMoE and Mixtral blocks: GPU kernels launched, the GPU's busy time against the wall time, host
-           syncs (torch.cuda.set_sync_debug_mode), and the largest kernels.
+           syncs (torch.cuda.set_sync_debug_mode), and the largest kernels; and at a quarter of the tokens each
+           block's fwd+bwd wall time (no profiler) against its GPU busy time: whether the host is the limit there.
 compiled   fwd+bwd of Transformers' Mixtral block, our SMoE and h=3 blocks under torch.compile (default, and
            "reduce-overhead": CUDA graphs) against eager, interleaved; with the compile time of each.
 
@@ -211,7 +212,38 @@ def time_parts(build_blocks, interleaved, hidden: int, tokens: int, repeats: int
             result["profiles"][name] = profile_step(blocks[name], x, grad, device)
         except Exception as error:
             result["errors"][f"profile {name}"] = f"{type(error).__name__}: {error}"[:300]
+    try:
+        result["host_bound"] = host_bound(blocks, x[:, : max(1, tokens // 4)], interleaved, repeats, device)
+    except Exception as error:
+        result["errors"]["host_bound"] = f"{type(error).__name__}: {error}"[:300]
     return result
+
+
+def host_bound(blocks, x, interleaved, repeats, device) -> dict:
+    """At a quarter of the tokens (where the 8K cells missed): each block's fwd+bwd wall time (interleaved, no
+    profiler) against its GPU busy time (one profiled step). Wall far above busy: the host is the limit."""
+    grad = torch.randn_like(x)
+    names = ("hf_mixtral", "ours_smoe", "ours_h3")
+
+    def forward_backward(block):
+        def run():
+            inp = x.detach().requires_grad_()
+            block.zero_grad(set_to_none=True)
+            out = block(inp)
+            (out[0] if isinstance(out, tuple) else out).backward(grad)
+
+        return run
+
+    walls = interleaved({name: forward_backward(blocks[name]) for name in names}, repeats, device)
+    cells = {}
+    for name in names:
+        prof = profile_step(blocks[name], x, grad, device)
+        cells[name] = {
+            "wall_us": 1e3 * walls[name]["ms"],
+            "gpu_busy_us": prof["gpu_busy_us"],
+            "kernels": prof["kernels"],
+        }
+    return {"tokens": x.shape[1], "blocks": cells}
 
 
 def time_compiled(
@@ -284,6 +316,18 @@ def markdown_parts(parts: dict) -> str:
     lines.append(f"| sum of the steps (eager) | {parts['sum_of_parts_eager_us']:,.1f} | |")
     lines.append(f"| whole block forward+backward | {parts['whole_fwd_bwd_us']:,.1f} | |")
     lines += [f"- FAILED {name}: {error}" for name, error in parts.get("errors", {}).items()]
+    if parts.get("host_bound"):
+        bound = parts["host_bound"]
+        lines += [
+            "",
+            f"| fwd+bwd at {bound['tokens']} tokens | wall µs | GPU busy µs | busy / wall | kernels |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, cell in bound["blocks"].items():
+            lines.append(
+                f"| {name} | {cell['wall_us']:,.0f} | {cell['gpu_busy_us']:,.0f} | "
+                f"{cell['gpu_busy_us'] / cell['wall_us']:.0%} | {cell['kernels']} |"
+            )
     if parts.get("profiles"):
         lines += [
             "",

@@ -40,7 +40,8 @@ def test_smoke_run_writes_each_section(tmp_path):
         "combine (gather K slots, weight, sum)",
         "whole block forward",
     } <= set(parts["parts"])
-    assert set(parts["profiles"]) == {"hf_mixtral", "ours_smoe", "ours_h3"}
+    assert set(parts["profiles"]) == set(parts["host_bound"]["blocks"]) == {"hf_mixtral", "ours_smoe", "ours_h3"}
+    assert all(c["wall_us"] > 0 and c["kernels"] > 0 for c in parts["host_bound"]["blocks"].values())
     assert all(p["kernels"] > 0 for p in parts["profiles"].values())
     assert not data["compiled"]["errors"] and "ours_h3 default" in data["compiled"]["times"]
     assert {"grouped GEMMs only", "dense GEMMs, the experts' shapes"} <= set(data["gemm"])
