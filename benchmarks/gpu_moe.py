@@ -338,13 +338,7 @@ def time_blocks(blocks, tokens, hidden, repeats, dtype, device) -> dict:
         return run
 
     def forward_backward(block):
-        def run():
-            inp = x.detach().requires_grad_()
-            block.zero_grad(set_to_none=True)
-            out = block(inp)
-            (out[0] if isinstance(out, tuple) else out).backward(grad)
-
-        return run
+        return gpu_moe_parts.fwd_bwd_step(block, x, grad)
 
     return {
         mode: interleaved({name: make(block) for name, block in blocks.items()}, repeats, device, "hf_mixtral")

@@ -114,17 +114,24 @@ def block_parts(block, x) -> dict:
     }
 
 
-def profile_step(block, x, grad, device) -> dict:
-    """One forward+backward of `block` after a warm-up: kernels launched, GPU busy µs, wall µs, host syncs, the
-    largest kernels (on CPU: the aten operators run, in place of kernels)."""
-    from torch.profiler import ProfilerActivity, profile
+def fwd_bwd_step(block, x, grad):
+    """A call running one forward+backward of `block` on a fresh leaf copy of `x` (its gradients cleared first)."""
 
-    def step():
+    def run():
         inp = x.detach().requires_grad_()
         block.zero_grad(set_to_none=True)
         out = block(inp)
         (out[0] if isinstance(out, tuple) else out).backward(grad)
 
+    return run
+
+
+def profile_step(block, x, grad, device) -> dict:
+    """One forward+backward of `block` after a warm-up: kernels launched, GPU busy µs, wall µs, host syncs, the
+    largest kernels (on CPU: the aten operators run, in place of kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = fwd_bwd_step(block, x, grad)
     step()
     syncs = 0
     if device.type == "cuda":
@@ -200,12 +207,8 @@ def time_parts(build_blocks, interleaved, hidden: int, tokens: int, repeats: int
     step_parts = [n for n in result["parts"] if n not in ("experts as the block runs them", "whole block forward")]
     result["sum_of_parts_eager_us"] = sum(result["parts"][n]["eager_us"] for n in step_parts)
 
-    def forward_backward():
-        inp = x.detach().requires_grad_()
-        block.zero_grad(set_to_none=True)
-        block(inp).backward(grad)
-
-    result["whole_fwd_bwd_us"] = 1e3 * interleaved({"fwd+bwd": forward_backward}, repeats, device)["fwd+bwd"]["ms"]
+    whole = interleaved({"fwd+bwd": fwd_bwd_step(block, x, grad)}, repeats, device)
+    result["whole_fwd_bwd_us"] = 1e3 * whole["fwd+bwd"]["ms"]
     result["profiles"] = {}
     for name in ("hf_mixtral", "ours_smoe", "ours_h3"):
         try:
@@ -224,17 +227,7 @@ def host_bound(blocks, x, interleaved, repeats, device) -> dict:
     profiler) against its GPU busy time (one profiled step). Wall far above busy: the host is the limit."""
     grad = torch.randn_like(x)
     names = ("hf_mixtral", "ours_smoe", "ours_h3")
-
-    def forward_backward(block):
-        def run():
-            inp = x.detach().requires_grad_()
-            block.zero_grad(set_to_none=True)
-            out = block(inp)
-            (out[0] if isinstance(out, tuple) else out).backward(grad)
-
-        return run
-
-    walls = interleaved({name: forward_backward(blocks[name]) for name in names}, repeats, device)
+    walls = interleaved({name: fwd_bwd_step(blocks[name], x, grad) for name in names}, repeats, device)
     cells = {}
     for name in names:
         prof = profile_step(blocks[name], x, grad, device)

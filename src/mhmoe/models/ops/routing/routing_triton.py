@@ -32,6 +32,20 @@ MAX_TOP_K = 8
 
 
 @_jit
+def _softmax_rows(logits_ptr, num_rows, num_experts, stride_row, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The program's BLOCK_N rows of logits -> fp32 softmax (BLOCK_N, BLOCK_E); padding columns get probability 0."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_rows
+    col_ok = cols < num_experts
+    offs = rows[:, None].to(tl.int64) * stride_row + cols[None, :]
+    x = tl.load(logits_ptr + offs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.where(col_ok[None, :], x, float("-inf"))  # padding columns: probability 0, never chosen
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    return rows, cols, row_ok, col_ok, e / tl.sum(e, axis=1)[:, None]
+
+
+@_jit
 def _softmax_topk_kernel(
     logits_ptr,
     weights_ptr,
@@ -51,16 +65,7 @@ def _softmax_topk_kernel(
     NaN probabilities (a row with a NaN or +inf logit, or only -inf ones, is NaN throughout) rank as 0 in the
     selection, so such a row takes the lowest ids, distinct and in [0, E), with NaN weights: an id past the experts
     would make every later kernel read and write out of bounds. The ids are clamped to E - 1 besides."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < num_rows
-    col_ok = cols < num_experts
-    offs = rows[:, None].to(tl.int64) * stride_row + cols[None, :]
-    x = tl.load(logits_ptr + offs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    x = tl.where(col_ok[None, :], x, float("-inf"))  # padding columns: probability 0, never chosen
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    probs = e / tl.sum(e, axis=1)[:, None]
+    rows, cols, row_ok, col_ok, probs = _softmax_rows(logits_ptr, num_rows, num_experts, stride_row, BLOCK_N, BLOCK_E)
     key = tl.where(col_ok[None, :], tl.where(probs == probs, probs, 0.0), -1.0)  # selection key: NaN -> 0
 
     kcols = tl.arange(0, BLOCK_K)
@@ -100,16 +105,7 @@ def _softmax_topk_backward_kernel(
     """BLOCK_N rows per program: the logits' gradient of `_softmax_topk_kernel`'s weights, the softmax recomputed.
     Per row, with p = softmax(x), the chosen experts' p summing to S and the weights' gradient g:
     d p[e_k] = g_k (renormalised: (g_k - Σ_j g_j·p[e_j] / S) / S), 0 elsewhere; d x = p · (d p - Σ d p · p)."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < num_rows
-    col_ok = cols < num_experts
-    offs = rows[:, None].to(tl.int64) * stride_row + cols[None, :]
-    x = tl.load(logits_ptr + offs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    x = tl.where(col_ok[None, :], x, float("-inf"))
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    probs = e / tl.sum(e, axis=1)[:, None]  # (BLOCK_N, BLOCK_E)
+    rows, cols, row_ok, col_ok, probs = _softmax_rows(logits_ptr, num_rows, num_experts, stride_row, BLOCK_N, BLOCK_E)
     grad_probs = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)  # Σ_k g_k at e_k
     chosen = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)  # 1 at the chosen experts
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)  # S
