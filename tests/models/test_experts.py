@@ -15,6 +15,7 @@ from mhmoe.models.mhmoe.experts import (
     grouped_experts_forward,
 )
 from mhmoe.models.mhmoe.sparse_moe import MHMoESparseMoeBlock
+from mhmoe.models.ops import backends
 from mhmoe.models.ops.backends import route, sort_by_expert
 from mhmoe.models.ops.experts import experts_grouped_mm, grouped_gemm
 
@@ -105,11 +106,17 @@ def test_kernel_and_fallback_paths_are_both_covered(case):
     assert takes_kernel == (case.startswith("aligned") and grouped_gemm.TORCH_GROUPED_MM is not None)
 
 
-def test_every_assignment_dropped():
+@pytest.mark.parametrize("may_drop", [False, True])  # True: capacity routing, the order cut to the kept (no) rows
+def test_every_assignment_dropped(may_drop):
     experts = _experts(8, 16, 5, 2, torch.float32)
     hidden = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
     weights = torch.zeros(6, 2, requires_grad=True)
-    out = grouped_experts_forward(experts, hidden, torch.full((6, 2), 5), weights)
+    index = torch.full((6, 2), 5)
+    if may_drop:
+        weights_ = (experts.gate_up_proj, experts.down_proj)
+        out = backends.experts(hidden, index, weights, *weights_, experts.act_fn, may_drop=True)
+    else:
+        out = grouped_experts_forward(experts, hidden, index, weights)
     out.sum().backward()
     assert torch.count_nonzero(out) == 0 and torch.count_nonzero(hidden.grad) == 0
     assert torch.count_nonzero(experts.gate_up_proj.grad) == 0 and torch.count_nonzero(weights.grad) == 0

@@ -337,6 +337,8 @@ class _GroupedExperts(torch.autograd.Function):
 def _routing_weights_grad(per_assignment, slot_pos, dropped, top_k_weights):
     """(S_kept,) per-assignment d weight in expert order -> (N, K) in slot order, each slot's read at its position;
     0 for dropped slots (their rows were never computed: undefined)."""
+    if per_assignment.numel() == 0:  # every assignment dropped (the order cut to no rows)
+        return torch.zeros_like(top_k_weights)
     grad_weights = per_assignment.index_select(0, slot_pos).masked_fill_(dropped, 0.0)
     return grad_weights.to(top_k_weights.dtype).view(top_k_weights.shape)
 
