@@ -863,7 +863,7 @@ class _Plan:
         full = end). One launch (`_key_block_bounds_kernel`): binary searches in the sorted positions."""
         num_blocks = -(-num_keys // block_n)
         bounds = torch.empty(self.segments, num_blocks, 3, dtype=torch.int32, device=self.positions.device)
-        block_k = min(128, _next_power_of_2(num_blocks))
+        block_k = min(128, max(16, _next_power_of_2(num_blocks)))  # at least 16 lanes, as every tile here
         _key_block_bounds_kernel[(triton.cdiv(num_blocks, block_k), self.segments)](
             self.positions,
             bounds,
