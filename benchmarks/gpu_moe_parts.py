@@ -224,11 +224,14 @@ def time_parts(build_blocks, interleaved, hidden: int, tokens: int, repeats: int
 
 def host_bound(blocks, x, interleaved, repeats, device) -> dict:
     """At a quarter of the tokens (where the 8K cells missed): each block's fwd+bwd wall time (interleaved, no
-    profiler) against its GPU busy time (one profiled step). Wall far above busy: the host is the limit."""
+    profiler) against its GPU busy time (one profiled step). Wall far above busy: the host is the limit. On CUDA also
+    the same eager block captured whole, forward and backward, in CUDA graphs (`torch.cuda.make_graphed_callables`):
+    the wall time without the host's per-launch cost (a block that syncs with the host cannot be captured: its error
+    is recorded). Last: capturing replaces the blocks' forward."""
     grad = torch.randn_like(x)
     names = ("hf_mixtral", "ours_smoe", "ours_h3")
     walls = interleaved({name: fwd_bwd_step(blocks[name], x, grad) for name in names}, repeats, device)
-    cells = {}
+    cells, errors = {}, {}
     for name in names:
         prof = profile_step(blocks[name], x, grad, device)
         cells[name] = {
@@ -236,7 +239,18 @@ def host_bound(blocks, x, interleaved, repeats, device) -> dict:
             "gpu_busy_us": prof["gpu_busy_us"],
             "kernels": prof["kernels"],
         }
-    return {"tokens": x.shape[1], "blocks": cells}
+    graphed = {}
+    for name in names if device.type == "cuda" else ():
+        try:
+            sample = (x.detach().requires_grad_(),)
+            graphed[name] = fwd_bwd_step(torch.cuda.make_graphed_callables(blocks[name], sample), x, grad)
+            graphed[name]()  # a replay runs at all
+        except Exception as error:
+            errors[name] = f"{type(error).__name__}: {error}"[:300]
+            graphed.pop(name, None)
+    for name, timing in (interleaved(graphed, repeats, device) if graphed else {}).items():
+        cells[name]["cuda_graph_wall_us"] = 1e3 * timing["ms"]
+    return {"tokens": x.shape[1], "blocks": cells, "cuda_graph_errors": errors}
 
 
 def time_compiled(
@@ -313,14 +327,18 @@ def markdown_parts(parts: dict) -> str:
         bound = parts["host_bound"]
         lines += [
             "",
-            f"| fwd+bwd at {bound['tokens']} tokens | wall µs | GPU busy µs | busy / wall | kernels |",
-            "| --- | --- | --- | --- | --- |",
+            f"| fwd+bwd at {bound['tokens']} tokens | wall µs | GPU busy µs | busy / wall | kernels | "
+            "CUDA-graphed wall µs |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for name, cell in bound["blocks"].items():
+            graphed = cell.get("cuda_graph_wall_us")
             lines.append(
                 f"| {name} | {cell['wall_us']:,.0f} | {cell['gpu_busy_us']:,.0f} | "
-                f"{cell['gpu_busy_us'] / cell['wall_us']:.0%} | {cell['kernels']} |"
+                f"{cell['gpu_busy_us'] / cell['wall_us']:.0%} | {cell['kernels']} | "
+                + (f"{graphed:,.0f} |" if graphed is not None else "- |")
             )
+        lines += [f"- not captured: {name}: {error}" for name, error in bound.get("cuda_graph_errors", {}).items()]
     if parts.get("profiles"):
         lines += [
             "",
