@@ -213,9 +213,9 @@ def experts(
             raise ValueError(f"the triton experts implement SiLU experts only, got {type(act_fn).__name__}")
         order, offsets = sort_by_expert(top_k_index, gate_up_proj.shape[0], routing_backend)  # (S,), (E,)
         return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, order, offsets)
-    sort = sort_by_expert(top_k_index, gate_up_proj.shape[0], routing_backend, positions=True)  # (S,), (E,), (S,)
+    order, offsets, positions = sort_by_expert(top_k_index, gate_up_proj.shape[0], routing_backend, positions=True)
     return implementation(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn, *sort[:2], may_drop, sort[2]
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn, order, offsets, may_drop, positions
     )
 
 

@@ -285,6 +285,12 @@ def softmax_topk(
     return _SoftmaxTopK.apply(router_logits, top_k, renormalise, block_rows)
 
 
+def _rows_per_program(block_e: int) -> int:
+    """Rows per program of the softmax kernels (forward and backward): (rows, BLOCK_E) tiles of ~2k entries on a GPU,
+    large ones under the interpreter (per-program cost)."""
+    return max(1, (2**14 if interpreting() else 2**11) // block_e)
+
+
 def _softmax_topk_forward(logits, top_k, renormalise, block_rows):
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, num_experts = logits.shape
@@ -292,7 +298,7 @@ def _softmax_topk_forward(logits, top_k, renormalise, block_rows):
     experts = torch.empty(num_rows, top_k, dtype=torch.int64, device=logits.device)
     block_e = _next_power_of_2(num_experts)
     if block_rows is None:
-        block_rows = max(1, (2**14 if interpreting() else 2**11) // block_e)
+        block_rows = _rows_per_program(block_e)
     if num_rows:
         _softmax_topk_kernel[(-(-num_rows // block_rows),)](
             logits,
@@ -326,7 +332,7 @@ class _SoftmaxTopK(torch.autograd.Function):
         num_rows, num_experts = logits.shape
         grad_logits = torch.empty(num_rows, num_experts, dtype=logits.dtype, device=logits.device)
         block_e = _next_power_of_2(num_experts)
-        block_rows = max(1, (2**14 if interpreting() else 2**11) // block_e)
+        block_rows = _rows_per_program(block_e)
         if num_rows:
             _softmax_topk_backward_kernel[(-(-num_rows // block_rows),)](
                 logits,
