@@ -288,13 +288,20 @@ def test_block_under_gradient_checkpointing(use_reentrant, pooled, request):
         _assert_all_close(_block_run(block, x, "grouped_mm", use_reentrant), expected)
 
 
+@pytest.mark.parametrize("routing", ["torch", "triton"])
 @pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
-def test_block_under_torch_compile(pool, capacity_factor):
+def test_block_under_torch_compile(pool, capacity_factor, routing, monkeypatch):
     """torch.compile(fullgraph=True): routing and dispatch have static shapes (no host sync, no graph break), the
     grouped GEMMs are one opaque op each, nothing is pooled inside the graph, and output and gradients are eager's on
-    the first (tracing) step and the next, with and without capacity drops."""
+    the first (tracing) step and the next, with and without capacity drops. With the Triton routing (the interpreter
+    here) the graph holds its custom ops: the softmax/top-k and one counting sort per sort (two with capacity)."""
     from torch._dynamo.backends.registry import lookup_backend
 
+    from mhmoe.models.ops.routing.routing_triton import HAS_TRITON
+
+    if routing == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv(backends.ROUTING_BACKEND_ENV, routing)
     block = _h3_block()
     block.gate.capacity_factor = capacity_factor
     x = torch.randn(2, 5, 24)
@@ -315,6 +322,8 @@ def test_block_under_torch_compile(pool, capacity_factor):
     assert len(graphs) == 1
     targets = [node.target for node in graphs[0].graph.nodes]
     assert torch._C._nn.linear in targets and targets.count(torch.ops.mhmoe.grouped_mm) == 2
+    routing_ops = [targets.count(torch.ops.mhmoe.softmax_topk), targets.count(torch.ops.mhmoe.counting_sort)]
+    assert routing_ops == ([0, 0] if routing == "torch" else [1, 1 if capacity_factor is None else 2])
     assert not pool._free
 
 

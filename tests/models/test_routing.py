@@ -48,3 +48,22 @@ def test_top1_router_learns_from_the_lm_loss():
     assert _router_grad(True, 1) > 1e-4
     assert _router_grad("always", 1) < 1e-7
     assert _router_grad(True, 2) > 1e-4
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+@pytest.mark.parametrize("shape", [(13, 5, 1), (13, 5, 2), (7, 9, 4), (1, 3, 3)])
+def test_weights_backward_in_closed_form_is_autograds(shape, renormalise):
+    """routing_naive.route_weights_backward (the kernels' reference inside traced graphs) gives the gradient autograd
+    takes through `route`'s softmax, top-k and renormalisation, for an arbitrary weights' gradient."""
+    from mhmoe.models.ops.routing.routing_naive import route as naive_route
+    from mhmoe.models.ops.routing.routing_naive import route_weights_backward
+
+    num_rows, num_experts, top_k = shape
+    generator = torch.Generator().manual_seed(sum(shape))
+    logits = (torch.randn(num_rows, num_experts, generator=generator) * 2).double().requires_grad_()
+    grad_weights = torch.randn(num_rows, top_k, generator=generator).double()
+    weights, experts = naive_route(logits, top_k, "always" if renormalise else False)
+    (expected,) = torch.autograd.grad(weights, logits, grad_weights)
+    got = route_weights_backward(logits.detach(), experts, grad_weights, renormalise)
+    assert got.dtype == logits.dtype
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

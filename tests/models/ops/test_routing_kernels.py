@@ -397,3 +397,69 @@ def test_cuda_nan_logits_stay_in_range():
     order, offsets = routing_triton.sort_by_expert(experts, 11)
     torch.cuda.synchronize()
     assert ((experts >= 0) & (experts <= 11)).all() and int(offsets[-1]) == int((experts < 11).sum())
+
+
+@pytest.mark.parametrize("shape", [(37, 7, 3), (21, 96, 8), (1, 3, 1)])
+def test_custom_ops_pass_opcheck(shape):
+    """The kernels' torch.library forms (what traced graphs call): schema, fake implementations (shapes, dtypes),
+    autograd registration and dispatch, checked by torch.library.opcheck on odd shapes; and their results are the
+    eager kernels'."""
+    num_rows, num_experts, top_k = shape
+    logits = _logits(num_rows, num_experts).requires_grad_()
+    for renormalise in (True, False):
+        torch.library.opcheck(torch.ops.mhmoe.softmax_topk, (logits, top_k, renormalise, True))
+        weights, experts = torch.ops.mhmoe.softmax_topk(logits, top_k, renormalise, True)
+        expected = routing_triton.softmax_topk(logits, top_k, renormalise)
+        torch.testing.assert_close(weights, expected[0])
+        assert torch.equal(experts, expected[1])
+        grad = torch.linspace(-1, 1, weights.numel()).view_as(weights)
+        args = (logits.detach(), experts, grad, renormalise, True)
+        torch.library.opcheck(torch.ops.mhmoe.softmax_topk_backward, args)
+        (want,) = torch.autograd.grad(expected[0], logits, grad)
+        torch.testing.assert_close(torch.ops.mhmoe.softmax_topk_backward(*args), want)
+    ids = torch.randint(0, num_experts + 1, (num_rows * top_k,), generator=torch.Generator().manual_seed(1))
+    for write_order in (True, False):
+        torch.library.opcheck(torch.ops.mhmoe.counting_sort, (ids, num_experts + 1, write_order, True))
+        pos, order, counts, ends = torch.ops.mhmoe.counting_sort(ids, num_experts + 1, write_order, True)
+        want = routing_triton.counting_sort(ids, num_experts + 1, write_order)
+        assert torch.equal(pos, want[0]) and torch.equal(counts, want[2])
+        assert torch.equal(order, want[1]) if write_order else order.numel() == 0
+        assert torch.equal(ends, counts.cumsum(0).to(torch.int32))
+
+
+def test_a_kernel_failing_inside_a_traced_graph_falls_back_in_its_op(monkeypatch, caplog):
+    """A graph cannot swap a kernel out once traced: a custom op whose kernel raises runs the reference in its body
+    (strict=False: the kernel was chosen by default), logs it once, records it in `fallbacks()` (which stops eager calls
+    choosing the kernels by default) and gives the reference's results; strict=True (the kernel was asked for) raises."""
+    from mhmoe.models.ops.backends import fallbacks, reset_fallbacks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of resources: shared memory")
+
+    for name in ("_softmax_topk_forward", "_softmax_topk_backward", "_counting_sort"):
+        monkeypatch.setattr(routing_triton, name, broken)
+    logits, grad = _logits(11, 6), torch.randn(11, 2)
+    ids = torch.randint(0, 7, (22,), generator=torch.Generator().manual_seed(2))
+    reset_fallbacks()
+    try:
+        with pytest.raises(RuntimeError, match="out of resources"):
+            torch.ops.mhmoe.softmax_topk(logits, 2, True, True)
+        assert fallbacks() == {}
+        with caplog.at_level("WARNING", logger=routing_triton.__name__):
+            for _ in range(2):
+                weights, experts = torch.ops.mhmoe.softmax_topk(logits, 2, True, False)
+                grad_logits = torch.ops.mhmoe.softmax_topk_backward(logits, experts, grad, True, False)
+                pos, order, counts, ends = torch.ops.mhmoe.counting_sort(ids, 7, True, False)
+        ref_weights, ref_experts = routing_naive.route(logits, 2)
+        assert torch.equal(experts, ref_experts) and torch.equal(weights, ref_weights)
+        ref_grad = routing_naive.route_weights_backward(logits, experts, grad, True)
+        assert torch.equal(grad_logits, ref_grad)
+        ref_order, ref_ends, ref_pos = routing_naive.sort_by_expert(ids, 6, positions=True)
+        assert torch.equal(order, ref_order) and torch.equal(pos, ref_pos) and torch.equal(ends[:6], ref_ends)
+        assert torch.equal(counts, torch.bincount(ids, minlength=7))
+        assert set(fallbacks()) == {"routing.route", "routing.sort_by_expert"}
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 2 and all("out of resources" in r.getMessage() for r in warnings)
+    finally:
+        reset_fallbacks()
+    assert fallbacks() == {}

@@ -23,7 +23,9 @@ head-sparse attention, the attention module's `moh_head_skipping` when it names 
 A backend asked for runs or raises. A kernel chosen by default that fails is replaced by the reference: the failure is
 logged once at WARNING and recorded (`fallbacks()`: {op: reason}, which the benchmarks and the reproduction write
 into their results), and no kernel is chosen by default again until `reset_fallbacks()`. Under torch.compile /
-torch.export the references are traced (the experts' grouped_mm path has its own traced form).
+torch.export the routing kernels run as `torch.library` custom ops (`routing_triton.py`; chosen as in eager, and a
+default one that fails falls back inside its op, recorded the same way); the other ops trace their references (the
+experts' grouped_mm path has its own traced form).
 
 Adding an op: `ops/<op>/<op>_naive.py` (the reference) beside its kernels (`<op>_triton.py`, importing triton through
 `triton_compat.py`), one entry in `IMPLEMENTATIONS` and `AUTOMATIC`, a function here that the model calls, and tests
@@ -50,6 +52,7 @@ from .head_sparse_attention.head_sparse_attention_naive import head_sparse_atten
 from .head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
 from .routing.routing_naive import route as naive_route
 from .routing.routing_naive import sort_by_expert as naive_sort_by_expert
+from .routing.routing_triton import TRACED_FAILED as routing_traced_failed
 from .routing.routing_triton import route as triton_route
 from .routing.routing_triton import sort_by_expert as triton_sort_by_expert
 from .triton_compat import HAS_TRITON
@@ -74,6 +77,8 @@ AUTOMATIC = {
     "routing.sort_by_expert": "triton",
     "head_router.l2_head_gates": "triton",
 }  # head_sparse_attention's Triton kernels join once a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py)
+# ops whose kernels have a torch.library form (routing_triton's custom ops): chosen inside traced graphs too
+TRACED_KERNELS = ("routing.route", "routing.sort_by_expert")
 DEFAULT = {"experts": "grouped_mm", "head_sparse_attention": "cpu"}  # ops whose default is not the naive reference
 # how to ask for an op's kernel (so that its error is raised); the routing ops' way when not listed
 ASK_FOR_KERNEL = {"head_sparse_attention": "set the attention modules' moh_head_skipping = 'triton'"}
@@ -91,8 +96,12 @@ def choose(op: str, tensor: torch.Tensor, requested: str | None = None) -> tuple
             raise ValueError(f"{op} has no backend {requested!r}; its backends are {tuple(IMPLEMENTATIONS[op])}")
         return requested, True
     kernel = AUTOMATIC.get(op)
-    if kernel and tensor.is_cuda and HAS_TRITON and not torch.compiler.is_compiling() and not fallbacks():
-        return kernel, False
+    if kernel and tensor.is_cuda and HAS_TRITON:
+        if torch.compiler.is_compiling():  # in a graph only kernels with a custom op; they fall back inside it
+            if op in TRACED_KERNELS:
+                return kernel, False
+        elif not fallbacks():
+            return kernel, False
     return DEFAULT.get(op, "naive"), False
 
 
@@ -107,6 +116,9 @@ def _run(op: str, tensor: torch.Tensor, requested: str | None, *args, **kwargs):
     """`op` on the backend `choose` picks; a kernel chosen by default that raises is recorded and the reference runs."""
     backend, forced = choose(op, tensor, requested)
     implementation = IMPLEMENTATIONS[op][backend]
+    if torch.compiler.is_compiling():  # the graph runs later: its op bodies fall back unless the kernel was asked for
+        strict = {"strict": forced} if backend == "triton" and op in TRACED_KERNELS else {}
+        return implementation(*args, **kwargs, **strict)
     if forced or backend == DEFAULT.get(op, "naive"):
         return implementation(*args, **kwargs)
     try:
@@ -117,16 +129,17 @@ def _run(op: str, tensor: torch.Tensor, requested: str | None, *args, **kwargs):
         return IMPLEMENTATIONS[op][DEFAULT.get(op, "naive")](*args, **kwargs)
 
 
-def _routing_request(backend: str | None) -> str | None:
+def _routing_request(backend: str | None, traced: bool = True) -> str | None:
     """The routing ops' backend asked for, as a backend name (None: the default): the environment's
-    `MHMOE_ROUTING_BACKEND`, else the config's `routing_backend`; traced graphs take the reference."""
+    `MHMOE_ROUTING_BACKEND`, else the config's `routing_backend`. In traced graphs a kernel without a custom op
+    (`traced=False`: the head router) takes the reference."""
     asked = os.environ.get(ROUTING_BACKEND_ENV) or backend
     if not asked:
         return None
     if asked not in ROUTING_BACKENDS:
         where = ROUTING_BACKEND_ENV if os.environ.get(ROUTING_BACKEND_ENV) else "routing_backend"
         raise ValueError(f"{where} must be one of {tuple(ROUTING_BACKENDS)}, got {asked!r}")
-    return "naive" if torch.compiler.is_compiling() else ROUTING_BACKENDS[asked]
+    return "naive" if not traced and torch.compiler.is_compiling() else ROUTING_BACKENDS[asked]
 
 
 def route(
@@ -166,7 +179,7 @@ def l2_head_gates(
     `straight_through` mode (False, True, "scores", "selected_scores") with the same gradient."""
     lead = query_states.shape[:-2]
     queries = query_states.reshape(-1, *query_states.shape[-2:])  # (M, H, hd)
-    requested = _routing_request(backend)
+    requested = _routing_request(backend, traced=False)
     args = (queries, shared_heads, active_heads, straight_through)
     gates, logits, index = _run("head_router.l2_head_gates", queries, requested, *args)
     return gates.view(*lead, -1), logits.view(*lead, -1), index.view(*lead, -1)
@@ -236,7 +249,7 @@ def fallbacks() -> dict[str, str]:
     """{op: reason of its kernel's first failure} for every kernel replaced by its reference since the last reset
     (the grouped_mm experts' fused steps included)."""
     with _LOCK:
-        return {**_FALLBACKS, **grouped_mm_steps_failed}
+        return {**_FALLBACKS, **grouped_mm_steps_failed, **routing_traced_failed}
 
 
 def reset_fallbacks() -> None:
@@ -244,3 +257,4 @@ def reset_fallbacks() -> None:
     with _LOCK:
         _FALLBACKS.clear()
         grouped_mm_steps_failed.clear()
+        routing_traced_failed.clear()

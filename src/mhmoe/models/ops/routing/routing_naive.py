@@ -43,6 +43,23 @@ def renormalises(norm_topk_prob: bool | str, top_k: int) -> bool:
     return norm_topk_prob == "always" or (norm_topk_prob is True and top_k > 1)
 
 
+def route_weights_backward(
+    router_logits: torch.Tensor, experts: torch.Tensor, grad_weights: torch.Tensor, renormalise: bool
+) -> torch.Tensor:
+    """The logits' gradient (N, E), in their dtype, of `route`'s weights (no capacity) given `experts` (N, K) and the
+    weights' gradient (N, K), in closed form: p = softmax(x); the chosen p sum to S; d p[e_k] = g_k (renormalised:
+    (g_k - Σ_j g_j·p[e_j] / S) / S), 0 elsewhere; d x = p · (d p - Σ d p · p). What autograd gives through `route`
+    (tested); the kernels' backward reference inside traced graphs."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # (N, E)
+    grad = grad_weights.float()
+    chosen = probs.gather(1, experts)  # (N, K)
+    if renormalise:
+        total = chosen.sum(dim=-1, keepdim=True)
+        grad = (grad - (grad * chosen).sum(dim=-1, keepdim=True) / total) / total
+    grad_probs = torch.zeros_like(probs).scatter_add_(1, experts, grad)  # (N, E)
+    return (probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))).to(router_logits.dtype)
+
+
 def expert_capacity(
     capacity_factor: float, num_rows: int, top_k: int, num_experts: int, rounding: str = "switch"
 ) -> int:

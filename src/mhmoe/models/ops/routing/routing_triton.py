@@ -18,15 +18,22 @@ NaN or inf logits never give an expert id outside [0, E) (on a GPU such an id wo
 write out of bounds, an asynchronous error no fallback can catch): a row whose softmax is NaN takes the lowest ids,
 with NaN weights. bf16/fp16 logits are loaded as they are and computed in fp32.
 
+In traced graphs (torch.compile, torch.export) the kernels run as `torch.library` custom ops
+(`torch.ops.mhmoe.softmax_topk` with its backward op, `torch.ops.mhmoe.counting_sort`; end of this file): one opaque
+node each, so that a compiled block runs them, not the traced reference, and CUDA graphs can capture them.
+
 This file must import without triton (exported checkpoints load on torch + transformers alone): the kernels are then
 plain functions that are never launched, and `HAS_TRITON` is False.
 """
+
+import logging
 
 import torch
 
 from ..triton_compat import HAS_TRITON, interpreting, tl, triton  # noqa: F401  (HAS_TRITON: re-exported)
 from ..triton_compat import jit as _jit
-from .routing_naive import expert_capacity, renormalises
+from .routing_naive import expert_capacity, renormalises, route_weights_backward
+from .routing_naive import route as reference_route
 
 MAX_TOP_K = 8
 
@@ -328,26 +335,31 @@ class _SoftmaxTopK(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weights, _):
         logits, experts = ctx.saved_tensors  # the softmax is recomputed rather than kept
-        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        num_rows, num_experts = logits.shape
-        grad_logits = torch.empty(num_rows, num_experts, dtype=logits.dtype, device=logits.device)
-        block_e = _next_power_of_2(num_experts)
-        block_rows = _rows_per_program(block_e)
-        if num_rows:
-            _softmax_topk_backward_kernel[(-(-num_rows // block_rows),)](
-                logits,
-                experts,
-                grad_weights.contiguous(),
-                grad_logits,
-                num_rows,
-                num_experts,
-                logits.stride(0),
-                TOP_K=experts.shape[1],
-                RENORM=ctx.renormalise,
-                BLOCK_N=block_rows,
-                BLOCK_E=block_e,
-            )
-        return grad_logits, None, None, None
+        return _softmax_topk_backward(logits, experts, grad_weights, ctx.renormalise), None, None, None
+
+
+def _softmax_topk_backward(logits, experts, grad_weights, renormalise):
+    """The logits' gradient (N, E), in the logits' dtype, of `_softmax_topk_forward`'s weights: one launch."""
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    num_rows, num_experts = logits.shape
+    grad_logits = torch.empty(num_rows, num_experts, dtype=logits.dtype, device=logits.device)
+    block_e = _next_power_of_2(num_experts)
+    block_rows = _rows_per_program(block_e)
+    if num_rows:
+        _softmax_topk_backward_kernel[(-(-num_rows // block_rows),)](
+            logits,
+            experts,
+            grad_weights.contiguous(),
+            grad_logits,
+            num_rows,
+            num_experts,
+            logits.stride(0),
+            TOP_K=experts.shape[1],
+            RENORM=renormalise,
+            BLOCK_N=block_rows,
+            BLOCK_E=block_e,
+        )
+    return grad_logits
 
 
 def route(
@@ -358,15 +370,23 @@ def route(
     block_rows: int | None = None,
     block: int | None = None,
     capacity_rounding: str = "switch",
+    strict: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`routing_naive.route` with the kernels: the same weights (fp32 tolerance) and, without ties, the same experts
-    (ties go to the lowest expert id)."""
+    (ties go to the lowest expert id). In a traced graph the kernels run as the custom ops below; `strict=False`
+    (the kernel was not asked for) lets them fall back to the reference there instead of raising."""
     num_rows, num_experts = router_logits.shape
-    weights, experts = softmax_topk(router_logits, top_k, renormalises(norm_topk_prob, top_k), block_rows)
+    renormalise = renormalises(norm_topk_prob, top_k)
+    if not torch.compiler.is_compiling():
+        weights, experts = softmax_topk(router_logits, top_k, renormalise, block_rows)
+    elif not strict and not 1 <= top_k <= min(MAX_TOP_K, num_experts):  # beyond the kernel: the reference, traced
+        return reference_route(router_logits, top_k, norm_topk_prob, capacity_factor, capacity_rounding)
+    else:
+        weights, experts = torch.ops.mhmoe.softmax_topk(router_logits, top_k, renormalise, strict)
     if capacity_factor is not None:
         capacity = expert_capacity(capacity_factor, num_rows, top_k, num_experts, capacity_rounding)
         flat = experts.t().reshape(-1)  # (K·N,) slot-major: priority order
-        pos, _, counts, ends = _counting_sort(flat, num_experts, False, block, None)
+        pos, _, counts, ends = _sort(flat, num_experts, False, block, strict)
         rank = pos - (ends - counts)[flat]  # place among the expert's assignments
         kept = (rank < capacity).view(top_k, num_rows).t()
         experts = torch.where(kept, experts, num_experts)
@@ -375,9 +395,125 @@ def route(
 
 
 def sort_by_expert(
-    experts: torch.Tensor, num_experts: int, block: int | None = None, positions: bool = False
+    experts: torch.Tensor, num_experts: int, block: int | None = None, positions: bool = False, strict: bool = True
 ) -> tuple[torch.Tensor, ...]:
     """`routing_naive.sort_by_expert` with the counting sort: `order` (S,) int64 (dropped id E last, stable),
-    `offsets` (E,) int32 and, with `positions`, the inverse permutation (S,) int64 (the sort's own `pos`)."""
-    pos, order, _, ends = _counting_sort(experts.reshape(-1), num_experts + 1, True, block, None)
+    `offsets` (E,) int32 and, with `positions`, the inverse permutation (S,) int64 (the sort's own `pos`).
+    `strict`: as in `route`."""
+    pos, order, _, ends = _sort(experts.reshape(-1), num_experts + 1, True, block, strict)
     return (order, ends[:num_experts], pos) if positions else (order, ends[:num_experts])
+
+
+def _sort(ids, num_bins, write_order, block, strict):
+    """`_counting_sort` eagerly; its custom op in a traced graph (`block` is then the default)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.mhmoe.counting_sort(ids, num_bins, write_order, strict)
+    return _counting_sort(ids, num_bins, write_order, block, None)
+
+
+# The kernels inside traced graphs (torch.compile, torch.export): `torch.library` custom ops, opaque nodes with fake
+# (meta) implementations and autograd, so that a compiled MH-MoE block runs these kernels (and CUDA graphs can capture
+# them) instead of the traced reference. Eager calls keep the direct path above (a custom op's dispatch costs host
+# time). A kernel that fails inside a graph cannot be swapped out at trace time: with `strict=False` the op body runs
+# the reference in its place, says so once and records it in `TRACED_FAILED` (`backends.fallbacks()` reads it).
+
+TRACED_FAILED: dict[str, str] = {}  # op -> the reason its kernel first failed inside a traced graph
+logger = logging.getLogger(__name__)
+
+
+def _kernel_or_reference(op: str, strict: bool, kernel, reference):
+    """`kernel()`; when it raises and not `strict` (or failed before), `reference()` (recorded once)."""
+    if strict or op not in TRACED_FAILED:
+        try:
+            return kernel()
+        except Exception as error:
+            if strict:
+                raise
+            TRACED_FAILED[op] = f"{type(error).__name__}: {error}"
+            logger.warning("the %s kernel failed in a traced graph (%s); the PyTorch reference runs instead", op, error)
+    return reference()
+
+
+def _softmax_topk_op(
+    logits: torch.Tensor, top_k: int, renormalise: bool, strict: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernel_or_reference(
+        "routing.route",
+        strict,
+        lambda: (_check(logits), _softmax_topk_forward(logits, top_k, renormalise, None))[1],
+        lambda: reference_route(logits, top_k, "always" if renormalise else False),
+    )
+
+
+def _softmax_topk_backward_op(
+    logits: torch.Tensor, experts: torch.Tensor, grad_weights: torch.Tensor, renormalise: bool, strict: bool
+) -> torch.Tensor:
+    return _kernel_or_reference(
+        "routing.route",
+        strict,
+        lambda: (_check(logits), _softmax_topk_backward(logits, experts, grad_weights, renormalise))[1],
+        lambda: route_weights_backward(logits, experts, grad_weights, renormalise),
+    )
+
+
+def _counting_sort_op(
+    ids: torch.Tensor, num_bins: int, write_order: bool, strict: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def kernel():
+        pos, order, counts, ends = _counting_sort(ids, num_bins, write_order, None, None)
+        return pos, order if write_order else pos.new_empty(0), counts, ends  # an op returns tensors only
+
+    def reference():
+        order = torch.sort(ids.reshape(-1), stable=True).indices  # (S,)
+        pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+        counts = torch.bincount(ids.reshape(-1), minlength=num_bins)
+        return pos, order if write_order else pos.new_empty(0), counts, counts.cumsum(0).to(torch.int32)
+
+    return _kernel_or_reference("routing.sort_by_expert", strict, kernel, reference)
+
+
+def _register_ops() -> None:
+    """`torch.ops.mhmoe.softmax_topk(logits, top_k, renormalise, strict) -> (weights, experts)` with autograd (its
+    backward `softmax_topk_backward` an op too) and `torch.ops.mhmoe.counting_sort(ids, num_bins, write_order,
+    strict) -> (pos, order, counts, ends)` (`order` empty unless written). Once per process: an exported
+    checkpoint's copy of this file finds them registered."""
+    if hasattr(torch.ops.mhmoe, "softmax_topk"):
+        return
+    forward = torch.library.custom_op("mhmoe::softmax_topk", _softmax_topk_op, mutates_args=())
+    backward = torch.library.custom_op("mhmoe::softmax_topk_backward", _softmax_topk_backward_op, mutates_args=())
+    sort = torch.library.custom_op("mhmoe::counting_sort", _counting_sort_op, mutates_args=())
+
+    @forward.register_fake
+    def _(logits, top_k, renormalise, strict):
+        rows = logits.shape[0]
+        return logits.new_empty(rows, top_k, dtype=torch.float32), logits.new_empty(rows, top_k, dtype=torch.int64)
+
+    @backward.register_fake
+    def _(logits, experts, grad_weights, renormalise, strict):
+        return logits.new_empty(logits.shape)
+
+    @sort.register_fake
+    def _(ids, num_bins, write_order, strict):
+        size = ids.numel()
+        return (
+            ids.new_empty(size, dtype=torch.int64),
+            ids.new_empty(size if write_order else 0, dtype=torch.int64),
+            ids.new_empty(num_bins, dtype=torch.int64),
+            ids.new_empty(num_bins, dtype=torch.int32),
+        )
+
+    def setup_context(ctx, inputs, output):
+        logits, _, renormalise, strict = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(logits, output[1])
+        ctx.settings = (renormalise, strict)
+
+    def grad_fn(ctx, grad_weights, _):
+        logits, experts = ctx.saved_tensors
+        grad = torch.ops.mhmoe.softmax_topk_backward(logits, experts, grad_weights.contiguous(), *ctx.settings)
+        return grad, None, None, None
+
+    forward.register_autograd(grad_fn, setup_context=setup_context)
+
+
+_register_ops()
