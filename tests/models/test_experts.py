@@ -327,6 +327,66 @@ def test_block_under_torch_compile(pool, capacity_factor, routing, monkeypatch):
     assert not pool._free
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-experts"])
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
+def test_block_under_torch_compile_runs_the_experts_op(capacity_factor, frozen, monkeypatch):
+    """On CUDA with SiLU a traced graph runs the eager experts (hand-written backward, fused steps) as one custom op
+    and its backward as another, instead of traced differentiable ops. Forced here on CPU: a full-graph compiled block
+    gives eager's output and gradients on two steps, with and without capacity drops and with the expert weights
+    frozen (their gradients not computed), and its graph holds the op once."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    monkeypatch.setattr(experts_grouped_mm, "_op_in_graphs", lambda hidden, act: experts_grouped_mm.is_silu(act))
+    block = _h3_block()
+    block.gate.capacity_factor = capacity_factor
+    block.experts.requires_grad_(not frozen)
+    x = torch.randn(2, 5, 24)
+    expected = _block_run(block, x, "eager")
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend, fullgraph=True)
+    try:
+        for _ in range(2):
+            got = _block_run(block, x, "grouped_mm", call=compiled)
+            assert [g is None for g in got] == [g is None for g in expected]
+            _assert_all_close([g for g in got if g is not None], [g for g in expected if g is not None])
+    finally:
+        torch._dynamo.reset()
+    targets = [node.target for node in graphs[0].graph.nodes]
+    assert targets.count(torch.ops.mhmoe.grouped_mm_experts) == 1 and torch.ops.mhmoe.grouped_mm not in targets
+
+
+@pytest.mark.parametrize("shape", [(7, 5, 3, 2, 12), (11, 8, 4, 1, 6)])
+def test_experts_op_passes_opcheck(shape):
+    """torch.library.opcheck of the experts op and its backward op (schema, fake shapes and dtypes, autograd
+    registration) on odd shapes; the backward op leaves out the gradients not needed. Without dropped assignments:
+    gate/up's rows past offsets[-1] (dropped ones) are never computed, so the saved output differs from call to call
+    there (the compiled block's test covers drops)."""
+    num_rows, width, num_experts, top_k, inter = shape
+    generator = torch.Generator().manual_seed(num_rows)
+    index = torch.rand(num_rows, num_experts, generator=generator).topk(top_k, dim=-1).indices
+    weights = torch.rand(num_rows, top_k, generator=generator).requires_grad_()
+    hidden = torch.randn(num_rows, width, generator=generator).requires_grad_()
+    gate_up = (torch.randn(num_experts, 2 * inter, width, generator=generator) / 4).requires_grad_()
+    down = (torch.randn(num_experts, width, inter, generator=generator) / 4).requires_grad_()
+    order, offsets, positions = sort_by_expert(index, num_experts, positions=True)
+    dropped = index.reshape(-1) >= num_experts
+    args = (hidden, weights, gate_up, down, order, offsets, positions, dropped)
+    torch.library.opcheck(torch.ops.mhmoe.grouped_mm_experts, args)
+    out, saved = torch.ops.mhmoe.grouped_mm_experts(*args)
+    grad = torch.randn_like(out)
+    for needs in ([True] * 4, [True, False, False, True]):
+        backward_args = (grad, saved.detach(), *(a.detach() for a in args), needs)
+        torch.library.opcheck(torch.ops.mhmoe.grouped_mm_experts_backward, backward_args)
+        grads = torch.ops.mhmoe.grouped_mm_experts_backward(*backward_args)
+        assert [g.numel() > 0 for g in grads] == needs
+
+
 def test_bf16_block_under_torch_compile():
     """bf16 in a traced graph takes torch's grouped GEMM directly (its fake kernel traces bf16): fullgraph compile,
     output and gradients close to eager bf16."""

@@ -1,7 +1,9 @@
 """Experts on torch's grouped GEMM (`grouped_gemm.py`) with a hand-written backward: the "grouped_mm" backend of the
 experts op (`backends.py`), the default. On CUDA with SiLU the steps around the GEMMs (act(gate)·up, its backward, the
 slots' weighted sum) are fused Triton kernels (`experts_grouped_mm_steps_triton.py`); the PyTorch code here is what
-they are tested against and what runs everywhere else.
+they are tested against and what runs everywhere else. In traced graphs (torch.compile, torch.export) the experts
+are `_traced_experts_forward`'s differentiable ops, or on CUDA with SiLU this file's eager code as a custom op (end of
+the file).
 
 Shape legend: N routed rows (tokens × moe_heads sub-tokens), W row width (hidden_size // moe_heads), E experts,
 K = num_experts_per_tok, S = N·K assignments, I = moe_intermediate_size. Expert weights are 3-D like Transformers'
@@ -279,7 +281,7 @@ class _GroupedExperts(torch.autograd.Function):
         if not (need_x or need_weights or need_gate_up or need_down):
             return grad_x, grad_weights, grad_gate_up_proj, grad_down, None, None, None, None, None
         rows = None
-        overwrite = _may_overwrite_saved_tensors()
+        overwrite = _may_overwrite_saved_tensors() and not getattr(ctx, "keep_saved", False)
         if gate_up is None:  # RECOMPUTE_GATE_UP: nothing was kept; a buffer of this backward's, free to overwrite
             rows = _select_rows(hidden_states, source_rows).to(gate_up_proj.dtype)  # (S_kept, W)
             buffer = BUFFER_POOL.take(rows.shape[0], 2 * inter, rows)
@@ -418,6 +420,9 @@ def experts_forward(
         hidden_states = hidden_states.to(compute)
     args = (hidden_states, top_k_weights, *weights, act_fn, order, offsets, slot_pos, dropped)
     with torch.autocast(hidden_states.device.type, enabled=False) if compute is not None else contextlib.nullcontext():
+        if _tracing() and _op_in_graphs(hidden_states, act_fn):  # the eager code as one opaque op (below)
+            out, _ = torch.ops.mhmoe.grouped_mm_experts(*args[:4], *args[5:])
+            return out
         if _tracing():  # torch.compile / torch.export: differentiable ops, autograd derives the backward
             return _traced_experts_forward(*args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]):
@@ -447,3 +452,107 @@ def _traced_experts_forward(
     slots = slots.view(num_rows, top_k, -1).to(acc)  # (N, K, W)
     out = torch.bmm(top_k_weights.to(acc).unsqueeze(1), slots).squeeze(1)  # (N, W)
     return out.to(hidden_states.dtype)
+
+
+# In traced graphs on CUDA with SiLU, the eager code above (its backward and fused steps included) runs as two
+# `torch.library` custom ops instead of `_traced_experts_forward`'s differentiable ops: a compiled block then runs the
+# same kernels as eager, and CUDA graphs can capture them. The forward op also returns gate/up (S, 2I) for the backward
+# op (empty under RECOMPUTE_GATE_UP); the backward op never writes into it (an op's inputs are read-only). On CPU
+# graphs keep the traced form: the op bodies would take buffers from the CPU pool, which graphs must not hold.
+
+
+def _op_in_graphs(hidden_states: torch.Tensor, act_fn) -> bool:
+    return hidden_states.is_cuda and is_silu(act_fn)
+
+
+class _OpContext:
+    """What `_GroupedExperts.backward` reads from its autograd context, for the backward op."""
+
+    keep_saved = True  # never overwrite gate/up: an op input
+
+    def __init__(self, saved_tensors, index, needs_input_grad):
+        self.saved_tensors, self.index, self.needs_input_grad = saved_tensors, index, needs_input_grad
+        self.act_fn = torch.nn.SiLU()
+
+
+def _experts_op(
+    hidden_states: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor,
+    slot_pos: torch.Tensor,
+    dropped: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (hidden_states, top_k_weights, gate_up_proj, down_proj, torch.nn.SiLU(), order, offsets, slot_pos, dropped)
+    out, (gate_up, _) = _experts_forward(*args, for_backward=True)
+    return out, gate_up if gate_up is not None else out.new_empty(0)
+
+
+def _experts_backward_op(
+    grad_out: torch.Tensor,
+    gate_up: torch.Tensor,
+    hidden_states: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    order: torch.Tensor,
+    offsets: torch.Tensor,
+    slot_pos: torch.Tensor,
+    dropped: torch.Tensor,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    saved = (None if RECOMPUTE_GATE_UP else gate_up, hidden_states, top_k_weights, gate_up_proj, down_proj)
+    index = (order, offsets, slot_pos, dropped, order // top_k_weights.shape[1])  # as `_GroupedExperts.forward`'s
+    grads = _GroupedExperts.backward(_OpContext(saved, index, needs), grad_out)[:4]
+    inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, inputs))  # an op returns tensors
+
+
+def _register_experts_op() -> None:
+    """`torch.ops.mhmoe.grouped_mm_experts(hidden_states, top_k_weights, gate_up_proj, down_proj, order, offsets,
+    slot_pos, dropped) -> (out, gate_up)` with its backward op, fake implementations and autograd. Once per process."""
+    if hasattr(torch.ops.mhmoe, "grouped_mm_experts"):
+        return
+    forward = torch.library.custom_op("mhmoe::grouped_mm_experts", _experts_op, mutates_args=())
+    backward = torch.library.custom_op("mhmoe::grouped_mm_experts_backward", _experts_backward_op, mutates_args=())
+
+    @forward.register_fake
+    def _(hidden_states, top_k_weights, gate_up_proj, down_proj, order, offsets, slot_pos, dropped):
+        gate_up_rows = 0 if RECOMPUTE_GATE_UP else order.shape[0]
+        return (
+            hidden_states.new_empty(hidden_states.shape),
+            gate_up_proj.new_empty(gate_up_rows, gate_up_proj.shape[1]),
+        )
+
+    @backward.register_fake
+    def _(
+        grad_out,
+        gate_up,
+        hidden_states,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        order,
+        offsets,
+        slot_pos,
+        dropped,
+        needs,
+    ):
+        inputs = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+        return tuple(x.new_empty(x.shape if need else (0,)) for x, need in zip(inputs, needs))
+
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(output[1], *inputs)
+
+    def grad_fn(ctx, grad_out, _):
+        needs = list(ctx.needs_input_grad[:4])
+        grads = torch.ops.mhmoe.grouped_mm_experts_backward(grad_out.contiguous(), *ctx.saved_tensors, needs)
+        return *(g if need else None for g, need in zip(grads, needs)), None, None, None, None
+
+    forward.register_autograd(grad_fn, setup_context=setup_context)
+
+
+_register_experts_op()
