@@ -265,8 +265,10 @@ def time_compiled(
     modes=("default", "reduce-overhead"),
 ) -> dict:
     """The `compiled` section: fwd+bwd of the Mixtral, SMoE and h=3 blocks, eager and compiled in each mode, timed
-    against eager Mixtral; `save()` after each compiled block (compiles are slow: a cut run keeps what finished). On
-    CPU (smoke) the compiler is Dynamo alone (backend "eager"): the code path, not a speed."""
+    against eager Mixtral, each compiled block's output and input gradient checked against its eager run (the largest
+    difference relative to the eager values' largest, in `max_relative_error`); `save()` after each compiled block
+    (compiles are slow: a cut run keeps what finished). On CPU (smoke) the compiler is Dynamo alone (backend
+    "eager"): the code path, not a speed."""
     blocks = build_blocks(hidden, dtype, device)
     x = torch.randn(1, tokens, hidden, device=device, dtype=dtype)
     grad = torch.randn_like(x)
@@ -276,8 +278,19 @@ def time_compiled(
         "modes": list(modes),
         "compile_seconds": {},
         "errors": {},
+        "max_relative_error": {},
         "times": {},
     }
+
+    def outputs(module) -> list[torch.Tensor]:
+        """One fwd+bwd: the output and the input's gradient."""
+        inp = x.detach().requires_grad_()
+        out = module(inp)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+        for p in module.parameters():
+            p.grad = None
+        return [out.detach().float(), inp.grad.float()]
 
     def forward_backward(module):
         def run():
@@ -304,6 +317,9 @@ def time_compiled(
                     torch.cuda.synchronize()
                 result["compile_seconds"][label] = round(time.perf_counter() - started, 1)
                 candidates[label] = run
+                pairs = zip(outputs(compiled), outputs(blocks[name]))  # the routing is deterministic: same choices
+                errors = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in pairs]
+                result["max_relative_error"][label] = round(max(errors), 5)
             except Exception as error:
                 result["errors"][label] = f"{type(error).__name__}: {error}"[:300]
             result["times"] = interleaved(candidates, repeats, device, "hf_mixtral eager")
@@ -357,12 +373,14 @@ def markdown_parts(parts: dict) -> str:
 
 def markdown_compiled(compiled: dict) -> str:
     lines = [
-        f"| fwd+bwd, d={compiled['hidden']}, {compiled['tokens']} tokens | vs Mixtral eager | ms | compile s |",
-        "| --- | --- | --- | --- |",
+        f"| fwd+bwd, d={compiled['hidden']}, {compiled['tokens']} tokens | vs Mixtral eager | ms | compile s | "
+        "max relative error vs eager |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name, cells in compiled["times"].items():
         seconds = compiled["compile_seconds"].get(name)
-        compile_s = "-" if seconds is None else seconds
-        lines.append(f"| {name} | {cells['ratio']:.2f}x | {cells['ms']:.2f} | {compile_s} |")
+        error = compiled.get("max_relative_error", {}).get(name)
+        compile_s, error = ("-" if seconds is None else seconds), ("-" if error is None else f"{error:.1e}")
+        lines.append(f"| {name} | {cells['ratio']:.2f}x | {cells['ms']:.2f} | {compile_s} | {error} |")
     lines += [f"- FAILED {name}: {error}" for name, error in compiled.get("errors", {}).items()]
     return "\n".join(lines)

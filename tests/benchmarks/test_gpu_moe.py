@@ -44,6 +44,9 @@ def test_smoke_run_writes_each_section(tmp_path):
     assert all(c["wall_us"] > 0 and c["kernels"] > 0 for c in parts["host_bound"]["blocks"].values())
     assert all(p["kernels"] > 0 for p in parts["profiles"].values())
     assert not data["compiled"]["errors"] and "ours_h3 default" in data["compiled"]["times"]
+    errors = data["compiled"]["max_relative_error"]
+    assert set(errors) == {"hf_mixtral default", "ours_smoe default", "ours_h3 default"}
+    assert all(e < 1e-4 for e in errors.values()), errors  # fp32 on CPU: compiled equals eager
     assert {"grouped GEMMs only", "dense GEMMs, the experts' shapes"} <= set(data["gemm"])
     assert data["kernel_fallbacks"] == {} and {"env", "precision"} <= set(data)
     assert set(data["model"]["models"]) == {"smoe", "mhmoe_h3", "mhmoe_h3_recompute_gate_up", "dense"}
