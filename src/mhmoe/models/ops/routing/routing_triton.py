@@ -437,23 +437,27 @@ def _kernel_or_reference(op: str, strict: bool, kernel, reference):
 def _softmax_topk_op(
     logits: torch.Tensor, top_k: int, renormalise: bool, strict: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernel_or_reference(
-        "routing.route",
-        strict,
-        lambda: (_check(logits), _softmax_topk_forward(logits, top_k, renormalise, None))[1],
-        lambda: reference_route(logits, top_k, "always" if renormalise else False),
-    )
+    def kernel():
+        _check(logits)
+        return _softmax_topk_forward(logits, top_k, renormalise, None)
+
+    def reference():
+        return reference_route(logits, top_k, "always" if renormalise else False)
+
+    return _kernel_or_reference("routing.route", strict, kernel, reference)
 
 
 def _softmax_topk_backward_op(
     logits: torch.Tensor, experts: torch.Tensor, grad_weights: torch.Tensor, renormalise: bool, strict: bool
 ) -> torch.Tensor:
-    return _kernel_or_reference(
-        "routing.route",
-        strict,
-        lambda: (_check(logits), _softmax_topk_backward(logits, experts, grad_weights, renormalise))[1],
-        lambda: route_weights_backward(logits, experts, grad_weights, renormalise),
-    )
+    def kernel():
+        _check(logits)
+        return _softmax_topk_backward(logits, experts, grad_weights, renormalise)
+
+    def reference():
+        return route_weights_backward(logits, experts, grad_weights, renormalise)
+
+    return _kernel_or_reference("routing.route", strict, kernel, reference)
 
 
 def _counting_sort_op(
