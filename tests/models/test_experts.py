@@ -288,60 +288,11 @@ def test_block_under_gradient_checkpointing(use_reentrant, pooled, request):
         _assert_all_close(_block_run(block, x, "grouped_mm", use_reentrant), expected)
 
 
-@pytest.mark.parametrize("routing", ["torch", "triton"])
-@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
-def test_block_under_torch_compile(pool, capacity_factor, routing, monkeypatch):
-    """torch.compile(fullgraph=True): routing and dispatch have static shapes (no host sync, no graph break), the
-    grouped GEMMs are one opaque op each, nothing is pooled inside the graph, and output and gradients are eager's on
-    the first (tracing) step and the next, with and without capacity drops. With the Triton routing (the interpreter
-    here) the graph holds its custom ops: the softmax/top-k and one counting sort per sort (two with capacity)."""
+def _compiled_graph_targets(block, x, expected) -> list:
+    """Two steps of the block compiled whole (fullgraph, aot_eager) against `expected` (eager's output and gradients;
+    None where eager computes no gradient): the node targets of the one graph traced."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    from mhmoe.models.ops.routing.routing_triton import HAS_TRITON
-
-    if routing == "triton" and not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv(backends.ROUTING_BACKEND_ENV, routing)
-    block = _h3_block()
-    block.gate.capacity_factor = capacity_factor
-    x = torch.randn(2, 5, 24)
-    expected = _block_run(block, x, "eager")
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return lookup_backend("aot_eager")(graph_module, example_inputs)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(block, backend=backend, fullgraph=True)
-    try:
-        for _ in range(2):
-            _assert_all_close(_block_run(block, x, "grouped_mm", call=compiled), expected)
-    finally:
-        torch._dynamo.reset()
-    assert len(graphs) == 1
-    targets = [node.target for node in graphs[0].graph.nodes]
-    assert torch._C._nn.linear in targets and targets.count(torch.ops.mhmoe.grouped_mm) == 2
-    routing_ops = [targets.count(torch.ops.mhmoe.softmax_topk), targets.count(torch.ops.mhmoe.counting_sort)]
-    assert routing_ops == ([0, 0] if routing == "torch" else [1, 1 if capacity_factor is None else 2])
-    assert not pool._free
-
-
-@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-experts"])
-@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
-def test_block_under_torch_compile_runs_the_experts_op(capacity_factor, frozen, monkeypatch):
-    """On CUDA with SiLU a traced graph runs the eager experts (hand-written backward, fused steps) as one custom op
-    and its backward as another, instead of traced differentiable ops. Forced here on CPU: a full-graph compiled block
-    gives eager's output and gradients on two steps, with and without capacity drops and with the expert weights
-    frozen (their gradients not computed), and its graph holds the op once."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    monkeypatch.setattr(experts_grouped_mm, "_op_in_graphs", lambda hidden, act: experts_grouped_mm.is_silu(act))
-    block = _h3_block()
-    block.gate.capacity_factor = capacity_factor
-    block.experts.requires_grad_(not frozen)
-    x = torch.randn(2, 5, 24)
-    expected = _block_run(block, x, "eager")
     graphs = []
 
     def backend(graph_module, example_inputs):
@@ -357,7 +308,45 @@ def test_block_under_torch_compile_runs_the_experts_op(capacity_factor, frozen, 
             _assert_all_close([g for g in got if g is not None], [g for g in expected if g is not None])
     finally:
         torch._dynamo.reset()
-    targets = [node.target for node in graphs[0].graph.nodes]
+    assert len(graphs) == 1
+    return [node.target for node in graphs[0].graph.nodes]
+
+
+@pytest.mark.parametrize("routing", ["torch", "triton"])
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
+def test_block_under_torch_compile(pool, capacity_factor, routing, monkeypatch):
+    """torch.compile(fullgraph=True): routing and dispatch have static shapes (no host sync, no graph break), the
+    grouped GEMMs are one opaque op each, nothing is pooled inside the graph, and output and gradients are eager's on
+    the first (tracing) step and the next, with and without capacity drops. With the Triton routing (the interpreter
+    here) the graph holds its custom ops: the softmax/top-k and one counting sort per sort (two with capacity)."""
+    from mhmoe.models.ops.routing.routing_triton import HAS_TRITON
+
+    if routing == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv(backends.ROUTING_BACKEND_ENV, routing)
+    block = _h3_block()
+    block.gate.capacity_factor = capacity_factor
+    x = torch.randn(2, 5, 24)
+    targets = _compiled_graph_targets(block, x, _block_run(block, x, "eager"))
+    assert torch._C._nn.linear in targets and targets.count(torch.ops.mhmoe.grouped_mm) == 2
+    routing_ops = [targets.count(torch.ops.mhmoe.softmax_topk), targets.count(torch.ops.mhmoe.counting_sort)]
+    assert routing_ops == ([0, 0] if routing == "torch" else [1, 1 if capacity_factor is None else 2])
+    assert not pool._free
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-experts"])
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
+def test_block_under_torch_compile_runs_the_experts_op(capacity_factor, frozen, monkeypatch):
+    """On CUDA with SiLU a traced graph runs the eager experts (hand-written backward, fused steps) as one custom op
+    and its backward as another, instead of traced differentiable ops. Forced here on CPU: a full-graph compiled block
+    gives eager's output and gradients on two steps, with and without capacity drops and with the expert weights
+    frozen (their gradients not computed), and its graph holds the op once."""
+    monkeypatch.setattr(experts_grouped_mm, "_op_in_graphs", lambda hidden, act: experts_grouped_mm.is_silu(act))
+    block = _h3_block()
+    block.gate.capacity_factor = capacity_factor
+    block.experts.requires_grad_(not frozen)
+    x = torch.randn(2, 5, 24)
+    targets = _compiled_graph_targets(block, x, _block_run(block, x, "eager"))
     assert targets.count(torch.ops.mhmoe.grouped_mm_experts) == 1 and torch.ops.mhmoe.grouped_mm not in targets
 
 
