@@ -179,6 +179,14 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
                     ),
                 }
             )
+            # the same kernels as the custom ops traced graphs call (torch.compile): the same results, bit for bit
+            op_w, op_e = torch.ops.mhmoe.softmax_topk(logits, top_k, True, True)
+            op_pos, op_o, _, op_ends = torch.ops.mhmoe.counting_sort(ref_e.reshape(-1), experts + 1, True, True)
+            leaf = logits.detach().clone().requires_grad_()
+            (torch.ops.mhmoe.softmax_topk(leaf, top_k, True, True)[0] * probe).sum().backward()
+            same = [torch.equal(op_w, got_w), torch.equal(op_e, got_e), torch.equal(leaf.grad, leaves[0].grad)]
+            same += [torch.equal(op_o, got_o), torch.equal(op_pos, got_pos), torch.equal(op_ends[:experts], got_off)]
+            out.append({"check": f"route and sort custom ops {tag}", "ok": all(same)})
             bad = logits.clone()
             bad[::7, :3] = float("nan")
             bad[1::7, 5] = float("inf")
@@ -249,9 +257,16 @@ def check_kernels(device: torch.device, smoke: bool) -> list[dict]:
             """The default experts op on CUDA: grouped GEMMs with the fused SwiGLU / combine steps (Triton)."""
             return experts_grouped_mm.experts_forward(x, route_e, w, gu, dn, torch.nn.SiLU(), order, offsets)
 
+        def grouped_experts_op(x, route_e, w, gu, dn, order, offsets):
+            """The same as the custom op traced graphs call on CUDA (torch.compile), its backward op included."""
+            _, _, positions = routing_naive.sort_by_expert(route_e, experts, positions=True)
+            dropped = route_e.reshape(-1) >= experts
+            return torch.ops.mhmoe.grouped_mm_experts(x, w, gu, dn, order, offsets, positions, dropped)[0]
+
         if kernels:
             attempt(f"triton experts {tag}", lambda: experts_checks("triton experts", experts_triton.experts_forward))
             attempt(f"grouped_mm experts {tag}", lambda: experts_checks("grouped_mm experts", grouped_experts))
+            attempt(f"grouped_mm experts op {tag}", lambda: experts_checks("grouped_mm experts op", grouped_experts_op))
 
         def grouped_mm_checks(dtype=dtype, tag=tag, route_e=route_e):
             order, offsets = routing_naive.sort_by_expert(route_e, experts)

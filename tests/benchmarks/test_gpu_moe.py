@@ -59,6 +59,8 @@ def test_smoke_run_writes_each_section(tmp_path):
     assert all(c["ok"] for c in data["checks"] if c["check"].startswith("moe grouped_mm"))
     routing_checks = [c for c in data["checks"] if c["check"].startswith(("route", "sort_by_expert"))]
     assert "route logits' gradient float32" in names and all(c["ok"] for c in routing_checks), routing_checks
+    assert {"route and sort custom ops float32", "grouped_mm experts op d routing weights float32"} <= set(names)
+    assert all(c["ok"] for c in data["checks"] if c["check"].startswith("grouped_mm experts op")), data["checks"]
     assert "torch route" in data["routing"]["us"] and data["gemm"]["grouped_mm experts"]["tflops"] > 0
 
 
