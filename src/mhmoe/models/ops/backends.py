@@ -12,8 +12,8 @@ TRITON_INTERPRET=1).
 | head_router.l2_head_gates  | naive, triton             | the same                                               |
 | experts                    | naive, grouped_mm, triton | grouped_mm; triton only when asked (behind in fwd+bwd: |
 |                            |                           | benchmarks/README.md, gpu_moe on an H200)              |
-| head_sparse_attention      | naive, cpu, triton        | triton on CUDA when triton is installed, else cpu (on  |
-|                            |                           | other devices its eager stand-in)                      |
+| head_sparse_attention      | naive, cpu, triton        | cpu; the attention modules call the op on CPU only     |
+|                            |                           | unless `moh_head_skipping="triton"` (moh/head_skipping)|
 
 What asks for a backend: for the routing ops and the head router, `MHMOE_ROUTING_BACKEND=torch|triton` in the
 environment, else the config's `routing_backend` ("torch" is the naive reference); for the experts, Transformers'
@@ -25,7 +25,7 @@ logged once at WARNING and recorded (`fallbacks()`: {op: reason}, which the benc
 into their results), and no kernel is chosen by default again until `reset_fallbacks()`. Under torch.compile /
 torch.export the routing kernels run as `torch.library` custom ops (`routing_triton.py`; chosen as in eager, and a
 default one that fails falls back inside its op, recorded the same way); the other ops trace their references (the
-experts' grouped_mm path has its own traced form).
+experts' grouped_mm path has its own traced form, and on CUDA with SiLU runs its eager code as a custom op).
 
 Adding an op: `ops/<op>/<op>_naive.py` (the reference) beside its kernels (`<op>_triton.py`, importing triton through
 `triton_compat.py`), one entry in `IMPLEMENTATIONS` and `AUTOMATIC`, a function here that the model calls, and tests
