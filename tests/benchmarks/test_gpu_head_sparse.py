@@ -33,7 +33,8 @@ def test_smoke_run_writes_every_section_with_provenance(tmp_path):
         assert record["kernel"]["wall_us"] > 0 and record["sdpa"]["wall_us"] > 0
         # the row lists are one Triton launch (not seen by the CPU profiler): no PyTorch cumsum / scatter / nonzero
         assert not {"cumsum", "scatter"} & set(record["kernel"]["parts_us"])
-        assert not any("nonzero" in k["kernel"] for k in record["kernel"]["kernels_us"])
+        # (not aten::is_nonzero, a bool of a tensor: the CPU-only check of 0/1 gates, which can rank here under load)
+        assert not any(k["kernel"] == "aten::nonzero" for k in record["kernel"]["kernels_us"])
     assert "searchsorted" not in backward["kernel"]["parts_us"]  # the key-block bounds: one Triton launch
     configs = data["tile_configs"]
     assert [c["default"] for c in configs] == [True, False] and all("ratio" in c for c in configs)
