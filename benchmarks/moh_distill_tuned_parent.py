@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -68,7 +67,6 @@ def main(argv=None) -> None:
     from mhmoe.convert import main as convert_main
     from mhmoe.models.moh_llama import MoHLlamaForCausalLM
     from mhmoe.training.cli import main as train_main
-    from mhmoe.training.prepare import reset_accelerate_state
 
     settings = argparse.Namespace(  # the recovery stage's defaults, fitted recipe, calibrated budgets
         tune_steps=12, tune_eval_every=4, tune_lr=1e-4, tune_eval_blocks=8, eval_blocks=12,
@@ -76,11 +74,7 @@ def main(argv=None) -> None:
     )  # fmt: skip
     source = real.dense_dir(settings)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    ids, train_text = real.split_text(settings.tune_eval_blocks, tokenizer)
-    data = Path(args.workdir) / "tune-data"
-    data.mkdir(parents=True, exist_ok=True)
-    (data / "train.txt").write_text(train_text)
-    (data / "validation.txt").write_text(tokenizer.decode(ids))
+    data = recovery.write_tune_data(settings, tokenizer)
     texts = recovery.eval_texts(tokenizer, settings)
     runs = Path(args.workdir) / "distill-tuned-parent" / f"seed{args.seed}"
     dense_out, moh_out = runs / "dense", runs / "moh-7of9-distill-tuned-parent"
@@ -94,17 +88,10 @@ def main(argv=None) -> None:
         saved = distill.dense_parent
         if name != "parent tuned":
             distill.dense_parent = frozen_teacher(str(dense_out))
-        reset_accelerate_state()
-        started = time.time()
         try:
-            call(argv_)
-        except SystemExit as e:
-            if e.code:
-                raise
+            seconds[name] = recovery.run_cli(call, argv_)
         finally:
             distill.dense_parent = saved
-            reset_accelerate_state()
-        seconds[name] = time.time() - started
         loader = AutoModelForCausalLM if name == "parent tuned" else MoHLlamaForCausalLM
         model = loader.from_pretrained(str(out), dtype=torch.float32).eval()
         ppl[name] = recovery.evaluate(model, texts)

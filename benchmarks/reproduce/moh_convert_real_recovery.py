@@ -172,21 +172,44 @@ def _curve(out: Path) -> list[dict]:
     return [{"tokens": r["tokens"], "step": r["step"], "ppl": r["eval_ppl"]} for r in records if "eval_ppl" in r]
 
 
+def write_tune_data(args, tokenizer) -> Path:
+    """<workdir>/tune-data with the tuning split as files: train.txt (the topics between the calibration text and the
+    held-out ones) and validation.txt (the `--tune_eval_blocks` held-out blocks)."""
+    ids, train_text = real.split_text(args.tune_eval_blocks, tokenizer)
+    data = Path(args.workdir) / "tune-data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "train.txt").write_text(train_text)
+    (data / "validation.txt").write_text(tokenizer.decode(ids))
+    return data
+
+
+def run_cli(main, argv: list[str]) -> float:
+    """A console entry point (`mhmoe-train`'s or `mhmoe-convert`'s main) run in this process, Accelerate's state reset
+    around it (exit code 0 is success); its seconds."""
+    from mhmoe.training.prepare import reset_accelerate_state
+
+    reset_accelerate_state()
+    started = time.time()
+    try:
+        main(argv)
+    except SystemExit as e:
+        if e.code:
+            raise
+    seconds = time.time() - started
+    reset_accelerate_state()
+    return seconds
+
+
 def stage_tune(args, results: dict, driver: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mhmoe.convert import main as convert_main
     from mhmoe.models.moh_llama import MoHLlamaForCausalLM
     from mhmoe.training.cli import main as train_main
-    from mhmoe.training.prepare import reset_accelerate_state
 
     source = real.dense_dir(args)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    ids, train_text = real.split_text(args.tune_eval_blocks, tokenizer)
-    data = Path(args.workdir) / "tune-data"
-    data.mkdir(parents=True, exist_ok=True)
-    (data / "train.txt").write_text(train_text)
-    (data / "validation.txt").write_text(tokenizer.decode(ids))
+    data = write_tune_data(args, tokenizer)
     blocks = eval_texts(tokenizer, args)
     recipe = real.best_recipe(results) if args.tune_shared == "best" else (args.tune_shared, args.tune_router)
     if "runs" not in results.get("tune", {}):  # the earlier stage (no dense control) is replaced
@@ -227,15 +250,7 @@ def stage_tune(args, results: dict, driver: str) -> None:
                 else:
                     argv = moh_argv(source, out, data, args, seed, budget, recipe, run == "distill")
                     program = "mhmoe-convert"
-                reset_accelerate_state()
-                started = time.time()
-                try:
-                    (train_main if run == "dense" else convert_main)(argv)
-                except SystemExit as e:
-                    if e.code:
-                        raise
-                seconds = time.time() - started
-                reset_accelerate_state()
+                seconds = run_cli(train_main if run == "dense" else convert_main, argv)
                 loader = AutoModelForCausalLM if run == "dense" else MoHLlamaForCausalLM
                 model = loader.from_pretrained(str(out), dtype=torch.float32).eval()
                 entry = {
