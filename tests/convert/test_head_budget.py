@@ -1,6 +1,7 @@
 """Per-layer head budgets (`--head_budget calibrated`, issue 31): the allocation against a brute-force optimum, the
 measured sensitivities against models built with the per-layer budgets in their config, and a tiny LLaMA converted
-with them (config, moh_conversion.json, report, card, the routers of the reloaded model)."""
+with them (config, moh_conversion.json, report, card, the routers of the reloaded model); `--head_budget threshold`:
+the thresholds take each layer's budget on average over the calibration tokens."""
 
 import copy
 import itertools
@@ -133,6 +134,48 @@ def test_calibrated_head_budget_end_to_end(tmp_path, tokenizer_dir):
         torch.testing.assert_close(moh(ids).logits, dense(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_threshold_head_budget_end_to_end(tmp_path, tokenizer_dir):
+    """The calibrated budgets become averages: per layer, a threshold that the calibration tokens' routed scores pass
+    K_l times per token on average (as recorded, in layer 0, whose inputs no routing changes), recorded in config.json,
+    moh_conversion.json, the report and the card; the reloaded routers use them; all heads on computes the source."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mhmoe.convert.calibrate import calibration_blocks, read_calibration
+    from mhmoe.convert.verify import all_heads_active
+    from mhmoe.models.moh_llama import MoHLlamaForCausalLM
+
+    source = _llama_dir(tmp_path / "src", tokenizer_dir, initializer_range=0.3)
+    out = tmp_path / "out"
+    report = convert(
+        str(source), str(out), 0.25, 0.625, recipe="fitted", calibration_tokens=512, progress=False,
+        head_budget="threshold",
+    )  # fmt: skip
+    record = json.loads((out / "moh_conversion.json").read_text())["head_budget"]
+    config = json.loads((out / "config.json").read_text())
+    budgets, thresholds = config["moh_active_heads_per_layer"], config["moh_head_thresholds"]
+    assert record["kind"] == "threshold" and record["thresholds"] == thresholds and len(thresholds) == 2
+    assert all((t is None) == (k == 6) for t, k in zip(thresholds, budgets)) and thresholds[0] is not None
+    assert record["routed_active_fraction"][0] == pytest.approx(budgets[0] / 6, abs=0.01)  # ties aside: K_0 / R
+    assert "head budget threshold (per-layer averages)" in report.format()
+    assert "the routed heads whose score exceeds the layer's threshold" in (out / "README.md").read_text()
+    moh = MoHLlamaForCausalLM.from_pretrained(str(out)).eval()
+    assert [layer.self_attn.head_router.threshold for layer in moh.model.layers] == thresholds
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    blocks = calibration_blocks(tokenizer, read_calibration(None)[0], 512, 256)
+    gates = []
+    hook = moh.model.layers[0].self_attn.head_router.register_forward_hook(lambda m, a, out: gates.append(out[0]))
+    with torch.no_grad():
+        moh(blocks, use_cache=False)
+    hook.remove()
+    routed = gates[0][..., 2:]  # (N, T, 6)
+    assert routed.mean().item() == pytest.approx(record["routed_active_fraction"][0], abs=1e-4)  # as recorded
+    assert routed.sum(-1).unique().numel() > 1  # and not per token
+    dense = AutoModelForCausalLM.from_pretrained(str(source)).eval()
+    ids = blocks[:1, :16]
+    with torch.no_grad(), all_heads_active(moh):
+        torch.testing.assert_close(moh(ids).logits, dense(ids).logits, rtol=0, atol=1e-5)
+
+
 def test_uniform_head_budget_is_the_default_and_bad_kinds_are_refused(tmp_path, tokenizer_dir):
     from mhmoe.convert.arguments import ConvertArguments
 
@@ -143,6 +186,6 @@ def test_uniform_head_budget_is_the_default_and_bad_kinds_are_refused(tmp_path, 
     assert record["head_budget"] == {"kind": "uniform"} and "calibration" not in record
     assert config.get("moh_active_heads_per_layer") is None
     assert ConvertArguments().head_budget == "uniform"
-    with pytest.raises(ConversionError, match="--head_budget must be one of uniform, calibrated"):
+    with pytest.raises(ConversionError, match="--head_budget must be one of uniform, calibrated, threshold"):
         convert(str(source), str(tmp_path / "bad"), progress=False, head_budget="greedy")
     assert not (tmp_path / "bad").exists()

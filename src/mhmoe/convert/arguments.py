@@ -116,7 +116,9 @@ class ConvertArguments:
         metadata={
             "help": "Routed heads active per token in each layer: 'uniform' (the same in every layer) or "
             "'calibrated' (measured on --calibration_file: layers whose restriction changes the model's predictions "
-            "more get more heads, the same total, each layer within 1 and its routed heads; recorded in config.json).",
+            "more get more heads, the same total, each layer within 1 and its routed heads; recorded in config.json) or "
+            "'threshold' (the calibrated budgets as each layer's average: a token takes the routed heads whose score "
+            "exceeds the layer's threshold, set on the calibration text).",
             "choices": list(HEAD_BUDGETS),
         },
     )

@@ -17,7 +17,8 @@ the importance) and the mean and std of its pre-RoPE query norm (the calibrated 
 `choose_heads(plan, recipe, ...)` turns them into per-layer head orders and the config fields, and the record
 written to moh_conversion.json. With `head_budget="calibrated"` it also gives each layer its own number of routed
 heads active per token (head_budget.py: the same total as the uniform budget, more where restricting the layer's heads
-changes the model's predictions more).
+changes the model's predictions more); with `head_budget="threshold"` those budgets become each layer's average and a
+per-layer score threshold decides, per token, how many heads it takes.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from .errors import ConversionError
-from .head_budget import SENSITIVITY_TOKENS, calibrated_budgets
+from .head_budget import SENSITIVITY_TOKENS, calibrated_budgets, calibrated_thresholds
 
 SHARED_CHOICES = ("first", "importance")
-HEAD_BUDGETS = ("uniform", "calibrated")
+HEAD_BUDGETS = ("uniform", "calibrated", "threshold")
 ROUTER_CHOICES = ("l2", "l2_standardized", "l2_relative", "fitted")
 CALIBRATION_TOKENS = 4096
 CALIBRATION_BLOCK = 256
@@ -311,7 +312,8 @@ def choose_heads(
     """Measure the source of `plan` on calibration text (unless the recipe and the head budget need none), choose
     every layer's shared heads and set the recipe's router (and its statistics, in the permuted head order) on
     `plan.config`; `head_budget="calibrated"` sets `moh_active_heads_per_layer` (head_budget.py: measured on the
-    first `SENSITIVITY_TOKENS` calibration tokens)."""
+    first `SENSITIVITY_TOKENS` calibration tokens), `"threshold"` those budgets and `moh_head_thresholds` (measured on
+    all the calibration tokens)."""
     from .heads import head_order, permute_rows
 
     if head_budget not in HEAD_BUDGETS:
@@ -355,7 +357,7 @@ def choose_heads(
         config.moh_head_norm_std = [
             [round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)
         ]
-    if head_budget == "calibrated":
+    if head_budget in ("calibrated", "threshold"):
         sensitivity = blocks[: max(1, SENSITIVITY_TOKENS // blocks.shape[1])]  # (N, T): the first blocks
         budgets, delta = calibrated_budgets(model, config, orders, sensitivity, progress, tensors)
         config.moh_active_heads_per_layer = budgets
@@ -365,6 +367,15 @@ def choose_heads(
             "heads active, K = 1..R; the budgets minimise its sum over the layers at the uniform total",
             sensitivity_tokens=sensitivity.numel(),
             kl=[[round(v, 6) for v in row] for row in delta],
+        )
+    if head_budget == "threshold":
+        thresholds, fractions = calibrated_thresholds(model, config, orders, blocks, tensors)
+        config.moh_head_thresholds = thresholds
+        record["head_budget"].update(
+            thresholds=thresholds,
+            routing="per token, the routed heads whose score exceeds the layer's threshold (set so that the "
+            "calibration tokens take the layer's budget on average)",
+            routed_active_fraction=[round(v, 4) for v in fractions],
         )
     del model
     record["calibration"] = {

@@ -219,6 +219,7 @@ class ConversionReport:
     router: str = ROUTER
     recipe: str = "paper"
     routed_active_heads_per_layer: list[int] | None = None  # --head_budget calibrated
+    head_thresholds: list[float | None] | None = None  # --head_budget threshold
     speed: dict | None = None  # --measure_speed (speed.py)
 
     @classmethod
@@ -241,6 +242,7 @@ class ConversionReport:
             verification=verification,
             router=config.moh_router,
             routed_active_heads_per_layer=getattr(config, "moh_active_heads_per_layer", None),
+            head_thresholds=getattr(config, "moh_head_thresholds", None),
         )
 
     @property
@@ -258,7 +260,13 @@ class ConversionReport:
         ]
         if self.routed_active_heads_per_layer is not None:
             budgets = ", ".join(map(str, self.routed_active_heads_per_layer))
-            lines.append(f"  head budget calibrated: routed heads active per layer {budgets} (average {k})")
+            kind = "calibrated" if self.head_thresholds is None else "threshold (per-layer averages)"
+            lines.append(f"  head budget {kind}: routed heads active per layer {budgets} (average {k})")
+        if self.head_thresholds is not None:
+            lines.append(
+                "  per token: the routed heads whose score exceeds the layer's threshold (calibrated to those "
+                "averages; see moh_conversion.json)"
+            )
         lines += [
             f"  weights: {self.tensors} tensors, {self.bytes / 1e6:,.1f} MB in {self.shards} shard(s), copied in "
             f"{self.seconds:.2f} s ({self.bytes / 1e6 / max(self.seconds, 1e-9):,.0f} MB/s)",
@@ -316,8 +324,9 @@ def convert(
     report's and moh_conversion.json's notes. `trust_remote_code`: let Transformers run the code the source's tokenizer
     names (calibration, the logit check); the model's code is always Transformers' own and no code is copied.
     `shared_heads` / `active_heads`: the head split as counts per layer (active = shared + routed) instead of the
-    ratios. `head_budget`: "uniform" (every layer `active_heads`) or "calibrated" (per-layer routed budgets at the
-    same total, from each layer's measured effect on the model's predictions: head_budget.py). `speed`: time the
+    ratios. `head_budget`: "uniform" (every layer `active_heads`), "calibrated" (per-layer routed budgets at the
+    same total, from each layer's measured effect on the model's predictions: head_budget.py) or "threshold" (those
+    budgets as averages; per token the heads scoring above a per-layer threshold). `speed`: time the
     converted model against its parent on this machine before the folder is renamed into place (speed.py; recorded in
     moh_conversion.json and the card). Arguments of the wrong
     type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).

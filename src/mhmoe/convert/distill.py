@@ -25,7 +25,7 @@ def dense_parent(model):
     for module in parent.modules():
         router = getattr(module, "head_router", None)
         if router is not None:
-            router.active_heads = router.routed_heads
+            router.active_heads, router.threshold = router.routed_heads, None  # top-R: every head
     parent.eval()
     for param in parent.parameters():
         param.requires_grad_(False)

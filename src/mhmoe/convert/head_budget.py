@@ -9,6 +9,11 @@ minimising Σ_l Δ_l(K_l) at Σ_l K_l = the total (exact, dynamic programming ov
 taken as additive). A rule on head importances alone (the largest o_proj contributions) was worse than the uniform
 budget on SmolLM2-135M: contribution norms grow with depth, so the early layers kept one routed head
 (benchmarks/results/moh_head_budgets.md).
+
+`--head_budget threshold` keeps the calibrated budgets as each layer's average and lets the count vary per token:
+`calibrated_thresholds` sets, per layer, the score threshold that the calibration tokens' routed scores pass K_l
+times per token on average (`moh_head_thresholds`; head_routers.py). Measured on SmolLM2-135M (fitted router, 7/9):
+benchmarks/results/moh_head_thresholds.md.
 """
 
 from __future__ import annotations
@@ -137,10 +142,50 @@ def calibrated_budgets(
     return allocate_budgets(delta, config.moh_active_heads * len(delta)), delta
 
 
+def calibrated_thresholds(
+    source, config, orders, blocks, tensors: dict | None = None, batch: int = 4
+) -> tuple[list[float | None], list[float]]:
+    """(per-layer score thresholds, each layer's routed active fraction on `blocks`) for `--head_budget threshold`:
+    layer l's threshold is the score that the layer's N tokens × R routed scores exceed K_l·N times (K_l: its
+    calibrated budget), halfway between the (K_l·N)-th and the next largest, so that on calibration text a token takes
+    K_l routed heads on average and the ones the router scores highest overall: more where several heads matter, fewer
+    where one does. The scores are measured with the top-K routing upstream. None where K_l = R (every head)."""
+    import torch
+
+    model = converted_in_memory(source, config, orders, tensors)
+    routers = _routers(model)
+    scores: list[list] = [[] for _ in routers]
+    hooks = [
+        router.register_forward_hook(lambda m, a, out, i=i: scores[i].append(out[1].detach().float().flatten()))
+        for i, router in enumerate(routers)
+    ]
+    try:
+        with torch.no_grad():
+            for start in range(0, len(blocks), batch):
+                model(blocks[start : start + batch].to(model.device), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    thresholds, fractions = [], []
+    for router, layer_scores in zip(routers, scores):
+        flat, routed, active = torch.cat(layer_scores), router.routed_heads, router.active_heads
+        if active >= routed:
+            thresholds.append(None)
+            fractions.append(1.0)
+            continue
+        on = active * (flat.numel() // routed)  # K_l · N scores above the threshold
+        top = flat.topk(on + 1).values
+        threshold = float((top[on - 1] + top[on]) / 2)
+        thresholds.append(threshold)
+        fractions.append(float((flat > threshold).float().mean()))
+    return thresholds, fractions
+
+
 __all__ = [
     "SENSITIVITY_TOKENS",
     "allocate_budgets",
     "calibrated_budgets",
+    "calibrated_thresholds",
     "converted_in_memory",
     "measure_sensitivity",
 ]

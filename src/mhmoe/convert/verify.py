@@ -26,14 +26,14 @@ def all_heads_active(model):
     """Every MoH head router of `model` (a MoH-LLaMA, PeftModel or DDP wrapper of one) activates all its routed heads
     inside the block: with straight-through gates the model then computes the dense parent exactly."""
     routers = [m.head_router for m in model.modules() if getattr(m, "head_router", None) is not None]
-    saved = [r.active_heads for r in routers]
+    saved = [(r.active_heads, r.threshold) for r in routers]
     try:
         for router in routers:
-            router.active_heads = router.routed_heads
+            router.active_heads, router.threshold = router.routed_heads, None  # top-R: every head
         yield model
     finally:
-        for router, active in zip(routers, saved):
-            router.active_heads = active
+        for router, (active, threshold) in zip(routers, saved):
+            router.active_heads, router.threshold = active, threshold
 
 
 def read_probe(path: str | None) -> str | None:

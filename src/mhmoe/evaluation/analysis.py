@@ -2,7 +2,7 @@
 
 `head_load(model, batches)` -> (layers, H) tensor: per MoH layer and head, the fraction of (non-padding) tokens that
 activate the head (shared heads: 1; each layer's routed heads sum to its budget: moh_active_heads, or the layer's
-entry of moh_active_heads_per_layer).
+entry of moh_active_heads_per_layer; with moh_head_thresholds, on average over the calibration text, not per token).
 `expert_load(model, batches)` -> (MoE layers, E) tensor: per MoE layer and expert, the fraction of routed rows
 (tokens × moe_heads sub-tokens) whose top-k includes the expert (each layer sums to num_experts_per_tok; capacity
 drops are not subtracted: this is the router's choice).
@@ -61,12 +61,13 @@ def head_load(model, batches: Iterable) -> torch.Tensor:
     config = model.config
     shared = config.moh_shared_heads
     active = getattr(config, "moh_active_heads_per_layer", None) or [config.moh_active_heads] * config.num_hidden_layers
+    thresholds = getattr(config, "moh_head_thresholds", None) or [None] * config.num_hidden_layers
     counts, tokens = None, 0.0
     for router_logits, mask in _router_outputs(model, batches, "moh_router_logits"):
         layer_counts = torch.stack(
             [
-                (topk_mask(logits, k) * mask[..., None]).sum(dim=(0, 1)).cpu()
-                for logits, k in zip(router_logits, active, strict=True)
+                (topk_mask(logits, k, t) * mask[..., None]).sum(dim=(0, 1)).cpu()
+                for logits, k, t in zip(router_logits, active, thresholds, strict=True)
             ]
         )  # (layers, R)
         counts = layer_counts if counts is None else counts + layer_counts

@@ -84,6 +84,11 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
         if per_layer is not None:  # the layers' average budget
             active = round(sum(per_layer) / len(per_layer), 3)
             budgets = f" on average (per-layer routed budgets, layer 0 first: {', '.join(map(str, per_layer))})"
+        if getattr(config, "moh_head_thresholds", None) is not None:
+            budgets += (
+                "; per token, the routed heads whose score exceeds the layer's threshold (`moh_head_thresholds`, "
+                "calibrated to those averages on calibration text: the count varies by token and text)"
+            )
         rows.append(
             (
                 "MoH attention",

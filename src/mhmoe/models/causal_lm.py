@@ -60,7 +60,8 @@ def add_router_losses(loss, config, attention_mask=None, router_logits=None, moh
         coefficients.update(aux_loss=config.router_aux_loss_coef, z_loss=config.router_z_loss_coef)
     if moh_router_logits:
         active = getattr(config, "moh_active_heads_per_layer", None) or config.moh_active_heads
-        losses["moh_aux_loss"] = moh_load_balancing_loss(moh_router_logits, active, attention_mask)
+        thresholds = getattr(config, "moh_head_thresholds", None)
+        losses["moh_aux_loss"] = moh_load_balancing_loss(moh_router_logits, active, attention_mask, thresholds)
         coefficients["moh_aux_loss"] = config.moh_aux_loss_coef
     if loss is not None:
         for name, coefficient in coefficients.items():

@@ -91,6 +91,7 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
     moh_shared_heads: int | None = None
     moh_active_heads: int | None = None
     moh_active_heads_per_layer: list | None = None  # per-layer routed budgets (None: moh_active_heads in every layer)
+    moh_head_thresholds: list | None = None  # per-layer score thresholds instead of the top-K (head_routers.py)
     moh_router: str = "learned"
     moh_straight_through: bool | str = False  # True: soft top-K gates' grad | "scores"/"selected_scores": eq. 9-10
     moh_aux_loss_coef: float | int = 0.01

@@ -101,17 +101,20 @@ def fused_projection(module) -> tuple[torch.Tensor, torch.Tensor | None, bool] |
 
 
 def host_hard_gates(router, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """(N, R) scores -> (N, H) 0/1 gates in `dtype` (shared heads 1, each row's top-K routed heads 1), the top-K
-    picked on the host from one read of the scores; None when a row's K-th and (K+1)-th scores tie (`torch.topk` then
+    """(N, R) scores -> (N, H) 0/1 gates in `dtype` (shared heads 1, each row's top-K routed heads 1, or those above
+    the router's threshold), picked on the host from one read of the scores; None when a row's K-th and (K+1)-th scores tie (`torch.topk` then
     decides, as in every other path). Gate rows are cached per selection."""
-    routed, active, shared = router.routed_heads, router.active_heads, router.shared_heads
+    routed, active, shared, threshold = router.routed_heads, router.active_heads, router.shared_heads, router.threshold
     cache = router.__dict__.setdefault("_host_gate_rows", {})
     rows = []
     for scores in logits.tolist():
-        order = sorted(range(routed), key=scores.__getitem__, reverse=True)
-        if active and scores[order[active - 1]] == scores[order[active]]:
-            return None
-        key = (dtype, *sorted(order[:active]))
+        if threshold is not None:  # the heads scoring above the layer's threshold
+            key = (dtype, *(head for head in range(routed) if scores[head] > threshold))
+        else:
+            order = sorted(range(routed), key=scores.__getitem__, reverse=True)
+            if active and scores[order[active - 1]] == scores[order[active]]:
+                return None
+            key = (dtype, *sorted(order[:active]))
         row = cache.get(key)
         if row is None:
             if len(cache) >= GATE_ROWS_CACHED:

@@ -14,6 +14,12 @@ parameter-free routers, the query projection through the norms) keeps learning: 
 softmax score of every routed head: the converter's default); "selected_scores" the raw softmax scores of the selected
 heads only (eq. 9-10 read with g_i = 0 on unselected heads, as eq. 5 defines the gates). Both score modes are for the
 routers with `score_straight_through`; docs/conversion.md compares the estimators.
+
+Head thresholds (`moh_head_thresholds`, one per layer; `mhmoe-convert --head_budget threshold`): instead of the top-K,
+a routed head is on for a token when its score exceeds the layer's threshold, so a token takes as many heads as its
+scores pass (0 to R); K is then the average the threshold was calibrated to on calibration text, not a per-token
+count. Only with straight-through (0/1) gates; the backward of True is then that of sigmoid(score - threshold) on the
+selected heads.
 """
 
 import math
@@ -51,6 +57,16 @@ def layer_active_heads(config, layer_idx: int | None) -> int:
     return per_layer[layer_idx]
 
 
+def layer_head_threshold(config, layer_idx: int | None) -> float | None:
+    """Layer `layer_idx`'s routing threshold (its entry of `moh_head_thresholds`; None: the top-K)."""
+    thresholds = getattr(config, "moh_head_thresholds", None)
+    if thresholds is None:
+        return None
+    if layer_idx is None:
+        raise ValueError("moh_head_thresholds is set: the head router needs its layer's index (layer_idx)")
+    return thresholds[layer_idx]
+
+
 def routed_gates(router_logits: torch.Tensor, active_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T, R) logits -> soft routed gates (B, T, R) fp32 (top-K probs renormalised over the K, ×K; 0 elsewhere) and
     the selected routed heads (B, T, K). Uniform probabilities give gate 1 on every selected head."""
@@ -60,9 +76,11 @@ def routed_gates(router_logits: torch.Tensor, active_heads: int) -> tuple[torch.
     return torch.zeros_like(probs).scatter(-1, index, weights), index
 
 
-def topk_mask(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """(..., R) logits -> (..., R) fp32 0/1: the top-k each row selects, as the routers select (fp32 softmax, top-k).
-    Shared by the MoH balance loss and the head-load statistics."""
+def topk_mask(router_logits: torch.Tensor, top_k: int, threshold: float | None = None) -> torch.Tensor:
+    """(..., R) logits -> (..., R) fp32 0/1: the heads each row selects, as the routers select (fp32 softmax, top-k;
+    with a `threshold`, the scores above it). Shared by the MoH balance loss and the head-load statistics."""
+    if threshold is not None:
+        return (router_logits.float() > threshold).float()
     probs = torch.softmax(router_logits.float(), dim=-1)
     index = torch.topk(probs, top_k, dim=-1).indices
     return torch.zeros_like(probs).scatter(-1, index, 1.0)
@@ -88,7 +106,8 @@ def straight_through(soft: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
 
 class MoHRouter(nn.Module):
     """Per-token head gates. forward(hidden (B, T, d), pre-RoPE queries (B, T, H, hd)) returns `gates` (B, T, H) fp32,
-    `router_logits` (B, T, R) fp32 (recorded for the balance loss and head statistics) and `routed_index` (B, T, K).
+    `router_logits` (B, T, R) fp32 (recorded for the balance loss and head statistics) and `routed_index` (B, T, K)
+    (None with a threshold: a token's count of heads varies).
     `head_norms` (B, T, H): every head's query norm, given when `query_states` holds only some heads (tensor
     parallelism gathers them for the routers that `reads_query_norms`: `moh_parallel.py`)."""
 
@@ -112,6 +131,7 @@ class MoHRouter(nn.Module):
         self.active_heads = active_heads
         self.straight_through = straight_through
         self.routing_backend = None  # "torch" | "triton" | None: by device (ops/backends.py)
+        self.threshold = None  # moh_head_thresholds' entry: a score threshold instead of the top-K
         self._shared_gate_row = None  # shared_gate_row's cache
 
     @classmethod
@@ -127,6 +147,7 @@ class MoHRouter(nn.Module):
             router_class.layer_statistics(config, layer_idx),
         )
         router.routing_backend = getattr(config, "routing_backend", None)
+        router.threshold = layer_head_threshold(config, layer_idx)
         return router
 
     @classmethod
@@ -155,7 +176,12 @@ class MoHRouter(nn.Module):
         """The straight-through gates' forward value alone (no gradient to build: inference): shared heads 1, the
         top-K routed heads 1, others 0. The top-K of the logits are the top-K of their softmax (monotone): the heads
         `routed_gates` selects. Three ops after the scores: in decoding the router runs once per layer and token, and
-        each op costs about as much as a short step's attention."""
+        each op costs about as much as a short step's attention. With a threshold: the heads scoring above it (no
+        index: None)."""
+        if self.threshold is not None:
+            on = (router_logits > self.threshold).to(router_logits.dtype)  # (B, T, R): 0..R heads per token
+            shared = router_logits.new_ones(*router_logits.shape[:-1], self.shared_heads)
+            return torch.cat([shared, on], dim=-1), router_logits, None
         index = torch.topk(router_logits, self.active_heads, dim=-1).indices  # (B, T, K)
         base = self.shared_gate_row(router_logits).expand(*router_logits.shape[:-1], self.num_heads)  # (B, T, H)
         return base.scatter(-1, index + self.shared_heads, 1.0), router_logits, index
@@ -175,8 +201,11 @@ class MoHRouter(nn.Module):
         return shared_soft, routed_soft
 
     def extra_repr(self) -> str:
+        active = self.active_heads
+        if self.threshold is not None:
+            active = f"{active} (average), threshold={self.threshold:g}"
         return (
-            f"heads={self.num_heads}, shared={self.shared_heads}, active_routed={self.active_heads}, "
+            f"heads={self.num_heads}, shared={self.shared_heads}, active_routed={active}, "
             f"router={self.name!r}, straight_through={self.straight_through}"
         )
 
@@ -184,6 +213,8 @@ class MoHRouter(nn.Module):
         router_logits = self.scores(hidden_states, query_states, head_norms)  # (B, T, R)
         if self.straight_through and not torch.is_grad_enabled():
             return self.hard_gates(router_logits)
+        if self.threshold is not None:
+            return self.threshold_gates(hidden_states, router_logits)
         routed_soft, routed_index = routed_gates(router_logits, self.active_heads)  # (B, T, R), (B, T, K)
         shared_soft = routed_soft.new_ones(*routed_soft.shape[:-1], self.shared_heads)  # (B, T, S)
         shared_soft, routed_soft = self.weigh_stages(hidden_states, shared_soft, routed_soft)
@@ -198,6 +229,23 @@ class MoHRouter(nn.Module):
                 gates = torch.cat([torch.ones_like(shared_soft), scores], dim=-1)
             gates = straight_through(gates, hard)
         return gates, router_logits, routed_index
+
+    def threshold_gates(self, hidden_states: torch.Tensor, router_logits: torch.Tensor):
+        """Straight-through gates with a threshold (training): forward 1 where a routed head's score exceeds it, and
+        the backward of `straight_through`'s mode. True: sigmoid(score - threshold) as the soft gate of the selected
+        heads (0 on the others, whose attention the head-sparse paths never compute: as True's top-K gates, whose
+        renormalised weights give the unselected heads no gradient either)."""
+        hard = (router_logits > self.threshold).float()  # (B, T, R)
+        shared = hard.new_ones(*hard.shape[:-1], self.shared_heads)  # (B, T, S)
+        if self.straight_through in ("scores", "selected_scores"):
+            soft = torch.softmax(router_logits.float(), dim=-1)
+            if self.straight_through == "selected_scores":
+                soft = soft * hard
+            gates = torch.cat([shared, soft], dim=-1)
+        else:
+            soft = torch.sigmoid(router_logits - self.threshold) * hard  # the selected heads', as True's top-K
+            gates = torch.cat(self.weigh_stages(hidden_states, shared, soft), dim=-1)
+        return straight_through(gates, torch.cat([shared, hard], dim=-1)), router_logits, None
 
 
 @head_router("learned")
@@ -256,7 +304,11 @@ class L2Router(MoHRouter):
     def forward(self, hidden_states, query_states, head_norms=None):
         # the fused kernel reads the queries' own heads (not tensor parallelism's gathered norms); every
         # straight-through mode runs on it, with the reference's gradient (ops/head_router/head_router_triton.py)
-        if head_norms is None and routing_backend(query_states, self.routing_backend)[0] == "triton":
+        if (
+            head_norms is None
+            and self.threshold is None
+            and routing_backend(query_states, self.routing_backend)[0] == "triton"
+        ):
             return l2_head_gates(
                 query_states, self.shared_heads, self.active_heads, self.straight_through, self.routing_backend
             )
@@ -345,6 +397,7 @@ __all__ = [
     "head_router",
     "l2_scores",
     "layer_active_heads",
+    "layer_head_threshold",
     "routed_gates",
     "straight_through",
     "topk_mask",

@@ -74,8 +74,10 @@ def head_sparse_pays(router, tokens: int, kv_heads: int) -> bool:
 
 def kv_heads_skippable(router, kv_heads: int) -> bool:
     """Whether a token's active heads can leave a key/value head unread: a GQA group with no shared head (the first S)
-    and at least K routed heads outside it (else every top-K selection takes one of its heads)."""
-    return _kv_heads_skippable(router.num_heads, router.shared_heads, router.active_heads, kv_heads)
+    and at least K routed heads outside it (else every top-K selection takes one of its heads; with a threshold a token
+    can take none of them)."""
+    active = 0 if router.threshold is not None else router.active_heads
+    return _kv_heads_skippable(router.num_heads, router.shared_heads, active, kv_heads)
 
 
 @functools.lru_cache(maxsize=256)

@@ -31,6 +31,31 @@ def per_layer_problems(config) -> list[str]:
     return []
 
 
+def threshold_problems(config) -> list[str]:
+    """`moh_head_thresholds`: None, or one finite number (or None: that layer's top-K) per hidden layer, with MoH on
+    and straight-through (0/1) gates."""
+    thresholds = getattr(config, "moh_head_thresholds", None)
+    if thresholds is None:
+        return []
+    layers = getattr(config, "num_hidden_layers", None)
+    listed = isinstance(thresholds, (list, tuple)) and len(thresholds) == layers
+    if not listed or not all(
+        t is None or (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)) for t in thresholds
+    ):
+        return [
+            f"moh_head_thresholds must be None (top-K routing) or a list of {layers} finite numbers or None (one per "
+            f"layer), got {thresholds!r}"
+        ]
+    if config.moh_active_heads is None:
+        return ["moh_head_thresholds needs MoH on (moh_shared_heads and moh_active_heads set)"]
+    if not config.moh_straight_through:
+        return [
+            "moh_head_thresholds needs straight-through 0/1 gates (moh_straight_through True, 'scores' or "
+            "'selected_scores'): soft gates weigh exactly K heads"
+        ]
+    return []
+
+
 def moh_config_problems(config) -> list[str]:
     """What is wrong with a config's moh_* fields, in words (empty list: valid)."""
     problems = []
@@ -75,6 +100,7 @@ def moh_config_problems(config) -> list[str]:
             )
     if shared is None or 0 <= shared < heads:
         problems += per_layer_problems(config)
+    problems += threshold_problems(config)
     if router is not None:
         problems += router.config_problems(config)
     return problems

@@ -33,6 +33,7 @@ MOH_FIELDS = {
     "moh_shared_heads": None,
     "moh_active_heads": None,
     "moh_active_heads_per_layer": None,
+    "moh_head_thresholds": None,
     "moh_router": "l2",
     "moh_straight_through": True,
     "moh_aux_loss_coef": 0.01,
@@ -79,6 +80,7 @@ def apply_moh(model, **moh_fields):
 
     `moh_fields`: `moh_shared_heads`, `moh_active_heads` (required unless already in the model's config),
     `moh_active_heads_per_layer` (optional per-layer routed budgets; None: `moh_active_heads` in every layer),
+    `moh_head_thresholds` (optional per-layer score thresholds instead of the top-K: `head_routers.py`),
     `moh_router` ("l2" by default: parameter-free, so the state dict is unchanged; "learned": zero-initialised
     two-stage router), `moh_straight_through` (True by default), `moh_aux_loss_coef` (0.01). The defaults are the
     paper's continue-tuning recipe. The first `moh_shared_heads` heads of every layer are shared.
