@@ -8,8 +8,10 @@ ops/head_sparse_attention), against the dense parent (Transformers' LlamaForCaus
 
 Setup, once per --workdir (not timed): the parent dequantised (`dequantise_gguf`, the converter's GGUF step) and the
 two conversions (`mhmoe-convert --input_dir <workdir>/dense --recipe <--recipe> --shared_heads_ratio 1/3
---active_heads_ratio 7/9 | 5/9`: 3 shared heads, one whole key/value group, and 4 or 2 of the 6 routed heads; uniform
-head budgets), in <workdir>/moh-<recipe>-7of9 and -5of9.
+--active_heads_ratio 7/9 | 5/9 --head_budget <--head_budget>`: 3 shared heads, one whole key/value group, and 4 or 2
+of the 6 routed heads; uniform head budgets by default), in <workdir>/moh-<recipe>-7of9 and -5of9 (for other budgets
+moh-<recipe>-<budget>-7of9 and -5of9). With `threshold` a token's count of heads varies: the "active pairs" column
+is what the model ran on the benchmark's text.
 
 Cells (fp32, `--threads` threads, no gradients), on Python-docs text (`pydoc_data.topics`, a different stretch per
 batch row):
@@ -76,6 +78,11 @@ def parse_args(argv=None):
         "--min_cell_s", type=float, default=20.0, help="prefill: more rounds until a model's calls take this long"
     )
     parser.add_argument("--recipe", default="fitted", help="mhmoe-convert --recipe of the two conversions")
+    parser.add_argument(
+        "--head_budget",
+        default="uniform",
+        help="mhmoe-convert --head_budget of the two conversions (uniform|calibrated|threshold)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--control", action="store_true", help="also time a copy of the parent: the noise's row")
     parser.add_argument("--output", default=None, help="also write the rows as JSON here")
@@ -94,7 +101,8 @@ def setup(args) -> dict[str, str]:
         dequantise_gguf(args.gguf_dir, GGUF, str(dense))
     folders = {"parent": str(dense)}
     for name, ratio in SETTINGS.items():
-        out = work / f"moh-{args.recipe}-{name.replace('/', 'of')}"
+        budget = "" if args.head_budget == "uniform" else f"-{args.head_budget}"
+        out = work / f"moh-{args.recipe}{budget}-{name.replace('/', 'of')}"
         if not (out / "moh_conversion.json").is_file():
             convert(
                 [
@@ -110,6 +118,8 @@ def setup(args) -> dict[str, str]:
                     "--active_heads_ratio",
                     repr(ratio),
                     "--disable_tqdm",
+                    "--head_budget",
+                    args.head_budget,
                 ]
             )
         folders[name] = str(out)
@@ -308,9 +318,11 @@ def main(argv=None) -> int:
         for model in models.values():
             model(text_ids(tokenizer, 1, 128), use_cache=False, logits_to_keep=1)
     attn = {name: model.config._attn_implementation for name, model in models.items()}
-    recipe = json.loads((Path(folders["7/9"]) / "moh_conversion.json").read_text()).get("recipe")
+    record = json.loads((Path(folders["7/9"]) / "moh_conversion.json").read_text())
+    recipe, budget = record.get("recipe"), record.get("head_budget", {}).get("kind", "uniform")
     print(
-        f"torch {torch.__version__}, {args.threads} threads, fp32, CPU; attention {attn}; MoH recipe {recipe}; "
+        f"torch {torch.__version__}, {args.threads} threads, fp32, CPU; attention {attn}; MoH recipe {recipe}, "
+        f"{budget} head budget; "
         f"median of {args.rounds} interleaved rounds ({args.big_rounds} for cells over {args.big_tokens} tokens, more "
         f"for prefills under {args.min_cell_s:g} s a model; decoding in lockstep); "
         f"setup {setup_s:.0f} s; load average {load_average()}"
