@@ -11,7 +11,7 @@ heads whose fitted score, the predicted log-norm of the head's contribution, exc
 evaluated on the recovery table's three texts (moh_convert_real_recovery.py: held-out Python docs, the GPL-3
 licence, Debian package descriptions; calibration is on Python docs), as perplexity × the parent's on the same tokens,
 with the fraction of heads it actually ran on that text: with thresholds the count follows the text, so a ratio is
-read beside its compute.
+read beside its compute. `--checkpoints DIR...` evaluates given MoH folders the same way instead (printed, not written).
 
 Writes benchmarks/results/moh_head_thresholds.md (the command and this run's output).
 """
@@ -36,23 +36,13 @@ BUDGETS = {"7/9": 7, "5/9": 5}  # active heads of 9 (3 shared)
 KINDS = ("calibrated", "threshold")
 
 
-def active_fraction(model, blocks, batch: int = 4) -> tuple[float, float]:
+def active_fraction(model, blocks) -> tuple[float, float]:
     """(perplexity, fraction of all heads active over the tokens of `blocks`): the routers' gates counted as the model
     runs (shared heads included), averaged over layers and tokens."""
-    counts = [0.0, 0]
+    from mhmoe.convert.speed import head_counter
 
-    def count(module, args, output):
-        gates = output[0]  # (B, T, H)
-        counts[0] += float((gates != 0).sum())
-        counts[1] += gates.numel()
-
-    routers = [m.head_router for m in model.modules() if getattr(m, "head_router", None) is not None]
-    hooks = [router.register_forward_hook(count) for router in routers]
-    try:
+    with head_counter(model) as counts:
         ppl = real.perplexity(model, blocks)["ppl"]
-    finally:
-        for hook in hooks:
-            hook.remove()
     return ppl, counts[0] / counts[1]
 
 
@@ -61,6 +51,14 @@ def main(argv=None) -> None:
     parser.add_argument("--gguf_dir", required=True)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--budgets", nargs="+", choices=list(BUDGETS), default=list(BUDGETS))
+    parser.add_argument(
+        "--checkpoints",
+        nargs="*",
+        default=[],
+        metavar="DIR",
+        help="MoH checkpoints to evaluate the same way instead of converting (e.g. the recovery stage's tuned runs, "
+        "to see whether tuning moved their head count)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,28 +79,35 @@ def main(argv=None) -> None:
         "|---|---|" + "---|" * len(names),
         "| parent | – | " + " | ".join(f"{parent[key]:.2f} (9/9 heads)" for key in texts) + " |",
     ]
+
+    def row(label: str, folder: str, seconds: str) -> None:
+        model = MoHLlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        cells = []
+        for key, blocks in texts.items():
+            ppl, fraction = active_fraction(model, blocks)
+            cells.append(f"{ppl:.2f} (×{ppl / parent[key]:.3f}; {9 * fraction:.2f}/9 heads)")
+        lines.append(f"| {label} | {seconds} | {' | '.join(cells)} |")
+        print(lines[-1], flush=True)
+
+    for folder in args.checkpoints:  # named by their last two folders (the recovery stage's seedN/name)
+        row("`" + "/".join(Path(folder).parts[-2:]) + "`", folder, "–")
     scratch = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
-        for budget in args.budgets:
+        for budget in [] if args.checkpoints else args.budgets:
             for kind in KINDS:
                 started, out = time.time(), str(scratch / f"moh-{kind}")
                 convert(dense, out, shared_heads=3, active_heads=BUDGETS[budget], overwrite=True,
                         verify_logits=False, progress=False, recipe="fitted", head_budget=kind)  # fmt: skip
-                seconds = time.time() - started
-                model = MoHLlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-                cells = []
-                for key, blocks in texts.items():
-                    ppl, fraction = active_fraction(model, blocks)
-                    cells.append(f"{ppl:.2f} (×{ppl / parent[key]:.3f}; {9 * fraction:.2f}/9 heads)")
-                lines.append(f"| {budget}, {kind} budgets | {seconds:.0f} | {' | '.join(cells)} |")
-                print(lines[-1], flush=True)
-                del model
+                row(f"{budget}, {kind} budgets", out, f"{time.time() - started:.0f}")
     finally:
         shutil.rmtree(scratch)
     command = "python benchmarks/moh_head_thresholds.py --gguf_dir <gguf_dir> --workdir <workdir>"
     if args.budgets != list(BUDGETS):
         command += " --budgets " + " ".join(args.budgets)
     body = "\n".join(lines)
+    if args.checkpoints:  # not the table: printed, for the caller to quote with its command
+        print(body)
+        return
     RESULTS.write_text(
         "# Per-token head counts (thresholds) vs fixed per-layer budgets (SmolLM2-135M-Instruct, zero-shot)\n\n"
         f"Written by `benchmarks/moh_head_thresholds.py` (its docstring says what is compared). torch "

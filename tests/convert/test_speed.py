@@ -85,6 +85,44 @@ def test_measure_speed_records_the_timings_and_the_card_states_them(tmp_path, to
     assert f"decode 5 tokens ×{d['speed_ratio']:.3f}" in printed  # the converter's report says it too
 
 
+def test_measure_speed_with_thresholds_counts_the_heads_the_text_activates(
+    tmp_path, tokenizer_dir, capsys, monkeypatch
+):
+    """With `--head_budget threshold` a token's count of heads varies: the ideal is computed from the share of (token,
+    head) pairs the converted model activated on the timed prompt (counted here from its routers' scores), not from
+    the budget."""
+    shares = []
+    original = speed_module.measured_head_share
+
+    def recording(model, ids):
+        share = original(model, ids)
+        inputs = []
+        hooks = [layer.input_layernorm.register_forward_hook(lambda m, a, out: inputs.append(out))
+                 for layer in model.model.layers]  # fmt: skip
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        for hook in hooks:
+            hook.remove()
+        routed = [
+            (x @ layer.self_attn.head_router.routed_weight.T > layer.self_attn.head_router.threshold).float().mean()
+            if layer.self_attn.head_router.threshold is not None
+            else torch.tensor(layer.self_attn.head_router.active_heads / 6)
+            for layer, x in zip(model.model.layers, inputs)
+        ]
+        shares.append((share, float((2 + 6 * torch.stack(routed)).mean() / 8)))
+        return share
+
+    monkeypatch.setattr(speed_module, "measured_head_share", recording)
+    out, _ = _convert_with_speed(
+        tmp_path, tokenizer_dir, capsys, "--head_budget", "threshold", "--speed_tokens", "24", "--speed_new_tokens",
+        "2", "--speed_rounds", "1",
+    )  # fmt: skip
+    speed = json.loads((out / "moh_conversion.json").read_text())["speed"]
+    ((share, by_hand),) = shares
+    assert speed["active_head_share"] == share == pytest.approx(by_hand, abs=1e-6)
+    assert share != pytest.approx(5 / 8)  # not the budget: what this prompt activated
+
+
 def test_without_the_flag_nothing_is_timed_and_the_card_says_nothing_of_speed(tmp_path, tokenizer_dir, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("timed without --measure_speed")

@@ -18,6 +18,7 @@ everything else stayed, from the shapes: ideal = all / (all - inactive share × 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -64,10 +65,38 @@ def forward_flops(config, tokens: int, keys_seen: float, logits_rows: int) -> tu
 
 def active_head_share(config) -> float:
     """The share of (token, head) pairs a MoH config computes: shared + routed budget over all heads, layers averaged
-    (the router picks exactly its budget per token)."""
+    (top-K routing picks exactly its budget per token; with `moh_head_thresholds` this is the calibration text's
+    average: `measured_head_share`)."""
     heads, shared = config.num_attention_heads, config.moh_shared_heads
     budgets = getattr(config, "moh_active_heads_per_layer", None) or [config.moh_active_heads]
     return sum(shared + k for k in budgets) / (len(budgets) * heads)
+
+
+@contextlib.contextmanager
+def head_counter(model):
+    """[active, total] (token, head) pairs of `model`'s MoH routers' gates, counted while the block runs."""
+    counts = [0, 0]
+
+    def count(module, args, output):
+        counts[0] += int((output[0] != 0).sum())  # gates (B, T, H)
+        counts[1] += output[0].numel()
+
+    routers = [m.head_router for m in model.modules() if getattr(m, "head_router", None) is not None]
+    hooks = [router.register_forward_hook(count) for router in routers]
+    try:
+        yield counts
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def measured_head_share(model, ids) -> float:
+    """The share of (token, head) pairs `model` activates on `ids` (its routers' gates over one forward)."""
+    import torch
+
+    with head_counter(model) as counts, torch.no_grad():
+        model(ids, use_cache=False, logits_to_keep=1)
+    return counts[0] / max(counts[1], 1)
 
 
 def ideal(config, share: float, tokens: int, keys_seen: float, logits_rows: int) -> dict:
@@ -200,6 +229,8 @@ def measure_speed(
             caches[name] = (out[CACHE], out.logits[:, -1].argmax(-1, keepdim=True))
     decode = cell(lockstep_decode(models, caches, new_tokens, settings.rounds), new_tokens)
     share = active_head_share(config)
+    if getattr(config, "moh_head_thresholds", None) is not None:  # a count per token: what this text activates
+        share = measured_head_share(moh, ids)
     prefill.update(tokens=prompt, **ideal(config, share, prompt, prompt * (prompt + 1) / 2, 1))
     keys_seen = new_tokens * (prompt + (new_tokens + 1) / 2)
     decode.update(
@@ -238,6 +269,8 @@ __all__ = [
     "SPEED_TOKENS",
     "SpeedSettings",
     "active_head_share",
+    "head_counter",
+    "measured_head_share",
     "forward_flops",
     "interleaved_prefill",
     "lockstep_decode",
