@@ -15,15 +15,11 @@ from tests.causal_lm_tester import randomise_moh_routers
 from tests.models.test_moh import VOCAB, tiny_llama_fields, tiny_mhmoe
 
 
-def moh_llama(router="learned", kv_heads=4, shared=3, active=2, seed=0):
+def moh_llama(router="learned", kv_heads=4, shared=3, active=2, seed=0, **fields):
+    """A tiny MoH-LLaMA with straight-through gates and random router weights (`fields`: more config fields)."""
     torch.manual_seed(seed)
-    config = MoHLlamaConfig(
-        **tiny_llama_fields(num_key_value_heads=kv_heads),
-        moh_shared_heads=shared,
-        moh_active_heads=active,
-        moh_router=router,
-        moh_straight_through=True,
-    )
+    moh = dict(moh_shared_heads=shared, moh_active_heads=active, moh_router=router, moh_straight_through=True)
+    config = MoHLlamaConfig(**tiny_llama_fields(num_key_value_heads=kv_heads), **{**moh, **fields})
     model = MoHLlamaForCausalLM(config).eval()
     randomise_moh_routers(model)
     return model

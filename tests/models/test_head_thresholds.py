@@ -12,12 +12,12 @@ from mhmoe.models.moh.head_routers import HEAD_ROUTERS
 from mhmoe.models.moh.moh_losses import moh_load_balancing_loss
 from mhmoe.models.moh_llama.patch import apply_moh
 from tests.causal_lm_tester import randomise_moh_routers
-from tests.models.test_fused_decoding import assert_same_generation, generate_both, padded_prompt
+from tests.models.test_fused_decoding import assert_same_generation, generate_both, moh_llama, padded_prompt
 from tests.models.test_moh import (
     HEADS,
     HIDDEN,
     VOCAB,
-    set_head_skipping,
+    loss_and_grads,
     spy_head_sparse,
     tiny_llama_fields,
     tiny_mhmoe,
@@ -26,19 +26,8 @@ from tests.models.test_moh import (
 THRESHOLDS = [0.3, -0.2]  # one per layer of the tiny models
 
 
-def threshold_llama(router="learned", kv_heads=4, thresholds=THRESHOLDS, straight_through=True, seed=0):
-    torch.manual_seed(seed)
-    config = MoHLlamaConfig(
-        **tiny_llama_fields(num_key_value_heads=kv_heads),
-        moh_shared_heads=3,
-        moh_active_heads=2,
-        moh_router=router,
-        moh_straight_through=straight_through,
-        moh_head_thresholds=thresholds,
-    )
-    model = MoHLlamaForCausalLM(config).eval()
-    randomise_moh_routers(model)
-    return model
+def threshold_llama(router="learned", kv_heads=4, thresholds=THRESHOLDS):
+    return moh_llama(router, kv_heads, moh_head_thresholds=thresholds)
 
 
 def test_threshold_gates_equal_a_naive_loop_and_vary_per_token():
@@ -119,15 +108,9 @@ def test_head_sparse_prefill_with_thresholds_equals_the_masked_path(backend, mon
     labels = ids.masked_fill(mask == 0, -100)
     labels[1, 5] = -100  # predicted from a padding position (whose attention sees no key)
 
-    def run(skipping):
-        set_head_skipping(model, skipping)
-        model.zero_grad()
-        out = model(ids, attention_mask=mask, labels=labels, output_router_logits=True)
-        out.loss.backward()
-        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    masked, masked_grads = run(False)
-    sparse, sparse_grads = run(backend)
+    kwargs = dict(attention_mask=mask, labels=labels, output_router_logits=True)  # the balance loss too
+    masked, masked_grads = loss_and_grads(model, False, ids, **kwargs)
+    sparse, sparse_grads = loss_and_grads(model, backend, ids, **kwargs)
     assert len(calls) == 2
     torch.testing.assert_close(sparse.loss, masked.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(sparse.logits[mask.bool()], masked.logits[mask.bool()], rtol=1e-5, atol=1e-5)

@@ -269,6 +269,15 @@ def spy_head_sparse(monkeypatch) -> list:
     return calls
 
 
+def loss_and_grads(model, skipping, ids, **kwargs) -> tuple:
+    """(output, {parameter: gradient}) of one forward and backward of the loss with `moh_head_skipping=skipping`."""
+    set_head_skipping(model, skipping)
+    model.zero_grad()
+    out = model(ids, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def build_skipping_models():
     """Both families, GQA (8 heads on 4 key/value heads): MHMoE with a learned router (soft gates) and a sliding
     window of 9; MoH-LLaMA with the l2 router and straight-through 0/1 gates."""
@@ -299,16 +308,9 @@ def test_training_computes_active_heads_only_and_equals_the_masked_path(
     labels = ids.masked_fill(mask == 0, -100)
     labels[1, 5] = -100  # predicted from a padding position (whose attention sees no key)
 
-    def run(skipping):
-        set_head_skipping(model, skipping)
-        model.zero_grad()
-        out = model(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    masked, masked_grads = run(False)
+    masked, masked_grads = loss_and_grads(model, False, ids, attention_mask=mask, labels=labels)
     assert not calls
-    sparse, sparse_grads = run(backend)
+    sparse, sparse_grads = loss_and_grads(model, backend, ids, attention_mask=mask, labels=labels)
     assert len(calls) == 2 and all(call[0][2] == 37 and call[2] for call in calls)  # both layers, with gradients
     assert all(call[1] == (None if backend is True else backend) for call in calls)
     torch.testing.assert_close(sparse.loss, masked.loss, rtol=1e-5, atol=1e-6)
