@@ -174,3 +174,25 @@ def test_bad_thresholds_are_refused_in_words(fields, message):
     settings = {**dict(moh_shared_heads=3, moh_active_heads=2, moh_straight_through=True), **fields}
     with pytest.raises(ValueError, match=message):
         MoHLlamaConfig(**tiny_llama_fields(), **settings)
+
+
+def test_exported_folder_routes_with_the_thresholds(tmp_path):
+    """The trust_remote_code folder (`export_pretrained`) carries the field and its code: loaded through its own copied
+    classes, the same thresholds and the same logits."""
+    import json
+
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from mhmoe.hub import export_pretrained
+
+    model = threshold_llama()
+    folder = tmp_path / "exported"
+    export_pretrained(model, folder)
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    copied = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(folder))  # not mhmoe's registered one
+    loaded = copied.from_pretrained(folder).eval()
+    assert type(loaded).__module__.startswith("transformers_modules.")  # the folder's code
+    assert [layer.self_attn.head_router.threshold for layer in loaded.model.layers] == THRESHOLDS
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
