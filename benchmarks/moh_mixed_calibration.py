@@ -34,13 +34,13 @@ def linux_documents(corpus: Path) -> list[str]:
     return kernel[:: max(1, len(kernel) // LINUX_DOCUMENTS)]
 
 
-def mixed_text(corpus: Path) -> str:
-    """Python-docs and kernel-docs pieces in turn until CHARS characters, joined by blank lines."""
+def mixed_text(corpus: Path, chars: int = CHARS) -> str:
+    """Python-docs and kernel-docs pieces in turn until `chars` characters, joined by blank lines."""
     from mhmoe.convert.calibrate import default_calibration_text
 
-    python, linux = default_calibration_text(CHARS), linux_documents(corpus)
+    python, linux = default_calibration_text(chars), linux_documents(corpus)
     pieces, i = [], 0
-    while sum(map(len, pieces)) < CHARS:
+    while sum(map(len, pieces)) < chars:
         pieces += [python[i * PIECE : (i + 1) * PIECE], linux[i % len(linux)][:PIECE]]
         i += 1
     return "\n\n".join(pieces)
@@ -50,8 +50,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="data/corpus", help="scripts/get_corpus.sh's output folder")
     parser.add_argument("--out", required=True, help="the calibration text file to write")
+    parser.add_argument("--chars", type=int, default=CHARS, help="characters in all (about 20 per token)")
     args = parser.parse_args(argv)
-    text = mixed_text(Path(args.corpus))
+    text = mixed_text(Path(args.corpus), args.chars)
     Path(args.out).write_text(text, encoding="utf-8")
     print(f"wrote {args.out}: {len(text):,} characters, SHA-256 {hashlib.sha256(text.encode()).hexdigest()}")
 
