@@ -213,14 +213,17 @@ class MoHRouter(nn.Module):
         router_logits = self.scores(hidden_states, query_states, head_norms)  # (B, T, R)
         if self.straight_through and not torch.is_grad_enabled():
             return self.hard_gates(router_logits)
-        if self.threshold is not None:
-            return self.threshold_gates(hidden_states, router_logits)
-        routed_soft, routed_index = routed_gates(router_logits, self.active_heads)  # (B, T, R), (B, T, K)
+        if self.threshold is None:
+            routed_soft, routed_index = routed_gates(router_logits, self.active_heads)  # (B, T, R), (B, T, K)
+        else:  # sigmoid(score - threshold) on the heads above it, 0 on the others (whose attention the head-sparse
+            # paths never compute), as the top-K's renormalised weights give the unselected heads no gradient either
+            routed_index, above = None, (router_logits > self.threshold).float()  # (B, T, R)
+            routed_soft = torch.sigmoid(router_logits - self.threshold) * above
         shared_soft = routed_soft.new_ones(*routed_soft.shape[:-1], self.shared_heads)  # (B, T, S)
         shared_soft, routed_soft = self.weigh_stages(hidden_states, shared_soft, routed_soft)
         gates = torch.cat([shared_soft, routed_soft], dim=-1)  # (B, T, H)
         if self.straight_through:
-            hard = torch.zeros_like(routed_soft).scatter(-1, routed_index, 1.0)
+            hard = above if routed_index is None else torch.zeros_like(routed_soft).scatter(-1, routed_index, 1.0)
             hard = torch.cat([torch.ones_like(shared_soft), hard], dim=-1)
             if self.straight_through in ("scores", "selected_scores"):  # raw softmax scores carry the gradient
                 scores = torch.softmax(router_logits.float(), dim=-1)  # (B, T, R)
@@ -229,23 +232,6 @@ class MoHRouter(nn.Module):
                 gates = torch.cat([torch.ones_like(shared_soft), scores], dim=-1)
             gates = straight_through(gates, hard)
         return gates, router_logits, routed_index
-
-    def threshold_gates(self, hidden_states: torch.Tensor, router_logits: torch.Tensor):
-        """Straight-through gates with a threshold (training): forward 1 where a routed head's score exceeds it, and
-        the backward of `straight_through`'s mode. True: sigmoid(score - threshold) as the soft gate of the selected
-        heads (0 on the others, whose attention the head-sparse paths never compute: as True's top-K gates, whose
-        renormalised weights give the unselected heads no gradient either)."""
-        hard = (router_logits > self.threshold).float()  # (B, T, R)
-        shared = hard.new_ones(*hard.shape[:-1], self.shared_heads)  # (B, T, S)
-        if self.straight_through in ("scores", "selected_scores"):
-            soft = torch.softmax(router_logits.float(), dim=-1)
-            if self.straight_through == "selected_scores":
-                soft = soft * hard
-            gates = torch.cat([shared, soft], dim=-1)
-        else:
-            soft = torch.sigmoid(router_logits - self.threshold) * hard  # the selected heads', as True's top-K
-            gates = torch.cat(self.weigh_stages(hidden_states, shared, soft), dim=-1)
-        return straight_through(gates, torch.cat([shared, hard], dim=-1)), router_logits, None
 
 
 @head_router("learned")
