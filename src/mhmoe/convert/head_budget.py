@@ -19,6 +19,7 @@ benchmarks/results/moh_head_thresholds.md.
 from __future__ import annotations
 
 from .errors import ConversionError
+from .verify import all_heads_active, moh_routers
 
 SENSITIVITY_TOKENS = 512  # the first calibration tokens the per-layer sensitivities are measured on
 
@@ -44,11 +45,6 @@ def allocate_budgets(delta: list[list[float]], total: int) -> list[int]:
                     step[used + k] = (candidate, budgets + [k])
         best = step
     return best[total][1]
-
-
-def _routers(model) -> list:
-    """The MoH head routers of `model`, layer 0 first."""
-    return [m.head_router for m in model.modules() if getattr(m, "head_router", None) is not None]
 
 
 def _layer_calls(model, ids) -> list[tuple[tuple, dict]]:
@@ -86,9 +82,7 @@ def measure_sensitivity(model, blocks, progress: bool = False, batch: int = 4) -
     import torch
     from tqdm.auto import tqdm
 
-    from .verify import all_heads_active
-
-    routers = _routers(model)
+    routers = moh_routers(model)
     with torch.no_grad(), all_heads_active(model):
         calls = [_layer_calls(model, blocks[i : i + batch].to(model.device)) for i in range(0, len(blocks), batch)]
         reference = [_log_probs_from(model, c, 0) for c in calls]
@@ -153,7 +147,7 @@ def calibrated_thresholds(
     import torch
 
     model = converted_in_memory(source, config, orders, tensors)
-    routers = _routers(model)
+    routers = moh_routers(model)
     scores: list[list] = [[] for _ in routers]
     hooks = [
         router.register_forward_hook(lambda m, a, out, i=i: scores[i].append(out[1].detach().float().flatten()))

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import ConversionError
+from .verify import moh_routers
 
 SPEED_TOKENS = 512
 SPEED_NEW_TOKENS = 32
@@ -81,8 +82,7 @@ def head_counter(model):
         counts[0] += int((output[0] != 0).sum())  # gates (B, T, H)
         counts[1] += output[0].numel()
 
-    routers = [m.head_router for m in model.modules() if getattr(m, "head_router", None) is not None]
-    hooks = [router.register_forward_hook(count) for router in routers]
+    hooks = [router.register_forward_hook(count) for router in moh_routers(model)]
     try:
         yield counts
     finally:

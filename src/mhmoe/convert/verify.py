@@ -21,11 +21,16 @@ _PROBE_TEXT = (
 )
 
 
+def moh_routers(model) -> list:
+    """The MoH head routers of `model` (a MoH-LLaMA, PeftModel or DDP wrapper of one), layer 0 first."""
+    return [m.head_router for m in model.modules() if getattr(m, "head_router", None) is not None]
+
+
 @contextlib.contextmanager
 def all_heads_active(model):
     """Every MoH head router of `model` (a MoH-LLaMA, PeftModel or DDP wrapper of one) activates all its routed heads
     inside the block: with straight-through gates the model then computes the dense parent exactly."""
-    routers = [m.head_router for m in model.modules() if getattr(m, "head_router", None) is not None]
+    routers = moh_routers(model)
     saved = [(r.active_heads, r.threshold) for r in routers]
     try:
         for router in routers:

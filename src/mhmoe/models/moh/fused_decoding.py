@@ -102,8 +102,8 @@ def fused_projection(module) -> tuple[torch.Tensor, torch.Tensor | None, bool] |
 
 def host_hard_gates(router, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """(N, R) scores -> (N, H) 0/1 gates in `dtype` (shared heads 1, each row's top-K routed heads 1, or those above
-    the router's threshold), picked on the host from one read of the scores; None when a row's K-th and (K+1)-th scores tie (`torch.topk` then
-    decides, as in every other path). Gate rows are cached per selection."""
+    the router's threshold), picked on the host from one read of the scores; None when a row's K-th and (K+1)-th
+    scores tie (`torch.topk` then decides, as in every other path). Gate rows are cached per selection."""
     routed, active, shared, threshold = router.routed_heads, router.active_heads, router.shared_heads, router.threshold
     cache = router.__dict__.setdefault("_host_gate_rows", {})
     rows = []
