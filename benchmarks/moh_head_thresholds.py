@@ -91,9 +91,12 @@ def main(argv=None) -> None:
 
     for folder in args.checkpoints:  # named by their last two folders (the recovery stage's seedN/name)
         row("`" + "/".join(Path(folder).parts[-2:]) + "`", folder, "–")
+    if args.checkpoints:  # not the table: printed, for the caller to quote with its command
+        print("\n".join(lines))
+        return
     scratch = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
-        for budget in [] if args.checkpoints else args.budgets:
+        for budget in args.budgets:
             for kind in KINDS:
                 started, out = time.time(), str(scratch / f"moh-{kind}")
                 convert(dense, out, shared_heads=3, active_heads=BUDGETS[budget], overwrite=True,
@@ -105,9 +108,6 @@ def main(argv=None) -> None:
     if args.budgets != list(BUDGETS):
         command += " --budgets " + " ".join(args.budgets)
     body = "\n".join(lines)
-    if args.checkpoints:  # not the table: printed, for the caller to quote with its command
-        print(body)
-        return
     RESULTS.write_text(
         "# Per-token head counts (thresholds) vs fixed per-layer budgets (SmolLM2-135M-Instruct, zero-shot)\n\n"
         f"Written by `benchmarks/moh_head_thresholds.py` (its docstring says what is compared). torch "
