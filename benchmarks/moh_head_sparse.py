@@ -32,11 +32,13 @@ Ideal (the speed-up if the inactive heads' work cost nothing and everything else
   prefill and for every token in decoding) plus attention's QK^T and PV over the keys each token sees (causal); the
   inactive (token, head) pairs' share of the latter is saved. ideal = dense / (dense - saved).
 - bytes (decoding, which is memory-bound): the weights read once per step plus the K/V cache; what MoH can skip is the
-  K/V of the key/value heads that no active head of the token needs (with GQA groups of 3 and 3 shared heads, one
-  whole group is always needed). The share needed is measured from the model's own gates during the run.
-Every q_proj row is computed (the l2 routers read every query; the fitted router reads the attention input, but the
-rows of the inactive heads are not skipped), and k_proj, v_proj (every head's K/V is cached: a later token may select
-it) and o_proj cost the same as in the parent.
+  inactive heads' rows of q_proj and columns of o_proj (the fitted router scores the attention input, so the decoding
+  step reads only the active heads' weights: models/moh/fused_decoding.py) and the K/V of the key/value heads that no
+  active head of the token needs (with GQA groups of 3 and 3 shared heads, one whole group is always needed). The
+  shares are measured from the model's own gates during the run. The flops ideal of decoding saves the inactive
+  heads' q_proj and o_proj work too.
+In prefill every q_proj row and o_proj column is computed (the op gathers each head's active rows after the
+projections), and k_proj and v_proj always are (every head's K/V is cached: a later token may select it).
 """
 
 import argparse
@@ -140,16 +142,23 @@ def text_ids(tokenizer, rows: int, tokens: int) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def decode_bytes(model, config, context: int, new_tokens: int, needed_kv_share: float) -> tuple[float, float]:
-    """(bytes read per decoding step, of which the K/V cache that no active head needs: skippable), fp32, averaged
-    over the steps."""
+def query_output_weights(config) -> int:
+    """Weights of q_proj and o_proj over all layers: what a decoding step skips of the inactive heads' share."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.hidden_size * config.num_attention_heads * head_dim
+
+
+def decode_bytes(model, config, context: int, new_tokens: int, active_share: float, needed_kv_share: float):
+    """(bytes read per decoding step, of which skippable: the inactive heads' q_proj rows and o_proj columns and the
+    K/V cache that no active head needs), fp32, averaged over the steps."""
     weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * 4
     if config.tie_word_embeddings:
         weights += config.vocab_size * config.hidden_size * 4  # the lm_head reads the tied embedding
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     mean_keys = context + (new_tokens + 1) / 2
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_keys * 4
-    return weights + kv, kv * (1 - needed_kv_share)
+    skippable = kv * (1 - needed_kv_share) + query_output_weights(config) * 4 * (1 - active_share)
+    return weights + kv, skippable
 
 
 class GateRecorder:
@@ -241,8 +250,11 @@ def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
         total, attention = forward_flops(config, args.new_tokens, keys_seen, args.new_tokens)
         for name in SETTINGS:
             active_share, needed_share = recorders[name].shares()
-            ideal_flops = total / (total - (1 - active_share) * attention)
-            nbytes, skippable = decode_bytes(models["parent"], config, context, args.new_tokens, needed_share)
+            heads_work = attention + 2 * args.new_tokens * query_output_weights(config)  # + q_proj and o_proj
+            ideal_flops = total / (total - (1 - active_share) * heads_work)
+            nbytes, skippable = decode_bytes(
+                models["parent"], config, context, args.new_tokens, active_share, needed_share
+            )
             ideal_bytes = nbytes / (nbytes - skippable)
             report(
                 rows,

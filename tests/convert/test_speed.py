@@ -67,6 +67,7 @@ def test_measure_speed_records_the_timings_and_the_card_states_them(tmp_path, to
         assert c["moh_tokens_per_s"] == pytest.approx(tokens / statistics.median(c["moh_seconds"]))
         assert 0 < c["inactive_attention_share"] < 1
         assert c["ideal_speed_ratio"] == pytest.approx(1 / (1 - c["inactive_attention_share"]))
+    assert not p["projections"] and d["projections"]  # decoding skips the inactive heads' q_proj and o_proj too
     assert speed["active_head_share"] == pytest.approx(5 / 8)
     assert (speed["device"], speed["dtype"], speed["threads"]) == ("cpu", "float32", torch.get_num_threads())
     assert speed["text"] == "pydoc_data.topics (default)" and speed["batch"] == 1
@@ -206,3 +207,21 @@ def test_help_says_what_measuring_costs():
     text = " ".join(build_parser().format_help().split())
     assert "--measure_speed" in text and "both models in memory at once" in text and "about a minute" in text
     assert "benchmarks/moh_head_sparse.py is the repeatable benchmark" in text
+
+
+def test_ideal_counts_the_inactive_heads_projections_when_the_step_skips_them():
+    """The ideal by hand: 2 layers of d=64, 4 heads of 16, 2 K/V heads, MLP 128, vocab 100; 3 tokens seeing 6 keys
+    in all; half of the (token, head) pairs active."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2
+    )
+    config.vocab_size = 100
+    weights = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # q, o; k, v; MLP: per token, both layers
+    total = 2 * 3 * weights + 2 * 3 * 64 * 100 + 2 * 2 * 2 * 4 * 16 * 6  # + lm_head + QK^T and PV
+    attention_only = speed_module.ideal(config, 0.5, 3, 6, 3)
+    assert attention_only["ideal_speed_ratio"] == pytest.approx(total / (total - 0.5 * 2 * 2 * 2 * 4 * 16 * 6))
+    heads_work = 2 * 2 * 2 * 4 * 16 * 6 + 2 * 3 * 2 * 64 * 64 * 2  # + q_proj and o_proj
+    skipping = speed_module.ideal(config, 0.5, 3, 6, 3, projections=True)
+    assert skipping["ideal_speed_ratio"] == pytest.approx(total / (total - 0.5 * heads_work))

@@ -11,9 +11,11 @@ else Python's docs; random token ids when the source has no tokenizer):
   prompt's prefill untimed) in lockstep: every step runs the parent's next token and MoH's, alternating which goes
   first, so a drift in the machine's load falls on both alike; the caches are cropped back after each round.
 A cell is the median over rounds of the per-round ratio parent time / MoH time (> 1: MoH faster), with each model's
-tokens/s from its median time. The ideal is the speed-up if the inactive heads' attention (QK^T and PV) cost nothing and
-everything else stayed, from the shapes: ideal = all / (all - inactive share × attention) in multiply-adds
-(benchmarks/moh_head_sparse.py, the repeatable benchmark, also counts bytes and measures the gates).
+tokens/s from its median time. The ideal is the speed-up if the inactive heads' work cost nothing and everything else
+stayed, from the shapes: ideal = all / (all - inactive share × heads' work) in multiply-adds, where the heads' work is
+their attention (QK^T and PV) and, in decoding when its step reads only the active heads' weights
+(`decoding_skips_heads`), their q_proj and o_proj too (benchmarks/moh_head_sparse.py, the repeatable benchmark, also
+counts bytes and measures the gates).
 """
 
 from __future__ import annotations
@@ -99,10 +101,28 @@ def measured_head_share(model, ids) -> float:
     return counts[0] / max(counts[1], 1)
 
 
-def ideal(config, share: float, tokens: int, keys_seen: float, logits_rows: int) -> dict:
-    total, attention = forward_flops(config, tokens, keys_seen, logits_rows)
-    inactive = (1 - share) * attention / total
-    return {"inactive_attention_share": inactive, "ideal_speed_ratio": 1 / (1 - inactive)}
+def ideal(config, share: float, tokens: int, keys_seen: float, logits_rows: int, projections: bool = False) -> dict:
+    """The inactive heads' share of the work (attention; with `projections` their q_proj and o_proj too) and the
+    speed-up if it cost nothing."""
+    total, heads_work = forward_flops(config, tokens, keys_seen, logits_rows)
+    if projections:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads_work += 2 * tokens * config.num_hidden_layers * 2 * config.hidden_size * heads * head_dim
+    inactive = (1 - share) * heads_work / total
+    return {"inactive_attention_share": inactive, "ideal_speed_ratio": 1 / (1 - inactive), "projections": projections}
+
+
+def decoding_skips_heads(model) -> bool:
+    """Whether `model`'s CPU decoding step reads only the active heads' q_proj rows and o_proj columns
+    (`models/moh/fused_decoding.py`: an fp32 model whose router scores the attention input, as the fitted one)."""
+    from ..models.moh.fused_decoding import fused_projection
+
+    for module in model.modules():
+        if getattr(module, "head_router", None) is not None:
+            projection = fused_projection(module)
+            return projection is not None and projection.skips_heads
+    return False
 
 
 def _rotated(names: list[str], shift: int) -> list[str]:
@@ -234,7 +254,9 @@ def measure_speed(
     prefill.update(tokens=prompt, **ideal(config, share, prompt, prompt * (prompt + 1) / 2, 1))
     keys_seen = new_tokens * (prompt + (new_tokens + 1) / 2)
     decode.update(
-        prompt_tokens=prompt, new_tokens=new_tokens, **ideal(config, share, new_tokens, keys_seen, new_tokens)
+        prompt_tokens=prompt,
+        new_tokens=new_tokens,
+        **ideal(config, share, new_tokens, keys_seen, new_tokens, projections=decoding_skips_heads(moh)),
     )
     return {
         "prefill": prefill,
