@@ -129,6 +129,23 @@ def test_fused_decoding_with_thresholds_equals_the_masked_path(router, kv_heads,
     assert_same_generation(masked, fused)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_decoding_of_tokens_that_pass_no_head(batch, monkeypatch):
+    """No shared heads and thresholds that some tokens' scores never pass: those tokens' attention output is 0 (only
+    the K/V are cached), in the head-sparse step as in the masked path."""
+    model = moh_llama("learned", shared=0, moh_head_thresholds=[8.0, 8.0])  # the random scores reach ~15
+    ids, mask = padded_prompt(batch)
+    masked, fused, calls = generate_both(model, ids, mask, monkeypatch)
+    assert len(calls) == 2 * 4
+    assert_same_generation(masked, fused)
+    with torch.no_grad():  # some decoding step of some layer activated no head for some sequence
+        gates = []
+        for layer in model.model.layers:
+            layer.self_attn.head_router.register_forward_hook(lambda module, args, out: gates.append(out[0]))
+        model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert any((step.sum(-1) == 0).any() for step in gates if step.shape[1] == 1)
+
+
 def test_prefill_equals_token_by_token_decoding_with_thresholds():
     """Causal: a token's heads depend on its own scores only, so decoding with a cache gives the prefill's logits."""
     model = threshold_llama()

@@ -8,7 +8,8 @@ Per token the gates g_i (B, T, H) of the head router (`head_routers.py`, chosen 
 attention output (B, T, H, hd) before `o_proj` (the paper's summation form, eq. 4), so every attention backend (eager,
 sdpa, flex, flash) and GQA work unchanged. Where it can, attention is computed for the active (token, head) pairs only
 (`head_skipping.py`: prefill, training and decoding, through `ops/backends.head_sparse_attention`). A decoding step on
-the CPU runs `fused_decoding.py` (one GEMV for queries, keys, values and the router's scores). The balance loss is
+the CPU runs `fused_decoding.py` (one GEMV for keys, values, the router's scores and the queries; only the active
+heads' q_proj rows and o_proj columns when the router scores the attention input). The balance loss is
 `moh_losses.py`; tensor parallelism of the router `moh_parallel.py`.
 
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
