@@ -67,7 +67,7 @@ def test_measure_speed_records_the_timings_and_the_card_states_them(tmp_path, to
         assert c["moh_tokens_per_s"] == pytest.approx(tokens / statistics.median(c["moh_seconds"]))
         assert 0 < c["inactive_attention_share"] < 1
         assert c["ideal_speed_ratio"] == pytest.approx(1 / (1 - c["inactive_attention_share"]))
-    assert not p["projections"] and d["projections"]  # decoding skips the inactive heads' q_proj and o_proj too
+    assert (p["projections"], d["projections"]) == (0, 2)  # decoding skips the inactive heads' q_proj and o_proj
     assert speed["active_head_share"] == pytest.approx(5 / 8)
     assert (speed["device"], speed["dtype"], speed["threads"]) == ("cpu", "float32", torch.get_num_threads())
     assert speed["text"] == "pydoc_data.topics (default)" and speed["batch"] == 1
@@ -222,6 +222,7 @@ def test_ideal_counts_the_inactive_heads_projections_when_the_step_skips_them():
     total = 2 * 3 * weights + 2 * 3 * 64 * 100 + 2 * 2 * 2 * 4 * 16 * 6  # + lm_head + QK^T and PV
     attention_only = speed_module.ideal(config, 0.5, 3, 6, 3)
     assert attention_only["ideal_speed_ratio"] == pytest.approx(total / (total - 0.5 * 2 * 2 * 2 * 4 * 16 * 6))
-    heads_work = 2 * 2 * 2 * 4 * 16 * 6 + 2 * 3 * 2 * 64 * 64 * 2  # + q_proj and o_proj
-    skipping = speed_module.ideal(config, 0.5, 3, 6, 3, projections=True)
-    assert skipping["ideal_speed_ratio"] == pytest.approx(total / (total - 0.5 * heads_work))
+    for projections in (1, 2):  # o_proj; q_proj and o_proj
+        heads_work = 2 * 2 * 2 * 4 * 16 * 6 + projections * 2 * 3 * 2 * 64 * 64
+        skipping = speed_module.ideal(config, 0.5, 3, 6, 3, projections=projections)
+        assert skipping["ideal_speed_ratio"] == pytest.approx(total / (total - 0.5 * heads_work))

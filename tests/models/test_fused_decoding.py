@@ -85,7 +85,7 @@ def test_fused_step_equals_the_masked_path_in_generation(router, kv_heads, cache
     assert calls == [batch] * 2 * 4  # 4 decoding steps after the prefill, 2 layers
     assert_same_generation(masked, fused)
     projection = fused_decoding.fused_projection(model.model.layers[0].self_attn)
-    assert projection.skips_heads == (router == "learned")
+    assert projection.skips_heads and projection.skips_queries == (router == "learned")
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -165,11 +165,12 @@ def test_step_plan_reads_the_active_heads_and_their_key_value_groups():
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_head_sparse_step_reads_no_weight_of_an_inactive_head(kv_heads, monkeypatch):
-    """NaN in the inactive heads' q_proj rows and o_proj columns (after the prompt's prefill) of one sequence's
-    decoding step: the head-sparse step still gives the clean masked path's logits (the masked path itself would turn
-    NaN × 0 into NaN)."""
-    model = moh_llama("learned", kv_heads=kv_heads)
+@pytest.mark.parametrize("router", ["learned", "l2"])
+def test_head_sparse_step_reads_no_weight_of_an_inactive_head(router, kv_heads, monkeypatch):
+    """NaN in the inactive heads' q_proj rows (the learned router; l2 scores every query) and o_proj columns (after the
+    prompt's prefill) of one sequence's decoding step: the head-sparse step still gives the clean masked path's logits
+    (the masked path itself would turn NaN × 0 into NaN)."""
+    model = moh_llama(router, kv_heads=kv_heads)
     ids, _ = padded_prompt(1)
     gates = []
     for layer in model.model.layers:  # each layer's gates (1, 1, H) in the masked path's step
@@ -185,7 +186,8 @@ def test_head_sparse_step_reads_no_weight_of_an_inactive_head(kv_heads, monkeypa
     for layer, layer_gates in zip(model.model.layers, gates[-2:]):
         with torch.no_grad():
             for head in (layer_gates.flatten() == 0).nonzero().flatten().tolist():
-                layer.self_attn.q_proj.weight[head * hd : (head + 1) * hd] = float("nan")
+                if router == "learned":
+                    layer.self_attn.q_proj.weight[head * hd : (head + 1) * hd] = float("nan")
                 layer.self_attn.o_proj.weight[:, head * hd : (head + 1) * hd] = float("nan")
     calls = spy_steps(monkeypatch)
     with torch.no_grad():

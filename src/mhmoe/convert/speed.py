@@ -13,8 +13,8 @@ else Python's docs; random token ids when the source has no tokenizer):
 A cell is the median over rounds of the per-round ratio parent time / MoH time (> 1: MoH faster), with each model's
 tokens/s from its median time. The ideal is the speed-up if the inactive heads' work cost nothing and everything else
 stayed, from the shapes: ideal = all / (all - inactive share × heads' work) in multiply-adds, where the heads' work is
-their attention (QK^T and PV) and, in decoding when its step reads only the active heads' weights
-(`decoding_skips_heads`), their q_proj and o_proj too (benchmarks/moh_head_sparse.py, the repeatable benchmark, also
+their attention (QK^T and PV) and, in decoding, the projections whose inactive heads' weights its step does not read
+(`decoding_skipped_projections`: o_proj, and q_proj too with the fitted router) (benchmarks/moh_head_sparse.py, the repeatable benchmark, also
 counts bytes and measures the gates).
 """
 
@@ -101,28 +101,30 @@ def measured_head_share(model, ids) -> float:
     return counts[0] / max(counts[1], 1)
 
 
-def ideal(config, share: float, tokens: int, keys_seen: float, logits_rows: int, projections: bool = False) -> dict:
-    """The inactive heads' share of the work (attention; with `projections` their q_proj and o_proj too) and the
-    speed-up if it cost nothing."""
+def ideal(config, share: float, tokens: int, keys_seen: float, logits_rows: int, projections: int = 0) -> dict:
+    """The inactive heads' share of the work (attention, and their part of `projections` of the two H·hd × d
+    projections: 1 o_proj, 2 q_proj and o_proj) and the speed-up if it cost nothing."""
     total, heads_work = forward_flops(config, tokens, keys_seen, logits_rows)
-    if projections:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        heads_work += 2 * tokens * config.num_hidden_layers * 2 * config.hidden_size * heads * head_dim
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads_work += projections * 2 * tokens * config.num_hidden_layers * config.hidden_size * heads * head_dim
     inactive = (1 - share) * heads_work / total
     return {"inactive_attention_share": inactive, "ideal_speed_ratio": 1 / (1 - inactive), "projections": projections}
 
 
-def decoding_skips_heads(model) -> bool:
-    """Whether `model`'s CPU decoding step reads only the active heads' q_proj rows and o_proj columns
-    (`models/moh/fused_decoding.py`: an fp32 model whose router scores the attention input, as the fitted one)."""
+def decoding_skipped_projections(model) -> int:
+    """How many of q_proj and o_proj `model`'s CPU decoding step reads only the active heads' part of
+    (`models/moh/fused_decoding.py`, fp32): 2 when the router scores the attention input (the fitted one), 1 (o_proj)
+    when it scores the queries (l2), 0 otherwise."""
     from ..models.moh.fused_decoding import fused_projection
 
     for module in model.modules():
         if getattr(module, "head_router", None) is not None:
             projection = fused_projection(module)
-            return projection is not None and projection.skips_heads
-    return False
+            if projection is None or not projection.skips_heads:
+                return 0
+            return 2 if projection.skips_queries else 1
+    return 0
 
 
 def _rotated(names: list[str], shift: int) -> list[str]:
@@ -256,7 +258,7 @@ def measure_speed(
     decode.update(
         prompt_tokens=prompt,
         new_tokens=new_tokens,
-        **ideal(config, share, new_tokens, keys_seen, new_tokens, projections=decoding_skips_heads(moh)),
+        **ideal(config, share, new_tokens, keys_seen, new_tokens, projections=decoding_skipped_projections(moh)),
     )
     return {
         "prefill": prefill,

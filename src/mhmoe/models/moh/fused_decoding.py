@@ -14,13 +14,14 @@ few ops per layer (scores, top-K, gates, the multiply) made MoH decoding of Smol
 - one SDPA call: its own GQA (`enable_gqa`, Transformers' choice without a mask: faster than packing on the CPU,
   ~40 µs a layer at 4,096 keys here), or with a mask GQA packed (a key/value head's query heads as its query rows).
 
-Head-sparse (`FusedProjection.skips_heads`: an fp32 model whose router scores the hidden states, as the converter's
-fitted router does): the queries are not needed to route, so the step reads only the active heads' rows of q_proj
-and columns of o_proj, and only the key/value heads from the first to the last one an active head needs. Decoding is
-memory-bound: those are the bytes MoH can save per token. The weights are read as contiguous blocks per run of
-consecutive active heads (`step_plan`, cached per selection: views of q_proj's weight and of a head-major copy of
-o_proj's). Otherwise every query is computed (the parameter-free routers score them) and the gates multiply every
-head's output before the whole o_proj.
+Head-sparse (`FusedProjection.skips_heads`: an fp32 model with a plain o_proj): the step reads only the active heads'
+columns of o_proj and only the key/value heads from the first to the last one an active head needs; when the router
+scores the hidden states (`skips_queries`: the learned router, the converter's fitted one) the queries are not needed
+to route, so it reads only the active heads' rows of q_proj too (the parameter-free routers score every query).
+Decoding is memory-bound: those are the bytes MoH can save per token. The weights are read as contiguous blocks per
+run of consecutive active heads (`step_plan`, cached per selection: views of q_proj's weight and of a head-major copy
+of o_proj's). Otherwise (bf16, a LoRA'd or hooked o_proj) the gates multiply every head's output before the whole
+o_proj.
 
 It equals `attention_forward`'s masked path (tested: logits and greedy tokens), for straight-through (0/1) gates.
 
@@ -47,8 +48,8 @@ GATE_ROWS_CACHED = 1024  # gate rows (and step plans) kept per router (one per s
 class StepPlan(NamedTuple):
     """What a head-sparse step reads for one set of active heads: the query heads [first, last) of the key/value heads
     [first // g, last // g) (whole GQA groups, from the first to the last group an active head needs), their query
-    pieces ((width, q_proj weight rows, bias rows), weight None for a run of inactive heads: zeros), and the o_proj
-    runs ((start, end) columns of the attended heads, the head-major o_proj rows they meet)."""
+    pieces when it skips queries ((width, q_proj weight rows, bias rows), weight None for a run of inactive heads:
+    zeros), and the o_proj runs ((start, end) columns of the attended heads, the head-major o_proj rows they meet)."""
 
     first: int
     last: int
@@ -57,15 +58,16 @@ class StepPlan(NamedTuple):
 
 
 class FusedProjection(NamedTuple):
-    """A module's cached weights for the step. `weight` ([H·hd when not skips_heads] + 2·Hkv·hd [+ R], d): queries
+    """A module's cached weights for the step. `weight` ([H·hd unless skips_queries] + 2·Hkv·hd [+ R], d): queries
     (all of them when the router reads them), keys, values [and the router's scores, when `scores_fused`]."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     scores_fused: bool
-    skips_heads: bool
+    skips_heads: bool  # o_proj's columns and the key/value heads of the active heads only
+    skips_queries: bool  # and q_proj's rows of the active heads only
     kv_heads: int
-    query_weight: torch.Tensor | None  # q_proj's (H·hd, d), for the active heads' rows (skips_heads)
+    query_weight: torch.Tensor | None  # q_proj's (H·hd, d), for the active heads' rows (skips_queries)
     query_bias: torch.Tensor | None
     output_weight: torch.Tensor | None  # o_proj's, head-major (H·hd, d) (skips_heads)
     output_bias: torch.Tensor | None
@@ -117,8 +119,9 @@ def fused_projection(module) -> FusedProjection | None:
 
     The router's matrix is fused when it scores the hidden states linearly (`score_weight`) in an fp32 model: it
     scores in fp32 in every other path, so in bf16 it scores on its own. The step is head-sparse (`skips_heads`) in
-    that same case, when o_proj is a plain nn.Linear without hooks too: it then sums o_proj's blocks in another order,
-    which only fp32 leaves equal to the masked path to rounding."""
+    an fp32 model whose o_proj is a plain nn.Linear without hooks: it then sums o_proj's blocks in another order,
+    which only fp32 leaves equal to the masked path to rounding; it skips the queries too (`skips_queries`) when the
+    router's matrix is fused."""
     modules = module._modules
     router, o_proj = modules["head_router"], modules["o_proj"]
     projections = (modules["q_proj"], modules["k_proj"], modules["v_proj"])
@@ -128,7 +131,8 @@ def fused_projection(module) -> FusedProjection | None:
     biases = [projection._parameters["bias"] for projection in projections]
     score_weight = router.score_weight() if weights[0].dtype == torch.float32 else None
     hooked = o_proj._forward_hooks or o_proj._forward_pre_hooks  # checked every step: hooks come and go
-    skips_heads = score_weight is not None and _plain_linear(o_proj) and not hooked
+    skips_heads = weights[0].dtype == torch.float32 and _plain_linear(o_proj) and not hooked
+    skips_queries = skips_heads and score_weight is not None
     tensors = (*weights, *biases, score_weight, o_proj._parameters["weight"] if skips_heads else None)
     cached = module.__dict__.get("_moh_fused_projection")
     if (
@@ -140,8 +144,8 @@ def fused_projection(module) -> FusedProjection | None:
     head_dim, heads = module.head_dim, router.num_heads
     if weights[0].shape[0] != heads * head_dim:
         return None
-    fused = weights[1:] if skips_heads else weights  # the queries come per active head when the step skips heads
-    fused_biases = biases[1:] if skips_heads else biases
+    fused = weights[1:] if skips_queries else weights  # the queries come per active head when the step skips them
+    fused_biases = biases[1:] if skips_queries else biases
     weight = torch.cat([w.detach() for w in (*fused, score_weight) if w is not None])
     bias = None
     if any(b is not None for b in fused_biases):
@@ -154,9 +158,10 @@ def fused_projection(module) -> FusedProjection | None:
         bias,
         score_weight is not None,
         skips_heads,
+        skips_queries,
         weights[1].shape[0] // head_dim,
-        weights[0].detach() if skips_heads else None,
-        query_bias if skips_heads else None,
+        weights[0].detach() if skips_queries else None,
+        query_bias if skips_queries else None,
         _head_major_weight(o_proj) if skips_heads else None,
         output_bias if skips_heads else None,
         {},
@@ -210,11 +215,15 @@ def step_plan(projection: FusedProjection, heads_on: tuple, heads: int, head_dim
         if start > done:
             pieces.append(((start - done) * head_dim, None, None))
         rows = slice(start * head_dim, end * head_dim)
-        pieces.append(((end - start) * head_dim, query_weight[rows], None if query_bias is None else query_bias[rows]))
+        if query_weight is not None:
+            bias = None if query_bias is None else query_bias[rows]
+            pieces.append(((end - start) * head_dim, query_weight[rows], bias))
         outputs.append(((start - first) * head_dim, (end - first) * head_dim, output_weight[rows]))
         done = end
     if last > done:
         pieces.append(((last - done) * head_dim, None, None))
+    if query_weight is None:  # the router read every query: none to plan
+        pieces = []
     if len(projection.plans) >= GATE_ROWS_CACHED:
         projection.plans.clear()
     plan = projection.plans[heads_on] = StepPlan(first, last, tuple(pieces), tuple(outputs))
@@ -230,7 +239,7 @@ def fused_decoding_step(module, hidden_states, position_embeddings, attention_ma
     x = hidden_states.view(batch, hidden)
     heads, kv_heads, skips = router.num_heads, projection.kv_heads, projection.skips_heads
     projected = F.linear(x, projection.weight, projection.bias)  # (B, [H·hd +] 2Hkv·hd [+ R])
-    q_width = 0 if skips else heads * head_dim
+    q_width = 0 if projection.skips_queries else heads * head_dim
     k_end, v_end = q_width + kv_heads * head_dim, q_width + 2 * kv_heads * head_dim
     if projection.scores_fused:
         logits = projected[:, v_end:]  # (B, R)
@@ -247,26 +256,29 @@ def fused_decoding_step(module, hidden_states, position_embeddings, attention_ma
         heads_on, weighted = (0,), True
 
     cos, sin = position_embeddings  # (B or 1, 1, hd)
-    if skips:  # the active heads' queries (zeros for the inactive ones between them), then the keys
+    first, last, computed = 0, heads, heads  # the attended query heads [first, last); queries computed
+    if skips:
         plan = step_plan(projection, heads_on, heads, head_dim)
+        first, last = plan.first, plan.last
+    if projection.skips_queries:  # the active heads' queries (zeros for the inactive ones between them), the keys
         parts = [F.linear(x, w, b) if w is not None else x.new_zeros(batch, width) for width, w, b in plan.query_pieces]
-        qk = torch.cat([*parts, projected[:, :k_end]], dim=1)
-        first, last, query_heads = plan.first, plan.last, plan.last - plan.first
-    else:
-        qk, first, last, query_heads = projected[:, :k_end], 0, heads, heads
-    qk = qk.view(batch, query_heads + kv_heads, head_dim)
+        qk, computed = torch.cat([*parts, projected[:, :k_end]], dim=1), last - first
+    else:  # every query (the router read them), the keys
+        qk = projected[:, :k_end]
+    qk = qk.view(batch, computed + kv_heads, head_dim)
     qk = qk * cos.view(-1, 1, head_dim) + rotate_half(qk) * sin.view(-1, 1, head_dim)  # RoPE once for q and k
-    keys = qk[:, query_heads:].view(batch, kv_heads, 1, head_dim)
+    keys = qk[:, computed:].view(batch, kv_heads, 1, head_dim)
     values = projected[:, k_end:v_end].view(batch, kv_heads, 1, head_dim)
     keys, values = cache.update(keys, values, module.layer_idx)  # (B, Hkv, L, hd): every head's, for later tokens
-    groups = heads // kv_heads
+    groups, query_heads = heads // kv_heads, last - first
     if query_heads < heads:  # the key/value heads of the attended groups only
         keys, values = keys[:, first // groups : last // groups], values[:, first // groups : last // groups]
+    offset = 0 if projection.skips_queries else first  # where the attended heads' queries start
     if attention_mask is None:  # SDPA's own GQA (as Transformers' sdpa path): faster than packing without a mask
-        queries = qk[:, :query_heads].view(batch, query_heads, 1, head_dim)  # (B, n, 1, hd)
+        queries = qk[:, offset : offset + query_heads].view(batch, query_heads, 1, head_dim)  # (B, n, 1, hd)
         attended = F.scaled_dot_product_attention(queries, keys, values, scale=module.scaling, enable_gqa=True)
     else:  # GQA packed, the mask broadcast over a key/value head's query rows
-        queries = qk[:, :query_heads].view(batch, query_heads // groups, groups, head_dim)  # (B, n/g, g, hd)
+        queries = qk[:, offset : offset + query_heads].reshape(batch, query_heads // groups, groups, head_dim)
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask, scale=module.scaling)
     attended = attended.reshape(batch, query_heads, head_dim)  # (B, n, hd)
     if weighted:
