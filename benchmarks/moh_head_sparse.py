@@ -32,11 +32,11 @@ Ideal (the speed-up if the inactive heads' work cost nothing and everything else
   prefill and for every token in decoding) plus attention's QK^T and PV over the keys each token sees (causal); the
   inactive (token, head) pairs' share of the latter is saved. ideal = dense / (dense - saved).
 - bytes (decoding, which is memory-bound): the weights read once per step plus the K/V cache; what MoH can skip is the
-  inactive heads' rows of q_proj and columns of o_proj (the fitted router scores the attention input, so the decoding
-  step reads only the active heads' weights: models/moh/fused_decoding.py) and the K/V of the key/value heads that no
-  active head of the token needs (with GQA groups of 3 and 3 shared heads, one whole group is always needed). The
-  shares are measured from the model's own gates during the run. The flops ideal of decoding saves the inactive
-  heads' q_proj and o_proj work too.
+  inactive heads' columns of o_proj and, with the fitted router (it scores the attention input, not the queries),
+  their rows of q_proj (the decoding step reads only the active heads' weights: models/moh/fused_decoding.py,
+  `speed.decoding_skipped_projections`), and the K/V of the key/value heads that no active head of the token needs
+  (with GQA groups of 3 and 3 shared heads, one whole group is always needed). The shares are measured from the
+  model's own gates during the run. The flops ideal of decoding saves the same projections' work too.
 In prefill every q_proj row and o_proj column is computed (the op gathers each head's active rows after the
 projections), and k_proj and v_proj always are (every head's K/V is cached: a later token may select it).
 """
@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from mhmoe.convert.speed import (  # the converter's --measure_speed: the same timing
+    decoding_skipped_projections,
     forward_flops,
     interleaved_prefill,
     lockstep_decode,
@@ -142,22 +143,23 @@ def text_ids(tokenizer, rows: int, tokens: int) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def query_output_weights(config) -> int:
-    """Weights of q_proj and o_proj over all layers: what a decoding step skips of the inactive heads' share."""
+def projection_weights(config) -> int:
+    """Weights of one H·hd × d projection (q_proj or o_proj) over all layers."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.hidden_size * config.num_attention_heads * head_dim
+    return config.num_hidden_layers * config.hidden_size * config.num_attention_heads * head_dim
 
 
-def decode_bytes(model, config, context: int, new_tokens: int, active_share: float, needed_kv_share: float):
-    """(bytes read per decoding step, of which skippable: the inactive heads' q_proj rows and o_proj columns and the
-    K/V cache that no active head needs), fp32, averaged over the steps."""
+def decode_bytes(model, config, context: int, new_tokens: int, active_share: float, needed_kv_share: float, skipped=2):
+    """(bytes read per decoding step, of which skippable: the inactive heads' part of the `skipped` projections
+    (`decoding_skipped_projections`: 2 q_proj and o_proj, 1 o_proj) and the K/V cache that no active head needs), fp32,
+    averaged over the steps."""
     weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * 4
     if config.tie_word_embeddings:
         weights += config.vocab_size * config.hidden_size * 4  # the lm_head reads the tied embedding
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     mean_keys = context + (new_tokens + 1) / 2
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_keys * 4
-    skippable = kv * (1 - needed_kv_share) + query_output_weights(config) * 4 * (1 - active_share)
+    skippable = kv * (1 - needed_kv_share) + skipped * projection_weights(config) * 4 * (1 - active_share)
     return weights + kv, skippable
 
 
@@ -250,10 +252,11 @@ def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
         total, attention = forward_flops(config, args.new_tokens, keys_seen, args.new_tokens)
         for name in SETTINGS:
             active_share, needed_share = recorders[name].shares()
-            heads_work = attention + 2 * args.new_tokens * query_output_weights(config)  # + q_proj and o_proj
+            skipped = decoding_skipped_projections(models[name])  # q_proj and o_proj (fitted), o_proj (l2)
+            heads_work = attention + 2 * args.new_tokens * skipped * projection_weights(config)
             ideal_flops = total / (total - (1 - active_share) * heads_work)
             nbytes, skippable = decode_bytes(
-                models["parent"], config, context, args.new_tokens, active_share, needed_share
+                models["parent"], config, context, args.new_tokens, active_share, needed_share, skipped
             )
             ideal_bytes = nbytes / (nbytes - skippable)
             report(

@@ -23,7 +23,8 @@ def test_decode_bytes_count_the_weights_the_cache_and_what_the_step_skips():
     weights = (2 * per_layer + 32 + 100 * 32) * 4  # + final norm + the tied lm_head, fp32
     context, new_tokens = 10, 4
     kv = 2 * 2 * 2 * 8 * (context + 2.5) * 4  # K and V, 2 layers, 2 heads of 8, mean keys over the 4 steps
-    assert bench.query_output_weights(config) == 2 * 2 * 32 * 32
-    total, skippable = bench.decode_bytes(model, config, context, new_tokens, 0.75, 0.5)
-    assert total == pytest.approx(weights + kv)
-    assert skippable == pytest.approx(kv * 0.5 + 2 * 2 * 32 * 32 * 4 * 0.25)
+    assert bench.projection_weights(config) == 2 * 32 * 32
+    for skipped in (2, 1, 0):  # q_proj and o_proj (fitted router), o_proj (l2), none
+        total, skippable = bench.decode_bytes(model, config, context, new_tokens, 0.75, 0.5, skipped)
+        assert total == pytest.approx(weights + kv)
+        assert skippable == pytest.approx(kv * 0.5 + skipped * 2 * 32 * 32 * 4 * 0.25)

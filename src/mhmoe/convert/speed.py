@@ -14,8 +14,8 @@ A cell is the median over rounds of the per-round ratio parent time / MoH time (
 tokens/s from its median time. The ideal is the speed-up if the inactive heads' work cost nothing and everything else
 stayed, from the shapes: ideal = all / (all - inactive share × heads' work) in multiply-adds, where the heads' work is
 their attention (QK^T and PV) and, in decoding, the projections whose inactive heads' weights its step does not read
-(`decoding_skipped_projections`: o_proj, and q_proj too with the fitted router) (benchmarks/moh_head_sparse.py, the repeatable benchmark, also
-counts bytes and measures the gates).
+(`decoding_skipped_projections`: o_proj, and q_proj too with the fitted router). benchmarks/moh_head_sparse.py, the
+repeatable benchmark, also counts bytes and measures the gates.
 """
 
 from __future__ import annotations
