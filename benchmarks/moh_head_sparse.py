@@ -52,9 +52,10 @@ import torch
 
 from mhmoe.convert.speed import (  # the converter's --measure_speed: the same timing
     decoding_skipped_projections,
-    forward_flops,
+    ideal,
     interleaved_prefill,
     lockstep_decode,
+    projection_weights,
 )
 from mhmoe.models.cache_naming import CACHE
 
@@ -143,13 +144,7 @@ def text_ids(tokenizer, rows: int, tokens: int) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def projection_weights(config) -> int:
-    """Weights of one H·hd × d projection (q_proj or o_proj) over all layers."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * config.hidden_size * config.num_attention_heads * head_dim
-
-
-def decode_bytes(model, config, context: int, new_tokens: int, active_share: float, needed_kv_share: float, skipped=2):
+def decode_bytes(model, config, context: int, new_tokens: int, active_share: float, needed_kv_share: float, skipped):
     """(bytes read per decoding step, of which skippable: the inactive heads' part of the `skipped` projections
     (`decoding_skipped_projections`: 2 q_proj and o_proj, 1 o_proj) and the K/V cache that no active head needs), fp32,
     averaged over the steps."""
@@ -219,11 +214,10 @@ def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[
             for name, recorder in recorders.items():  # untimed: the gates of the same call
                 recorder.record(lambda m=models[name]: forward(m))
             keys_seen = batch * tokens * (tokens + 1) / 2
-            total, attention = forward_flops(config, batch * tokens, keys_seen, batch)
             for name in SETTINGS:
                 active_share, _ = recorders[name].shares()
-                ideal = total / (total - (1 - active_share) * attention)
-                report(rows, "prefill", batch, tokens, name, times, ideal, None, active_share)
+                speed_up = ideal(config, active_share, batch * tokens, keys_seen, batch)["ideal_speed_ratio"]
+                report(rows, "prefill", batch, tokens, name, times, speed_up, None, active_share)
             if CONTROL in times:
                 report(rows, "prefill", batch, tokens, CONTROL, times, 1.0, None, 1.0)
 
@@ -249,12 +243,11 @@ def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
         for name, recorder in recorders.items():  # untimed: the gates of the same decoding
             recorder.record(lambda n=name: greedy(n))
         keys_seen = args.new_tokens * (context + (args.new_tokens + 1) / 2)
-        total, attention = forward_flops(config, args.new_tokens, keys_seen, args.new_tokens)
         for name in SETTINGS:
             active_share, needed_share = recorders[name].shares()
             skipped = decoding_skipped_projections(models[name])  # q_proj and o_proj (fitted), o_proj (l2)
-            heads_work = attention + 2 * args.new_tokens * skipped * projection_weights(config)
-            ideal_flops = total / (total - (1 - active_share) * heads_work)
+            flops = ideal(config, active_share, args.new_tokens, keys_seen, args.new_tokens, skipped)
+            ideal_flops = flops["ideal_speed_ratio"]
             nbytes, skippable = decode_bytes(
                 models["parent"], config, context, args.new_tokens, active_share, needed_share, skipped
             )

@@ -101,13 +101,17 @@ def measured_head_share(model, ids) -> float:
     return counts[0] / max(counts[1], 1)
 
 
+def projection_weights(config) -> int:
+    """Weights of one H·hd × d projection (q_proj or o_proj) over all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * config.hidden_size * config.num_attention_heads * head_dim
+
+
 def ideal(config, share: float, tokens: int, keys_seen: float, logits_rows: int, projections: int = 0) -> dict:
     """The inactive heads' share of the work (attention, and their part of `projections` of the two H·hd × d
     projections: 1 o_proj, 2 q_proj and o_proj) and the speed-up if it cost nothing."""
     total, heads_work = forward_flops(config, tokens, keys_seen, logits_rows)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    heads_work += projections * 2 * tokens * config.num_hidden_layers * config.hidden_size * heads * head_dim
+    heads_work += projections * 2 * tokens * projection_weights(config)
     inactive = (1 - share) * heads_work / total
     return {"inactive_attention_share": inactive, "ideal_speed_ratio": 1 / (1 - inactive), "projections": projections}
 

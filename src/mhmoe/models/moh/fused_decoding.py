@@ -212,18 +212,16 @@ def step_plan(projection: FusedProjection, heads_on: tuple, heads: int, head_dim
     pieces, outputs, done = [], [], first
     query_weight, query_bias, output_weight = projection.query_weight, projection.query_bias, projection.output_weight
     for start, end in _runs(list(heads_on)):
-        if start > done:
-            pieces.append(((start - done) * head_dim, None, None))
         rows = slice(start * head_dim, end * head_dim)
-        if query_weight is not None:
+        outputs.append(((start - first) * head_dim, (end - first) * head_dim, output_weight[rows]))
+        if query_weight is not None:  # else the router read every query: none to plan
+            if start > done:
+                pieces.append(((start - done) * head_dim, None, None))
             bias = None if query_bias is None else query_bias[rows]
             pieces.append(((end - start) * head_dim, query_weight[rows], bias))
-        outputs.append(((start - first) * head_dim, (end - first) * head_dim, output_weight[rows]))
-        done = end
-    if last > done:
+            done = end
+    if query_weight is not None and last > done:
         pieces.append(((last - done) * head_dim, None, None))
-    if query_weight is None:  # the router read every query: none to plan
-        pieces = []
     if len(projection.plans) >= GATE_ROWS_CACHED:
         projection.plans.clear()
     plan = projection.plans[heads_on] = StepPlan(first, last, tuple(pieces), tuple(outputs))
