@@ -141,6 +141,7 @@ TORCH_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, chunk, full group
     "prefill-bool-padding": (2, 6, 3, 37, 41, 5, None, None, "bool", 8, (0,)),
     "prefill-float-window": (2, 6, 2, 37, 41, 5, None, 5, "float", 8, ()),
     "prefill-default-chunk": (1, 9, 3, 150, 150, 4, None, None, None, None, (0,)),
+    "prefill-balanced-shared": (1, 9, 3, 263, 263, 4, None, None, None, 32, (0,)),
 }
 
 
@@ -182,6 +183,96 @@ def test_cpu_path_prefill_computes_only_active_rows(monkeypatch, layout):
     else:
         assert len(prefix) == tokens // chunk - 1 and active < computed <= 1.25 * active
     assert computed < batch * (tokens - chunk) * 6 * 0.8
+
+
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads (the CPU kernel's thread split is what `_causal_flash` balances), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("batch, groups, kv_heads, tokens", [(1, 3, 1, 300), (1, 2, 3, 257), (3, 1, 1, 256)])
+def test_causal_flash_in_balanced_halves(two_threads, monkeypatch, batch, groups, kv_heads, tokens):
+    """An odd number of (batch row, key/value head) pairs on 2 threads: the causal call runs as its two halves in one
+    call plus the second half's unmasked call to the first half's keys (even and odd T), equal to causal attention
+    (an eager fp64 loop over rows) in output and log-sum-exp; with an even number, or on 1 thread, one causal call."""
+    calls = []
+    original = cpu_path._flash
+
+    def spy(query, key, value, mask, scaling, causal=False):
+        calls.append((tuple(query.shape), tuple(key.shape), causal))
+        return original(query, key, value, mask, scaling, causal)
+
+    monkeypatch.setattr(cpu_path, "_flash", spy)
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(batch, kv_heads * groups, tokens, 4, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(batch, kv_heads, tokens, 4, generator=generator, dtype=torch.float64) for _ in "kv")
+    out, lse = cpu_path._causal_flash(query, key, value, SCALING)
+    half, rest = tokens // 2, tokens - tokens // 2
+    heads = kv_heads * groups
+    assert calls == [
+        ((2 * batch, heads, rest, 4), (2 * batch, kv_heads, rest, 4), True),
+        ((batch, heads, rest, 4), (batch, kv_heads, half, 4), False),
+    ]
+    for t in (0, half - 1, half, tokens - 1):  # rows of both halves
+        scores = torch.einsum("bhd,bhkd->bhk", query[:, :, t], key.repeat_interleave(groups, 1)[:, :, : t + 1])
+        scores = scores * SCALING
+        probs = torch.softmax(scores, dim=-1)
+        want = torch.einsum("bhk,bhkd->bhd", probs, value.repeat_interleave(groups, 1)[:, :, : t + 1])
+        torch.testing.assert_close(out[:, :, t], want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse[:, :, t], torch.logsumexp(scores, dim=-1), rtol=1e-10, atol=1e-10)
+    calls.clear()
+    cpu_path._causal_flash(torch.cat([query, query]), torch.cat([key, key]), torch.cat([value, value]), SCALING)
+    torch.set_num_threads(1)
+    cpu_path._causal_flash(query, key, value, SCALING)
+    assert [causal for _, _, causal in calls] == [True, True]  # one plain causal call each
+
+
+@pytest.mark.parametrize("span_rows", [1, 8, 20, 10_000])
+def test_prefix_spans_of_chunks(monkeypatch, span_rows):
+    """`_padded_prefix`: one call per span of chunks (s·R ≥ LARGE_QUERY_ROWS rows, at most SPAN_MAX_CHUNKS chunks) to
+    the keys before the span, and one per later chunk of a span to the span's keys before it; the merged result is
+    the attention of each chunk's rows to every key before the chunk (cache offset 0 and 5; 7 chunks: a last span
+    cut short)."""
+    monkeypatch.setattr(cpu_path, "LARGE_QUERY_ROWS", span_rows)
+    calls = []
+    original = cpu_path._flash
+
+    def spy(query, key, value, mask, scaling, causal=False):
+        calls.append((query.shape[2], key.shape[2]))
+        return original(query, key, value, mask, scaling, causal)
+
+    monkeypatch.setattr(cpu_path, "_flash", spy)
+    batch, kv_heads, chunks, width, chunk, head_dim = 2, 2, 7, 4, 3, 5
+    span = min(cpu_path.SPAN_MAX_CHUNKS, -(-span_rows // width))
+    generator = torch.Generator().manual_seed(4)
+    q_padded = torch.randn(batch, kv_heads, chunks, width, head_dim, generator=generator, dtype=torch.float64)
+    for offset in (0, 5):
+        keys = offset + chunks * chunk
+        key, value = (
+            torch.randn(batch, kv_heads, keys, head_dim, generator=generator, dtype=torch.float64) for _ in "kv"
+        )
+        calls.clear()
+        out, lse = cpu_path._padded_prefix(q_padded, key, value, chunk, offset, SCALING)
+        for c in range(chunks):
+            seen = offset + c * chunk
+            if not seen:
+                assert torch.isneginf(lse[:, :, c]).all()
+                continue
+            scores = torch.einsum("bnrd,bnkd->bnrk", q_padded[:, :, c], key[:, :, :seen]) * SCALING
+            want = torch.einsum("bnrk,bnkd->bnrd", torch.softmax(scores, dim=-1), value[:, :, :seen])
+            torch.testing.assert_close(out[:, :, c], want, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[:, :, c], torch.logsumexp(scores, dim=-1), rtol=1e-10, atol=1e-10)
+        expected = []  # (query rows, keys) of each call, in order
+        for first in range(0, chunks, span):
+            last = min(first + span, chunks)
+            if offset + first * chunk:
+                expected.append(((last - first) * width, offset + first * chunk))
+            expected += [(width, (c - first) * chunk) for c in range(first + 1, last)]
+        assert calls == expected
 
 
 def test_cpu_path_decode_reads_only_needed_key_value_heads(monkeypatch):
