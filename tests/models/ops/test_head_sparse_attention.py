@@ -231,13 +231,14 @@ def test_causal_flash_in_balanced_halves(two_threads, monkeypatch, batch, groups
     assert [causal for _, _, causal in calls] == [True, True]  # one plain causal call each
 
 
-@pytest.mark.parametrize("span_rows", [1, 8, 20, 10_000])
-def test_prefix_spans_of_chunks(monkeypatch, span_rows):
-    """`_padded_prefix`: one call per span of chunks (s·R ≥ LARGE_QUERY_ROWS rows, at most SPAN_MAX_CHUNKS chunks) to
+@pytest.mark.parametrize("span_rows, span_tokens", [(1, 1024), (8, 1024), (20, 1024), (10_000, 1024), (10_000, 9)])
+def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens):
+    """`_padded_prefix`: one call per span of chunks (s·R ≥ LARGE_QUERY_ROWS rows, at most SPAN_MAX_TOKENS tokens) to
     the keys before the span, and one per later chunk of a span to the span's keys before it; the merged result is
     the attention of each chunk's rows to every key before the chunk (cache offset 0 and 5; 7 chunks: a last span
-    cut short)."""
+    cut short; spans capped at 3 chunks)."""
     monkeypatch.setattr(cpu_path, "LARGE_QUERY_ROWS", span_rows)
+    monkeypatch.setattr(cpu_path, "SPAN_MAX_TOKENS", span_tokens)
     calls = []
     original = cpu_path._flash
 
@@ -247,7 +248,7 @@ def test_prefix_spans_of_chunks(monkeypatch, span_rows):
 
     monkeypatch.setattr(cpu_path, "_flash", spy)
     batch, kv_heads, chunks, width, chunk, head_dim = 2, 2, 7, 4, 3, 5
-    span = min(cpu_path.SPAN_MAX_CHUNKS, -(-span_rows // width))
+    span = min(cpu_path.SPAN_MAX_TOKENS // chunk, -(-span_rows // width))
     generator = torch.Generator().manual_seed(4)
     q_padded = torch.randn(batch, kv_heads, chunks, width, head_dim, generator=generator, dtype=torch.float64)
     for offset in (0, 5):

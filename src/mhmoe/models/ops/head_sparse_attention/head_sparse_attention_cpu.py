@@ -230,7 +230,8 @@ class _Rows:
 
     `index` (N,) flat positions (b·T + t)·H + h in the (B·T·H) rows of a (B, T, H, hd) tensor; `tokens` (N,);
     `segments`: per (batch row, key/value head, chunk) with rows, (b, g, c, first row, end row); `diagonal` (N,) each
-    row's place in the (B·nc, Hs, C) diagonal blocks of the sparse heads. When the sparse key/value heads are one run
+    row's place in the diagonal blocks of the sparse heads, (B·nc, C, Hs) in that order: the layout of the CPU
+    kernel's output and log-sum-exp, so that their rows are gathered without a copy. When the sparse key/value heads are one run
     and padding costs little, `padded` (N,) places each row in a (B, Hkv_s, nc, R) layout (R: the most rows of a
     (batch row, key/value head) in a chunk), so that one call per chunk, or per span of consecutive chunks
     (`_padded_prefix`), covers every batch row and key/value head."""
@@ -261,7 +262,7 @@ class _Rows:
                 b_, g_ = divmod(bg, len(sparse))
                 self.segments.append((b_, sparse[g_], c, start, start + count))
                 start += count
-        self.diagonal = ((b * num_chunks + chunk_of) * len(sparse) * groups + local * groups + j) * chunk + t % chunk
+        self.diagonal = ((b * num_chunks + chunk_of) * chunk + t % chunk) * len(sparse) * groups + local * groups + j
         self.padded, self.width = None, max(count_list, default=0)
         one_run = sparse == list(range(sparse[0], sparse[-1] + 1))
         if rows.shape[0] and one_run and self.width * len(count_list) <= self.PADDING_LIMIT * rows.shape[0]:
@@ -383,18 +384,18 @@ def _scatter_rows(rows_tensor, index, shape, fill=0.0):
 
 LARGE_QUERY_ROWS = 768  # from this many query rows a call runs on torch's CPU kernel's large query blocks (256 rows,
 # ~17% less time per query-key pair on this project's CPU than the 32- or 64-row blocks of shorter calls)
-SPAN_MAX_CHUNKS = 4  # chunks per prefix call at most (the keys between its chunks take calls of their own)
+SPAN_MAX_TOKENS = 1024  # query tokens per prefix call at most (the keys between its chunks take calls of their own)
 
 
 def _padded_prefix(q_padded, key, value, chunk, offset, scaling):
     """Attention of the padded rows q_padded (B, n, nc, R, hd) to the keys before their chunk (key/value (B, n, L, hd),
     chunk c's rows see keys [0, offset + c·C)): output (B, n, nc, R, hd) and lse (B, n, nc, R) (-inf: no keys).
 
-    One call per span of s consecutive chunks (s·R rows, s the fewest chunks with s·R ≥ LARGE_QUERY_ROWS, at most
-    SPAN_MAX_CHUNKS) to the keys before the span, so that the kernel runs its large query blocks; then chunk i of the
+    One call per span of s consecutive chunks (s·R rows, s the fewest chunks with s·R ≥ LARGE_QUERY_ROWS, s·C at most
+    SPAN_MAX_TOKENS) to the keys before the span, so that the kernel runs its large query blocks; then chunk i of the
     span (i ≥ 1) attends to the keys of the span's chunks before it in a call of its own, merged by log-sum-exp."""
     batch, n, num_chunks, width, head_dim = q_padded.shape
-    span = min(SPAN_MAX_CHUNKS, max(1, -(-LARGE_QUERY_ROWS // max(width, 1))))
+    span = max(1, min(SPAN_MAX_TOKENS // chunk, -(-LARGE_QUERY_ROWS // max(width, 1))))
     out = torch.zeros_like(q_padded)
     lse = q_padded.new_full((batch, n, num_chunks, width), float("-inf"), dtype=_compute_dtype(q_padded))
     flat_q, flat_out, flat_lse = (x.flatten(2, 3) for x in (q_padded, out, lse))  # (B, n, nc·R, ...) views
@@ -421,9 +422,9 @@ def _causal_forward(query, q_rows, key, value, rows, settings):
     scaling, _, offset, _, sparse, _ = settings
     head_dim = query.shape[-1]
     o_diag, lse_diag = _flash(*_diagonal_blocks(query, key, value, rows, settings), None, scaling, causal=True)
-    # (B·nc, Hs, C, hd), (B·nc, Hs, C)
-    o_diag = o_diag.reshape(-1, head_dim).index_select(0, rows.diagonal)
-    lse_diag = lse_diag.reshape(-1).index_select(0, rows.diagonal)
+    # (B·nc, Hs, C, hd), (B·nc, Hs, C), stored as (B·nc, C, Hs, ...) by the CPU kernel
+    o_diag = o_diag.transpose(1, 2).reshape(-1, head_dim).index_select(0, rows.diagonal)
+    lse_diag = lse_diag.transpose(1, 2).reshape(-1).index_select(0, rows.diagonal)
     if rows.padded is not None:  # (B, Hkv_s, R) rows of every batch row and key/value head per call
         g0, g1 = sparse[0], sparse[-1] + 1
         q_padded = _scatter_rows(q_rows, rows.padded, rows.padded_shape)  # (B, Hkv_s, nc, R, hd)
@@ -491,17 +492,19 @@ def _causal_backward(go_rows, query, q_rows, key, value, o_rows, lse_rows, rows,
             grad_key[b, g, :prefix] += dk[0, 0]
             grad_value[b, g, :prefix] += dv[0, 0]
     blocks = _diagonal_blocks(query, key, value, rows, settings)
-    shape = blocks[0].shape  # (B·nc, Hs, C, hd)
+    num_blocks, block_heads, chunk = blocks[0].shape[:3]
+    shape = (num_blocks, chunk, block_heads)  # the rows' order of `rows.diagonal`
     # the diagonal call's rows: the active ones with their merged output and lse, the inactive ones with no gradient
     # and an lse that makes their probabilities 0
-    grad_blocks = go_rows.new_zeros(shape).view(-1, head_dim).index_copy_(0, rows.diagonal, go_rows)
+    grad_blocks = go_rows.new_zeros(*shape, head_dim).view(-1, head_dim).index_copy_(0, rows.diagonal, go_rows)
     out_blocks = torch.zeros_like(grad_blocks).index_copy_(0, rows.diagonal, o_rows)
-    lse_blocks = lse_rows.new_full(shape[:3], torch.finfo(lse_rows.dtype).max)
+    lse_blocks = lse_rows.new_full(shape, torch.finfo(lse_rows.dtype).max)
     lse_blocks.view(-1).index_copy_(0, rows.diagonal, lse_rows)
+    grad_blocks, out_blocks = (x.view(*shape, head_dim).transpose(1, 2) for x in (grad_blocks, out_blocks))
     dq, dk, dv = _flash_backward(
-        grad_blocks.view(shape), *blocks, out_blocks.view(shape), lse_blocks, None, scaling, causal=True
-    )
-    dq_rows += dq.reshape(-1, head_dim).index_select(0, rows.diagonal)
+        grad_blocks, *blocks, out_blocks, lse_blocks.transpose(1, 2), None, scaling, causal=True
+    )  # (B·nc, Hs, C, hd)
+    dq_rows += dq.transpose(1, 2).reshape(-1, head_dim).index_select(0, rows.diagonal)
     chosen = torch.tensor(sparse, device=query.device)
 
     def unblock(x):  # (B·nc, Hkv_s, C, hd) -> (B, Hkv_s, T, hd)
