@@ -231,14 +231,17 @@ def test_causal_flash_in_balanced_halves(two_threads, monkeypatch, batch, groups
     assert [causal for _, _, causal in calls] == [True, True]  # one plain causal call each
 
 
-@pytest.mark.parametrize("span_rows, span_tokens", [(1, 1024), (8, 1024), (20, 1024), (10_000, 1024), (10_000, 9)])
+@pytest.mark.parametrize("span_rows, span_tokens", [(1, 1024), (8, 1024), (40, 1024), (10_000, 1024), (10_000, 9)])
 def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens):
-    """`_padded_prefix`: one call per span of chunks (s·R ≥ LARGE_QUERY_ROWS rows, at most SPAN_MAX_TOKENS tokens) to
-    the keys before the span, and one per later chunk of a span to the span's keys before it; the merged result is
-    the attention of each chunk's rows to every key before the chunk (cache offset 0 and 5; 7 chunks: a last span
-    cut short; spans capped at 3 chunks)."""
+    """`_span_prefix` with `_SpanPlan`: one call per span of chunks (s chunks: s × the mean rows of a (batch row,
+    key/value head, chunk) ≥ LARGE_QUERY_ROWS, s·C ≤ SPAN_MAX_TOKENS) holding the span's rows of every (batch row,
+    key/value head), padded to the most any has, against the keys before the span; one call per later chunk of a span
+    against the span's keys before it. Each row's result is its attention to every key before its chunk (an eager
+    fp64 reference), with cache offsets 0 and 5, 7 chunks (the last span cut short, the last chunk partial), uneven
+    densities and an empty (batch row, key/value head, chunk)."""
     monkeypatch.setattr(cpu_path, "LARGE_QUERY_ROWS", span_rows)
     monkeypatch.setattr(cpu_path, "SPAN_MAX_TOKENS", span_tokens)
+    monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 10.0)  # tiny chunks pad much: use the spans regardless
     calls = []
     original = cpu_path._flash
 
@@ -247,33 +250,93 @@ def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens):
         return original(query, key, value, mask, scaling, causal)
 
     monkeypatch.setattr(cpu_path, "_flash", spy)
-    batch, kv_heads, chunks, width, chunk, head_dim = 2, 2, 7, 4, 3, 5
-    span = min(cpu_path.SPAN_MAX_TOKENS // chunk, -(-span_rows // width))
+    batch, heads, kv_heads, tokens, chunk, head_dim = 2, 6, 3, 20, 3, 5
     generator = torch.Generator().manual_seed(4)
-    q_padded = torch.randn(batch, kv_heads, chunks, width, head_dim, generator=generator, dtype=torch.float64)
+    density = torch.tensor([0.3, 0.9])[torch.arange(heads) % 2]  # uneven across key/value heads' query heads
+    active = torch.rand(batch, tokens, heads, generator=generator) < density
+    active[0, 3:6, 2:4] = False  # batch row 0, key/value head 1, chunk 1: no rows
+    sparse, groups, num_chunks = [1, 2], heads // kv_heads, -(-tokens // chunk)
+    rows = cpu_path._Rows(active, kv_heads, sparse, chunk)
+    plan = rows.spans
+    count = rows.index.numel()
+    pair_chunk = torch.zeros(batch, len(sparse), num_chunks, dtype=torch.long)  # rows per (b, g, c), by hand
+    for b, t, h in active.nonzero().tolist():
+        if h // groups in sparse:
+            pair_chunk[b, h // groups - sparse[0], t // chunk] += 1
+    span = max(1, min(span_tokens // chunk, -(-span_rows * batch * len(sparse) * num_chunks // count), num_chunks))
+    assert plan.span == span
+    q_rows = torch.randn(count, head_dim, generator=generator, dtype=torch.float64)
     for offset in (0, 5):
-        keys = offset + chunks * chunk
-        key, value = (
-            torch.randn(batch, kv_heads, keys, head_dim, generator=generator, dtype=torch.float64) for _ in "kv"
-        )
+        keys = offset + tokens
+        key, value = (torch.randn(batch, 2, keys, head_dim, generator=generator, dtype=torch.float64) for _ in "kv")
         calls.clear()
-        out, lse = cpu_path._padded_prefix(q_padded, key, value, chunk, offset, SCALING)
-        for c in range(chunks):
-            seen = offset + c * chunk
+        out, lse = cpu_path._span_prefix(q_rows, key, value, plan, offset, SCALING)
+        for r in range(count):
+            b, head = divmod(int(rows.index[r]), tokens * heads)
+            g = head % heads // groups - sparse[0]
+            seen = offset + int(rows.tokens[r]) // chunk * chunk
             if not seen:
-                assert torch.isneginf(lse[:, :, c]).all()
+                assert torch.isneginf(lse[r])
                 continue
-            scores = torch.einsum("bnrd,bnkd->bnrk", q_padded[:, :, c], key[:, :, :seen]) * SCALING
-            want = torch.einsum("bnrk,bnkd->bnrd", torch.softmax(scores, dim=-1), value[:, :, :seen])
-            torch.testing.assert_close(out[:, :, c], want, rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(lse[:, :, c], torch.logsumexp(scores, dim=-1), rtol=1e-10, atol=1e-10)
-        expected = []  # (query rows, keys) of each call, in order
-        for first in range(0, chunks, span):
-            last = min(first + span, chunks)
+            scores = key[b, g, :seen] @ q_rows[r] * SCALING
+            want = torch.softmax(scores, dim=0) @ value[b, g, :seen]
+            torch.testing.assert_close(out[r], want, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[r], torch.logsumexp(scores, dim=0), rtol=1e-10, atol=1e-10)
+        expected = []  # (query rows, keys) of each call, in order: the spans', then the later chunks'
+        for first in range(0, num_chunks, span):
+            width = int(pair_chunk[..., first : first + span].sum(-1).max())
             if offset + first * chunk:
-                expected.append(((last - first) * width, offset + first * chunk))
-            expected += [(width, (c - first) * chunk) for c in range(first + 1, last)]
+                expected.append((width, offset + first * chunk))
+        for c in range(num_chunks):
+            if c % span:
+                expected.append((int(pair_chunk[..., c].max()), (c - c // span * span) * chunk))
         assert calls == expected
+
+
+@pytest.mark.parametrize("span_rows", [1, 20, 10_000])
+@pytest.mark.parametrize("case", ["prefill-gqa-shared", "prefill-after-cache", "prefill-mha"])
+def test_cpu_path_unpadded_spans(monkeypatch, span_rows, case):
+    """Without padding (each (batch row, key/value head) on its own: `_segment_prefix`), spans of 1 chunk, of a few
+    and of every chunk give the reference's outputs and gradients."""
+    monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 0.0)
+    monkeypatch.setattr(cpu_path, "LARGE_QUERY_ROWS", span_rows)
+    batch, heads, kv_heads, tokens, keys, head_dim, offset, window, mask_kind, chunk, full = TORCH_CASES[case]
+    inputs = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full)
+    compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
+
+
+def test_cpu_path_nearly_dense_group_runs_dense(monkeypatch):
+    """A key/value head whose query heads are active on at least DENSE_SHARE of the tokens runs as causal attention
+    over all its heads (with the fully active group beside it: one call), its inactive pairs zeroed: outputs and
+    gradients equal the reference, for soft gates and for 0/1 gates without gradient (where the gates' multiply is
+    skipped, so the op itself must pass no gradient through the zeroed pairs)."""
+    calls = []
+    original = cpu_path._flash
+
+    def spy(query, key, value, mask, scaling, causal=False):
+        calls.append((tuple(query.shape), causal))
+        return original(query, key, value, mask, scaling, causal)
+
+    monkeypatch.setattr(cpu_path, "_flash", spy)
+    query, key, value, gates, _ = make_inputs(2, 9, 3, 70, 70, 4, full_groups=(0,))
+    generator = torch.Generator().manual_seed(5)
+    nearly = (torch.rand(2, 70, 3, generator=generator) < 0.93).to(gates.dtype)
+    gates[..., 3:6] = nearly * (torch.rand(2, 70, 3, generator=generator, dtype=gates.dtype) + 0.5)
+    assert cpu_path.DENSE_SHARE <= float((gates[..., 3:6] != 0).float().mean()) < 1
+    compare(head_sparse_attention_cpu, (query, key, value, gates, None), chunk_size=16)
+    assert calls[0] == ((2, 6, 70, 4), True)  # key/value heads 0 and 1 together
+    binary = (gates != 0).to(gates.dtype)
+    leaves = [x.detach().clone().requires_grad_() for x in (query, key, value)]
+    ref_leaves = [x.detach().clone().requires_grad_() for x in (query, key, value)]
+    got = head_sparse_attention_cpu(*leaves, binary, SCALING, chunk_size=16)
+    want = head_sparse_attention_naive(*ref_leaves, binary, SCALING)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert (got[binary == 0] == 0).all()
+    grad = torch.randn(got.shape, generator=generator, dtype=got.dtype)
+    got.backward(grad)
+    want.backward(grad)
+    for name, have, expected in zip(["query", "key", "value"], leaves, ref_leaves):
+        torch.testing.assert_close(have.grad, expected.grad, rtol=1e-10, atol=1e-10, msg=name)
 
 
 def test_cpu_path_decode_reads_only_needed_key_value_heads(monkeypatch):

@@ -5,13 +5,18 @@ Prefill and training (more than DECODE_MAX_TOKENS query tokens). The T query tok
 a row is one active (token, head) pair. The rows of key/value head g (those of its G query heads, in token order)
 all attend to g's keys, so g's heads act as extra query rows: no K/V copy, every K/V read shared. A chunk's rows see
 (a) every key before the chunk (the prefix) and (b) the chunk's own keys up to their position (the diagonal block):
-- (a) per key/value head and chunk, one unmasked flash-attention call of the chunk's active rows against the prefix;
+- (a) the chunk's active rows against the prefix in unmasked flash-attention calls, one per span of chunks with at
+  least LARGE_QUERY_ROWS rows where the rows allow (the kernel's efficient large query blocks) plus one per later
+  chunk of a span for the span's keys before it: all batch rows and key/value heads padded into one call where that
+  costs little (`_SpanPlan`, `_span_prefix`), else one (batch row, key/value head) at a time (`_segment_prefix`);
 - (b) one causal call for every chunk and head at once (C × C blocks). It computes the inactive rows of the diagonal
   blocks too (a C / T share of the dense work) but needs no mask, no padding and no gather;
 - the two are merged by their log-sum-exp and scattered back to (B, T, H, hd).
-A key/value head whose query heads are all active everywhere (MoH's shared heads) is plain causal attention: one
-`scaled_dot_product_attention` call. With a 4-D attention mask or an effective sliding window, each (key/value head,
-chunk) is instead one masked call over the keys its rows can see (the mask gathered for those rows).
+A key/value head whose query heads are active on at least DENSE_SHARE of the tokens (MoH's shared heads: all) is plain
+causal attention over all its heads, its inactive pairs zeroed: one causal flash call, cut into two even halves when
+the kernel's threads would share it unevenly (`_causal_flash`); not with a cache, a mask or a window. With a 4-D
+attention mask or an effective sliding window, each (key/value head, chunk) is instead one masked call over the keys
+its rows can see (the mask gathered for those rows).
 The backward is flash attention's: each call's gradients from the merged output and log-sum-exp (so the calls'
 gradients add up to the gradient of the whole), summed into g's key/value gradients and scattered back to the rows.
 An inactive pair costs nothing outside the diagonal blocks, in either pass.
@@ -115,12 +120,16 @@ def _decode(query, key, value, gates, scaling, attention_mask, offset, sliding_w
 # prefill and training
 
 
+DENSE_SHARE = 0.8  # a key/value head whose query heads are active on this share of the tokens runs dense
+
+
 def _prefill(query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk):
     batch, heads, tokens, head_dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     general = attention_mask is not None or sliding_window is not None
-    full = active.view(batch, tokens, kv_heads, groups).all(dim=(0, 1, 3)).tolist()  # (Hkv,)
+    share = active.view(batch, tokens, kv_heads, groups).float().mean(dim=(0, 1, 3)).tolist()  # (Hkv,)
+    full = [value >= DENSE_SHARE for value in share]
     if general or offset != 0:
         full = [False] * kv_heads  # plain causal attention only without a cache, a mask or a window
     dense = _runs([g for g in range(kv_heads) if full[g]])
@@ -233,8 +242,8 @@ class _Rows:
     row's place in the diagonal blocks of the sparse heads, (B·nc, C, Hs) in that order: the layout of the CPU
     kernel's output and log-sum-exp, so that their rows are gathered without a copy. When the sparse key/value heads are one run
     and padding costs little, `padded` (N,) places each row in a (B, Hkv_s, nc, R) layout (R: the most rows of a
-    (batch row, key/value head) in a chunk), so that one call per chunk, or per span of consecutive chunks
-    (`_padded_prefix`), covers every batch row and key/value head."""
+    (batch row, key/value head) in a chunk), so that one call per chunk covers every batch row and key/value head (the
+    backward's prefix calls); `spans` the same for the forward's calls per span of chunks (`_SpanPlan`)."""
 
     PADDING_LIMIT = 1.25  # padded rows / rows above which the prefix calls go per (batch row, key/value head)
 
@@ -270,6 +279,11 @@ class _Rows:
             slot = torch.arange(rows.shape[0], device=device) - starts[segment]
             self.padded = segment * self.width + slot
             self.padded_shape = (batch, len(sparse), num_chunks, self.width)
+        self.spans = None
+        if rows.shape[0] and one_run:
+            self.spans = _SpanPlan(counts.view(batch * len(sparse), num_chunks), segment, chunk_of, chunk)
+            if self.spans.padded_rows > self.PADDING_LIMIT * rows.shape[0]:
+                self.spans = None
 
 
 class _HeadSparsePrefill(torch.autograd.Function):
@@ -280,14 +294,16 @@ class _HeadSparsePrefill(torch.autograd.Function):
         groups = heads // kv_heads
         out = query.new_zeros(batch, tokens, heads, head_dim)
         dense_results = []
-        for start, end in dense:  # key/value heads whose query heads are all active: plain causal attention
+        for start, end in dense:  # key/value heads whose query heads are (nearly) all active: causal attention
             o, lse = _causal_flash(
                 query[:, start * groups : end * groups],
                 key[:, start:end, :tokens],
                 value[:, start:end, :tokens],
                 scaling,
             )  # (B, n·G, T, hd), (B, n·G, T)
-            out[:, :, start * groups : end * groups] = o.transpose(1, 2)
+            heads_slice = slice(start * groups, end * groups)
+            out[:, :, heads_slice] = o.transpose(1, 2)
+            out[:, :, heads_slice].masked_fill_(~active[:, :, heads_slice, None], 0)  # the inactive pairs: 0
             dense_results.append((o, lse))
         rows = _Rows(active, kv_heads, sparse, chunk) if sparse else None
         general = attention_mask is not None or sliding_window is not None
@@ -300,14 +316,14 @@ class _HeadSparsePrefill(torch.autograd.Function):
             else:
                 results = _causal_forward(query, q_rows, key, value, rows, settings)
             out.view(-1, head_dim).index_copy_(0, rows.index, results[0])
-        ctx.save_for_backward(query, key, value)
+        ctx.save_for_backward(query, key, value, active)
         ctx.rows, ctx.settings, ctx.results, ctx.dense = rows, settings, results, (dense, dense_results)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        query, key, value = ctx.saved_tensors
+        query, key, value, active = ctx.saved_tensors
         rows, settings = ctx.rows, ctx.settings
         batch, heads, tokens, head_dim = query.shape
         groups = heads // key.shape[1]
@@ -315,8 +331,9 @@ class _HeadSparsePrefill(torch.autograd.Function):
         grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
         for (start, end), (o, lse) in zip(*ctx.dense):
             heads_slice = slice(start * groups, end * groups)
+            grad_heads = grad_out[:, :, heads_slice].masked_fill(~active[:, :, heads_slice, None], 0)  # 0 outputs
             dq, dk, dv = _flash_backward(
-                grad_out[:, :, heads_slice].transpose(1, 2),
+                grad_heads.transpose(1, 2),
                 query[:, heads_slice],
                 key[:, start:end, :tokens],
                 value[:, start:end, :tokens],
@@ -387,35 +404,97 @@ LARGE_QUERY_ROWS = 768  # from this many query rows a call runs on torch's CPU k
 SPAN_MAX_TOKENS = 1024  # query tokens per prefix call at most (the keys between its chunks take calls of their own)
 
 
-def _padded_prefix(q_padded, key, value, chunk, offset, scaling):
-    """Attention of the padded rows q_padded (B, n, nc, R, hd) to the keys before their chunk (key/value (B, n, L, hd),
-    chunk c's rows see keys [0, offset + c·C)): output (B, n, nc, R, hd) and lse (B, n, nc, R) (-inf: no keys).
+class _SpanPlan:
+    """Where the forward's prefix calls put each row (one run of sparse key/value heads). Rows are in (batch row b,
+    key/value head g, chunk c) segments; consecutive chunks form spans of s chunks (s·R̄ ≥ LARGE_QUERY_ROWS for R̄ the
+    mean rows of a segment, s·C ≤ SPAN_MAX_TOKENS), and a span's rows of one (b, g) are consecutive.
 
-    One call per span of s consecutive chunks (s·R rows, s the fewest chunks with s·R ≥ LARGE_QUERY_ROWS, s·C at most
-    SPAN_MAX_TOKENS) to the keys before the span, so that the kernel runs its large query blocks; then chunk i of the
-    span (i ≥ 1) attends to the keys of the span's chunks before it in a call of its own, merged by log-sum-exp."""
-    batch, n, num_chunks, width, head_dim = q_padded.shape
-    span = max(1, min(SPAN_MAX_TOKENS // chunk, -(-LARGE_QUERY_ROWS // max(width, 1))))
-    out = torch.zeros_like(q_padded)
-    lse = q_padded.new_full((batch, n, num_chunks, width), float("-inf"), dtype=_compute_dtype(q_padded))
-    flat_q, flat_out, flat_lse = (x.flatten(2, 3) for x in (q_padded, out, lse))  # (B, n, nc·R, ...) views
-    for first in range(0, num_chunks, span):
-        last = min(first + span, num_chunks)
-        start = offset + first * chunk  # keys before the span
-        if start:
-            span_rows = slice(first * width, last * width)
-            o, o_lse = _flash(flat_q[:, :, span_rows], key[:, :, :start], value[:, :, :start], None, scaling)
-            flat_out[:, :, span_rows], flat_lse[:, :, span_rows] = o, o_lse
-        for c in range(first + 1, last):  # the keys of the span's chunks before chunk c
-            o, o_lse = _flash(
-                q_padded[:, :, c],
-                key[:, :, start : offset + c * chunk],
-                value[:, :, start : offset + c * chunk],
-                None,
-                scaling,
-            )
-            out[:, :, c], lse[:, :, c] = _merge(out[:, :, c], lse[:, :, c], o, o_lse)
-    return out, lse
+    - Span calls: span j's rows of every (b, g), padded to the most any (b, g) has (width w_j), as (B, Hkv_s, w_j),
+      against the keys before the span. `big` (N,) each row's place in the spans' padded rows, laid end to end.
+    - Chunk calls: a chunk after a span's first, its rows of every (b, g) padded to the most any (b, g) has, against
+      the span's keys before the chunk. `later` (M,) the rows in such chunks, `small` (M,) their places.
+    Padding per call keeps the padded rows close to the rows (`padded_rows`)."""
+
+    def __init__(self, counts, segment, chunk_of, chunk):
+        pairs, num_chunks = counts.shape  # (B·Hkv_s, nc) rows per segment
+        rows = segment.shape[0]
+        span = -(-LARGE_QUERY_ROWS * pairs * num_chunks // rows)  # chunks for s·R̄ ≥ LARGE_QUERY_ROWS
+        self.span = span = max(1, min(SPAN_MAX_TOKENS // chunk, span, num_chunks))
+        self.chunk, num_spans = chunk, -(-num_chunks // span)
+        first_row = (counts.flatten().cumsum(0) - counts.flatten()).view(pairs, num_chunks)  # of each segment
+        row_id = torch.arange(rows, device=counts.device)
+        pair = torch.div(segment, num_chunks, rounding_mode="floor")
+        span_of = torch.div(chunk_of, span, rounding_mode="floor")
+        per_span = F.pad(counts, (0, num_spans * span - num_chunks)).view(pairs, num_spans, span).sum(-1)
+        self.widths = per_span.amax(0).tolist()  # (nspans,) w_j
+        self.offsets = [sum(pairs * w for w in self.widths[:j]) for j in range(num_spans)]
+        offsets = torch.tensor(self.offsets, device=counts.device, dtype=row_id.dtype)
+        widths = torch.tensor(self.widths, device=counts.device, dtype=row_id.dtype)
+        slot = row_id - first_row[pair, span_of * span]
+        self.big = offsets[span_of] + pair * widths[span_of] + slot
+        later = chunk_of % span != 0
+        self.later = row_id[later]
+        self.chunk_widths = counts.amax(0).tolist()  # (nc,) most rows of a (b, g) in the chunk
+        self.chunk_offsets, total = {}, 0
+        for c in range(num_chunks):
+            if c % span:
+                self.chunk_offsets[c] = total
+                total += pairs * self.chunk_widths[c]
+        chunk_offsets = torch.zeros(num_chunks, device=counts.device, dtype=row_id.dtype)
+        for c, start in self.chunk_offsets.items():
+            chunk_offsets[c] = start
+        chunk_widths = torch.tensor(self.chunk_widths, device=counts.device, dtype=row_id.dtype)
+        c = chunk_of[later]
+        self.small = chunk_offsets[c] + pair[later] * chunk_widths[c] + (self.later - first_row[pair[later], c])
+        self.pairs, self.small_rows = pairs, total
+        self.padded_rows = pairs * sum(self.widths)
+
+
+def _span_prefix(q_rows, key, value, plan, offset, scaling):
+    """Each row's attention to the keys before its chunk (chunk c: keys [0, offset + c·C)): rows (N, hd) -> output
+    (N, hd) and lse (N,) (-inf: no keys), by `plan`'s calls (`_SpanPlan`: one call per span of chunks, with at least
+    LARGE_QUERY_ROWS rows where the rows allow, so that torch's CPU kernel runs its efficient large query blocks;
+    then each later chunk of a span against the span's keys before it, merged by log-sum-exp). key/value: the sparse
+    key/value heads' (B, Hkv_s, L, hd)."""
+    batch, kv_heads, _, head_dim = key.shape
+    chunk, span = plan.chunk, plan.span
+
+    def calls(q_padded, starts_widths, keys_of):  # padded rows (P, hd), [(start, width)] -> output, lse (P,)
+        out = torch.zeros_like(q_padded)
+        lse = q_padded.new_full(q_padded.shape[:1], float("-inf"), dtype=_compute_dtype(q_padded))
+        for (start, width), (low, high) in zip(starts_widths, keys_of):
+            if width and high > low:
+                rows = slice(start, start + plan.pairs * width)
+                o, o_lse = _flash(
+                    q_padded[rows].view(batch, kv_heads, width, head_dim),
+                    key[:, :, low:high],
+                    value[:, :, low:high],
+                    None,
+                    scaling,
+                )  # (B, Hkv_s, w, hd), (B, Hkv_s, w)
+                out[rows], lse[rows] = o.reshape(-1, head_dim), o_lse.reshape(-1)
+        return out, lse
+
+    num_spans = len(plan.widths)
+    q_big = _scatter_rows(q_rows, plan.big, (plan.padded_rows,))
+    spans = [(plan.offsets[j], plan.widths[j]) for j in range(num_spans)]
+    o_big, lse_big = calls(q_big, spans, [(0, offset + j * span * chunk) for j in range(num_spans)])
+    o_rows, lse_rows = o_big.index_select(0, plan.big), lse_big.index_select(0, plan.big)
+    if plan.later.numel():
+        q_small = _scatter_rows(q_rows.index_select(0, plan.later), plan.small, (plan.small_rows,))
+        later = sorted(plan.chunk_offsets)
+        starts_widths = [(plan.chunk_offsets[c], plan.chunk_widths[c]) for c in later]
+        keys_of = [(offset + c // span * span * chunk, offset + c * chunk) for c in later]
+        o_small, lse_small = calls(q_small, starts_widths, keys_of)
+        o_later, lse_later = _merge(
+            o_rows.index_select(0, plan.later),
+            lse_rows.index_select(0, plan.later),
+            o_small.index_select(0, plan.small),
+            lse_small.index_select(0, plan.small),
+        )
+        o_rows.index_copy_(0, plan.later, o_later)
+        lse_rows.index_copy_(0, plan.later, lse_later)
+    return o_rows, lse_rows
 
 
 def _causal_forward(query, q_rows, key, value, rows, settings):
@@ -425,21 +504,47 @@ def _causal_forward(query, q_rows, key, value, rows, settings):
     # (B·nc, Hs, C, hd), (B·nc, Hs, C), stored as (B·nc, C, Hs, ...) by the CPU kernel
     o_diag = o_diag.transpose(1, 2).reshape(-1, head_dim).index_select(0, rows.diagonal)
     lse_diag = lse_diag.transpose(1, 2).reshape(-1).index_select(0, rows.diagonal)
-    if rows.padded is not None:  # (B, Hkv_s, R) rows of every batch row and key/value head per call
+    if rows.spans is not None:  # (B, Hkv_s, w) rows of every batch row and key/value head per call
         g0, g1 = sparse[0], sparse[-1] + 1
-        q_padded = _scatter_rows(q_rows, rows.padded, rows.padded_shape)  # (B, Hkv_s, nc, R, hd)
-        o_prefix, lse_prefix = _padded_prefix(q_padded, key[:, g0:g1], value[:, g0:g1], rows.chunk, offset, scaling)
-        o_prefix = o_prefix.view(-1, head_dim).index_select(0, rows.padded)
-        lse_prefix = lse_prefix.view(-1).index_select(0, rows.padded)
+        o_prefix, lse_prefix = _span_prefix(q_rows, key[:, g0:g1], value[:, g0:g1], rows.spans, offset, scaling)
         return _merge(o_prefix, lse_prefix, o_diag, lse_diag)
-    o_prefix = torch.zeros_like(o_diag)
-    lse_prefix = torch.full_like(lse_diag, float("-inf"))
-    for b, g, c, start, end in rows.segments:
-        prefix = offset + c * rows.chunk
-        if prefix:
-            o, lse = _flash(*_one_head(q_rows[start:end], key[b, g, :prefix], value[b, g, :prefix]), None, scaling)
-            o_prefix[start:end], lse_prefix[start:end] = o[0, 0], lse[0, 0]
+    o_prefix, lse_prefix = _segment_prefix(q_rows, key, value, rows, offset, scaling, o_diag, lse_diag)
     return _merge(o_prefix, lse_prefix, o_diag, lse_diag)
+
+
+def _segment_prefix(q_rows, key, value, rows, offset, scaling, like_out, like_lse):
+    """`_span_prefix` without padding, one (batch row, key/value head) at a time (when padding them together would
+    cost too much: their densities differ): that pair's rows of a span of chunks (s chunks: s × its mean rows per chunk
+    ≥ LARGE_QUERY_ROWS, s·C ≤ SPAN_MAX_TOKENS) in one call to the keys before the span, then each later chunk of the
+    span to the span's keys before it."""
+    chunk = rows.chunk
+    o_prefix = torch.zeros_like(like_out)
+    lse_prefix = torch.full_like(like_lse, float("-inf"))
+    pairs = {}
+    for segment in rows.segments:  # in (batch row, key/value head, chunk) order
+        pairs.setdefault(segment[:2], []).append(segment)
+    for (b, g), segments in pairs.items():
+        mean = (segments[-1][4] - segments[0][3]) / rows.num_chunks
+        span = max(1, min(SPAN_MAX_TOKENS // chunk, math.ceil(LARGE_QUERY_ROWS / mean)))
+        for first in range(0, rows.num_chunks, span):
+            inside = [segment for segment in segments if first <= segment[2] < first + span]
+            if not inside:
+                continue
+            keys = offset + first * chunk  # before the span
+            if keys:
+                start, end = inside[0][3], inside[-1][4]
+                o, lse = _flash(*_one_head(q_rows[start:end], key[b, g, :keys], value[b, g, :keys]), None, scaling)
+                o_prefix[start:end], lse_prefix[start:end] = o[0, 0], lse[0, 0]
+            for _, _, c, start, end in inside:
+                if c > first:
+                    high = offset + c * chunk
+                    o, lse = _flash(
+                        *_one_head(q_rows[start:end], key[b, g, keys:high], value[b, g, keys:high]), None, scaling
+                    )
+                    o_prefix[start:end], lse_prefix[start:end] = _merge(
+                        o_prefix[start:end], lse_prefix[start:end], o[0, 0], lse[0, 0]
+                    )
+    return o_prefix, lse_prefix
 
 
 def _causal_backward(go_rows, query, q_rows, key, value, o_rows, lse_rows, rows, settings, grads):
