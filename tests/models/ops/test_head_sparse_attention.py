@@ -152,13 +152,16 @@ def test_cpu_path_matches_reference(case):
     compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
 
 
-@pytest.mark.parametrize("layout", ["padded", "per-segment"])
+@pytest.mark.parametrize("layout", ["padded", "padded per key/value head", "per-segment"])
 def test_cpu_path_prefill_computes_only_active_rows(monkeypatch, layout):
     """The flash calls of a prefill see the active rows only, outside the diagonal blocks: a fully active key/value
     head is one causal call over its heads, the diagonal blocks one call, and the prefix calls take the active rows
-    after the first chunk: per (batch row, key/value head, chunk), or one call per chunk padded to the most rows."""
+    after the first chunk: per (batch row, key/value head, chunk), or one call per chunk (per key/value head) padded
+    to the most rows."""
     if layout == "per-segment":
         monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 0.0)
+    split = layout == "padded per key/value head"
+    monkeypatch.setattr(cpu_path, "SPLIT_GAIN", {"even batch": 10.0 if split else 0.0, "odd batch": 0.0})
     calls = []
     original = cpu_path._flash
 
@@ -181,7 +184,8 @@ def test_cpu_path_prefill_computes_only_active_rows(monkeypatch, layout):
     if layout == "per-segment":
         assert len(prefix) == batch * 2 * (tokens // chunk - 1) and computed == active
     else:
-        assert len(prefix) == tokens // chunk - 1 and active < computed <= 1.25 * active
+        assert len(prefix) == (2 if split else 1) * (tokens // chunk - 1) and active < computed <= 1.25 * active
+        assert all(shape[1] == (1 if split else 2) for shape, _, _ in prefix)
     assert computed < batch * (tokens - chunk) * 6 * 0.8
 
 
@@ -231,28 +235,31 @@ def test_causal_flash_in_balanced_halves(two_threads, monkeypatch, batch, groups
     assert [causal for _, _, causal in calls] == [True, True]  # one plain causal call each
 
 
+@pytest.mark.parametrize("split_gain", [0.0, 0.85, 10.0])
 @pytest.mark.parametrize("span_rows, span_tokens", [(1, 1024), (8, 1024), (40, 1024), (10_000, 1024), (10_000, 9)])
-def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens):
+def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens, split_gain):
     """`_span_prefix` with `_SpanPlan`: one call per span of chunks (s chunks: s × the mean rows of a (batch row,
     key/value head, chunk) ≥ LARGE_QUERY_ROWS, s·C ≤ SPAN_MAX_TOKENS) holding the span's rows of every (batch row,
-    key/value head), padded to the most any has, against the keys before the span; one call per later chunk of a span
-    against the span's keys before it. Each row's result is its attention to every key before its chunk (an eager
-    fp64 reference), with cache offsets 0 and 5, 7 chunks (the last span cut short, the last chunk partial), uneven
-    densities and an empty (batch row, key/value head, chunk)."""
+    key/value head), padded to the most any has, or one call per key/value head padded over the batch rows (when
+    that pads to SPLIT_GAIN of the joint call's rows or less), against the keys before the span; the same per later
+    chunk of a span against the span's keys before it. Each row's result is its attention to every key before its
+    chunk (an eager fp64 reference), with cache offsets 0 and 5, 7 chunks (the last span cut short, the last chunk
+    partial), uneven densities and an empty (batch row, key/value head, chunk)."""
     monkeypatch.setattr(cpu_path, "LARGE_QUERY_ROWS", span_rows)
     monkeypatch.setattr(cpu_path, "SPAN_MAX_TOKENS", span_tokens)
+    monkeypatch.setattr(cpu_path, "SPLIT_GAIN", {"even batch": split_gain, "odd batch": 0.0})
     monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 10.0)  # tiny chunks pad much: use the spans regardless
     calls = []
     original = cpu_path._flash
 
     def spy(query, key, value, mask, scaling, causal=False):
-        calls.append((query.shape[2], key.shape[2]))
+        calls.append((query.shape[1], query.shape[2], key.shape[2]))
         return original(query, key, value, mask, scaling, causal)
 
     monkeypatch.setattr(cpu_path, "_flash", spy)
     batch, heads, kv_heads, tokens, chunk, head_dim = 2, 6, 3, 20, 3, 5
     generator = torch.Generator().manual_seed(4)
-    density = torch.tensor([0.3, 0.9])[torch.arange(heads) % 2]  # uneven across key/value heads' query heads
+    density = torch.tensor([0.2, 0.3, 0.9, 0.9, 0.6, 0.7])  # key/value head 1 much denser than 2
     active = torch.rand(batch, tokens, heads, generator=generator) < density
     active[0, 3:6, 2:4] = False  # batch row 0, key/value head 1, chunk 1: no rows
     sparse, groups, num_chunks = [1, 2], heads // kv_heads, -(-tokens // chunk)
@@ -282,15 +289,21 @@ def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens):
             want = torch.softmax(scores, dim=0) @ value[b, g, :seen]
             torch.testing.assert_close(out[r], want, rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(lse[r], torch.logsumexp(scores, dim=0), rtol=1e-10, atol=1e-10)
-        expected = []  # (query rows, keys) of each call, in order: the spans', then the later chunks'
+
+        def expected_calls(unit_rows, keys):  # unit_rows (B, Hkv_s): rows of each (b, g) in the call's unit
+            per_head, joint = unit_rows.amax(0).tolist(), int(unit_rows.max())
+            if sum(per_head) <= split_gain * len(per_head) * joint:
+                return [(1, width, keys) for width in per_head if width and keys]
+            return [(2, joint, keys)] if joint and keys else []
+
+        expected = []  # (heads, query rows, keys) of each call, in order: the spans', then the later chunks'
         for first in range(0, num_chunks, span):
-            width = int(pair_chunk[..., first : first + span].sum(-1).max())
-            if offset + first * chunk:
-                expected.append((width, offset + first * chunk))
+            expected += expected_calls(pair_chunk[..., first : first + span].sum(-1), offset + first * chunk)
         for c in range(num_chunks):
             if c % span:
-                expected.append((int(pair_chunk[..., c].max()), (c - c // span * span) * chunk))
+                expected += expected_calls(pair_chunk[..., c], (c - c // span * span) * chunk)
         assert calls == expected
+        assert len({heads for heads, _, _ in calls}) == (1 if split_gain in (0.0, 10.0) else 2)
 
 
 @pytest.mark.parametrize("span_rows", [1, 20, 10_000])

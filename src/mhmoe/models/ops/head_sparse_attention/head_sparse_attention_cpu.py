@@ -132,7 +132,10 @@ def _prefill(query, key, value, active, scaling, attention_mask, offset, sliding
     full = [value >= DENSE_SHARE for value in share]
     if general or offset != 0:
         full = [False] * kv_heads  # plain causal attention only without a cache, a mask or a window
-    dense = _runs([g for g in range(kv_heads) if full[g]])
+    dense = [  # runs (start, end, whether some of their pairs are inactive)
+        (start, end, any(share[g] < 1 for g in range(start, end)))
+        for start, end in _runs([g for g in range(kv_heads) if full[g]])
+    ]
     sparse = [g for g in range(kv_heads) if not full[g]]
     return _HeadSparsePrefill.apply(
         query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk, sparse, dense
@@ -178,15 +181,17 @@ def _causal_flash(query, key, value, scaling):
     half = tokens // 2
     rest = tokens - half  # = half, or half + 1 for odd T: the first half then gets one padding row and key at its end
 
-    def halves(x):  # (B, n, T, hd) -> (2B, n, rest, hd): [0, half) zero-padded to `rest`, then [half, T)
-        first = x[:, :, :half] if rest == half else F.pad(x[:, :, :half], (0, 0, 0, 1))
-        return torch.cat([first, x[:, :, half:]])
+    def halves(x):  # (B, n, T, hd) -> (2B, n, rest, hd): batch row 2b is b's [0, half), 2b + 1 its [half, T)
+        if rest > half:  # odd T: the first half gets one padding row and key at its end (a copy)
+            x = torch.cat([F.pad(x[:, :, :half], (0, 0, 0, 1)), x[:, :, half:]], dim=2)
+        return x.unflatten(2, (2, rest)).transpose(1, 2).flatten(0, 1)  # even T: a view (the query is (B, T, H, hd))
 
-    o_halves, lse_halves = _flash(halves(query), halves(key), halves(value), None, scaling, causal=True)
+    q_h, k_h, v_h = (halves(x) for x in (query, key, value))
+    o_halves, lse_halves = _flash(q_h, k_h, v_h, None, scaling, causal=True)  # (2B, n, rest, hd), (2B, n, rest)
     o_prefix, lse_prefix = _flash(query[:, :, half:], key[:, :, :half], value[:, :, :half], None, scaling)
-    o_second, lse_second = _merge(o_prefix, lse_prefix, o_halves[batch:], lse_halves[batch:])
-    out = torch.cat([o_halves[:batch, :, :half], o_second], dim=2)
-    return out, torch.cat([lse_halves[:batch, :, :half], lse_second], dim=2)
+    o_second, lse_second = _merge(o_prefix, lse_prefix, o_halves[1::2], lse_halves[1::2])
+    out = torch.cat([o_halves[0::2, :, :half], o_second], dim=2)
+    return out, torch.cat([lse_halves[0::2, :, :half], lse_second], dim=2)
 
 
 def _flash_backward(grad, query, key, value, out, lse, mask, scaling, causal=False):
@@ -281,7 +286,7 @@ class _Rows:
             self.padded_shape = (batch, len(sparse), num_chunks, self.width)
         self.spans = None
         if rows.shape[0] and one_run:
-            self.spans = _SpanPlan(counts.view(batch * len(sparse), num_chunks), segment, chunk_of, chunk)
+            self.spans = _SpanPlan(counts.view(batch * len(sparse), num_chunks), segment, chunk_of, chunk, batch)
             if self.spans.padded_rows > self.PADDING_LIMIT * rows.shape[0]:
                 self.spans = None
 
@@ -294,7 +299,7 @@ class _HeadSparsePrefill(torch.autograd.Function):
         groups = heads // kv_heads
         out = query.new_zeros(batch, tokens, heads, head_dim)
         dense_results = []
-        for start, end in dense:  # key/value heads whose query heads are (nearly) all active: causal attention
+        for start, end, partial in dense:  # key/value heads whose query heads are (nearly) all active: causal
             o, lse = _causal_flash(
                 query[:, start * groups : end * groups],
                 key[:, start:end, :tokens],
@@ -303,7 +308,8 @@ class _HeadSparsePrefill(torch.autograd.Function):
             )  # (B, n·G, T, hd), (B, n·G, T)
             heads_slice = slice(start * groups, end * groups)
             out[:, :, heads_slice] = o.transpose(1, 2)
-            out[:, :, heads_slice].masked_fill_(~active[:, :, heads_slice, None], 0)  # the inactive pairs: 0
+            if partial:  # the inactive pairs: 0
+                out[:, :, heads_slice].masked_fill_(~active[:, :, heads_slice, None], 0)
             dense_results.append((o, lse))
         rows = _Rows(active, kv_heads, sparse, chunk) if sparse else None
         general = attention_mask is not None or sliding_window is not None
@@ -329,9 +335,11 @@ class _HeadSparsePrefill(torch.autograd.Function):
         groups = heads // key.shape[1]
         grad_query = query.new_zeros(batch, tokens, heads, head_dim)
         grad_key, grad_value = torch.zeros_like(key), torch.zeros_like(value)
-        for (start, end), (o, lse) in zip(*ctx.dense):
+        for (start, end, partial), (o, lse) in zip(*ctx.dense):
             heads_slice = slice(start * groups, end * groups)
-            grad_heads = grad_out[:, :, heads_slice].masked_fill(~active[:, :, heads_slice, None], 0)  # 0 outputs
+            grad_heads = grad_out[:, :, heads_slice]
+            if partial:  # the zeroed outputs pass no gradient
+                grad_heads = grad_heads.masked_fill(~active[:, :, heads_slice, None], 0)
             dq, dk, dv = _flash_backward(
                 grad_heads.transpose(1, 2),
                 query[:, heads_slice],
@@ -404,50 +412,66 @@ LARGE_QUERY_ROWS = 768  # from this many query rows a call runs on torch's CPU k
 SPAN_MAX_TOKENS = 1024  # query tokens per prefix call at most (the keys between its chunks take calls of their own)
 
 
+# a call per key/value head (padded over the batch rows only) when that pads to this share of the joint call's rows
+# or less: with an even batch its query blocks still split evenly over 2 threads; with an odd one they may not
+SPLIT_GAIN = {"even batch": 0.95, "odd batch": 0.75}
+
+
 class _SpanPlan:
     """Where the forward's prefix calls put each row (one run of sparse key/value heads). Rows are in (batch row b,
     key/value head g, chunk c) segments; consecutive chunks form spans of s chunks (s·R̄ ≥ LARGE_QUERY_ROWS for R̄ the
     mean rows of a segment, s·C ≤ SPAN_MAX_TOKENS), and a span's rows of one (b, g) are consecutive.
 
-    - Span calls: span j's rows of every (b, g), padded to the most any (b, g) has (width w_j), as (B, Hkv_s, w_j),
-      against the keys before the span. `big` (N,) each row's place in the spans' padded rows, laid end to end.
-    - Chunk calls: a chunk after a span's first, its rows of every (b, g) padded to the most any (b, g) has, against
-      the span's keys before the chunk. `later` (M,) the rows in such chunks, `small` (M,) their places.
-    Padding per call keeps the padded rows close to the rows (`padded_rows`)."""
+    - Span calls: span j's rows against the keys before the span. `big` (N,) each row's place in the calls' padded
+      rows, laid end to end.
+    - Chunk calls: a chunk after a span's first, against the span's keys before the chunk. `later` (M,) the rows in
+      such chunks, `small` (M,) their places.
+    Each call takes every (b, g), padded to the most rows any has, as (B, Hkv_s, w), or, when the key/value heads'
+    densities differ (`SPLIT_GAIN`), one call per key/value head padded over the batch rows only, (B, 1, w_g).
+    `calls` / `small_calls`: (first padded row, g0, g1, w, unit)."""
 
-    def __init__(self, counts, segment, chunk_of, chunk):
+    def __init__(self, counts, segment, chunk_of, chunk, batch):
         pairs, num_chunks = counts.shape  # (B·Hkv_s, nc) rows per segment
         rows = segment.shape[0]
         span = -(-LARGE_QUERY_ROWS * pairs * num_chunks // rows)  # chunks for s·R̄ ≥ LARGE_QUERY_ROWS
         self.span = span = max(1, min(SPAN_MAX_TOKENS // chunk, span, num_chunks))
-        self.chunk, num_spans = chunk, -(-num_chunks // span)
+        self.chunk, self.num_spans = chunk, -(-num_chunks // span)
+        self.batch, self.kv_heads = batch, pairs // batch
+        self.split_gain = SPLIT_GAIN["even batch" if batch % 2 == 0 else "odd batch"]
         first_row = (counts.flatten().cumsum(0) - counts.flatten()).view(pairs, num_chunks)  # of each segment
         row_id = torch.arange(rows, device=counts.device)
         pair = torch.div(segment, num_chunks, rounding_mode="floor")
         span_of = torch.div(chunk_of, span, rounding_mode="floor")
-        per_span = F.pad(counts, (0, num_spans * span - num_chunks)).view(pairs, num_spans, span).sum(-1)
-        self.widths = per_span.amax(0).tolist()  # (nspans,) w_j
-        self.offsets = [sum(pairs * w for w in self.widths[:j]) for j in range(num_spans)]
-        offsets = torch.tensor(self.offsets, device=counts.device, dtype=row_id.dtype)
-        widths = torch.tensor(self.widths, device=counts.device, dtype=row_id.dtype)
-        slot = row_id - first_row[pair, span_of * span]
-        self.big = offsets[span_of] + pair * widths[span_of] + slot
+        per_span = F.pad(counts, (0, self.num_spans * span - num_chunks)).view(pairs, self.num_spans, span).sum(-1)
+        self.calls, base, self.padded_rows = self._layout(per_span, range(self.num_spans))
+        self.big = base[pair, span_of] + row_id - first_row[pair, span_of * span]
         later = chunk_of % span != 0
         self.later = row_id[later]
-        self.chunk_widths = counts.amax(0).tolist()  # (nc,) most rows of a (b, g) in the chunk
-        self.chunk_offsets, total = {}, 0
-        for c in range(num_chunks):
-            if c % span:
-                self.chunk_offsets[c] = total
-                total += pairs * self.chunk_widths[c]
-        chunk_offsets = torch.zeros(num_chunks, device=counts.device, dtype=row_id.dtype)
-        for c, start in self.chunk_offsets.items():
-            chunk_offsets[c] = start
-        chunk_widths = torch.tensor(self.chunk_widths, device=counts.device, dtype=row_id.dtype)
+        self.small_calls, base, self.small_rows = self._layout(counts, [c for c in range(num_chunks) if c % span])
         c = chunk_of[later]
-        self.small = chunk_offsets[c] + pair[later] * chunk_widths[c] + (self.later - first_row[pair[later], c])
-        self.pairs, self.small_rows = pairs, total
-        self.padded_rows = pairs * sum(self.widths)
+        self.small = base[pair[later], c] + self.later - first_row[pair[later], c]
+
+    def _layout(self, counts, units):
+        """Calls for `units` (columns of counts (B·Hkv_s, U)): their list, the first padded row of each (b, g) and
+        unit (B·Hkv_s, U), and the padded rows in all."""
+        batch, kv_heads = self.batch, self.kv_heads
+        by_pair = counts.view(batch, kv_heads, -1)
+        joint, per_head = by_pair.amax((0, 1)).tolist(), by_pair.amax(0).tolist()  # (U,), (Hkv_s, U)
+        base = torch.zeros(batch, kv_heads, counts.shape[1], dtype=torch.long, device=counts.device)
+        calls, total = [], 0
+        for unit in units:
+            widths = [per_head[g][unit] for g in range(kv_heads)]
+            if kv_heads > 1 and sum(widths) <= self.split_gain * kv_heads * joint[unit]:
+                for g, width in enumerate(widths):
+                    base[:, g, unit] = total + torch.arange(batch, device=counts.device) * width
+                    calls.append((total, g, g + 1, width, unit))
+                    total += batch * width
+            else:
+                width = joint[unit]
+                base[:, :, unit] = total + torch.arange(batch * kv_heads, device=counts.device).view(batch, -1) * width
+                calls.append((total, 0, kv_heads, width, unit))
+                total += batch * kv_heads * width
+        return calls, base.view(batch * kv_heads, -1), total
 
 
 def _span_prefix(q_rows, key, value, plan, offset, scaling):
@@ -456,36 +480,34 @@ def _span_prefix(q_rows, key, value, plan, offset, scaling):
     LARGE_QUERY_ROWS rows where the rows allow, so that torch's CPU kernel runs its efficient large query blocks;
     then each later chunk of a span against the span's keys before it, merged by log-sum-exp). key/value: the sparse
     key/value heads' (B, Hkv_s, L, hd)."""
-    batch, kv_heads, _, head_dim = key.shape
+    batch, _, _, head_dim = key.shape
     chunk, span = plan.chunk, plan.span
 
-    def calls(q_padded, starts_widths, keys_of):  # padded rows (P, hd), [(start, width)] -> output, lse (P,)
+    def run(q_padded, calls, keys_of):  # padded rows (P, hd) -> output, lse (P,)
         out = torch.zeros_like(q_padded)
         lse = q_padded.new_full(q_padded.shape[:1], float("-inf"), dtype=_compute_dtype(q_padded))
-        for (start, width), (low, high) in zip(starts_widths, keys_of):
+        for start, g0, g1, width, unit in calls:
+            low, high = keys_of(unit)
             if width and high > low:
-                rows = slice(start, start + plan.pairs * width)
+                rows = slice(start, start + batch * (g1 - g0) * width)
                 o, o_lse = _flash(
-                    q_padded[rows].view(batch, kv_heads, width, head_dim),
-                    key[:, :, low:high],
-                    value[:, :, low:high],
+                    q_padded[rows].view(batch, g1 - g0, width, head_dim),
+                    key[:, g0:g1, low:high],
+                    value[:, g0:g1, low:high],
                     None,
                     scaling,
-                )  # (B, Hkv_s, w, hd), (B, Hkv_s, w)
+                )  # (B, g1 - g0, w, hd), (B, g1 - g0, w)
                 out[rows], lse[rows] = o.reshape(-1, head_dim), o_lse.reshape(-1)
         return out, lse
 
-    num_spans = len(plan.widths)
     q_big = _scatter_rows(q_rows, plan.big, (plan.padded_rows,))
-    spans = [(plan.offsets[j], plan.widths[j]) for j in range(num_spans)]
-    o_big, lse_big = calls(q_big, spans, [(0, offset + j * span * chunk) for j in range(num_spans)])
+    o_big, lse_big = run(q_big, plan.calls, lambda j: (0, offset + j * span * chunk))
     o_rows, lse_rows = o_big.index_select(0, plan.big), lse_big.index_select(0, plan.big)
     if plan.later.numel():
         q_small = _scatter_rows(q_rows.index_select(0, plan.later), plan.small, (plan.small_rows,))
-        later = sorted(plan.chunk_offsets)
-        starts_widths = [(plan.chunk_offsets[c], plan.chunk_widths[c]) for c in later]
-        keys_of = [(offset + c // span * span * chunk, offset + c * chunk) for c in later]
-        o_small, lse_small = calls(q_small, starts_widths, keys_of)
+        o_small, lse_small = run(
+            q_small, plan.small_calls, lambda c: (offset + c // span * span * chunk, offset + c * chunk)
+        )
         o_later, lse_later = _merge(
             o_rows.index_select(0, plan.later),
             lse_rows.index_select(0, plan.later),
