@@ -152,16 +152,9 @@ def test_cpu_path_matches_reference(case):
     compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
 
 
-@pytest.mark.parametrize("layout", ["padded", "padded per key/value head", "per-segment"])
-def test_cpu_path_prefill_computes_only_active_rows(monkeypatch, layout):
-    """The flash calls of a prefill see the active rows only, outside the diagonal blocks: a fully active key/value
-    head is one causal call over its heads, the diagonal blocks one call, and the prefix calls take the active rows
-    after the first chunk: per (batch row, key/value head, chunk), or one call per chunk (per key/value head) padded
-    to the most rows."""
-    if layout == "per-segment":
-        monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 0.0)
-    split = layout == "padded per key/value head"
-    monkeypatch.setattr(cpu_path, "SPLIT_GAIN", {"even batch": 10.0 if split else 0.0, "odd batch": 0.0})
+@pytest.fixture
+def flash_calls(monkeypatch) -> list:
+    """The CPU path's flash-attention calls, recorded as they run: (query shape, key shape, causal) each."""
     calls = []
     original = cpu_path._flash
 
@@ -170,6 +163,20 @@ def test_cpu_path_prefill_computes_only_active_rows(monkeypatch, layout):
         return original(query, key, value, mask, scaling, causal)
 
     monkeypatch.setattr(cpu_path, "_flash", spy)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["padded", "padded per key/value head", "per-segment"])
+def test_cpu_path_prefill_computes_only_active_rows(monkeypatch, flash_calls, layout):
+    """The flash calls of a prefill see the active rows only, outside the diagonal blocks: a fully active key/value
+    head is one causal call over its heads, the diagonal blocks one call, and the prefix calls take the active rows
+    after the first chunk: per (batch row, key/value head, chunk), or one call per chunk (per key/value head) padded
+    to the most rows."""
+    if layout == "per-segment":
+        monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 0.0)
+    split = layout == "padded per key/value head"
+    monkeypatch.setattr(cpu_path, "SPLIT_GAIN", {"even batch": 10.0 if split else 0.0, "odd batch": 0.0})
+    calls = flash_calls
     batch, heads, kv_heads, tokens, chunk = 2, 9, 3, 64, 16
     query, key, value, gates, _ = make_inputs(batch, heads, kv_heads, tokens, tokens, 4, full_groups=(0,))
     with torch.no_grad():
@@ -199,18 +206,11 @@ def two_threads():
 
 
 @pytest.mark.parametrize("batch, groups, kv_heads, tokens", [(1, 3, 1, 300), (1, 2, 3, 257), (3, 1, 1, 256)])
-def test_causal_flash_in_balanced_halves(two_threads, monkeypatch, batch, groups, kv_heads, tokens):
+def test_causal_flash_in_balanced_halves(two_threads, flash_calls, batch, groups, kv_heads, tokens):
     """An odd number of (batch row, key/value head) pairs on 2 threads: the causal call runs as its two halves in one
     call plus the second half's unmasked call to the first half's keys (even and odd T), equal to causal attention
     (an eager fp64 loop over rows) in output and log-sum-exp; with an even number, or on 1 thread, one causal call."""
-    calls = []
-    original = cpu_path._flash
-
-    def spy(query, key, value, mask, scaling, causal=False):
-        calls.append((tuple(query.shape), tuple(key.shape), causal))
-        return original(query, key, value, mask, scaling, causal)
-
-    monkeypatch.setattr(cpu_path, "_flash", spy)
+    calls = flash_calls
     generator = torch.Generator().manual_seed(3)
     query = torch.randn(batch, kv_heads * groups, tokens, 4, generator=generator, dtype=torch.float64)
     key, value = (torch.randn(batch, kv_heads, tokens, 4, generator=generator, dtype=torch.float64) for _ in "kv")
@@ -237,7 +237,7 @@ def test_causal_flash_in_balanced_halves(two_threads, monkeypatch, batch, groups
 
 @pytest.mark.parametrize("split_gain", [0.0, 0.85, 10.0])
 @pytest.mark.parametrize("span_rows, span_tokens", [(1, 1024), (8, 1024), (40, 1024), (10_000, 1024), (10_000, 9)])
-def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens, split_gain):
+def test_prefix_spans_of_chunks(monkeypatch, flash_calls, span_rows, span_tokens, split_gain):
     """`_span_prefix` with `_SpanPlan`: one call per span of chunks (s chunks: s × the mean rows of a (batch row,
     key/value head, chunk) ≥ LARGE_QUERY_ROWS, s·C ≤ SPAN_MAX_TOKENS) holding the span's rows of every (batch row,
     key/value head), padded to the most any has, or one call per key/value head padded over the batch rows (when
@@ -249,14 +249,6 @@ def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens, split_gain)
     monkeypatch.setattr(cpu_path, "SPAN_MAX_TOKENS", span_tokens)
     monkeypatch.setattr(cpu_path, "SPLIT_GAIN", {"even batch": split_gain, "odd batch": 0.0})
     monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 10.0)  # tiny chunks pad much: use the spans regardless
-    calls = []
-    original = cpu_path._flash
-
-    def spy(query, key, value, mask, scaling, causal=False):
-        calls.append((query.shape[1], query.shape[2], key.shape[2]))
-        return original(query, key, value, mask, scaling, causal)
-
-    monkeypatch.setattr(cpu_path, "_flash", spy)
     batch, heads, kv_heads, tokens, chunk, head_dim = 2, 6, 3, 20, 3, 5
     generator = torch.Generator().manual_seed(4)
     density = torch.tensor([0.2, 0.3, 0.9, 0.9, 0.6, 0.7])  # key/value head 1 much denser than 2
@@ -276,8 +268,9 @@ def test_prefix_spans_of_chunks(monkeypatch, span_rows, span_tokens, split_gain)
     for offset in (0, 5):
         keys = offset + tokens
         key, value = (torch.randn(batch, 2, keys, head_dim, generator=generator, dtype=torch.float64) for _ in "kv")
-        calls.clear()
+        flash_calls.clear()
         out, lse = cpu_path._span_prefix(q_rows, key, value, plan, offset, SCALING)
+        calls = [(query[1], query[2], key_shape[2]) for query, key_shape, _ in flash_calls]
         for r in range(count):
             b, head = divmod(int(rows.index[r]), tokens * heads)
             g = head % heads // groups - sparse[0]
@@ -318,26 +311,18 @@ def test_cpu_path_unpadded_spans(monkeypatch, span_rows, case):
     compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
 
 
-def test_cpu_path_nearly_dense_group_runs_dense(monkeypatch):
+def test_cpu_path_nearly_dense_group_runs_dense(flash_calls):
     """A key/value head whose query heads are active on at least DENSE_SHARE of the tokens runs as causal attention
     over all its heads (with the fully active group beside it: one call), its inactive pairs zeroed: outputs and
     gradients equal the reference, for soft gates and for 0/1 gates without gradient (where the gates' multiply is
     skipped, so the op itself must pass no gradient through the zeroed pairs)."""
-    calls = []
-    original = cpu_path._flash
-
-    def spy(query, key, value, mask, scaling, causal=False):
-        calls.append((tuple(query.shape), causal))
-        return original(query, key, value, mask, scaling, causal)
-
-    monkeypatch.setattr(cpu_path, "_flash", spy)
     query, key, value, gates, _ = make_inputs(2, 9, 3, 70, 70, 4, full_groups=(0,))
     generator = torch.Generator().manual_seed(5)
     nearly = (torch.rand(2, 70, 3, generator=generator) < 0.93).to(gates.dtype)
     gates[..., 3:6] = nearly * (torch.rand(2, 70, 3, generator=generator, dtype=gates.dtype) + 0.5)
     assert cpu_path.DENSE_SHARE <= float((gates[..., 3:6] != 0).float().mean()) < 1
     compare(head_sparse_attention_cpu, (query, key, value, gates, None), chunk_size=16)
-    assert calls[0] == ((2, 6, 70, 4), True)  # key/value heads 0 and 1 together
+    assert (flash_calls[0][0], flash_calls[0][2]) == ((2, 6, 70, 4), True)  # key/value heads 0 and 1 together
     binary = (gates != 0).to(gates.dtype)
     leaves = [x.detach().clone().requires_grad_() for x in (query, key, value)]
     ref_leaves = [x.detach().clone().requires_grad_() for x in (query, key, value)]

@@ -169,8 +169,9 @@ def _causal_flash(query, key, value, scaling):
 
     The kernel hands each thread a contiguous share of the (batch row, head, query block) items, and a causal item
     costs in proportion to its block's position. With an odd number of (batch row, key/value head) pairs one pair's
-    blocks are split between two threads, its cheap first half to one and its costly second half to the other: a
-    single key/value head (MoH's shared group at batch 1) then runs ~40% slower than it would balanced. Here each pair
+    blocks are split between two threads, its cheap first half to one and its costly second half to the other, and
+    the call waits for the busier thread (MoH's shared key/value head at batch 1: benchmarks/cpu_flash_blocks.py).
+    Here each pair
     is cut into two equal causal halves instead, queries [0, h) on keys [0, h) and queries [h, T) on keys [h, T),
     called as one batch of 2·B equal items, and the second half's queries also attend to keys [0, h) (one unmasked
     call, even by construction), merged by log-sum-exp. Same work, same result up to rounding."""
@@ -408,7 +409,7 @@ def _scatter_rows(rows_tensor, index, shape, fill=0.0):
 
 
 LARGE_QUERY_ROWS = 768  # from this many query rows a call runs on torch's CPU kernel's large query blocks (256 rows,
-# ~17% less time per query-key pair on this project's CPU than the 32- or 64-row blocks of shorter calls)
+# less time per query-key pair than the 32- or 64-row blocks of shorter calls: benchmarks/cpu_flash_blocks.py)
 SPAN_MAX_TOKENS = 1024  # query tokens per prefix call at most (the keys between its chunks take calls of their own)
 
 

@@ -1,0 +1,86 @@
+"""Two properties of torch's CPU flash-attention kernel that the CPU head-sparse op
+(`ops/head_sparse_attention/head_sparse_attention_cpu.py`) is built around, measured side by side on CPU (fp32):
+
+1. Query blocks: calls with fewer than 768 query rows run 32- or 64-row query blocks, from 768 rows 256-row blocks.
+   Time per query-key pair of an unmasked call (one batch row, 2 key/value heads, 3,072 keys, head_dim 64) for
+   several row counts, as a ratio to 768 rows (`LARGE_QUERY_ROWS`, the op's prefix calls span chunks to reach it).
+2. Thread balance: the kernel gives each thread a contiguous share of its (batch row, head, query block) items, and
+   a causal item costs in proportion to its position. One key/value head with 3 query heads (SmolLM2-135M's shared
+   group at batch 1) as one causal call, against `_causal_flash` (two equal halves and a merge), and against 2 of
+   those query heads alone (an even split) scaled by 3/2.
+
+Each round runs every candidate once, in a rotated order; a cell is the median over rounds.
+
+    python benchmarks/cpu_flash_blocks.py [--tokens 4096] [--rounds 9] [--threads 2]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu import _causal_flash
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+ROWS = (256, 533, 767, 768, 1066, 1536)  # 533 and 1066: one and two 256-token chunks of 3 heads at 7/9 active
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="causal calls: sequence length")
+    parser.add_argument("--keys", type=int, default=3072, help="unmasked calls: keys")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args()
+
+
+def rotated_medians(candidates: dict, rounds: int) -> dict:
+    times = {name: [] for name in candidates}
+    names = list(candidates)
+    for fn in candidates.values():
+        fn()  # warm-up
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            candidates[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(0)
+    key = torch.randn(1, 2, args.keys, 64, generator=generator)
+    queries = {rows: torch.randn(1, 2, rows, 64, generator=generator) for rows in ROWS}
+    medians = rotated_medians({rows: (lambda q=q: FLASH(q, key, key)) for rows, q in queries.items()}, args.rounds)
+    per_pair = {rows: medians[rows] / rows for rows in ROWS}
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32; median of {args.rounds} rotated rounds")
+    print(f"unmasked calls, {args.keys} keys: time per query-key pair / that of 768 query rows")
+    print("| query rows | " + " | ".join(str(rows) for rows in ROWS) + " |")
+    print("| --- |" + " --- |" * len(ROWS))
+    print("| ratio | " + " | ".join(f"{per_pair[rows] / per_pair[768]:.3f}" for rows in ROWS) + " |")
+
+    tokens = args.tokens
+    query = torch.randn(1, tokens, 9, 64, generator=generator).transpose(1, 2)[:, :3]  # (1, 3, T, 64), strided
+    key = torch.randn(1, tokens, 3, 64, generator=generator).transpose(1, 2)[:, :1]
+    medians = rotated_medians(
+        {
+            "one causal call": lambda: FLASH(query, key, key, is_causal=True),
+            "_causal_flash (halves)": lambda: _causal_flash(query, key, key, 0.125),
+            "2 of the 3 query heads × 3/2": lambda: FLASH(query[:, :2], key, key, is_causal=True),
+        },
+        args.rounds,
+    )
+    medians["2 of the 3 query heads × 3/2"] *= 1.5
+    base = medians["one causal call"]
+    print(f"\ncausal attention, 1 key/value head with 3 query heads, {tokens} tokens: time / one causal call's")
+    print("| call | ms | ratio |")
+    print("| --- | --- | --- |")
+    for name, seconds in medians.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
