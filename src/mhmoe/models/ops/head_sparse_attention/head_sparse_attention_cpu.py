@@ -171,10 +171,9 @@ def _causal_flash(query, key, value, scaling):
     costs in proportion to its block's position. With an odd number of (batch row, key/value head) pairs one pair's
     blocks are split between two threads, its cheap first half to one and its costly second half to the other, and
     the call waits for the busier thread (MoH's shared key/value head at batch 1: benchmarks/cpu_flash_blocks.py).
-    Here each pair
-    is cut into two equal causal halves instead, queries [0, h) on keys [0, h) and queries [h, T) on keys [h, T),
-    called as one batch of 2·B equal items, and the second half's queries also attend to keys [0, h) (one unmasked
-    call, even by construction), merged by log-sum-exp. Same work, same result up to rounding."""
+    Here each pair is cut into two equal causal halves instead, queries [0, h) on keys [0, h) and queries [h, T) on
+    keys [h, T), called as one batch of 2·B equal items, and the second half's queries also attend to keys [0, h) (one
+    unmasked call, even by construction), merged by log-sum-exp. Same work, same result up to rounding."""
     batch, _, tokens, _ = query.shape
     threads = torch.get_num_threads()
     if not _cpu_kernel(query) or threads == 1 or tokens < BALANCE_MIN_TOKENS or (batch * key.shape[1]) % 2 == 0:
@@ -246,10 +245,10 @@ class _Rows:
     `index` (N,) flat positions (b·T + t)·H + h in the (B·T·H) rows of a (B, T, H, hd) tensor; `tokens` (N,);
     `segments`: per (batch row, key/value head, chunk) with rows, (b, g, c, first row, end row); `diagonal` (N,) each
     row's place in the diagonal blocks of the sparse heads, (B·nc, C, Hs) in that order: the layout of the CPU
-    kernel's output and log-sum-exp, so that their rows are gathered without a copy. When the sparse key/value heads are one run
-    and padding costs little, `padded` (N,) places each row in a (B, Hkv_s, nc, R) layout (R: the most rows of a
-    (batch row, key/value head) in a chunk), so that one call per chunk covers every batch row and key/value head (the
-    backward's prefix calls); `spans` the same for the forward's calls per span of chunks (`_SpanPlan`)."""
+    kernel's output and log-sum-exp, so that their rows are gathered without a copy. When the sparse key/value heads
+    are one run and padding costs little, `padded` (N,) places each row in a (B, Hkv_s, nc, R) layout (R: the most
+    rows of a (batch row, key/value head) in a chunk), so that one call per chunk covers every batch row and key/value
+    head (the backward's prefix calls); `spans` the same for the forward's calls per span of chunks (`_SpanPlan`)."""
 
     PADDING_LIMIT = 1.25  # padded rows / rows above which the prefix calls go per (batch row, key/value head)
 
@@ -279,15 +278,17 @@ class _Rows:
                 start += count
         self.diagonal = ((b * num_chunks + chunk_of) * chunk + t % chunk) * len(sparse) * groups + local * groups + j
         self.padded, self.width = None, max(count_list, default=0)
+        starts = counts.cumsum(0) - counts  # each segment's first row
         one_run = sparse == list(range(sparse[0], sparse[-1] + 1))
         if rows.shape[0] and one_run and self.width * len(count_list) <= self.PADDING_LIMIT * rows.shape[0]:
-            starts = counts.cumsum(0) - counts
             slot = torch.arange(rows.shape[0], device=device) - starts[segment]
             self.padded = segment * self.width + slot
             self.padded_shape = (batch, len(sparse), num_chunks, self.width)
         self.spans = None
         if rows.shape[0] and one_run:
-            self.spans = _SpanPlan(counts.view(batch * len(sparse), num_chunks), segment, chunk_of, chunk, batch)
+            pairs = batch * len(sparse)
+            by_pair = (counts.view(pairs, num_chunks), starts.view(pairs, num_chunks))
+            self.spans = _SpanPlan(*by_pair, segment, chunk_of, chunk, batch)
             if self.spans.padded_rows > self.PADDING_LIMIT * rows.shape[0]:
                 self.spans = None
 
@@ -431,15 +432,14 @@ class _SpanPlan:
     densities differ (`SPLIT_GAIN`), one call per key/value head padded over the batch rows only, (B, 1, w_g).
     `calls` / `small_calls`: (first padded row, g0, g1, w, unit)."""
 
-    def __init__(self, counts, segment, chunk_of, chunk, batch):
-        pairs, num_chunks = counts.shape  # (B·Hkv_s, nc) rows per segment
+    def __init__(self, counts, first_row, segment, chunk_of, chunk, batch):
+        pairs, num_chunks = counts.shape  # (B·Hkv_s, nc) rows per segment, and (first_row) the first of each
         rows = segment.shape[0]
         span = -(-LARGE_QUERY_ROWS * pairs * num_chunks // rows)  # chunks for s·R̄ ≥ LARGE_QUERY_ROWS
         self.span = span = max(1, min(SPAN_MAX_TOKENS // chunk, span, num_chunks))
         self.chunk, self.num_spans = chunk, -(-num_chunks // span)
         self.batch, self.kv_heads = batch, pairs // batch
         self.split_gain = SPLIT_GAIN["even batch" if batch % 2 == 0 else "odd batch"]
-        first_row = (counts.flatten().cumsum(0) - counts.flatten()).view(pairs, num_chunks)  # of each segment
         row_id = torch.arange(rows, device=counts.device)
         pair = torch.div(segment, num_chunks, rounding_mode="floor")
         span_of = torch.div(chunk_of, span, rounding_mode="floor")
@@ -475,6 +475,11 @@ class _SpanPlan:
         return calls, base.view(batch * kv_heads, -1), total
 
 
+def _no_keys(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention results of (n, hd) query rows that have seen no key yet: output 0, lse -inf (what `_merge` adds to)."""
+    return torch.zeros_like(rows), rows.new_full(rows.shape[:1], float("-inf"), dtype=_compute_dtype(rows))
+
+
 def _span_prefix(q_rows, key, value, plan, offset, scaling):
     """Each row's attention to the keys before its chunk (chunk c: keys [0, offset + c·C)): rows (N, hd) -> output
     (N, hd) and lse (N,) (-inf: no keys), by `plan`'s calls (`_SpanPlan`: one call per span of chunks, with at least
@@ -485,8 +490,7 @@ def _span_prefix(q_rows, key, value, plan, offset, scaling):
     chunk, span = plan.chunk, plan.span
 
     def run(q_padded, calls, keys_of):  # padded rows (P, hd) -> output, lse (P,)
-        out = torch.zeros_like(q_padded)
-        lse = q_padded.new_full(q_padded.shape[:1], float("-inf"), dtype=_compute_dtype(q_padded))
+        out, lse = _no_keys(q_padded)
         for start, g0, g1, width, unit in calls:
             low, high = keys_of(unit)
             if width and high > low:
@@ -531,18 +535,17 @@ def _causal_forward(query, q_rows, key, value, rows, settings):
         g0, g1 = sparse[0], sparse[-1] + 1
         o_prefix, lse_prefix = _span_prefix(q_rows, key[:, g0:g1], value[:, g0:g1], rows.spans, offset, scaling)
         return _merge(o_prefix, lse_prefix, o_diag, lse_diag)
-    o_prefix, lse_prefix = _segment_prefix(q_rows, key, value, rows, offset, scaling, o_diag, lse_diag)
+    o_prefix, lse_prefix = _segment_prefix(q_rows, key, value, rows, offset, scaling)
     return _merge(o_prefix, lse_prefix, o_diag, lse_diag)
 
 
-def _segment_prefix(q_rows, key, value, rows, offset, scaling, like_out, like_lse):
+def _segment_prefix(q_rows, key, value, rows, offset, scaling):
     """`_span_prefix` without padding, one (batch row, key/value head) at a time (when padding them together would
     cost too much: their densities differ): that pair's rows of a span of chunks (s chunks: s × its mean rows per chunk
     ≥ LARGE_QUERY_ROWS, s·C ≤ SPAN_MAX_TOKENS) in one call to the keys before the span, then each later chunk of the
     span to the span's keys before it."""
     chunk = rows.chunk
-    o_prefix = torch.zeros_like(like_out)
-    lse_prefix = torch.full_like(like_lse, float("-inf"))
+    o_prefix, lse_prefix = _no_keys(q_rows)
     pairs = {}
     for segment in rows.segments:  # in (batch row, key/value head, chunk) order
         pairs.setdefault(segment[:2], []).append(segment)
