@@ -9,18 +9,22 @@
    group at batch 1) as one causal call, against `_causal_flash` (two equal halves and a merge), and against 2 of
    those query heads alone (an even split) scaled by 3/2.
 
-Each round runs every candidate once, in a rotated order; a cell is the median over rounds.
+Each round runs every candidate once, in a rotated order (`gpu_moe.interleaved`, after two warm-up rounds); a
+ratio is the median over rounds of the per-round time ratio.
 
     python benchmarks/cpu_flash_blocks.py [--tokens 4096] [--rounds 9] [--threads 2]
 """
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu import _causal_flash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_moe  # noqa: E402  (the interleaved timing loop, shared with the other benchmarks)
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 ROWS = (256, 533, 767, 768, 1066, 1536)  # 533 and 1066: one and two 256-token chunks of 3 heads at 7/9 active
@@ -35,51 +39,43 @@ def parse_args():
     return parser.parse_args()
 
 
-def rotated_medians(candidates: dict, rounds: int) -> dict:
-    times = {name: [] for name in candidates}
-    names = list(candidates)
-    for fn in candidates.values():
-        fn()  # warm-up
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            candidates[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     key = torch.randn(1, 2, args.keys, 64, generator=generator)
     queries = {rows: torch.randn(1, 2, rows, 64, generator=generator) for rows in ROWS}
-    medians = rotated_medians({rows: (lambda q=q: FLASH(q, key, key)) for rows, q in queries.items()}, args.rounds)
-    per_pair = {rows: medians[rows] / rows for rows in ROWS}
+    cpu = torch.device("cpu")
+    cells = gpu_moe.interleaved(
+        {rows: (lambda q=q: FLASH(q, key, key)) for rows, q in queries.items()}, args.rounds, cpu, reference=768
+    )
     print(f"torch {torch.__version__}, {args.threads} threads, fp32; median of {args.rounds} rotated rounds")
     print(f"unmasked calls, {args.keys} keys: time per query-key pair / that of 768 query rows")
     print("| query rows | " + " | ".join(str(rows) for rows in ROWS) + " |")
     print("| --- |" + " --- |" * len(ROWS))
-    print("| ratio | " + " | ".join(f"{per_pair[rows] / per_pair[768]:.3f}" for rows in ROWS) + " |")
+    print("| ratio | " + " | ".join(f"{cells[rows]['ratio'] * 768 / rows:.3f}" for rows in ROWS) + " |")
 
     tokens = args.tokens
     query = torch.randn(1, tokens, 9, 64, generator=generator).transpose(1, 2)[:, :3]  # (1, 3, T, 64), strided
     key = torch.randn(1, tokens, 3, 64, generator=generator).transpose(1, 2)[:, :1]
-    medians = rotated_medians(
+    cells = gpu_moe.interleaved(
         {
             "one causal call": lambda: FLASH(query, key, key, is_causal=True),
             "_causal_flash (halves)": lambda: _causal_flash(query, key, key, 0.125),
-            "2 of the 3 query heads × 3/2": lambda: FLASH(query[:, :2], key, key, is_causal=True),
+            "2 of the 3 query heads": lambda: FLASH(query[:, :2], key, key, is_causal=True),
         },
         args.rounds,
+        cpu,
+        reference="one causal call",
     )
-    medians["2 of the 3 query heads × 3/2"] *= 1.5
-    base = medians["one causal call"]
+    cells["2 of the 3 query heads × 3/2"] = {
+        name: 1.5 * value for name, value in cells.pop("2 of the 3 query heads").items()
+    }
     print(f"\ncausal attention, 1 key/value head with 3 query heads, {tokens} tokens: time / one causal call's")
     print("| call | ms | ratio |")
     print("| --- | --- | --- |")
-    for name, seconds in medians.items():
-        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / base:.3f} |")
+    for name, cell in cells.items():
+        print(f"| {name} | {cell['ms']:.1f} | {cell['ratio']:.3f} |")
 
 
 if __name__ == "__main__":
