@@ -434,6 +434,33 @@ def test_default_takes_the_head_sparse_op_only_where_it_pays(active, decode_spar
     assert len(decoded) == (4 if decode_sparse else 0)
 
 
+def test_default_takes_the_op_for_short_prefills_with_few_routed_heads(monkeypatch):
+    """Where at most FEW_ACTIVE_SHARE of the routed heads are active (1 of 4 here, not 2 of 4) the op runs on shorter
+    prefills too, in the lengths FEW_ACTIVE_TOKENS gives (from 20 to 24 and from 26 tokens here), in inference without
+    a mask only: not where a backward follows, not with padding."""
+    monkeypatch.setattr(head_skipping, "FEW_ACTIVE_TOKENS", (20, 24, 26))
+    calls = spy_head_sparse(monkeypatch)
+    fields = tiny_llama_fields()
+    ids = torch.randint(1, VOCAB, (2, 26))
+    for active, pays in ((1, True), (2, False)):
+        model = MoHLlamaForCausalLM(
+            MoHLlamaConfig(**fields, moh_shared_heads=4, moh_active_heads=active, moh_straight_through=True)
+        ).eval()
+        with torch.no_grad():
+            for tokens in (19, 20, 23, 24, 25, 26):
+                calls.clear()
+                model(ids[:, :tokens])
+                assert len(calls) == (2 if pays and tokens in (20, 23, 26) else 0), (active, tokens)
+            calls.clear()
+            padded = torch.ones_like(ids)
+            padded[0, :3] = 0
+            model(ids, attention_mask=padded)
+            assert not calls
+        calls.clear()
+        model(ids).logits.sum().backward()
+        assert not calls
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # generation
 

@@ -123,6 +123,20 @@ def test_reference_is_the_masked_computation(kv_heads, mask_kind):
 # the CPU path
 
 
+@pytest.fixture(autouse=True)
+def chunked_prefills(monkeypatch):
+    """The prefill tests below use short sequences to exercise the chunked path, which runs from SHORT_TOKENS on:
+    short prefills (masked rows) are off unless a test turns them on (`short_prefills`)."""
+    monkeypatch.setattr(cpu_path, "SHORT_TOKENS", 0)
+
+
+def short_prefills(monkeypatch, dense_share=0.99):
+    """Short prefills at any length; key/value heads active on less than `dense_share` of their pairs (here: all but
+    the fully active ones) as masked rows."""
+    monkeypatch.setattr(cpu_path, "SHORT_TOKENS", 10**9)
+    monkeypatch.setattr(cpu_path, "SHORT_DENSE_SHARE", dense_share)
+
+
 TORCH_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, chunk, full groups)
     "decode-mha": (2, 6, 6, 1, 9, 5, None, None, None, None, ()),
     "decode-gqa-bool": (2, 6, 2, 1, 9, 5, None, None, "bool", None, ()),
@@ -135,6 +149,7 @@ TORCH_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, chunk, full group
     "prefill-mha": (1, 6, 6, 29, 29, 4, None, None, None, 8, ()),
     "prefill-odd-chunk": (2, 6, 2, 33, 33, 5, None, None, None, 7, (0,)),
     "prefill-after-cache": (2, 6, 2, 33, 40, 5, None, None, None, 8, (0,)),
+    "prefill-after-cache-one-chunk": (2, 6, 2, 33, 40, 5, None, None, None, None, (0,)),  # masked rows after a cache
     "prefill-static-cache": (2, 6, 2, 33, 48, 5, 0, None, None, 8, (1,)),
     "prefill-static-cache-offset": (2, 6, 2, 21, 48, 5, 9, None, "float", 8, ()),
     "prefill-window": (2, 6, 2, 37, 37, 5, None, 7, None, 8, (0,)),
@@ -145,9 +160,18 @@ TORCH_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, chunk, full group
 }
 
 
-@pytest.mark.parametrize("case", list(TORCH_CASES.values()), ids=list(TORCH_CASES))
-def test_cpu_path_matches_reference(case):
+PATHS = [  # every case; the prefills also as short prefills (masked rows)
+    pytest.param(case, path, id=f"{name}-{path}")
+    for name, case in TORCH_CASES.items()
+    for path in (["chunked", "short"] if case[3] > cpu_path.DECODE_MAX_TOKENS else ["decode"])
+]
+
+
+@pytest.mark.parametrize("case, path", PATHS)
+def test_cpu_path_matches_reference(monkeypatch, case, path):
     batch, heads, kv_heads, tokens, keys, head_dim, offset, window, mask_kind, chunk, full = case
+    if path == "short":
+        short_prefills(monkeypatch)
     inputs = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full)
     compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
 
@@ -335,6 +359,31 @@ def test_cpu_path_nearly_dense_group_runs_dense(flash_calls):
     want.backward(grad)
     for name, have, expected in zip(["query", "key", "value"], leaves, ref_leaves):
         torch.testing.assert_close(have.grad, expected.grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_short_prefill_runs_sparse_groups_as_masked_rows(monkeypatch, flash_calls):
+    """Short prefills: a key/value head active on less than SHORT_DENSE_SHARE of its pairs is one masked call per
+    batch row, its active rows against the keys up to its last active row; the others are causal calls over all their
+    heads. Outputs and gradients equal the reference."""
+    short_prefills(monkeypatch, dense_share=0.5)
+    batch, tokens = 2, 70
+    query, key, value, gates, _ = make_inputs(batch, 9, 3, tokens, tokens, 4, full_groups=(0,))
+    generator = torch.Generator().manual_seed(3)
+    for heads, share in ((slice(3, 6), 0.3), (slice(6, 9), 0.7)):
+        on = torch.rand(batch, tokens, 3, generator=generator) < share
+        gates[..., heads] = on * (torch.rand(batch, tokens, 3, generator=generator, dtype=gates.dtype) + 0.5)
+    gates[1, 60:, 3:6] = 0  # batch row 1's last active row of key/value head 1 comes earlier
+    densities = (gates != 0).view(batch, tokens, 3, 3).double().mean(dim=(0, 1, 3))
+    assert densities[1] < cpu_path.SHORT_DENSE_SHARE <= densities[2] < 1
+    compare(head_sparse_attention_cpu, (query, key, value, gates, None))
+    assert flash_calls[:2] == [((batch, 3, tokens, 4), (batch, 1, tokens, 4), True)] * 2  # key/value heads 0 and 2
+    masked = flash_calls[2:]
+    assert len(masked) == batch
+    for b, (query_shape, key_shape, causal) in enumerate(masked):
+        active = gates[b, :, 3:6] != 0
+        last = int(active.any(-1).nonzero().max())
+        assert query_shape == (1, 1, int(active.sum()), 4) and key_shape == (1, 1, last + 1, 4) and not causal
+    assert masked[1][1][2] <= 60
 
 
 def test_cpu_path_decode_reads_only_needed_key_value_heads(monkeypatch):

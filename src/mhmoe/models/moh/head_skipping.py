@@ -26,9 +26,15 @@ from torch import nn
 HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks are None or 4-D tensors
 # Where the head-sparse op pays on CPU (benchmarks/head_sparse_layer.py: one SmolLM2-135M layer, 7/9 and 5/9 heads).
 # Below PREFILL_MIN_TOKENS query tokens the attention of the inactive heads is a small share of a layer's work and the
-# op's bookkeeping costs more than it saves: the masked path runs (the parent's attention, then the gates). Decoding
-# (up to DECODE_MAX_TOKENS) takes the op only where a key/value head can go unread by every active head.
+# op's bookkeeping costs more than it saves: the masked path runs (the parent's attention, then the gates). Except in
+# inference without a mask where at most FEW_ACTIVE_SHARE of the routed heads are active (top-K): there the op pays
+# from FEW_ACTIVE_TOKENS[0] to [1] (its short path: masked rows) and from FEW_ACTIVE_TOKENS[2] (its chunked path); in
+# between, the parent's kernel switches to its large query blocks and neither path wins at batch 1
+# (benchmarks/head_sparse_short.py). Decoding (up to DECODE_MAX_TOKENS) takes the op only where a key/value head can
+# go unread by every active head.
 PREFILL_MIN_TOKENS = 2048
+FEW_ACTIVE_SHARE = 0.4
+FEW_ACTIVE_TOKENS = (384, 768, 1024)
 DECODE_MAX_TOKENS = 16
 
 
@@ -51,7 +57,8 @@ def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -
         if query_states.device.type != "cpu":
             return False
         kv_heads = router.num_heads // module.num_key_value_groups
-        if not head_sparse_pays(router, query_states.shape[2], kv_heads):
+        inference = attention_mask is None and not (query_states.requires_grad or gates.requires_grad)  # no backward
+        if not head_sparse_pays(router, query_states.shape[2], kv_heads, inference):
             return False
     if (module.training and module.attention_dropout > 0) or kwargs.get("output_attentions"):
         return False
@@ -64,11 +71,16 @@ def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -
     return None if asked is True else asked  # a backend asked for by name runs everywhere
 
 
-def head_sparse_pays(router, tokens: int, kv_heads: int) -> bool:
+def head_sparse_pays(router, tokens: int, kv_heads: int, inference: bool = False) -> bool:
     """Whether the default backend's head-sparse op is worth its bookkeeping for `tokens` query tokens (see
-    PREFILL_MIN_TOKENS): long prefills; decoding only when some key/value head may be needed by no active head."""
+    PREFILL_MIN_TOKENS): long prefills; with `inference` (no backward, no mask) some shorter ones where few routed
+    heads are active; decoding only when some key/value head may be needed by no active head."""
     if tokens >= PREFILL_MIN_TOKENS:
         return True
+    if inference and router.threshold is None and router.active_heads <= FEW_ACTIVE_SHARE * router.routed_heads:
+        low, high, chunked = FEW_ACTIVE_TOKENS
+        if low <= tokens < high or tokens >= chunked:
+            return True
     return tokens <= DECODE_MAX_TOKENS and kv_heads_skippable(router, kv_heads)
 
 

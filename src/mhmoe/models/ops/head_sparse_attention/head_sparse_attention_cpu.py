@@ -16,7 +16,9 @@ A key/value head whose query heads are active on at least DENSE_SHARE of the tok
 causal attention over all its heads, its inactive pairs zeroed: one causal flash call, cut into two even halves when
 the kernel's threads would share it unevenly (`_causal_flash`); not with a cache, a mask or a window. With a 4-D
 attention mask or an effective sliding window, each (key/value head, chunk) is instead one masked call over the keys
-its rows can see (the mask gathered for those rows).
+its rows can see (the mask gathered for those rows). Short prefills (under SHORT_TOKENS) take such masked calls too,
+one per (batch row, key/value head) over all its rows (`_segment_mask` gathers them from a cached causal mask), for
+the key/value heads active on less than SHORT_DENSE_SHARE of their pairs; the others run dense.
 The backward is flash attention's: each call's gradients from the merged output and log-sum-exp (so the calls'
 gradients add up to the gradient of the whole), summed into g's key/value gradients and scattered back to the rows.
 An inactive pair costs nothing outside the diagonal blocks, in either pass.
@@ -31,6 +33,7 @@ The flash calls are torch's CPU kernel (`aten._scaled_dot_product_flash_attentio
 eager computation stands in (CUDA has the Triton kernel). Runs on torch alone: exported checkpoints can ship it.
 """
 
+import functools
 import math
 
 import torch
@@ -121,6 +124,12 @@ def _decode(query, key, value, gates, scaling, attention_mask, offset, sliding_w
 
 
 DENSE_SHARE = 0.8  # a key/value head whose query heads are active on this share of the tokens runs dense
+# Short prefills (under SHORT_TOKENS query tokens; no cache, mask or window): a key/value head active on less than
+# SHORT_DENSE_SHARE of its (token, head) pairs runs as masked rows, one call per batch row over the keys up to its last
+# active row: R·L query-key pairs (R active rows, L keys) where its causal attention computes about G·L²/2, on the
+# kernel's small query blocks at these lengths; the others run dense (benchmarks/head_sparse_short.py)
+SHORT_TOKENS = 768
+SHORT_DENSE_SHARE = 0.5
 
 
 def _prefill(query, key, value, active, scaling, attention_mask, offset, sliding_window, chunk):
@@ -128,10 +137,13 @@ def _prefill(query, key, value, active, scaling, attention_mask, offset, sliding
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     general = attention_mask is not None or sliding_window is not None
+    short = not general and offset == 0 and tokens < SHORT_TOKENS
     share = active.view(batch, tokens, kv_heads, groups).float().mean(dim=(0, 1, 3)).tolist()  # (Hkv,)
-    full = [value >= DENSE_SHARE for value in share]
+    full = [value >= (SHORT_DENSE_SHARE if short else DENSE_SHARE) for value in share]
     if general or offset != 0:
         full = [False] * kv_heads  # plain causal attention only without a cache, a mask or a window
+    if short or (general and sliding_window is None and tokens < SHORT_TOKENS):
+        chunk = tokens  # one segment per (batch row, key/value head): masked rows
     dense = [  # runs (start, end, whether some of their pairs are inactive)
         (start, end, any(share[g] < 1 for g in range(start, end)))
         for start, end in _runs([g for g in range(kv_heads) if full[g]])
@@ -252,7 +264,7 @@ class _Rows:
 
     PADDING_LIMIT = 1.25  # padded rows / rows above which the prefix calls go per (batch row, key/value head)
 
-    def __init__(self, active, kv_heads, sparse, chunk):
+    def __init__(self, active, kv_heads, sparse, chunk, layouts=True):
         batch, tokens, heads = active.shape
         groups = heads // kv_heads
         device = active.device
@@ -276,15 +288,16 @@ class _Rows:
                 b_, g_ = divmod(bg, len(sparse))
                 self.segments.append((b_, sparse[g_], c, start, start + count))
                 start += count
+        self.padded, self.spans, self.width = None, None, max(count_list, default=0)
+        if not layouts:  # the masked calls (a mask, a window or one chunk) need the segments only
+            return
         self.diagonal = ((b * num_chunks + chunk_of) * chunk + t % chunk) * len(sparse) * groups + local * groups + j
-        self.padded, self.width = None, max(count_list, default=0)
         starts = counts.cumsum(0) - counts  # each segment's first row
         one_run = sparse == list(range(sparse[0], sparse[-1] + 1))
         if rows.shape[0] and one_run and self.width * len(count_list) <= self.PADDING_LIMIT * rows.shape[0]:
             slot = torch.arange(rows.shape[0], device=device) - starts[segment]
             self.padded = segment * self.width + slot
             self.padded_shape = (batch, len(sparse), num_chunks, self.width)
-        self.spans = None
         if rows.shape[0] and one_run:
             pairs = batch * len(sparse)
             by_pair = (counts.view(pairs, num_chunks), starts.view(pairs, num_chunks))
@@ -313,8 +326,8 @@ class _HeadSparsePrefill(torch.autograd.Function):
             if partial:  # the inactive pairs: 0
                 out[:, :, heads_slice].masked_fill_(~active[:, :, heads_slice, None], 0)
             dense_results.append((o, lse))
-        rows = _Rows(active, kv_heads, sparse, chunk) if sparse else None
-        general = attention_mask is not None or sliding_window is not None
+        general = attention_mask is not None or sliding_window is not None or chunk >= tokens  # masked rows
+        rows = _Rows(active, kv_heads, sparse, chunk, layouts=not general) if sparse else None
         settings = (scaling, attention_mask, offset, sliding_window, sparse, general)
         results = None
         if rows is not None and rows.index.numel():
@@ -656,18 +669,31 @@ def _key_range(rows, start, end, settings):
     return low, last + 1
 
 
+CAUSAL_MASK_CACHE_TOKENS = 1024  # causal masks up to this many keys are built once and gathered from (4 MB in fp32)
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_additive(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(size, size) additive causal mask: row p hides the keys after p (dtype's minimum). Cached: the layers of a
+    short prefill all gather their rows from the same one."""
+    return torch.full((size, size), torch.finfo(dtype).min, dtype=dtype, device=device).triu_(1)
+
+
 def _segment_mask(rows, b, start, end, low, high, settings, dtype):
     """(1, 1, n, m) additive mask of a segment's rows over keys [low, high): causal, window, the 4-D mask's rows."""
     _, attention_mask, offset, sliding_window, _, _ = settings
     device = rows.tokens.device
     tokens = rows.tokens[start:end]
+    size = offset + int(rows.tokens.max()) + 1  # positions up to the last row's: the same for every segment
+    if attention_mask is None and sliding_window is None and size <= CAUSAL_MASK_CACHE_TOKENS:  # one gather
+        return _causal_additive(size, dtype, device)[:, low:high].index_select(0, tokens + offset)[None, None]
     positions = tokens[:, None] + offset
     keys = torch.arange(low, high, device=device)[None, :]
-    visible = keys <= positions
+    hidden = keys > positions
     if sliding_window is not None:
-        visible &= keys > positions - sliding_window
+        hidden |= keys <= positions - sliding_window
     minimum = torch.finfo(dtype).min
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, minimum)
+    mask = hidden.to(dtype).mul_(minimum)  # 2 passes over (n, m) (visible: -0.0, which adds nothing)
     if attention_mask is not None:
         given = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0].index_select(0, tokens)[:, low:high]
         if given.dtype == torch.bool:
