@@ -8,6 +8,10 @@
    a causal item costs in proportion to its position. One key/value head with 3 query heads (SmolLM2-135M's shared
    group at batch 1) as one causal call, against `_causal_flash` (two equal halves and a merge), and against 2 of
    those query heads alone (an even split) scaled by 3/2.
+3. Diagonal blocks: the op's chunks of C tokens attend to their own keys in C × C causal blocks (every head of a
+   sparse key/value head), on the kernel's small query blocks. Useful GFLOP/s (4·hd per visible query-key pair) of
+   those calls at batch 4 and 4,096 tokens for C = 64, 128, 256, against one causal call over the whole sequence (the
+   parent's) and one unmasked call with 768 query rows.
 
 Each round runs every candidate once, in a rotated order (`gpu_moe.interleaved`, after two warm-up rounds); a
 ratio is the median over rounds of the per-round time ratio.
@@ -76,6 +80,31 @@ def main() -> None:
     print("| --- | --- | --- |")
     for name, cell in cells.items():
         print(f"| {name} | {cell['ms']:.1f} | {cell['ratio']:.3f} |")
+
+    batch, head_dim = 4, 64
+    query = torch.randn(batch, 3, tokens, head_dim, generator=generator)
+    key = torch.randn(batch, 1, tokens, head_dim, generator=generator)
+    pairs = {"whole sequence, causal": batch * 3 * tokens * (tokens + 1) / 2}
+    calls = {"whole sequence, causal": lambda: FLASH(query, key, key, is_causal=True)}
+    for chunk in (256, 128, 64):
+        blocks = tokens // chunk
+
+        def diagonal(chunk=chunk, blocks=blocks):  # (B·nc, 3, C, hd) against (B·nc, 1, C, hd), causal
+            q = query.view(batch, 3, blocks, chunk, head_dim).transpose(1, 2).flatten(0, 1)
+            k = key.view(batch, 1, blocks, chunk, head_dim).transpose(1, 2).flatten(0, 1)
+            return FLASH(q, k, k, is_causal=True)
+
+        calls[f"diagonal blocks, C = {chunk}"] = diagonal
+        pairs[f"diagonal blocks, C = {chunk}"] = batch * 3 * blocks * chunk * (chunk + 1) / 2
+    rows = query[:, :, :768]
+    calls["768 query rows, unmasked"] = lambda: FLASH(rows, key, key)
+    pairs["768 query rows, unmasked"] = batch * 3 * 768 * tokens
+    cells = gpu_moe.interleaved(calls, args.rounds, cpu)
+    print(f"\ncausal blocks, batch {batch}, 1 key/value head with 3 query heads, {tokens} tokens: useful GFLOP/s")
+    print("| call | ms | GFLOP/s |")
+    print("| --- | --- | --- |")
+    for name, cell in cells.items():
+        print(f"| {name} | {cell['ms']:.2f} | {4 * head_dim * pairs[name] / cell['ms'] / 1e6:.0f} |")
 
 
 if __name__ == "__main__":
