@@ -28,8 +28,8 @@ from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_cpu as 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_moe  # noqa: E402  (the interleaved timing loop, shared with the other benchmarks)
+from head_sparse_layer import HEAD_DIM, HEADS, KV_HEADS, draw_gates  # noqa: E402  (SmolLM2's shapes, top-K gates)
 
-HEADS, KV_HEADS, SHARED, HEAD_DIM = 9, 3, 3, 64
 LENGTHS = (256, 384, 512, 768, 1024, 1536, 2048)
 DENSITIES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
@@ -47,13 +47,6 @@ def inputs(batch: int, tokens: int, generator: torch.Generator):
     key = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, generator=generator)
     value = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, generator=generator)
     return query, key, value
-
-
-def top_k_gates(batch: int, tokens: int, active: int, generator: torch.Generator) -> torch.Tensor:
-    """(B, T, H) 0/1: the shared heads, and `active` of the routed heads per token, uniformly."""
-    scores = torch.rand(batch, tokens, HEADS - SHARED, generator=generator)
-    routed = torch.zeros_like(scores).scatter_(-1, scores.topk(active, dim=-1).indices, 1.0)
-    return torch.cat([torch.ones(batch, tokens, SHARED), routed], dim=-1)
 
 
 def density_gates(tokens: int, density: float, generator: torch.Generator) -> torch.Tensor:
@@ -84,7 +77,7 @@ def main() -> None:
             for batch in (1, 4):
                 query, key, value = inputs(batch, tokens, generator)
                 for active in (2, 4):
-                    gates = top_k_gates(batch, tokens, active, generator)
+                    gates = draw_gates(batch, tokens, active, generator)
                     cells = gpu_moe.interleaved(
                         {
                             "parent": lambda: F.scaled_dot_product_attention(

@@ -1,4 +1,5 @@
-"""benchmarks/head_sparse_short.py's gates and benchmarks/moh_prefill_bound.py's attention timer."""
+"""The gates of benchmarks/head_sparse_short.py (its own and head_sparse_layer.py's top-K ones) and
+benchmarks/moh_prefill_bound.py's attention timer."""
 
 import sys
 from pathlib import Path
@@ -9,12 +10,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import head_sparse_layer  # noqa: E402
 import head_sparse_short  # noqa: E402
 import moh_prefill_bound  # noqa: E402
 
 
 def test_top_k_gates_are_the_shared_heads_and_k_routed_heads_per_token():
-    gates = head_sparse_short.top_k_gates(2, 50, 2, torch.Generator().manual_seed(0))
+    gates = head_sparse_layer.draw_gates(2, 50, 2, torch.Generator().manual_seed(0))
     assert gates.shape == (2, 50, 9) and set(gates.unique().tolist()) == {0.0, 1.0}
     assert (gates[..., :3] == 1).all() and (gates[..., 3:].sum(-1) == 2).all()
     assert len({tuple(row.tolist()) for row in gates[0, :, 3:]}) > 1  # drawn per token

@@ -29,8 +29,8 @@ HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks 
 # op's bookkeeping costs more than it saves: the masked path runs (the parent's attention, then the gates). Except in
 # inference without a mask where at most FEW_ACTIVE_SHARE of the routed heads are active (top-K): there the op pays
 # from FEW_ACTIVE_TOKENS[0] to [1] (its short path: masked rows) and from FEW_ACTIVE_TOKENS[2] (its chunked path); in
-# between, the parent's kernel switches to its large query blocks and neither path wins at batch 1
-# (benchmarks/head_sparse_short.py). Decoding (up to DECODE_MAX_TOKENS) takes the op only where a key/value head can
+# between, the parent's kernel switches to its large query blocks and the op's lead at batch 1 is a few percent of the
+# attention at best (benchmarks/head_sparse_short.py), within what its gates and bookkeeping cost on a real model. Decoding (up to DECODE_MAX_TOKENS) takes the op only where a key/value head can
 # go unread by every active head.
 PREFILL_MIN_TOKENS = 2048
 FEW_ACTIVE_SHARE = 0.4

@@ -260,7 +260,8 @@ class _Rows:
     kernel's output and log-sum-exp, so that their rows are gathered without a copy. When the sparse key/value heads
     are one run and padding costs little, `padded` (N,) places each row in a (B, Hkv_s, nc, R) layout (R: the most
     rows of a (batch row, key/value head) in a chunk), so that one call per chunk covers every batch row and key/value
-    head (the backward's prefix calls); `spans` the same for the forward's calls per span of chunks (`_SpanPlan`)."""
+    head (the backward's prefix calls); `spans` the same for the forward's calls per span of chunks (`_SpanPlan`).
+    Without `layouts` (the masked calls of a mask, a window or one chunk) only `index`, `tokens` and `segments`."""
 
     PADDING_LIMIT = 1.25  # padded rows / rows above which the prefix calls go per (batch row, key/value head)
 
@@ -304,6 +305,11 @@ class _Rows:
             self.spans = _SpanPlan(*by_pair, segment, chunk_of, chunk, batch)
             if self.spans.padded_rows > self.PADDING_LIMIT * rows.shape[0]:
                 self.spans = None
+
+    @functools.cached_property
+    def last_token(self) -> int:
+        """The last row's token (the masked calls' masks reach its position)."""
+        return int(self.tokens.max())
 
 
 class _HeadSparsePrefill(torch.autograd.Function):
@@ -547,8 +553,8 @@ def _causal_forward(query, q_rows, key, value, rows, settings):
     if rows.spans is not None:  # (B, Hkv_s, w) rows of every batch row and key/value head per call
         g0, g1 = sparse[0], sparse[-1] + 1
         o_prefix, lse_prefix = _span_prefix(q_rows, key[:, g0:g1], value[:, g0:g1], rows.spans, offset, scaling)
-        return _merge(o_prefix, lse_prefix, o_diag, lse_diag)
-    o_prefix, lse_prefix = _segment_prefix(q_rows, key, value, rows, offset, scaling)
+    else:
+        o_prefix, lse_prefix = _segment_prefix(q_rows, key, value, rows, offset, scaling)
     return _merge(o_prefix, lse_prefix, o_diag, lse_diag)
 
 
@@ -684,7 +690,7 @@ def _segment_mask(rows, b, start, end, low, high, settings, dtype):
     _, attention_mask, offset, sliding_window, _, _ = settings
     device = rows.tokens.device
     tokens = rows.tokens[start:end]
-    size = offset + int(rows.tokens.max()) + 1  # positions up to the last row's: the same for every segment
+    size = offset + rows.last_token + 1  # positions up to the last row's
     if attention_mask is None and sliding_window is None and size <= CAUSAL_MASK_CACHE_TOKENS:  # one gather
         return _causal_additive(size, dtype, device)[:, low:high].index_select(0, tokens + offset)[None, None]
     positions = tokens[:, None] + offset
