@@ -21,6 +21,9 @@ def _seed():
 # in-process train() gets a fresh Accelerate state
 from tests.fixtures.training import (  # noqa: E402,F401
     _fresh_accelerate_state,
+    chat_config_json,
+    chat_data,
+    chat_tokenizer_dir,
     checkpoint_dir,
     config_json,
     corpus,

@@ -641,3 +641,25 @@ def test_train_hooks_refuse_bad_input(tmp_path, corpus, tokenizer_dir, fields, m
     )
     with pytest.raises(TrainingError, match=message):
         train({**args, **fields})
+
+
+def test_continue_tuning_on_a_chat_dataset(tmp_path, chat_tokenizer_dir, chat_data, capsys):
+    """--dataset with chat records: the converter's continue-tuning runs chat SFT (assistant-only loss) with the MoH
+    balance loss, the parent's and the converted model's validation on the held-out conversations, a recovery curve."""
+    source = _llama_dir(tmp_path / "llama", chat_tokenizer_dir, max_position_embeddings=128)
+    out = tmp_path / "run"
+    main(
+        [
+            "--input_dir", str(source), "--output_dir", str(out), "--dataset", chat_data["chat"],
+            "--validation_split", "20%", "--block_size", "128", "--per_device_train_batch_size", "2",
+            "--max_steps", "2", "--warmup_steps", "1", "--disable_tqdm",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "messages records (chat, loss on the assistant/completion tokens" in printed
+    assert "recovery: dense parent perplexity" in printed
+    (reference,) = _records(out, "reference_eval_ppl")
+    assert reference["step"] == 0 and reference["reference_eval_loss"] > 0
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["data_format"] == "messages" and summary["args"]["dataset"] == "chat.jsonl"
+    assert "chat.jsonl (chat, loss on the assistant turns)" in (out / "README.md").read_text()

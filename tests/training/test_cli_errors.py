@@ -35,7 +35,7 @@ def _one_line_error(capsys, argv, status=2):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        ([], "--model_name_or_path, --output_dir, --train_file are required"),
+        ([], "--model_name_or_path, --output_dir, --train_file (or --dataset) are required"),
         (["--model_name_or_path", "m", "--train_file", "t"], "--output_dir is required"),
         (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
         (["--max_steps", "ten"], "argument --max_steps/--max-steps: invalid int value: 'ten'"),

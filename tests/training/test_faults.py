@@ -80,7 +80,10 @@ def _losses(out):
 def _records(out):
     """Every record (training steps and validations) without its wall-clock field."""
     with open(out / "metrics.jsonl") as f:
-        return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in f]
+        return [
+            {k: v for k, v in json.loads(line).items() if k not in ("elapsed_s", "tokens_per_second", "mfu")}
+            for line in f
+        ]
 
 
 def _start(command, env):

@@ -10,7 +10,7 @@ import importlib.util
 
 # extra -> {top-level module: distribution name on PyPI}; keep in step with [project.optional-dependencies]
 EXTRAS = {
-    "train": {"accelerate": "accelerate", "peft": "peft", "matplotlib": "matplotlib"},
+    "train": {"accelerate": "accelerate", "peft": "peft", "matplotlib": "matplotlib", "datasets": "datasets"},
     "eval": {"lm_eval": "lm-eval"},
     "triton": {"triton": "triton"},
     "gguf": {"gguf": "gguf"},

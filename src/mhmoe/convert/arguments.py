@@ -36,7 +36,7 @@ class ConvertArguments:
     output_dir: str = field(
         default=None,
         metadata={
-            "help": "Where the moh_llama checkpoint goes. With --train_file: the continue-tuned model, metrics, "
+            "help": "Where the moh_llama checkpoint goes. With --train_file or --dataset: the continue-tuned model, metrics, "
             "checkpoints and recovery curve; the converted (untuned) model is in OUTPUT_DIR/converted."
         },
     )

@@ -1,6 +1,6 @@
 """`mhmoe-convert` / `python -m mhmoe.convert` / scripts/convert_llama_to_moh.py: the arguments and `main()`.
 
-Converts (write.py); with `--train_file` also continue-tunes (continue_tune.py), taking every continue-tuning flag of
+Converts (conversion.py); with `--train_file` or `--dataset` also continue-tunes (continue_tune.py), taking every continue-tuning flag of
 mhmoe-train with the recipe's defaults (recipe.py). Works under `accelerate launch` with several processes. The
 arguments are parsed before torch and Transformers are imported (`mhmoe._plumbing.arguments`), so a usage error or
 `--help` prints at once.
@@ -22,7 +22,7 @@ def build_parser():
         prog="mhmoe-convert",
         description="Convert a dense LLaMA / Mistral / Qwen2 checkpoint into MoH-LLaMA (Mixture-of-Head attention, "
         f"{GATES} gates; the router fitted on calibration text when the source has a tokenizer, else the paper's "
-        f"{ROUTER}: --recipe); with --train_file, continue-tune it with mhmoe-train (paper stage-2 "
+        f"{ROUTER}: --recipe); with --train_file or --dataset, continue-tune it with mhmoe-train (paper stage-2 "
         f"defaults: {continue_tuning_words()}).",
     )
 
@@ -48,15 +48,17 @@ def main(argv: list[str] | None = None) -> None:
         from .continue_tune import convert_and_continue_tune
         from .conversion import convert
 
-        if tune.train_file:
+        if _tunes(tune):
             convert_and_continue_tune(args, tune, progress=not tune.disable_tqdm)
         else:
             if tune.resume_from_checkpoint:
-                raise ConversionError("--resume_from_checkpoint continues a continue-tuning run: give --train_file")
+                raise ConversionError(
+                    "--resume_from_checkpoint continues a continue-tuning run: give --train_file or --dataset"
+                )
             if int(os.environ.get("RANK", "0")) > 0:  # launched with several processes: one converts
                 return
             if args.distill:
-                raise ConversionError("--distill continue-tunes: give --train_file")
+                raise ConversionError("--distill continue-tunes: give --train_file or --dataset")
             report = convert(
                 args.input_dir, args.output_dir, progress=not tune.disable_tqdm, **args.conversion_options()
             )
@@ -76,6 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.distributed.destroy_process_group()
 
 
+def _tunes(tune) -> bool:
+    """Whether the command continue-tunes: it names training data."""
+    return bool(tune.train_file or tune.dataset)
+
+
 def _fit_recipe_warmup(tune, argv: list[str]) -> None:
     """The recipe's warmup (50 steps) in a continue-tuning run of fewer steps, when --warmup_steps was not given: a
     tenth of the steps instead, said in a note (mhmoe-train refuses a warmup longer than the run)."""
@@ -83,7 +90,7 @@ def _fit_recipe_warmup(tune, argv: list[str]) -> None:
 
     given = any(a.split("=")[0] in ("--warmup_steps", "--warmup-steps") for a in argv)
     default = CONTINUE_TUNING_DEFAULTS["warmup_steps"]
-    if tune.train_file and not given and 0 < tune.max_steps < tune.warmup_steps == default:
+    if _tunes(tune) and not given and 0 < tune.max_steps < tune.warmup_steps == default:
         import sys
 
         print(
@@ -99,13 +106,13 @@ def _how_to_go_on(args, tune) -> str:
     run resumes from its newest checkpoint."""
     from ..training.checkpoints import list_checkpoints
 
-    checkpoints = list_checkpoints(args.output_dir) if tune.train_file else []
+    checkpoints = list_checkpoints(args.output_dir) if _tunes(tune) else []
     if checkpoints:
         return (
             f"the continue-tuning saved {os.path.basename(checkpoints[-1][1])}: run the same command with "
             "--resume_from_checkpoint latest to go on from it"
         )
-    if tune.train_file and os.path.isdir(os.path.join(args.output_dir, "converted")):
+    if _tunes(tune) and os.path.isdir(os.path.join(args.output_dir, "converted")):
         return (
             f"the converted model is in {os.path.join(args.output_dir, 'converted')}, no checkpoint yet "
             "(--save_steps): run the same command with --overwrite to start over"

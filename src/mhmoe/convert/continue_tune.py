@@ -118,10 +118,14 @@ def _tune(args: ConvertArguments, tune, state):
     train_args = TrainArguments(
         model_name_or_path=os.path.join(out, CONVERTED_SUBDIR), output_dir=out, **dataclasses.asdict(tune)
     )
-    validated = bool(train_args.validation_file) or train_args.validation_split_percentage > 0
+    validated = (
+        bool(train_args.validation_file or train_args.validation_split) or train_args.validation_split_percentage > 0
+    )
     if not validated:
         train_args.eval_at_start = False
-        state.print("note: no --validation_file / --validation_split_percentage: no perplexity, no recovery curve")
+        state.print(
+            "note: no --validation_file / --validation_split_percentage (--validation_split with --dataset): no perplexity, no recovery curve"
+        )
     model, distillation = _distilled_model(args, train_args)
     started = time.time()
     try:

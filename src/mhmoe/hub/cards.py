@@ -237,8 +237,18 @@ def training_text(summary: dict, final_ppl: bool = True) -> str:
     `final_ppl=False` leaves out the final validation perplexity (a continue-tuned conversion's recovery sentence
     states it beside the parent's)."""
     args = summary.get("args") or {}
-    tokens = (summary.get("step") or 0) * (summary.get("global_batch_blocks") or 0) * (summary.get("block_size") or 0)
+    tokens = summary.get("tokens_seen")  # real tokens; older summaries: every block full
+    if tokens is None:
+        tokens = (
+            (summary.get("step") or 0) * (summary.get("global_batch_blocks") or 0) * (summary.get("block_size") or 0)
+        )
     files = [os.path.basename(str(f)) for f in args.get("train_file") or []]
+    if args.get("dataset"):
+        formats = {"messages": "chat, loss on the assistant turns", "prompt-completion": "loss on the completions"}
+        kind = formats.get(summary.get("data_format"))
+        if kind and args.get("loss_on_prompt"):
+            kind = f"{summary['data_format']}, loss on every token"
+        files = [str(args["dataset"]) + (f" ({kind})" if kind else "")]
     steps = summary.get("step")
     parts = [
         f"Trained with `mhmoe-train` for {steps} step{'' if steps == 1 else 's'}"

@@ -37,6 +37,50 @@ class TrainArguments:
         },
     )
     validation_file: list[str] | None = field(default=None, metadata={"help": "Validation text/JSONL file(s)."})
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Instead of --train_file: any source the `datasets` library reads: a data file (json, jsonl, csv, "
+            "parquet, arrow, txt), a folder of them, a save_to_disk folder or a Hub dataset name. Records are "
+            "'text' (language modelling), 'messages' (chat) or 'prompt' + 'completion' (training/formats.py)."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "The --dataset's configuration name."})
+    dataset_split: str = field(default="train", metadata={"help": "The --dataset split to train on."})
+    validation_split: str | None = field(
+        default=None,
+        metadata={
+            "help": "With --dataset: a split name (e.g. validation), or a percentage held out of the training "
+            "examples (e.g. 5%%)."
+        },
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Read --dataset as a stream (larger than memory): tokenised on the fly, split across processes, "
+            "resumed at the next example. Needs --max_steps."
+        },
+    )
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={"help": "Validate on at most this many examples (default: all; 1000 with --streaming)."},
+    )
+    chat_template: str | None = field(
+        default=None, metadata={"help": "A Jinja chat template file, used instead of the tokenizer's (and saved)."}
+    )
+    loss_on_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Chat and prompt-completion data: train on every token, not only the assistant's / completion's."
+        },
+    )
+    packing: bool = field(
+        default=True,
+        metadata={
+            "help": "Chat and prompt-completion data: pack several examples per row, kept apart (per-example "
+            "position_ids, no attention across them); false: one example per row, padded per batch."
+        },
+    )
     validation_split_percentage: float = field(
         default=0.0, metadata={"help": "Without --validation_file: hold out this %% of the training blocks."}
     )
@@ -150,6 +194,24 @@ class TrainArguments:
     merge_lora: bool = field(default=False, metadata={"help": "Also save the merged model in output_dir/merged."})
     ddp_find_unused_parameters: bool = False
     disable_tqdm: bool = False
+    report_to: str = field(
+        default="none",
+        metadata={
+            "help": "Experiment trackers, through Accelerate: tensorboard, wandb, trackio, mlflow, a comma-separated "
+            "list, all (those installed) or none. Offline by default (wandb offline, mlflow and trackio in output_dir). "
+            "metrics.jsonl is always written."
+        },
+    )
+    run_name: str | None = field(
+        default=None, metadata={"help": "The run's name in the trackers (default: output_dir's)."}
+    )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={
+            "help": "The device's peak TFLOP/s for the logged MFU (default: a table of common GPUs; none on CPU, so no "
+            "MFU there unless given)."
+        },
+    )
     plot: bool = field(default=True, metadata={"help": "Write loss_curve.png (matplotlib)."})
     similarity_batching: bool = field(
         default=False,
@@ -178,8 +240,10 @@ def supported_model_types() -> list[str]:
 
 
 def check_required(args: TrainArguments, model_given: bool = False) -> None:
-    names = ("output_dir", "train_file") if model_given else ("model_name_or_path", "output_dir", "train_file")
+    names = ("output_dir",) if model_given else ("model_name_or_path", "output_dir")
     missing = [f"--{name}" for name in names if not getattr(args, name)]
+    if not args.train_file and not args.dataset:
+        missing.append("--train_file (or --dataset)")
     if missing:
         raise TrainingError(
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (see mhmoe-train --help)"
@@ -273,7 +337,8 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
         raise TrainingError(f"--min_learning_rate applies to the cosine schedule, not {args.lr_scheduler_type!r}")
     if args.lr_scheduler_type == "cosine_with_min_lr" and args.min_learning_rate == 0:
         raise TrainingError("--lr_scheduler_type cosine_with_min_lr needs --min_learning_rate > 0")
-    for path in [*args.train_file, *(args.validation_file or [])]:
+    check_data_arguments(args)
+    for path in [*(args.train_file or []), *(args.validation_file or [])]:
         if not os.path.isfile(path):
             raise TrainingError(f"data file not found: {path}")
     if not model_given and not os.path.exists(args.model_name_or_path):
@@ -289,6 +354,61 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
         check_links(args.model_name_or_path, TrainingError, "--model_name_or_path")
     if args.tokenizer_name_or_path is not None:
         check_links(args.tokenizer_name_or_path, TrainingError, "--tokenizer_name_or_path")
+
+
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
+
+
+def report_to(args: TrainArguments) -> list[str]:
+    """--report_to as a list of tracker names ("all": those installed; "none": [])."""
+    names = [n.strip().lower() for n in (args.report_to or "none").split(",") if n.strip()]
+    if names in (["none"], []):
+        return []
+    if names == ["all"]:
+        import importlib.util
+
+        return [n for n in TRACKERS if importlib.util.find_spec(n) is not None]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise TrainingError(
+            f"--report_to {args.report_to!r}: unknown tracker {', '.join(unknown)} (one or more of "
+            f"{', '.join(TRACKERS)}, comma-separated; all; or none)"
+        )
+    return names
+
+
+def check_data_arguments(args: TrainArguments) -> None:
+    """The data flags fit together: --train_file or --dataset, the flags each takes, streaming's needs."""
+    if args.train_file and args.dataset:
+        raise TrainingError("give --dataset or --train_file, not both")
+    if args.dataset:
+        if args.validation_file or args.validation_split_percentage:
+            raise TrainingError(
+                "with --dataset, the validation data is --validation_split (a split name, or a percentage such as 5%), "
+                "not --validation_file / --validation_split_percentage"
+            )
+        if args.similarity_batching:
+            raise TrainingError("--similarity_batching orders --train_file documents; it does not apply to --dataset")
+    else:
+        given = [f"--{n}" for n in ("dataset_config", "validation_split", "chat_template") if getattr(args, n)]
+        given += ["--streaming"] if args.streaming else []
+        if given:
+            raise TrainingError(f"{', '.join(given)} apply to --dataset; --train_file reads plain text and JSONL text")
+    if args.streaming and args.max_steps <= 0:
+        raise TrainingError("--streaming needs --max_steps (a stream's length is not known before it is read)")
+    if args.max_eval_samples is not None and args.max_eval_samples < 1:
+        raise TrainingError(f"--max_eval_samples must be >= 1, got {args.max_eval_samples}")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise TrainingError(
+            f"--peak_tflops must be a positive number (the device's peak TFLOP/s), got {args.peak_tflops}"
+        )
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise TrainingError(f"--chat_template {args.chat_template}: no such file (a Jinja template file)")
+    if args.validation_split:
+        from .sources import validation_percentage
+
+        validation_percentage(args.validation_split)  # a bad percentage fails here
+    report_to(args)
 
 
 def _read(paths: list[str], text_field: str) -> list[str]:
@@ -408,6 +528,8 @@ PATH_ARGUMENTS = (
     "output_dir",
     "train_file",
     "validation_file",
+    "dataset",
+    "chat_template",
     "tokenizer_name_or_path",
     "resume_from_checkpoint",
 )
@@ -429,6 +551,8 @@ def recorded_args(args: TrainArguments) -> dict:
 
     for key in PATH_ARGUMENTS:
         value = values[key]
+        if key == "dataset" and value and not os.path.exists(value):
+            continue  # a Hub dataset name, kept whole
         values[key] = [public(p) for p in value] if isinstance(value, list) else public(value)
     return values
 
@@ -489,7 +613,9 @@ __all__ = [
     "TrainingError",
     "TrainingStopped",
     "check_arguments",
+    "check_data_arguments",
     "check_required",
+    "report_to",
     "load_config",
     "recorded_args",
     "supported_model_types",

@@ -28,6 +28,7 @@ from .arguments import TrainArguments, TrainingError, recorded_args
 from .manifest import MANIFEST_FILE, ManifestError, Sealer, read_manifest, verify
 from .metrics import PLOT_FILE, plot_metrics
 from .state import TrainRun
+from .streaming import load_stream_state, save_stream_state
 
 STATE_FILE = "train_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -249,6 +250,8 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
     try:
         with sealer.hashing_writes() if sealer is not None else contextlib.nullcontext():
             accelerator.save_state(temporary)
+        if run.stream is not None:  # each process's position in its share of the stream
+            save_stream_state(run.stream, temporary, accelerator.process_index)
         accelerator.wait_for_everyone()  # every process's files are written
         if run.is_main:
             run.tokenizer.save_pretrained(temporary)
@@ -259,7 +262,8 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
                 "global_batch_blocks": run.global_blocks,
                 "block_size": run.block_size,
                 "seed": args.seed,
-                "num_train_blocks": len(run.train_blocks),
+                "num_train_blocks": None if run.train_blocks is None else len(run.train_blocks),
+                "tokens_seen": run.tokens_seen,
                 "num_processes": run.world,
                 "metrics_records": run.metrics_records,
                 "args": recorded_args(args),
@@ -313,7 +317,7 @@ def resume(run: TrainRun) -> None:
             ("global_batch_blocks", run.global_blocks),
             ("block_size", run.block_size),
             ("seed", args.seed),
-            ("num_train_blocks", len(run.train_blocks)),
+            ("num_train_blocks", None if run.train_blocks is None else len(run.train_blocks)),
         ):
             if saved.get(key) != now:
                 run.accelerator.print(
@@ -328,7 +332,11 @@ def resume(run: TrainRun) -> None:
                 f"--resume_from_checkpoint: {args.resume_from_checkpoint} does not load "
                 f"({type(e).__name__}: {first}); resume from another checkpoint"
             ) from None
+        if run.stream is not None:
+            load_stream_state(run.stream, args.resume_from_checkpoint, run.accelerator.process_index)
         run.start_step = saved["step"]
+        # real tokens trained so far (a checkpoint from before it was saved: every row full)
+        run.tokens_seen = saved.get("tokens_seen", run.start_step * run.global_blocks * run.block_size)
         if run.start_step > run.total_steps:
             raise TrainingError(
                 f"{args.resume_from_checkpoint} is at step {run.start_step}, past the {run.total_steps} steps of this "

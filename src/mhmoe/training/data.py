@@ -55,6 +55,11 @@ def read_documents(path: str, text_field: str = "text") -> list[str]:
             text = record
         elif isinstance(record, dict) and text_field in record:
             text = record[text_field]
+        elif isinstance(record, dict) and ("messages" in record or {"prompt", "completion"} <= set(record)):
+            raise ValueError(
+                f"{path}, record {number}: a chat or prompt-completion record; --train_file reads text only: pass the "
+                f"file as --dataset {path} (assistant/completion-only loss, the tokenizer's chat template)"
+            )
         else:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise ValueError(f"{path}, record {number}: no text field {text_field!r} (has {keys}); set --text_field")

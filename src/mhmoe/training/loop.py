@@ -39,11 +39,23 @@ from .arguments import (
 )
 from .checkpoints import resume, save_checkpoint, wait_for_checkpoint
 from .lock import OutputDirLock, OutputDirLocked
-from .metrics import _loss_fields, _token_nll_sum
+from .metrics import _label_count, _loss_fields, _token_nll_sum
 from .metrics import validate as _evaluate  # looked up at call time: tests interrupt a run here
 from .outputs import check_output_contents, check_output_dir, check_output_location, prepare_output_dir, save_final
-from .prepare import build_data, build_model, build_optimizer, setup_accelerator, setup_tokenizer
+from .prepare import (
+    build_data,
+    build_dataset_data,
+    build_model,
+    build_optimizer,
+    dataset_format,
+    setup_accelerator,
+    setup_tokenizer,
+    tokenizer_texts,
+)
+from .sources import load_source
 from .state import TrainResult, TrainRun
+from .throughput import Throughput, flops_per_token, peak_flops
+from .trackers import end_trackers, setup_trackers
 
 
 def train(args, model=None, tokenizer=None, on_log=None, reference_eval=None) -> TrainResult:
@@ -107,14 +119,26 @@ def _train(args, model, tokenizer, on_log, reference_eval) -> TrainResult:
         if config.model_type not in supported_model_types():
             raise TrainingError(f"model_type {config.model_type!r} is not supported by mhmoe-train")
     run = TrainRun(args, setup_accelerator(args), config, from_scratch, on_log)
-    train_docs = _read(args.train_file, args.text_field)
-    if not train_docs:
-        raise TrainingError(f"no text in --train_file {' '.join(args.train_file)}")
-    setup_tokenizer(run, tokenizer, train_docs)
-    build_data(run, train_docs, reference_eval is not None)
+    if args.dataset:
+        source = load_source(args)
+        fmt = dataset_format(run, source)
+        setup_tokenizer(run, tokenizer, tokenizer_texts(source, fmt, args.text_field))
+        build_dataset_data(run, source, reference_eval is not None)
+    else:
+        train_docs = _read(args.train_file, args.text_field)
+        if not train_docs:
+            raise TrainingError(f"no text in --train_file {' '.join(args.train_file)}")
+        setup_tokenizer(run, tokenizer, train_docs)
+        build_data(run, train_docs, reference_eval is not None)
     build_model(run, model)
+    run.throughput = Throughput(
+        flops_per_token(run.config, run.block_size),
+        peak_flops(run.accelerator.device, run.accelerator.mixed_precision, args.peak_tflops),
+        run.world,
+    )
     build_optimizer(run)
     prepare_output_dir(run)
+    setup_trackers(run)
     resume(run)
     try:
         final_eval = train_loop(run, reference_eval)
@@ -122,6 +146,8 @@ def _train(args, model, tokenizer, on_log, reference_eval) -> TrainResult:
     except BaseException:
         _finish_checkpoint_quietly(run)  # a checkpoint completing in the background is put in place first
         raise
+    finally:
+        end_trackers(run)
     return TrainResult(args.output_dir, run.total_steps, run.history, final_eval, unwrapped, run.tokenizer)
 
 
@@ -162,28 +188,38 @@ def train_loop(run: TrainRun, reference_eval=None) -> dict | None:
     if run.start_step == 0 and run.val_blocks is not None:
         evaluate_before_training(run, reference_eval)
     run.model.train()
-    start_time = time.time()
+    start_time = interval_start = time.time()
+    interval_tokens = 0
     nonfinite: list[int] = []  # the steps of the current streak of non-finite losses
     for step in range(run.start_step, total):
-        means, grad_norm, lr_used = train_step(run, step)
+        means, grad_norm, lr_used, tokens = train_step(run, step)
+        run.tokens_seen += tokens
+        interval_tokens += tokens
         done = step + 1
         if done % args.logging_steps == 0 or done == total:
-            record = {"step": done, "epoch": round(done / run.steps_per_epoch, 4)}
+            now = time.time()
+            record = {"step": done, "epoch": _epoch(run, done)}
             record.update(zip(["loss", "lm_loss", *run.loss_names], means.tolist()))
             record["lr"] = lr_used
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
-            record["tokens"] = done * run.global_blocks * run.block_size
-            record["elapsed_s"] = round(time.time() - start_time, 3)
+            record["tokens"] = run.tokens_seen
+            record.update(run.throughput.fields(interval_tokens, now - interval_start))
+            record["elapsed_s"] = round(now - start_time, 3)
             run.log(record)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", lm=f"{record['lm_loss']:.4f}")
+            progress.set_postfix(
+                loss=f"{record['loss']:.4f}", lm=f"{record['lm_loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}"
+            )
+            interval_start, interval_tokens = time.time(), 0  # validation and checkpoints are not training time
         progress.update(1)
         nonfinite = _check_finite(run, done, float(means[0]), nonfinite)  # after the step's record is written
         if run.val_blocks is not None and args.eval_steps > 0 and done % args.eval_steps == 0 and done != total:
             run.log(evaluate(run, done))
             run.model.train()
+            interval_start = time.time()
         if args.save_steps > 0 and done % args.save_steps == 0:
             save_checkpoint(run, done)
+            interval_start = time.time()
     progress.close()
     if run.val_blocks is None:
         return None
@@ -208,11 +244,32 @@ def _check_finite(run: TrainRun, done: int, loss: float, streak: list[int]) -> l
     return streak
 
 
+def _epoch(run: TrainRun, done: int) -> float:
+    """Epochs so far: steps over steps per epoch; a stream's own pass count (epochs finished + share of none)."""
+    if run.stream is not None:
+        return run.stream.epoch
+    return round(done / run.steps_per_epoch, 4)
+
+
+def _data_words(run: TrainRun) -> str:
+    """The data part of the run's summary line: format, rows, packing."""
+    args = run.args
+    if args.dataset:
+        what = {"text": "text (language modelling)", "messages": "chat", "prompt-completion": "prompt-completion"}
+        loss = ""
+        if run.data_format != "text":
+            loss = ", loss on every token" if args.loss_on_prompt else ", loss on the assistant/completion tokens"
+            loss += ", packed (examples kept apart)" if args.packing else ", one example per row, padded per batch"
+        rows = "streamed rows" if run.stream is not None else f"{len(run.train_blocks)} rows"
+        return f"{run.data_format} records ({what[run.data_format]}{loss}) from {args.dataset}; {rows}"
+    return f"{len(run.train_blocks)} blocks"
+
+
 def _print_run(run: TrainRun) -> None:
     args, accelerator = run.args, run.accelerator
     accelerator.print(
         f"mhmoe-train: {run.config.model_type}, {run.trainable:,} trainable / {run.total_params:,} parameters; "
-        f"{len(run.train_blocks)} blocks × {run.block_size} tokens, {run.steps_per_epoch} steps/epoch, steps "
+        f"{_data_words(run)} × {run.block_size} tokens, {run.steps_per_epoch} steps/epoch, steps "
         f"{run.start_step} → {run.total_steps}, global batch {run.global_blocks} blocks ({run.world} process(es) × "
         f"{args.per_device_train_batch_size} × {args.gradient_accumulation_steps} accum), {_distribution(run)}, "
         f"mixed precision {accelerator.mixed_precision}",
@@ -234,38 +291,52 @@ def _epoch_permutation(run: TrainRun, epoch: int) -> torch.Tensor:
     return run.permutation[1]
 
 
-def train_step(run: TrainRun, step: int) -> tuple[torch.Tensor, Any, float]:
+def _micro_batch(run: TrainRun, step: int, a: int) -> tuple[dict, int]:
+    """This process's micro-batch `a` of optimizer step `step` (the module docstring's data order; a stream's next
+    rows) on the device, and its real tokens."""
+    micro = run.args.per_device_train_batch_size
+    if run.stream is not None:
+        blocks = run.stream.take(micro)
+        return blocks.batch(slice(None), run.accelerator.device), blocks.real_tokens(torch.arange(len(blocks)))
+    epoch, step_in_epoch = divmod(step, run.steps_per_epoch)
+    m = a * run.world + run.accelerator.process_index
+    start = step_in_epoch * run.global_blocks + m * micro
+    index = _epoch_permutation(run, epoch)[start : start + micro]
+    return run.train_blocks.batch(index, run.accelerator.device), run.train_blocks.real_tokens(index)
+
+
+def train_step(run: TrainRun, step: int) -> tuple[torch.Tensor, Any, float, int]:
     """One optimizer step over this process's micro-batches (see the module docstring for the data order).
 
     Returns the losses [loss, lm_loss, *loss_names] averaged over micro-batches and processes, the gradient norm before
-    clipping (None when not clipped) and the learning rate the update used."""
-    args, accelerator = run.args, run.accelerator
-    accumulation, micro = args.gradient_accumulation_steps, args.per_device_train_batch_size
-    epoch, step_in_epoch = divmod(step, run.steps_per_epoch)
-    permutation = _epoch_permutation(run, epoch)
-    sums, grad_norm = None, None
+    clipping (None when not clipped), the learning rate the update used and the real tokens trained (all processes)."""
+    accelerator = run.accelerator
+    accumulation = run.args.gradient_accumulation_steps
+    sums, grad_norm, tokens = None, None, 0
     for a in range(accumulation):
-        m = a * run.world + accelerator.process_index
-        start = step_in_epoch * run.global_blocks + m * micro
-        batch = run.train_blocks[permutation[start : start + micro]].to(accelerator.device)
+        batch, real = _micro_batch(run, step, a)
+        tokens += real
         values, norm = forward_backward_step(run, batch)
         grad_norm = norm if norm is not None else grad_norm
         sums = values if sums is None else sums + values
     lr_used = run.scheduler.get_last_lr()[0]  # the rate this step's update used
     if not getattr(run.optimizer, "step_was_skipped", False):
         run.scheduler.step()
-    return accelerator.reduce(sums / accumulation, reduction="mean"), grad_norm, lr_used
+    counts = torch.tensor([float(tokens)], device=accelerator.device)
+    tokens = int(accelerator.reduce(counts, reduction="sum").item()) if run.world > 1 else tokens
+    return accelerator.reduce(sums / accumulation, reduction="mean"), grad_norm, lr_used, tokens
 
 
-def forward_backward_step(run: TrainRun, batch: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Forward, backward and (on the last micro-batch of a step) clip + optimizer update for one micro-batch.
+def forward_backward_step(run: TrainRun, batch: dict) -> tuple[torch.Tensor, Any]:
+    """Forward, backward and (on the last micro-batch of a step) clip + optimizer update for one micro-batch
+    (`batch`: input_ids, labels and, for packed examples, position_ids).
 
     Returns the detached losses [loss, lm_loss, *loss_names] (lm_loss is the LM part alone when router losses are
     added) and the gradient norm when it was clipped here."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     grad_norm = None
     with accelerator.accumulate(model):
-        output = model(input_ids=batch, labels=batch, **run.forward_kwargs)
+        output = model(**batch, **run.forward_kwargs)
         accelerator.backward(output.loss)
         if accelerator.sync_gradients and run.args.max_grad_norm > 0:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), run.args.max_grad_norm)
@@ -276,7 +347,11 @@ def forward_backward_step(run: TrainRun, batch: torch.Tensor) -> tuple[torch.Ten
         run.loss_names = sorted(extra)
     with torch.no_grad():
         loss = output.loss.detach().float()
-        lm_loss = _token_nll_sum(output.logits, batch) / (batch.numel() - batch.shape[0]) if extra else loss
+        if extra:
+            labels = batch["labels"]
+            lm_loss = _token_nll_sum(output.logits, labels) / _label_count(labels)
+        else:
+            lm_loss = loss
         values = torch.stack([loss, lm_loss.float()] + [extra[k].detach().float() for k in run.loss_names])
     return values, grad_norm
 
@@ -296,7 +371,7 @@ def evaluate(run: TrainRun, step: int) -> dict:
         run.forward_kwargs,
         step,
     )
-    record["tokens"] = step * run.global_blocks * run.block_size
+    record["tokens"] = run.tokens_seen
     return record
 
 

@@ -24,13 +24,19 @@ def _loss_fields(output) -> dict[str, torch.Tensor]:
     }
 
 
-def _token_nll_sum(logits: torch.Tensor, input_ids: torch.Tensor, rows=None) -> torch.Tensor:
-    """Σ next-token NLL over (B, T) blocks (only `rows`, default all), row by row so at most one row of fp32 logits
-    exists at a time."""
+def _token_nll_sum(logits: torch.Tensor, labels: torch.Tensor, rows=None) -> torch.Tensor:
+    """Σ next-token NLL over (B, T) rows (only `rows`, default all) at the labels that are not -100, row by row so at
+    most one row of fp32 logits exists at a time."""
     total = logits.new_zeros((), dtype=torch.float32)
     for row in range(logits.shape[0]) if rows is None else rows:
-        total = total + F.cross_entropy(logits[row, :-1].float(), input_ids[row, 1:], reduction="sum")
+        total = total + F.cross_entropy(logits[row, :-1].float(), labels[row, 1:], ignore_index=-100, reduction="sum")
     return total
+
+
+def _label_count(labels: torch.Tensor, rows=None) -> torch.Tensor:
+    """Next-token predictions that count (labels not -100, the first position has none) in (B, T) `labels`."""
+    shifted = labels[:, 1:] if rows is None else labels[rows, 1:]
+    return (shifted != -100).sum()
 
 
 def _other_router_probs(output) -> dict[str, list[torch.Tensor]]:
@@ -145,18 +151,20 @@ def validate(accelerator, model, blocks, batch_size, config, forward_kwargs, ste
     for start in range(0, per_rank, batch_size):
         index = mine[start : start + batch_size]
         weight = torch.tensor(weights[start : start + batch_size], device=device)
-        batch = blocks[index].to(device)
+        batch = blocks.batch(torch.tensor(index), device)
+        labels = batch.pop("labels")
         real = weight.bool()
-        output = model(input_ids=batch, **forward_kwargs)
-        nll += _token_nll_sum(output.logits, batch, real.nonzero().flatten().tolist())
-        tokens += real.sum() * (batch.shape[1] - 1)
+        real_rows = real.nonzero().flatten().tolist()
+        output = model(**batch, **forward_kwargs)
+        nll += _token_nll_sum(output.logits, labels, real_rows)
+        tokens += _label_count(labels, real_rows)
         if real.any():
             batches += 1
             for key, value in _loss_fields(output).items():
                 aux_sums[key] = aux_sums.get(key, torch.zeros((), device=device)) + value.float()
             router_logits = output.get("router_logits")
             if router_logits and top_k:
-                rows = real.repeat_interleave(router_logits[0].shape[0] // batch.shape[0])
+                rows = real.repeat_interleave(router_logits[0].shape[0] // labels.shape[0])
                 counts = expert_counts(router_logits, top_k, rows)
                 expert_totals = counts if expert_totals is None else expert_totals + counts
             for key, probs in _other_router_probs(output).items():

@@ -249,6 +249,8 @@ def save_final(run: TrainRun, final_eval: dict | None):
             "mixed_precision": accelerator.mixed_precision,
             "global_batch_blocks": run.global_blocks,
             "block_size": run.block_size,
+            "tokens_seen": run.tokens_seen,
+            "data_format": run.data_format,
             "trainable_parameters": run.trainable,
             "parameters": run.total_params,
             "final_eval": final_eval,

@@ -11,6 +11,7 @@ import torch
 
 from .arguments import TrainArguments, TrainingError, _read
 from .data import order_by_similarity, tokenize_and_pack, train_tokenizer
+from .packing import Blocks
 from .state import TrainRun
 
 
@@ -50,11 +51,14 @@ def reset_accelerate_state() -> None:
 def setup_accelerator(args: TrainArguments):
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
+    from .trackers import tracker_settings
+
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=args.ddp_find_unused_parameters)],
+        **tracker_settings(args),
     )
     fsdp_requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if fsdp_requested and accelerator.distributed_type.value != "FSDP":
@@ -65,7 +69,7 @@ def setup_accelerator(args: TrainArguments):
     return accelerator
 
 
-def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
+def setup_tokenizer(run: TrainRun, tokenizer, train_docs) -> None:
     """The tokenizer: given, from the checkpoint being resumed, from the model directory, or trained here on main."""
     from .._plumbing.trust import load_tokenizer
 
@@ -112,14 +116,19 @@ def setup_tokenizer(run: TrainRun, tokenizer, train_docs: list[str]) -> None:
     run.tokenizer = tokenizer
 
 
-def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> None:
-    """Packed training and validation blocks (the validation split comes from a seeded permutation of the training
-    blocks), the batch geometry and the number of steps."""
-    args, tokenizer = run.args, run.tokenizer
+def _block_size(run: TrainRun) -> int:
     context = run.config.max_position_embeddings
-    block_size = run.block_size = args.block_size or min(1024, context)
+    block_size = run.block_size = run.args.block_size or min(1024, context)
     if block_size > context:
         raise TrainingError(f"--block_size {block_size} is larger than the model's context ({context} positions)")
+    return block_size
+
+
+def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> None:
+    """--train_file: packed training and validation blocks (the validation split comes from a seeded permutation of
+    the training blocks), the batch geometry and the number of steps."""
+    args, tokenizer = run.args, run.tokenizer
+    block_size = _block_size(run)
     train_docs = order_by_similarity(train_docs) if args.similarity_batching else train_docs
     train_blocks = tokenize_and_pack(train_docs, tokenizer, block_size)
     if len(train_blocks) == 0:
@@ -136,17 +145,27 @@ def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> No
             raise TrainingError("--validation_split_percentage leaves no training block")
         order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(args.seed))
         val_blocks, train_blocks = train_blocks[order[:held_out]], train_blocks[order[held_out:]]
-    if val_blocks is None and (args.eval_at_start or reference_eval):
-        raise TrainingError(
-            "--eval_at_start (and a reference evaluation) need --validation_file or --validation_split_percentage"
-        )
-    run.train_blocks, run.val_blocks = train_blocks, val_blocks
+    run.train_blocks = Blocks(train_blocks)
+    run.val_blocks = None if val_blocks is None else Blocks(val_blocks)
+    _batch_geometry(run, len(train_blocks), reference_eval)
 
+
+def _batch_geometry(run: TrainRun, rows: int | None, reference_eval: bool) -> None:
+    """Blocks per optimizer step, steps per epoch and the run's length (`rows` None: a stream of unknown length)."""
+    args = run.args
+    if run.val_blocks is None and (args.eval_at_start or reference_eval):
+        raise TrainingError(
+            "--eval_at_start (and a reference evaluation) need --validation_file or --validation_split_percentage "
+            "(with --dataset: --validation_split)"
+        )
     run.global_blocks = args.per_device_train_batch_size * args.gradient_accumulation_steps * run.world
-    run.steps_per_epoch = len(train_blocks) // run.global_blocks
+    if rows is None:  # streaming: --max_steps is required; an "epoch" is the stream's own
+        run.steps_per_epoch = run.total_steps = args.max_steps
+        return
+    run.steps_per_epoch = rows // run.global_blocks
     if run.steps_per_epoch == 0:
         raise TrainingError(
-            f"{len(train_blocks)} training blocks of {block_size} tokens do not fill one global batch of "
+            f"{rows} training blocks of {run.block_size} tokens do not fill one global batch of "
             f"{run.global_blocks} blocks (per_device_train_batch_size × gradient_accumulation_steps × processes)"
         )
     if args.max_steps > 0:
@@ -159,6 +178,127 @@ def build_data(run: TrainRun, train_docs: list[str], reference_eval: bool) -> No
                 f"(--num_train_epochs {args.num_train_epochs:g}): the learning rate would never reach "
                 f"--learning_rate; give at most {run.total_steps} (or --warmup_ratio)"
             )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# --dataset
+
+
+def dataset_format(run: TrainRun, source) -> str:
+    """The record format of the training split (its first record's fields)."""
+    from .formats import detect_format
+    from .sources import first_record
+
+    args = run.args
+    record = first_record(source.train, source.name, args.dataset_split)
+    run.data_format = detect_format(record.keys(), args.text_field)
+    return run.data_format
+
+
+def tokenizer_texts(source, fmt: str, text_field: str, limit: int = 100_000):
+    """Texts to train a tokenizer on (a config JSON without a tokenizer): the first `limit` records' text."""
+    from .formats import TEXT
+
+    if fmt != TEXT:
+        raise TrainingError(
+            f"{fmt} records need a tokenizer with a chat template: pass --tokenizer_name_or_path (a tokenizer trained "
+            "here from scratch has none)"
+        )
+    from .sources import iter_records
+
+    for index, record in iter_records(source.train, source.name):
+        if index >= limit:
+            return
+        text = record.get(text_field)
+        if isinstance(text, str) and text.strip():
+            yield text
+
+
+def build_dataset_data(run: TrainRun, source, reference_eval: bool) -> None:
+    """--dataset: the examples encoded in their format (formats.py) and packed into rows (packing.py); with
+    --streaming, a `RowStream` that does the same on the fly. Validation rows are built up front."""
+    from tqdm.auto import tqdm
+
+    from .formats import TEXT, Encoder, load_chat_template
+    from .sources import held_out, iter_records
+
+    args, tokenizer = run.args, run.tokenizer
+    block_size = _block_size(run)
+    template = load_chat_template(args.chat_template)
+    if template is not None:
+        tokenizer.chat_template = template  # saved with the tokenizer: the trained model keeps it
+    encoder = Encoder(tokenizer, run.data_format, args.text_field, args.loss_on_prompt)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    text = run.data_format == TEXT
+    limit = args.max_eval_samples or (1000 if source.streaming else None)
+    val_examples = None
+    if source.validation is not None:
+        val_examples = _encode(source.validation, source.name, encoder, limit=limit)
+    elif source.held_out and source.streaming:
+        val_examples = _encode(source.train, source.name, encoder, source.held_out, keep=True, limit=limit)
+    if source.streaming:
+        from .streaming import RowStream, split_for_process
+
+        if source.held_out and run.world > 1:  # each process numbers its own share: the held-out rule would differ
+            raise TrainingError(
+                f"--validation_split {args.validation_split} with --streaming on {run.world} processes: a percentage "
+                "is held out by example number, which each process counts in its own share; give a split name "
+                "(e.g. --validation_split validation)"
+            )
+
+        dataset = split_for_process(source.train, run.accelerator.process_index, run.world)
+        run.stream = RowStream(dataset, encoder, block_size, pad_id, args.packing, source.held_out, source.name)
+    else:
+        records = tqdm(
+            iter_records(source.train, source.name),
+            total=len(source.train),
+            desc="tokenizing",
+            disable=not run.is_main or args.disable_tqdm,
+            leave=False,
+        )
+        train_examples, held = [], []
+        for index, record in records:
+            is_held = source.held_out and held_out(index, source.held_out)
+            (held if is_held else train_examples).append(encoder(record, index + 1))
+        if source.held_out:
+            val_examples = held[:limit] if limit else held
+        run.train_blocks = _pack(train_examples, text, block_size, pad_id, args.packing, run, "training")
+    if val_examples is not None:
+        run.val_blocks = _pack(val_examples, text, block_size, pad_id, args.packing, run, "validation")
+    _batch_geometry(run, None if source.streaming else len(run.train_blocks), reference_eval)
+
+
+def _encode(dataset, name: str, encoder, percentage: float = 0.0, keep: bool = False, limit: int | None = None):
+    """Encoded examples of `dataset` (with `percentage`: only the held-out ones when `keep`), at most `limit`."""
+    from .sources import held_out, iter_records
+
+    examples = []
+    for index, record in iter_records(dataset, name):
+        if limit is not None and len(examples) >= limit:
+            break
+        if percentage and held_out(index, percentage) != keep:
+            continue
+        examples.append(encoder(record, index + 1))
+    return examples
+
+
+def _pack(examples: list, text: bool, block_size: int, pad_id: int, packing: bool, run: TrainRun, split: str):
+    """Rows of `examples`; refuses a split that gives none and says what was cut or dropped."""
+    from .packing import pack_examples, pack_text
+
+    if text:
+        blocks, stats = pack_text(examples, block_size), {}
+    else:
+        blocks, stats = pack_examples(examples, block_size, pad_id, packing)
+    if len(blocks) == 0:
+        what = f"fewer than block_size={block_size} tokens" if text else "no example with a trained token"
+        raise TrainingError(f"the {split} split of --dataset holds {what}: no {split} row")
+    if stats.get("truncated") or stats.get("dropped"):
+        run.accelerator.print(
+            f"mhmoe-train: {split}: {stats['truncated']} of {len(examples)} examples were longer than --block_size "
+            f"{block_size} and were cut; {stats['dropped']} had no trained token left and were left out"
+        )
+    return blocks
 
 
 def build_model(run: TrainRun, model) -> None:
@@ -283,7 +423,9 @@ def build_optimizer(run: TrainRun) -> None:
 
 __all__ = [
     "build_data",
+    "build_dataset_data",
     "build_model",
+    "dataset_format",
     "build_optimizer",
     "reset_accelerate_state",
     "setup_accelerator",

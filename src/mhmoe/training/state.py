@@ -12,6 +12,7 @@ import torch
 
 from .arguments import TrainArguments
 from .metrics import METRICS_FILE
+from .packing import Blocks
 
 
 @dataclass
@@ -34,9 +35,11 @@ class TrainRun:
     from_scratch: bool
     on_log: Callable[[dict], None] | None = None
     tokenizer: Any = None
-    # data and batch geometry (build_data)
-    train_blocks: torch.Tensor | None = None  # (blocks, block_size) token ids
-    val_blocks: torch.Tensor | None = None
+    # data and batch geometry (build_data / build_dataset_data)
+    train_blocks: Blocks | None = None  # (blocks, block_size) rows; None with --streaming
+    val_blocks: Blocks | None = None
+    stream: Any = None  # --streaming: this process's RowStream (streaming.py)
+    data_format: str = "text"  # text | messages | prompt-completion (formats.py)
     block_size: int = 0
     global_blocks: int = 0  # blocks per optimizer step: micro-batch × accumulation × processes
     steps_per_epoch: int = 0
@@ -53,6 +56,9 @@ class TrainRun:
     loss_names: list[str] | None = None  # the extra *_loss outputs, in the order the step sums them
     permutation: tuple[int, torch.Tensor] | None = None  # (epoch, its block order)
     history: list[dict] = field(default_factory=list)
+    tokens_seen: int = 0  # real (not padding) tokens trained on, all processes, since step 0
+    throughput: Any = None  # throughput.Throughput: tokens/s and MFU in the log records
+    trackers: bool = False  # Accelerate's trackers are on (--report_to)
     metrics_records: int = 0  # records in metrics.jsonl (earlier runs' included): checkpoints keep the count
     pending_checkpoint: Any = None  # a Future: the checkpoint being completed in the background (checkpoints.py)
 
@@ -76,6 +82,9 @@ class TrainRun:
                 f.write(json.dumps(record) + "\n")
             if self.on_log is not None:
                 self.on_log(record)
+        if self.trackers:  # numbers only (the load lists stay in metrics.jsonl)
+            scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            self.accelerator.log(scalars, step=record.get("step"))
 
 
 __all__ = ["TrainResult", "TrainRun"]
