@@ -1,5 +1,6 @@
 """Checkpoints saved before the model layer was reorganised (commit 17c8c52, issue #30) load through the Auto classes
-and give the logits they gave then, bit for bit; exported with their modeling code, they give them where mhmoe is not
+and give the logits they gave then, bit for bit on a CPU like the one that saved them (within fp32 rounding on
+others); exported with their modeling code, they give them where mhmoe is not
 installed. The folders and logits were written by tests/fixtures/saved_before_refactor/make_fixture.py."""
 
 import json
@@ -16,6 +17,9 @@ from tests.fixtures.remote_code import load_without_mhmoe
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "saved_before_refactor"
 SAVED = load_file(str(FIXTURE / "logits.safetensors"))
 NAMES = sorted(name for name in SAVED if name != "input_ids")
+# torch's CPU capability where the logits were saved: the suite compared them bit for bit on such machines; on an AVX2
+# one (AMD EPYC without AVX-512) the same masked computation differs in the last bit (2.4e-7)
+SAVED_ON_CPU = "AVX512"
 
 
 def test_the_fixture_covers_every_variant():
@@ -50,8 +54,11 @@ def test_saved_before_loads_with_identical_logits(name):
             if hasattr(module, "moh_head_skipping"):
                 module.moh_head_skipping = False
         masked = model(SAVED["input_ids"]).logits
-    assert torch.equal(masked, SAVED[name]), (masked - SAVED[name]).abs().max()
-    for got in (logits, sparse):  # both sum in another order than the masked computation: within fp32 rounding
+    # bit for bit where the fixture was saved; a CPU with other vector units (AVX-512 or not) picks other matmul
+    # kernels, which round differently: within fp32 rounding there
+    if torch.backends.cpu.get_cpu_capability() == SAVED_ON_CPU:
+        assert torch.equal(masked, SAVED[name]), (masked - SAVED[name]).abs().max()
+    for got in (masked, logits, sparse):  # the last two sum in another order than the masked computation
         torch.testing.assert_close(got, SAVED[name], rtol=0, atol=1e-6)
 
 

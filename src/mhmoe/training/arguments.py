@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 # Light on purpose: the command line parses these arguments before torch and Transformers are imported (cli.py).
@@ -357,6 +358,18 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
 
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def validation_percentage(split: str | None) -> float | None:
+    """ "5%" -> 5.0; a split name -> None."""
+    match = _PERCENT.match(split or "")
+    if not match:
+        return None
+    value = float(match.group(1))
+    if not 0 < value < 100:
+        raise TrainingError(f"--validation_split {split!r}: a percentage must be above 0% and below 100%")
+    return value
 
 
 def report_to(args: TrainArguments) -> list[str]:
@@ -405,8 +418,6 @@ def check_data_arguments(args: TrainArguments) -> None:
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise TrainingError(f"--chat_template {args.chat_template}: no such file (a Jinja template file)")
     if args.validation_split:
-        from .sources import validation_percentage
-
         validation_percentage(args.validation_split)  # a bad percentage fails here
     report_to(args)
 
@@ -619,4 +630,5 @@ __all__ = [
     "load_config",
     "recorded_args",
     "supported_model_types",
+    "validation_percentage",
 ]

@@ -14,11 +14,10 @@ one example per paragraph (blank-line separated) in the `text` column.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from .arguments import TrainingError
+from .arguments import TrainingError, validation_percentage
 
 # file suffix -> the `datasets` packaged builder that reads it
 FILE_BUILDERS = {
@@ -33,7 +32,6 @@ FILE_BUILDERS = {
     ".text": "text",
 }
 SAVED_TO_DISK = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
-_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 
 @dataclass
@@ -47,17 +45,6 @@ class Source:
     name: str
     streaming: bool
     held_out: float = 0.0
-
-
-def validation_percentage(split: str | None) -> float | None:
-    """ "5%" -> 5.0; a split name -> None."""
-    match = _PERCENT.match(split or "")
-    if not match:
-        return None
-    value = float(match.group(1))
-    if not 0 < value < 100:
-        raise TrainingError(f"--validation_split {split!r}: a percentage must be above 0% and below 100%")
-    return value
 
 
 def held_out(index: int, percentage: float) -> bool:
