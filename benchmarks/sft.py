@@ -8,8 +8,8 @@ machine's load falls on both; the ratio is the median of per-round ratios.
 
 `python benchmarks/sft.py memory`: the peak resident memory of a `--streaming` run over a generated JSONL of
 --gigabytes (default 2; written once under --workdir), against the same run over a file a hundredth of its size: a
-stream reads and tokenizes as it trains, so the peak does not grow with the file. The child's peak RSS is its
-`ru_maxrss`.
+stream reads and tokenizes as it trains, so the peak does not grow with the file. Each run's peak RSS is its
+`ru_maxrss`, read by a fresh parent process.
 
 Results, with the commands that produced them: benchmarks/results/sft_packing.txt, benchmarks/results/sft_memory.txt.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -132,6 +131,15 @@ def _write_jsonl(path: str, size: int) -> None:
             written, n = written + len(line), n + 1
 
 
+# runs a command in a fresh parent and prints the command's peak RSS in KiB (its ru_maxrss: each run its own maximum)
+_PEAK = [
+    sys.executable,
+    "-c",
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)",
+]
+
+
 def memory(args) -> None:
     paths = _workspace(args.workdir)
     rows = []
@@ -146,12 +154,8 @@ def memory(args) -> None:
             "--overwrite_output_dir", "--block_size", "256", "--per_device_train_batch_size", "8", "--disable_tqdm",
             "--no_plot", "--save_steps", str(args.steps),
         ]  # fmt: skip
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         started = time.time()
-        subprocess.run(command, check=True, env=_env(), stdout=subprocess.DEVNULL)
-        peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        if peak_kb <= before:
-            raise SystemExit("the small run must come after the large one to be measured (ru_maxrss is a maximum)")
+        peak_kb = int(subprocess.run(_PEAK + command, check=True, env=_env(), capture_output=True, text=True).stdout)
         with open(os.path.join(out, f"checkpoint-{args.steps}", "stream_state_0.json")) as f:
             state = json.load(f)
         rows.append((label, os.path.getsize(data), peak_kb * 1024, state["index"], time.time() - started))
