@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mhmoe.training import train
+from mhmoe.training import TrainingError, train
 from mhmoe.training.cli import main
 from mhmoe.training.formats import CHAT, Encoder
 
@@ -185,3 +185,25 @@ def test_empty_split_and_chat_file_given_as_train_file(
         "--output_dir", str(tmp_path / "out"),
     )  # fmt: skip
     assert code == 2 and "--streaming needs --max_steps" in err, err
+
+
+def test_chat_template_file_replaces_the_tokenizers_and_is_saved(tmp_path, chat_config_json, tokenizer_dir, chat_data):
+    """A tokenizer without a template trains on chat data with --chat_template FILE; the trained model keeps it."""
+    from tests.fixtures.training import CHATML
+
+    template = tmp_path / "template.jinja"
+    template.write_text(CHATML.replace("<|im_start|>", "[").replace("<|im_end|>", "]"))
+    train(_args(tmp_path / "out", chat_config_json, tokenizer_dir, chat_data["chat"], chat_template=str(template)))
+    saved = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert saved.chat_template == template.read_text()
+    assert saved.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[user\nhi]\n"
+    with pytest.raises(TrainingError, match=r"--chat_template .*missing.jinja: no such file"):
+        train(
+            _args(
+                tmp_path / "out2",
+                chat_config_json,
+                tokenizer_dir,
+                chat_data["chat"],
+                chat_template=str(tmp_path / "missing.jinja"),
+            )
+        )
