@@ -3,7 +3,10 @@
 `loop.py` is the loop and the order of its stages; `prepare.py` the setup stages, `state.py` what they share,
 `checkpoints.py` checkpoints and resuming, `outputs.py` the output folder and the final save, `arguments.py` the
 arguments and their checks, `metrics.py` metrics and the loss plot, `data.py` text files, tokenizer and packed blocks,
-`peft.py` LoRA (attention and the 3-D expert weights), `cli.py` the command line.
+`sources.py` / `formats.py` / `packing.py` / `streaming.py` the `--dataset` path (any `datasets` source; text, chat and
+prompt-completion records; rows; streams), `throughput.py` tokens/s and MFU, `trackers.py` `--report_to`,
+`sft_trainer.py` TRL's SFTTrainer with mhmoe's auxiliary losses, `peft.py` LoRA (attention and the 3-D expert
+weights), `cli.py` the command line.
 """
 
 from typing import TYPE_CHECKING
