@@ -10,8 +10,10 @@ Shape legend: N rows, S = block_size tokens per row.
   no token attends across examples, as if each ran alone (tests/training/test_packing.py checks the logits). Labels
   are -100 on untrained tokens, on the padding and on each example's first token (no token before it to predict it).
 - Unpacked (`--packing false`): one example per row, right-padded; a batch is cut to its longest row (padded per
-  batch). benchmarks/sft_packing.py measures both: packing is the default because it trains the same real tokens in
-  fewer, fuller rows.
+  batch). `benchmarks/sft.py packing` measures both (results/sft_packing.txt): on a tiny model on CPU the real tokens
+  per second are the same within noise (x0.98); packing is the default because every batch then has one shape and
+  nearly the same token count (steady memory and step time, no recompilation), and its padding does not grow with the
+  spread of the examples' lengths (there: 24% of the positions against 35%).
 """
 
 from __future__ import annotations
