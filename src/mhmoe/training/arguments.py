@@ -266,6 +266,30 @@ FLOAT_ARGUMENTS = (
 )
 
 
+def _check_sizes(args: TrainArguments) -> None:
+    """Counts, sizes and ranges: batch sizes, steps, block size, rates, shares."""
+    positive = (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "lora_r",
+    )
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise TrainingError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.block_size is not None and args.block_size < 2:
+        raise TrainingError(f"--block_size must be >= 2, got {args.block_size}")
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        raise TrainingError("set --max_steps > 0 or --num_train_epochs > 0")
+    if args.learning_rate <= 0 or args.max_grad_norm < 0 or args.warmup_steps < 0:
+        raise TrainingError("--learning_rate must be > 0, --max_grad_norm and --warmup_steps >= 0")
+    if not 0 <= args.validation_split_percentage < 100 or not 0 <= args.warmup_ratio < 1:
+        raise TrainingError("--validation_split_percentage must be in [0, 100) and --warmup_ratio in [0, 1)")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise TrainingError(f"--save_total_limit must be >= 1, got {args.save_total_limit}")
+
+
 def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
     check_required(args, model_given)
     not_finite = [
@@ -299,26 +323,7 @@ def check_arguments(args: TrainArguments, model_given: bool = False) -> None:
         args.validation_file = [args.validation_file]
     if isinstance(args.lora_target_modules, str):
         args.lora_target_modules = [args.lora_target_modules]
-    positive = (
-        "per_device_train_batch_size",
-        "per_device_eval_batch_size",
-        "gradient_accumulation_steps",
-        "logging_steps",
-        "lora_r",
-    )
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise TrainingError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.block_size is not None and args.block_size < 2:
-        raise TrainingError(f"--block_size must be >= 2, got {args.block_size}")
-    if args.max_steps <= 0 and args.num_train_epochs <= 0:
-        raise TrainingError("set --max_steps > 0 or --num_train_epochs > 0")
-    if args.learning_rate <= 0 or args.max_grad_norm < 0 or args.warmup_steps < 0:
-        raise TrainingError("--learning_rate must be > 0, --max_grad_norm and --warmup_steps >= 0")
-    if not 0 <= args.validation_split_percentage < 100 or not 0 <= args.warmup_ratio < 1:
-        raise TrainingError("--validation_split_percentage must be in [0, 100) and --warmup_ratio in [0, 1)")
-    if args.save_total_limit is not None and args.save_total_limit < 1:
-        raise TrainingError(f"--save_total_limit must be >= 1, got {args.save_total_limit}")
+    _check_sizes(args)
     from transformers import SchedulerType
 
     if args.lr_scheduler_type not in {s.value for s in SchedulerType}:
