@@ -10,6 +10,7 @@ import pytest
 
 from mhmoe.training import TrainingError
 from mhmoe.training.cli import main
+from mhmoe.training.checkpoints import MANIFEST_ERA_KEYS, resolve_checkpoint
 from mhmoe.training.manifest import MANIFEST_FILE
 from tests.training.test_loop import _args, train
 
@@ -167,19 +168,52 @@ def test_manifest_lists_every_file_and_is_written_last(finished):
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
 
 
-def test_a_checkpoint_without_a_manifest_resumes_with_a_warning(
+def _as_before_manifests(checkpoint) -> None:
+    """Make `checkpoint` look as an mhmoe from before manifests wrote it: no manifest, no key written since."""
+    (checkpoint / MANIFEST_FILE).unlink()
+    state = json.loads((checkpoint / "train_state.json").read_text())
+    for key in MANIFEST_ERA_KEYS:
+        state.pop(key, None)
+    (checkpoint / "train_state.json").write_text(json.dumps(state))
+
+
+def test_a_checkpoint_that_lost_its_manifest_is_refused(finished, tmp_path, corpus, config_json, tokenizer_dir):
+    """Its state file says a manifest-writing mhmoe saved it: a deleted manifest plus a flipped weight byte is refused
+    by name and by `latest` (which falls back to the older checkpoint), never trained on."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    for name in ("train_summary.json", "model.safetensors"):
+        (out / name).unlink()
+    newest = out / "checkpoint-4"
+    (newest / MANIFEST_FILE).unlink()
+    weights = newest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    common = _common(corpus, config_json, tokenizer_dir)
+    with pytest.raises(TrainingError, match=r"checkpoint-4 is damaged: its manifest.json is missing, though"):
+        train(_args(out, resume_from_checkpoint=str(newest), **common))
+    assert resolve_checkpoint("latest", str(out)) == str(out / "checkpoint-2")
+
+
+def test_a_checkpoint_from_before_manifests_resumes_only_when_named(
     finished, tmp_path, corpus, config_json, tokenizer_dir, capsys
 ):
-    """Written by an older mhmoe: resumed, unverified, with a warning; a file that does not load is one line."""
+    """Provably older (no manifest, no later key): `latest` skips it; named, it resumes unverified with a warning, and
+    a file that does not load is one line."""
     out = tmp_path / "run"
     shutil.copytree(finished, out)
     for name in ("train_summary.json", "model.safetensors", "checkpoint-4"):
         (shutil.rmtree if (out / name).is_dir() else (out / name).unlink)(out / name)
-    (out / "checkpoint-2" / MANIFEST_FILE).unlink()
-    (out / "checkpoint-2" / "optimizer.bin").write_bytes(b"")
+    old = out / "checkpoint-2"
+    _as_before_manifests(old)
+    common = _common(corpus, config_json, tokenizer_dir)
+    with pytest.raises(TrainingError, match=r"no complete checkpoint .*only when named explicitly"):
+        train(_args(out, resume_from_checkpoint="latest", **common))
+    (old / "optimizer.bin").write_bytes(b"")
     with pytest.raises(TrainingError, match=r"checkpoint-2 does not load \(\w+Error: .*\); resume from another"):
-        train(_args(out, resume_from_checkpoint="latest", **_common(corpus, config_json, tokenizer_dir)))
-    assert f"{out / 'checkpoint-2'} has no manifest.json (written by an older mhmoe)" in capsys.readouterr().err
+        train(_args(out, resume_from_checkpoint=str(old), **common))
+    assert f"{old} has no manifest.json (written by an mhmoe from before manifests)" in capsys.readouterr().err
 
 
 def test_every_checkpoint_loads_exports_and_evaluates(finished, tmp_path, corpus):

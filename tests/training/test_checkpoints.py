@@ -13,7 +13,9 @@ from mhmoe.training import TrainingError
 from mhmoe.training.arguments import TrainingStopped
 from mhmoe.training.checkpoints import read_state, resolve_checkpoint
 from mhmoe.training.lock import OutputDirLock, OutputDirLocked
+from mhmoe.training.manifest import seal
 from mhmoe.training.metrics import _read_metrics, keep_metrics_up_to
+from tests.training.test_checkpoint_integrity import _as_before_manifests
 from tests.training.test_loop import _args, _records, train
 
 
@@ -31,7 +33,8 @@ def _common(corpus, config_json, tokenizer_dir, **overrides):
 
 def _state(folder, step):
     folder.mkdir(parents=True)
-    (folder / "train_state.json").write_text(json.dumps({"step": step}))
+    (folder / "train_state.json").write_text(json.dumps({"step": step, "sealed": True}))
+    seal(str(folder))  # its manifest, as every checkpoint has
 
 
 def test_latest_skips_damaged_checkpoints_by_name(tmp_path, capsys):
@@ -92,15 +95,16 @@ def test_damaged_rng_state_is_refused_by_name(tmp_path, corpus, config_json, tok
         r"is truncated \(100 bytes; \d+ were written\)",
     ):
         train(_args(out, resume_from_checkpoint="latest", **common))
-    (out / "checkpoint-2" / "manifest.json").unlink()  # as an older mhmoe wrote it: the RNG check finds it
+    _as_before_manifests(out / "checkpoint-2")  # as an older mhmoe wrote it: the RNG check finds it
+    named = str(out / "checkpoint-2")
     with pytest.raises(
         TrainingError,
         match=r"the RNG state .*checkpoint-2/random_states_0.pkl does not load .*"
         r"--resume_without_rng_state",
     ):
-        train(_args(out, resume_from_checkpoint="latest", **common))
+        train(_args(out, resume_from_checkpoint=named, **common))
     assert (out / "checkpoint-2").is_dir()  # nothing removed
-    resumed = train(_args(out, resume_from_checkpoint="latest", resume_without_rng_state=True, **common))
+    resumed = train(_args(out, resume_from_checkpoint=named, resume_without_rng_state=True, **common))
     assert "random_states_0.pkl does not load" in capsys.readouterr().err
     assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]
     assert math.isfinite(resumed.history[-1]["loss"])

@@ -9,8 +9,10 @@ manifest is written, and only then is the folder renamed to `checkpoint-N`. A ki
 previous checkpoints alone or the new one complete; the next run removes the hidden leftovers. Resuming verifies the
 manifest (a flipped byte, a truncated, empty or missing file, a step that disagrees with the folder's name are refused
 in one line naming the file); `latest` takes the newest checkpoint that verifies and says which newer ones it skipped
-and why. A checkpoint without a manifest (from an older mhmoe) is resumed with a warning, unverified; an RNG state
-file that does not load is refused by name (`--resume_without_rng_state` goes on without it).
+and why. A checkpoint is accepted only with a manifest that verifies. The one exception is a checkpoint provably
+written before manifests existed (its state file lacks every key written since, `MANIFEST_ERA_KEYS`): it resumes,
+unverified and with a one-line warning, only when named explicitly; `latest` skips it. An RNG state file that does
+not load is refused by name (`--resume_without_rng_state` goes on without it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ RNG_STATE_FILE = "random_states_{}.pkl"  # Accelerate's RNG_STATE_NAME, one per 
 # settings that decide which parameters train: a checkpoint resumes only with the same ones
 PARAMETER_SETTINGS = ("lora", "lora_r", "lora_target_modules", "lora_experts", "lora_routers")
 SETTINGS_BEFORE = {"lora_routers": False}  # what a checkpoint saved before a setting existed did
+# state-file keys written only by an mhmoe that also writes manifests (metrics_records came with the manifest, in
+# 79da767; "sealed" is written from now on): such a checkpoint without its manifest has lost it
+MANIFEST_ERA_KEYS = ("sealed", "metrics_records")
 
 
 def _warn(message: str) -> None:
@@ -68,18 +73,32 @@ def read_state(path: str) -> dict:
     return state
 
 
-def verify_checkpoint(path: str) -> dict:
-    """`read_state`, then every file against the checkpoint's manifest; returns the state. A checkpoint of an older
-    mhmoe (no manifest) passes with a warning."""
+def verify_checkpoint(path: str, named: bool = False) -> dict:
+    """`read_state`, then every file against the checkpoint's manifest; returns the state. Without a manifest, only a
+    checkpoint provably written before manifests existed passes, only when `named` explicitly, with a warning."""
     state = read_state(path)
     try:
         manifest = read_manifest(path)
         if manifest is None:
-            _warn(f"{path} has no {MANIFEST_FILE} (written by an older mhmoe): its files cannot be verified")
-            return state
+            return _without_manifest(path, state, named)
         verify(path, manifest)
     except ManifestError as e:
         raise TrainingError(f"{path} is damaged: {e}") from None
+    return state
+
+
+def _without_manifest(path: str, state: dict, named: bool) -> dict:
+    if any(key in state for key in MANIFEST_ERA_KEYS):  # this mhmoe wrote a manifest; it is gone
+        raise ManifestError(
+            f"its {MANIFEST_FILE} is missing, though its {STATE_FILE} shows an mhmoe that writes one saved it: the "
+            "files cannot be verified"
+        )
+    if not named:
+        raise TrainingError(
+            f"{path} has no {MANIFEST_FILE} (written before mhmoe verified checkpoints): it is resumed, unverified, "
+            "only when named explicitly (--resume_from_checkpoint FOLDER)"
+        )
+    _warn(f"{path} has no {MANIFEST_FILE} (written by an mhmoe from before manifests): its files cannot be verified")
     return state
 
 
@@ -125,7 +144,7 @@ def resolve_checkpoint(checkpoint: str, output_dir: str) -> str:
 
     check_links(checkpoint, TrainingError, "--resume_from_checkpoint")
     try:
-        verify_checkpoint(checkpoint)
+        verify_checkpoint(checkpoint, named=True)
     except TrainingError as e:
         raise TrainingError(
             f"--resume_from_checkpoint: {e}; resume from another checkpoint (`latest` takes the "
@@ -266,6 +285,7 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
                 "tokens_seen": run.tokens_seen,
                 "num_processes": run.world,
                 "metrics_records": run.metrics_records,
+                "sealed": True,  # a manifest is written: without it this checkpoint is refused
                 "args": recorded_args(args),
             }
             with open(os.path.join(temporary, STATE_FILE), "w") as f:

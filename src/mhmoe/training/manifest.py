@@ -129,7 +129,7 @@ def seal(folder: str) -> dict:
 
 
 def read_manifest(folder: str) -> dict | None:
-    """The manifest of `folder`; None when it has none (a checkpoint of an older mhmoe). Raises `ManifestError` when
+    """The manifest of `folder`; None when it has none (lost, or a checkpoint from before manifests). Raises `ManifestError` when
     it does not read back."""
     path = os.path.join(folder, MANIFEST_FILE)
     if not os.path.lexists(path):
