@@ -46,7 +46,53 @@ CASES = {
         r"eos_token_id \(\[2, 1000\]\) must lie in the vocabulary",
     ),
     "zero heads": (dict(num_attention_heads=0), r"num_attention_heads must be >= 1, got 0"),
+    "linear factor 0": (
+        dict(rope_scaling={"rope_type": "linear", "factor": 0}),
+        r"rope_parameters' factor must be finite numbers > 0, got 0",
+    ),
+    "dynamic factor -2 in rope_parameters": (
+        dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": -2.0}),
+        r"factor must be finite numbers > 0, got -2.0",
+    ),
+    "nan long_factor": (
+        dict(
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "factor": 2.0,
+                "original_max_position_embeddings": 16,
+                "short_factor": [1.0] * 4,
+                "long_factor": [1.0, float("nan"), 1.0, 1.0],
+            }
+        ),
+        r"long_factor must be finite numbers > 0, got a list holding nan",
+    ),
 }
+
+# every rope type with every numeric field Transformers reads, at values a typo or a bad tool gives
+ROPE_TYPES = {
+    "default": {},
+    "linear": {"factor": 2.0},
+    "dynamic": {"factor": 2.0},
+    "yarn": {
+        "factor": 2.0,
+        "original_max_position_embeddings": 8,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "attention_factor": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "longrope": {
+        "factor": 2.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [1.0] * 8,
+        "original_max_position_embeddings": 8,
+        "attention_factor": 1.0,
+    },
+    "llama3": {"factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+}
+ODD_VALUES = (0, -2, float("nan"), float("inf"), -float("inf"), 1e-30, 0.5, 1, 1e30)
 
 
 def _one_line_value_error(make, words):
@@ -92,6 +138,32 @@ def test_from_pretrained_refuses_the_same_values(tmp_path, model_type, case):
         fields.update(bad)
     (tmp_path / "config.json").write_text(json.dumps(fields))
     _one_line_value_error(lambda: config_class.from_pretrained(tmp_path), words)
+
+
+@pytest.mark.parametrize("rope_type", ROPE_TYPES)
+def test_every_rope_value_is_refused_or_gives_finite_logits(rope_type):
+    """Property over every rope type, each of its fields and `rope_theta` at odd values (0, negative, NaN, inf, tiny,
+    huge): the config is refused in one line, or a tiny forward past the model's length (where dynamic and long
+    scalings switch) has finite logits. No accepted config computes NaN."""
+    tiny = dict(TINY, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16)
+    fields = ROPE_TYPES[rope_type]
+    refused = accepted = 0
+    for name in [*fields, "rope_theta"]:
+        for value in ODD_VALUES:
+            parameters = {"rope_type": rope_type, "rope_theta": 1e4, **fields}
+            parameters[name] = [value] * 8 if isinstance(parameters[name], list) else value
+            try:
+                config = MHMoEConfig(**tiny, **MOE, rope_parameters=parameters)
+            except ValueError as e:
+                assert "\n" not in str(e) and "rope" in str(e), str(e)
+                refused += 1
+                continue
+            torch.manual_seed(0)
+            with torch.no_grad():
+                logits = MHMoEForCausalLM(config).eval()(torch.randint(0, 64, (1, 24))).logits
+            assert torch.isfinite(logits).all(), (name, value)
+            accepted += 1
+    assert refused and accepted  # both sides of the rule are reached for every type
 
 
 @pytest.mark.parametrize("model_type", CLASSES)

@@ -102,6 +102,20 @@ def test_from_scratch_run(tmp_path, corpus, config_json):
     assert nll.item() == pytest.approx(final["eval_loss"], rel=1e-4)
 
 
+def test_the_first_line_says_which_layers_route(tmp_path, corpus, config_json, tokenizer_dir, capsys):
+    """decoder_sparse_step=0 builds no MoE layer (a dense LLaMA, by design): the run's first line says so, and the
+    default says how many layers route."""
+    common = dict(model_name_or_path=config_json, tokenizer_name_or_path=tokenizer_dir, train_file=[corpus["tiny"]])
+    dense = train(_args(tmp_path / "dense", config_overrides="decoder_sparse_step=0", max_steps=1, **common))
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "mhmoe-train: mhmoe (dense: decoder_sparse_step=0, no MoE layer)," in first, first
+    assert "aux_loss" not in dense.history[-1] or dense.history[-1]["aux_loss"] == 0
+    train(_args(tmp_path / "moe", max_steps=1, **common))
+    layers, step = CONFIG["num_hidden_layers"], CONFIG.get("decoder_sparse_step", 1)
+    routed = len(range(step - 1, layers, step))  # layers step, 2·step, ... (counted from 1)
+    assert f"mhmoe-train: mhmoe (MoE in {routed} of {layers} layers)," in capsys.readouterr().out
+
+
 def test_text_file_and_finetune_from_checkpoint(tmp_path, corpus, checkpoint_dir):
     """A plain .txt file trains a checkpoint directory (validation held out from it); the weights change."""
     from safetensors.torch import load_file

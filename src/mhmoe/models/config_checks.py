@@ -62,8 +62,10 @@ def check_keyword_arguments(config_class: type, kwargs: dict) -> None:
 
 def rope_problems(config) -> list[str]:
     """`rope_parameters` (or the legacy `rope_scaling` / `rope_theta`, merged into it by Transformers), in words: a
-    rope_type the rotary embedding knows, the keys that type needs, and a finite `rope_theta` > 0 (a negative one
-    trains to NaN). Transformers only warns about an unknown type and raises a KeyError for a missing key."""
+    rope_type the rotary embedding knows, the keys that type needs, finite values with factors, betas, rope_theta and
+    original_max_position_embeddings > 0, and frequencies and an attention scaling that come out finite (at the model's
+    length and, for the dynamic type, past it). Transformers only warns about most of these (a factor of 0 or -2 trains
+    to NaN), and raises a KeyError for a missing key."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     parameters = getattr(config, "rope_parameters", None)
@@ -75,17 +77,70 @@ def rope_problems(config) -> list[str]:
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type not in known:
         return [f"rope_parameters' rope_type must be one of {known}, got {rope_type!r}"]
-    problems = []
-    theta = parameters.get("rope_theta")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
-        problems.append(f"rope_theta (rope_parameters' base wavelength) must be a finite number > 0, got {theta!r}")
+    problems = _rope_value_problems(parameters)
     validate = getattr(config, f"_validate_{rope_type}_rope_parameters", None)
     try:  # Transformers' own check of the type's keys and values, its exceptions as problems
         if validate is not None:
             validate(dict(parameters), ignore_keys=getattr(config, "ignore_keys_at_rope_validation", None))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         problems.append(str(e.args[0] if e.args else e))
+    return problems or _rope_frequency_problems(config, rope_type)
+
+
+# rope_parameters' fields that must be > 0 (a factor or beta of 0 divides by zero or gives NaN frequencies); mscale and
+# mscale_all_dim may be 0 (Transformers reads <= 0 as 1)
+_POSITIVE_ROPE_FIELDS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+_MAX_ATTENTION_SCALING = (
+    100.0  # yarn's own is 0.1 ln(factor) + 1 (2.4 at a factor of a million); beyond, scores overflow
+)
+
+
+def _rope_value_problems(parameters: dict) -> list[str]:
+    problems = []
+    for name, value in parameters.items():
+        if name == "rope_theta":
+            continue  # below, with its own words
+        values = value if isinstance(value, (list, tuple)) else [value]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if name in _POSITIVE_ROPE_FIELDS or name.endswith("_factor"):
+            rule, allowed = "finite numbers > 0", lambda v: math.isfinite(v) and v > 0
+        elif name.startswith("mscale"):
+            rule, allowed = "finite numbers >= 0", lambda v: math.isfinite(v) and v >= 0
+        else:
+            rule, allowed = "finite numbers", math.isfinite
+        wrong = [v for v in numbers if not allowed(v)]
+        if wrong:
+            shown = value if len(values) == 1 else f"a list holding {wrong[0]}"
+            problems.append(f"rope_parameters' {name} must be {rule}, got {shown}")
+    theta = parameters.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        problems.append(f"rope_theta (rope_parameters' base wavelength) must be a finite number > 0, got {theta!r}")
     return problems
+
+
+def _rope_frequency_problems(config, rope_type: str) -> list[str]:
+    """Compute the type's frequencies and attention scaling as the rotary embedding will (the dynamic type also at
+    twice the model's length, where it rescales); anything not finite, or a failure, is a problem."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type == "default":
+        return []
+    compute = ROPE_INIT_FUNCTIONS[rope_type]
+    try:
+        results = [compute(config, "cpu")]
+        if rope_type == "dynamic":
+            results.append(compute(config, "cpu", seq_len=2 * config.max_position_embeddings))
+    except (ArithmeticError, ValueError, TypeError, KeyError) as e:
+        return [f"rope_parameters {config.rope_parameters} give no rotary frequencies ({type(e).__name__}: {e})"]
+    for inv_freq, scaling in results:
+        angles = inv_freq.float() * config.max_position_embeddings
+        if not (torch.isfinite(angles).all() and math.isfinite(scaling) and 0 < scaling <= _MAX_ATTENTION_SCALING):
+            return [
+                f"rope_parameters {config.rope_parameters} give non-finite rotary frequencies or an attention scaling "
+                f"outside (0, {_MAX_ATTENTION_SCALING:g}] ({scaling}): the model would compute NaN"
+            ]
+    return []
 
 
 def token_id_problems(config) -> list[str]:

@@ -268,13 +268,24 @@ def _data_words(run: TrainRun) -> str:
 def _print_run(run: TrainRun) -> None:
     args, accelerator = run.args, run.accelerator
     accelerator.print(
-        f"mhmoe-train: {run.config.model_type}, {run.trainable:,} trainable / {run.total_params:,} parameters; "
+        f"mhmoe-train: {_model_words(run.config)}, {run.trainable:,} trainable / {run.total_params:,} parameters; "
         f"{_data_words(run)} × {run.block_size} tokens, {run.steps_per_epoch} steps/epoch, steps "
         f"{run.start_step} → {run.total_steps}, global batch {run.global_blocks} blocks ({run.world} process(es) × "
         f"{args.per_device_train_batch_size} × {args.gradient_accumulation_steps} accum), {_distribution(run)}, "
         f"mixed precision {accelerator.mixed_precision}",
         flush=True,  # the run's first line, also when stdout is a pipe (a log, a supervisor)
     )
+
+
+def _model_words(config) -> str:
+    """The model type, and for MH-MoE which layers route (decoder_sparse_step=0 builds no MoE layer: said aloud)."""
+    if not hasattr(config, "is_moe_layer"):
+        return config.model_type
+    layers = config.num_hidden_layers
+    moe = sum(config.is_moe_layer(i) for i in range(layers))
+    if moe == 0:
+        return f"{config.model_type} (dense: decoder_sparse_step={config.decoder_sparse_step}, no MoE layer)"
+    return f"{config.model_type} (MoE in {moe} of {layers} layers)"
 
 
 def _distribution(run: TrainRun) -> str:
