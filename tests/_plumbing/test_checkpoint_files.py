@@ -282,3 +282,28 @@ def test_side_files_follow_links_only_inside_or_into_a_hub_cache(tmp_path):
     assert (
         base_model_name(str(snapshot)) == "org/Tiny-Llama" and base_model_name(str(tmp_path / "x" / "Mine")) == "Mine"
     )
+
+
+def test_torch_save_on_a_full_disk_is_told_as_a_full_disk(tmp_path):
+    """torch.save's zip writer loses the error number on a full disk (`RuntimeError: ... unexpected pos ...`, not an
+    OSError): on a real 64 KB tmpfs, a checkpoint too large for it is still told as a full disk."""
+    import sys
+
+    from tests.convert.test_outputs import _in_private_mount
+
+    script = (
+        "import os, torch\n"
+        "from mhmoe._plumbing.checkpoint_files import write_error_message\n"
+        "out = os.environ['MNT'] + '/ckpt'\n"
+        "os.makedirs(out)\n"
+        "try:\n"
+        "    torch.save({'w': torch.zeros(100_000)}, out + '/optimizer.bin')\n"
+        "except Exception as e:\n"
+        "    print('raised', type(e).__name__)\n"
+        "    print('message', write_error_message(e, out))\n"
+    )
+    (tmp_path / "save.py").write_text(script)
+    proc = _in_private_mount(f'{sys.executable} "{tmp_path / "save.py"}"', tmp_path, "64k", read_only=False)
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("raised", "message")))
+    assert "raised" in lines, proc.stdout + proc.stderr[-2000:]
+    assert lines["message"].startswith("not enough disk space to write "), lines

@@ -234,3 +234,18 @@ def test_resuming_past_the_run_length_is_refused_in_words(tmp_path, corpus, conf
     ):
         train(_args(out, max_steps=2, resume_from_checkpoint="latest", **common))
     assert (out / "checkpoint-4" / "train_state.json").is_file()
+
+
+def test_an_rng_state_holding_code_is_refused_without_torchs_advice(tmp_path):
+    """A pickle that would call a function on loading (os.system) is refused in our words: never the advice to load it
+    with weights_only=False, which would run it."""
+    import os as os_module
+    import pickle
+
+    from mhmoe.training.checkpoints import check_rng_states
+
+    (tmp_path / "random_states_0.pkl").write_bytes(pickle.dumps({"torch_manual_seed": 0, "run": os_module.system}))
+    with pytest.raises(TrainingError) as info:
+        check_rng_states(str(tmp_path), 1, allow_missing=False)
+    message = str(info.value)
+    assert "never unpickled" in message and "weights_only" not in message and "\n" not in message, message

@@ -377,7 +377,19 @@ def os_error_message(e: OSError, output_dir: str) -> str | None:
     return None
 
 
-_WRITE_FAILED = re.compile(r"iostream error|file write failed|PytorchStreamWriter failed|Error while serializing")
+_WRITE_FAILED = re.compile(
+    r"iostream error|file write failed|PytorchStreamWriter failed|Error while serializing|unexpected pos"
+)  # (torch's zip writer on a full disk: "RuntimeError: ... unexpected pos ...")
+
+
+def load_error_words(e: BaseException) -> str:
+    """The first line of a load failure, for a one-line message. torch's refusal of a pickle holding more than tensors
+    (`weights_only`) is said in our words: its advice to load with `weights_only=False` (which runs the file's code) is
+    never repeated."""
+    text = str(e).strip()
+    if "Weights only load failed" in text:
+        return "it holds Python objects other than tensors and plain data, which are never unpickled here"
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def write_error_message(e: BaseException, output_dir: str) -> str | None:

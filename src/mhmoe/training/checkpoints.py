@@ -25,7 +25,7 @@ import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from .._plumbing.checkpoint_files import fsync, write_json_atomic
+from .._plumbing.checkpoint_files import fsync, load_error_words, write_json_atomic
 from .arguments import TrainArguments, TrainingError, recorded_args
 from .manifest import MANIFEST_FILE, ManifestError, Sealer, read_manifest, verify
 from .metrics import PLOT_FILE, plot_metrics
@@ -171,10 +171,9 @@ def check_rng_states(path: str, processes: int, allow_missing: bool) -> None:
                     "asks (random draws such as router jitter will differ from the interrupted run)"
                 )
                 continue
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TrainingError(
-                f"the RNG state {file} does not load ({first[:200]}): the checkpoint is damaged; resume from another "
-                "checkpoint, or pass --resume_without_rng_state to go on with fresh random states"
+                f"the RNG state {file} does not load ({load_error_words(e)}): the checkpoint is damaged; resume from "
+                "another checkpoint, or pass --resume_without_rng_state to go on with fresh random states"
             ) from None
 
 
@@ -346,11 +345,10 @@ def resume(run: TrainRun) -> None:
                 )
         try:
             run.accelerator.load_state(args.resume_from_checkpoint)
-        except Exception as e:  # a checkpoint of an older mhmoe (no manifest) with a damaged file
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        except Exception as e:  # a checkpoint from before manifests with a damaged file
             raise TrainingError(
-                f"--resume_from_checkpoint: {args.resume_from_checkpoint} does not load "
-                f"({type(e).__name__}: {first}); resume from another checkpoint"
+                f"--resume_from_checkpoint: {args.resume_from_checkpoint} does not load ({load_error_words(e)}); "
+                "resume from another checkpoint"
             ) from None
         if run.stream is not None:
             load_stream_state(run.stream, args.resume_from_checkpoint, run.accelerator.process_index)
