@@ -3,6 +3,7 @@ disk (errno 28, a real small tmpfs) are one line with exit status 1; Ctrl-C is o
 status 130)."""
 
 import json
+import os
 import resource
 import signal
 import subprocess
@@ -220,3 +221,62 @@ def test_ctrl_c_in_conversion_says_what_is_left(inputs, tmp_path, corpus, capsys
     else:
         assert lines[0] == f"mhmoe-convert: interrupted; nothing was written to {out}: run the same command again"
         assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
+
+
+def _interrupt_inside_import_torch(proc) -> None:
+    """SIGINT as soon as the process maps libtorch: `import torch` is running, and goes on for seconds after."""
+    deadline = time.monotonic() + 120
+    while not _maps_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc/PID/maps to find the moment torch imports")
+@pytest.mark.parametrize("moment", ["importing torch", "after 3 s", "after 8 s"])
+def test_ctrl_c_at_any_moment_is_one_line(inputs, tmp_path, moment):
+    """SIGINT to every console script at several moments (inside `import torch`, while the command loads its inputs,
+    while it works): one line `COMMAND: interrupted; ...`, exit status 130, no traceback, nothing half-written (no
+    hidden temporary folder; an output folder, if there is one, is complete). A command that finished first exits 0.
+    (Only the interpreter's own start, before mhmoe's first line runs, is out of reach.)"""
+    procs = {}
+    for command in COMMANDS:
+        out = tmp_path / f"out-{command}"
+        argv = inputs(command, str(out))
+        if command == "mhmoe-train":
+            argv[argv.index("--max_steps") + 1] = "100000"  # still training when the last signal comes
+        procs[command] = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), command), *argv],  # the installed console script
+            env=_env(PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # (see the test above)
+        )
+        if moment == "importing torch":
+            _interrupt_inside_import_torch(procs[command])
+    if moment != "importing torch":
+        time.sleep(float(moment.split()[1]))
+        for proc in procs.values():
+            proc.send_signal(signal.SIGINT)
+    interrupted = 0
+    for command, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        lines = [line for line in err.splitlines() if line.startswith(f"{command}: ")]
+        assert "Traceback" not in err and proc.returncode in (0, 130), (command, moment, proc.returncode, err[-3000:])
+        if proc.returncode == 130:
+            interrupted += 1
+            assert len(lines) == 1 and lines[0].startswith(f"{command}: interrupted; "), (command, err[-3000:])
+        leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+        assert not leftovers, (command, leftovers)
+        out = tmp_path / f"out-{command}"
+        if out.is_dir() and command in ("mhmoe-convert", "mhmoe-export"):  # renamed into place only when complete
+            assert (out / "config.json").is_file() and (out / "model.safetensors").is_file(), sorted(os.listdir(out))
+    assert interrupted >= 3, moment  # (export, the quickest, may finish before the last moment)

@@ -20,11 +20,15 @@ loads with `trust_remote_code=True` without mhmoe is written by `mhmoe.hub.expor
 
 from typing import TYPE_CHECKING
 
-from ._plumbing.lazy import lazy_exports
-from ._plumbing.peft_defaults import install as _install_peft_defaults
-from ._plumbing.registration import install as _install_registration
-from ._plumbing.registration import register_auto_classes
-from ._plumbing.version import __version__ as __version__
+from ._plumbing import interrupts as _interrupts
+
+_interrupts.install_in_console_script()  # first: Ctrl-C while the rest of mhmoe imports is held (a no-op in a library)
+
+from ._plumbing.lazy import lazy_exports  # noqa: E402
+from ._plumbing.peft_defaults import install as _install_peft_defaults  # noqa: E402
+from ._plumbing.registration import install as _install_registration  # noqa: E402
+from ._plumbing.registration import register_auto_classes  # noqa: E402
+from ._plumbing.version import __version__ as __version__  # noqa: E402
 
 _EXPORTS = {
     **dict.fromkeys(("MHMoEConfig",), ".models.mhmoe.configuration_mhmoe"),

@@ -206,7 +206,15 @@ def main(argv: list[str] | None = None) -> None:
     problem = _run_arguments_problem(args) or _model_args_problem(args.model, args.model_args)
     if problem:
         _exit_with_error(problem)
-    results = _execute_run(parser, args, suites_only)
+    try:
+        results = _execute_run(parser, args, suites_only)
+    except KeyboardInterrupt:
+        from .._plumbing.interrupts import report
+
+        report(
+            "mhmoe-eval",
+            "the evaluation did not finish (results are written only at its end): run the same command again",
+        )
     if results:
         summary = _format_summary(results)
         if summary:

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     from .._plumbing.checkpoint_files import exit_status, write_error_message
     from .export import ExportError, export_pretrained
 
+    before = _identity(args.out_dir)
     try:
         out = export_pretrained(
             args.src_dir,
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
             private=args.private or None,
             trust_remote_code=args.trust_remote_code,
         )
+    except KeyboardInterrupt:
+        from .._plumbing.interrupts import report
+
+        report("mhmoe-export", _what_is_left(args, exported=_identity(args.out_dir) != before))
     except ExportError as e:
         parser.exit(exit_status(e), f"mhmoe-export: error: {e}\n")
     except Exception as e:  # full disk, file size limit, read-only, permissions: one line saying which and where
@@ -54,6 +59,31 @@ def main(argv: list[str] | None = None) -> None:
             raise
         parser.exit(1, f"mhmoe-export: error: {message}\n")
     print(f"exported {args.src_dir} -> {out}" + (f" (uploaded to {args.push_to_hub})" if args.push_to_hub else ""))
+
+
+def _identity(path: str) -> tuple | None:
+    """The folder at `path` as the file system knows it (device, inode), None when there is none: the export renames a
+    new folder into place at its very end, so a changed identity means it finished."""
+    import os
+
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino)
+
+
+def _what_is_left(args, exported: bool) -> str:
+    """After Ctrl-C: nothing was written (the export writes a hidden folder and renames it at the end), or the export
+    was complete and the upload was not."""
+    if not exported:
+        return f"nothing was written to {args.out_dir}: run the same command again"
+    if args.push_to_hub:
+        return (
+            f"{args.out_dir} was exported completely, the upload to {args.push_to_hub} did not finish: run the same "
+            "command with --overwrite to export and upload again"
+        )
+    return f"{args.out_dir} was exported completely"
 
 
 __all__ = ["build_parser", "main"]
