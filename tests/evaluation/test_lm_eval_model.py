@@ -296,7 +296,7 @@ def test_peft_adapter(work, tmp_path):
 def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     """Missing checkpoints, an adapter given as the model, unknown tasks, a ppl task without data or with a --metadata
     path that is missing, empty or blank, --metadata that is not JSON, --batch_size 0, --limit -1, a truncated or
-    pickle-only model, a config.json its class refuses, max_length past the model's positions, a Hub suite offline
+    pickle-only model or adapter, an --output_path under a file (before evaluating), a config.json its class refuses, max_length past the model's positions, a Hub suite offline
     without its data, no arguments: exit 2 with the reason in one line, no traceback."""
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -314,7 +314,22 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     weights = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")  # a pickle-only checkpoint's file name
+    pickled_adapter = tmp_path / "pickled_adapter"
+    pickled_adapter.mkdir()
+    (pickled_adapter / "adapter_config.json").write_text("{}")
+    (pickled_adapter / "adapter_model.bin").write_bytes(b"\x80\x04N.")  # what PEFT would torch.load
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
     cases = [
+        (
+            ["--model_args", f"pretrained={ckpt},peft={pickled_adapter}", "--tasks", "mhmoe_ppl_c4"],
+            "peft=.*pickled_adapter holds its adapter only as a pickle \\(adapter_model.bin\\); pickles are never "
+            "loaded",
+        ),
+        (
+            ["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--output_path", f"{a_file}/results"],
+            "--output_path .*a_file/results: .*a_file is a file, not a folder",
+        ),
         (["--tasks", "mhmoe_ppl_c4"], "give the checkpoint with --model_args pretrained=DIR"),
         (["--model_args", f"pretrained={tmp_path / 'missing'}", "--tasks", "mhmoe_ppl_c4"], "no such directory"),
         (

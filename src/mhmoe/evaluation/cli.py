@@ -407,11 +407,34 @@ def _model_args_problem(model: str, model_args) -> str | None:
                 f"{key}={path} holds symbolic links out of the folder ({', '.join(found[:3])}); nothing is read "
                 "through them: copy the files into the folder if you mean to use them, or remove the links"
             )
+    adapter = model_args.get("peft")
+    if isinstance(adapter, str) and os.path.isdir(adapter):
+        problem = _adapter_problem(adapter)
+        if problem:
+            return problem
     if isinstance(pretrained, str) and os.path.isdir(pretrained):
         has = {name: os.path.isfile(os.path.join(pretrained, name)) for name in ("config.json", "adapter_config.json")}
         if has["adapter_config.json"] and not has["config.json"]:
             return f"pretrained={pretrained} is a LoRA adapter folder: use pretrained=BASE_MODEL_DIR,peft={pretrained}"
         return _weights_problem("pretrained", pretrained, model_args)
+    return None
+
+
+def _adapter_problem(path: str) -> str | None:
+    """A PEFT adapter folder (`peft=`) holds its weights as safetensors: PEFT would unpickle adapter_model.bin, and
+    pickles are never loaded here."""
+    from .._plumbing.checkpoint_files import PICKLE_SUFFIXES
+
+    names = os.listdir(path)
+    if "adapter_model.safetensors" in names:
+        return None
+    pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        return (
+            f"peft={path} holds its adapter only as a pickle ({', '.join(pickles[:3])}); pickles are never loaded here "
+            "(loading one can run code): save the adapter as adapter_model.safetensors (PEFT's save_pretrained does "
+            "by default)"
+        )
     return None
 
 
@@ -423,6 +446,20 @@ def _run_arguments_problem(args) -> str | None:
     limit = getattr(args, "limit", None)
     if limit is not None and not (limit > 0 and math.isfinite(limit)):
         return f"--limit {limit:g}: give a number of examples per task (>= 1) or a fraction in (0, 1)"
+    return _output_path_problem(getattr(args, "output_path", None))
+
+
+def _output_path_problem(output_path: str | None) -> str | None:
+    """--output_path can be written (checked before evaluating, not after): no file where a folder is needed. lm-eval
+    takes a folder, or a `.json` file name whose folder gets the results."""
+    if not output_path:
+        return None
+    path = os.path.abspath(output_path)
+    folder = os.path.dirname(path) if path.endswith(".json") else path
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"--output_path {output_path}: {folder} is a file, not a folder; choose a path under a folder"
     return None
 
 
