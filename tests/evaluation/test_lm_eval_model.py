@@ -296,7 +296,7 @@ def test_peft_adapter(work, tmp_path):
 def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     """Missing checkpoints, an adapter given as the model, unknown tasks, a ppl task without data or with a --metadata
     path that is missing, empty or blank, --metadata that is not JSON, --batch_size 0, --limit -1, a truncated or
-    pickle-only model or adapter, an --output_path under a file (before evaluating), a config.json its class refuses, max_length past the model's positions, a Hub suite offline
+    pickle-only model or adapter, a broken tokenizer.json, an --output_path under a file (before evaluating), a config.json its class refuses, max_length past the model's positions, a Hub suite offline
     without its data, no arguments: exit 2 with the reason in one line, no traceback."""
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -318,6 +318,9 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
     pickled_adapter.mkdir()
     (pickled_adapter / "adapter_config.json").write_text("{}")
     (pickled_adapter / "adapter_model.bin").write_bytes(b"\x80\x04N.")  # what PEFT would torch.load
+    broken_tokenizer = tmp_path / "broken_tokenizer"
+    shutil.copytree(ckpt, broken_tokenizer)
+    (broken_tokenizer / "tokenizer.json").write_bytes(b"{}")
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
     cases = [
@@ -325,6 +328,10 @@ def test_cli_user_mistakes_are_one_line_errors(work, tmp_path, capsys):
             ["--model_args", f"pretrained={ckpt},peft={pickled_adapter}", "--tasks", "mhmoe_ppl_c4"],
             "peft=.*pickled_adapter holds its adapter only as a pickle \\(adapter_model.bin\\); pickles are never "
             "loaded",
+        ),
+        (
+            ["--model_args", f"pretrained={broken_tokenizer}", "--tasks", "mhmoe_ppl_c4"],
+            "pretrained=.*broken_tokenizer: .*tokenizer.json does not load as a tokenizer",
         ),
         (
             ["--model_args", f"pretrained={ckpt}", "--tasks", "mhmoe_ppl_c4", "--output_path", f"{a_file}/results"],

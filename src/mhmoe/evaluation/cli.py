@@ -407,6 +407,12 @@ def _model_args_problem(model: str, model_args) -> str | None:
                 f"{key}={path} holds symbolic links out of the folder ({', '.join(found[:3])}); nothing is read "
                 "through them: copy the files into the folder if you mean to use them, or remove the links"
             )
+    from .._plumbing.tokenizer_files import tokenizer_problem
+
+    for key in ("tokenizer", "pretrained"):  # the tokenizer lm-eval will load: one line now, not a traceback later
+        problem = tokenizer_problem(model_args[key]) if isinstance(model_args.get(key), str) else None
+        if problem:
+            return f"{key}={model_args[key]}: {problem}"
     adapter = model_args.get("peft")
     if isinstance(adapter, str) and os.path.isdir(adapter):
         problem = _adapter_problem(adapter)
