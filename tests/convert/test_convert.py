@@ -5,6 +5,7 @@ curve."""
 import json
 import os
 import pickle
+import re
 import stat
 import subprocess
 import sys
@@ -553,7 +554,7 @@ def test_two_processes(tmp_path, corpus, tokenizer_dir):
     main process ends both processes (none waits forever)."""
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     out = tmp_path / "ddp"
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "convert_llama_to_moh.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "conversion", "convert_llama_to_moh.py")
     src = os.path.join(os.path.dirname(mhmoe.__file__), "..")
     env = dict(
         os.environ,
@@ -663,3 +664,23 @@ def test_continue_tuning_on_a_chat_dataset(tmp_path, chat_tokenizer_dir, chat_da
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["data_format"] == "messages" and summary["args"]["dataset"] == "chat.jsonl"
     assert "chat.jsonl (chat, loss on the assistant turns)" in (out / "README.md").read_text()
+
+
+def test_conversion_entry_script_runs_as_mhmoe_convert(tmp_path, tokenizer_dir):
+    """conversion/convert_llama_to_moh.py (the design's entry point) is mhmoe-convert: the same options, and a
+    conversion through it writes the same tensors as the console script's."""
+    source = _llama_dir(tmp_path / "llama", tokenizer_dir)
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "conversion", "convert_llama_to_moh.py")
+    console = os.path.join(os.path.dirname(sys.executable), "mhmoe-convert")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    outputs = {}
+    for name, command in (("script", [sys.executable, script]), ("console", [console])):
+        helps = subprocess.run([*command, "--help"], capture_output=True, text=True, env=env, check=True).stdout
+        outputs[name] = re.findall(r"--\w+", helps)
+        flags = ["--input_dir", str(source), "--output_dir", str(tmp_path / name), "--recipe", "paper"]
+        subprocess.run([*command, *flags, "--disable_tqdm"], capture_output=True, env=env, check=True, timeout=300)
+    assert outputs["script"] == outputs["console"] and "--head_budget" in outputs["script"]
+    script_tensors = load_file(tmp_path / "script" / "model.safetensors")
+    console_tensors = load_file(tmp_path / "console" / "model.safetensors")
+    assert script_tensors.keys() == console_tensors.keys()
+    assert all(torch.equal(script_tensors[k], console_tensors[k]) for k in script_tensors)

@@ -9,7 +9,7 @@ One module per stage:
 * verify.py         the converted model with every head active must give the source's logits
 * continue_tune.py  continue-tuning through mhmoe.training, and the recovery curve (paper Fig. 2)
 * arguments.py      `ConvertArguments`, the converter's own flags, and the continue-tuning flags taken from mhmoe-train
-* cli.py            `mhmoe-convert` / `python -m mhmoe.convert` / scripts/convert_llama_to_moh.py: `main`
+* cli.py            `mhmoe-convert` / `python -m mhmoe.convert` / conversion/convert_llama_to_moh.py: `main`
 * recovery_demo.py  the end-to-end proof on CPU: a dense parent trained here, converted, continue-tuned, compared
 
 `convert(input_dir, output_dir)` turns a Transformers checkpoint of model_type llama, mistral or qwen2 (safetensors,

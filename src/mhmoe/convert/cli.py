@@ -1,4 +1,4 @@
-"""`mhmoe-convert` / `python -m mhmoe.convert` / scripts/convert_llama_to_moh.py: the arguments and `main()`.
+"""`mhmoe-convert` / `python -m mhmoe.convert` / conversion/convert_llama_to_moh.py: the arguments and `main()`.
 
 Converts (conversion.py); with `--train_file` or `--dataset` also continue-tunes (continue_tune.py), taking every continue-tuning flag of
 mhmoe-train with the recipe's defaults (recipe.py). Works under `accelerate launch` with several processes. The

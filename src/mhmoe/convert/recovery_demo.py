@@ -11,7 +11,7 @@ Control (on by default): the dense parent continue-tuned with exactly the same d
 control improves as much, the "recovery" partly reflects extra training of an unconverged parent; the report prints
 both.
 
-`run_recovery_demo(workdir, ...)` returns the numbers; `python scripts/demo_recovery.py` prints them.
+`run_recovery_demo(workdir, ...)` returns the numbers; `python conversion/demo_recovery.py` prints them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert a dense LLaMA / Mistral / Qwen2 checkpoint into MoH-LLaMA, optionally continue-tune it.
 
-    python scripts/convert_llama_to_moh.py --input_dir LLAMA_DIR --output_dir OUT \
+    python conversion/convert_llama_to_moh.py --input_dir LLAMA_DIR --output_dir OUT \
         [--shared_heads_ratio 0.5] [--active_heads_ratio 0.75] [--overwrite] [--skip_logit_check] \
         [--train_file FILE ... --validation_file FILE --max_steps N --eval_steps M --save_steps K ...]
 
