@@ -258,12 +258,13 @@ def test_os_error_message_says_which_and_where(tmp_path):
     assert os_error_message(OSError(errno.EIO, "I/O error"), out) is None
 
 
-def test_side_files_follow_links_only_inside_or_into_a_hub_cache(tmp_path):
-    """A Hugging Face cache snapshot links every file into its repo's blobs/: those are copied; a link anywhere else
-    out of the folder is not, nor code or other files. The card's base model is the cache's repo id."""
+def test_side_files_follow_links_only_inside_or_into_a_hub_cache(tmp_path, monkeypatch):
+    """A snapshot of the active Hugging Face cache links every file into its repo's blobs/: those are copied; a link
+    anywhere else out of the folder is not, nor code or other files. The card's base model is the cache's repo id."""
     from mhmoe._plumbing.checkpoint_files import side_files
     from mhmoe.hub.cards import base_model_name
 
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     repo = tmp_path / "hub" / "models--org--Tiny-Llama"
     snapshot = repo / "snapshots" / "0123abcd"
     (repo / "blobs").mkdir(parents=True)

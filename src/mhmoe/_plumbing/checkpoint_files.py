@@ -447,8 +447,9 @@ def side_files(input_dir: str) -> tuple[list[str], list[str]]:
     """(relative paths of the files to copy beside the weights, notes on what was not copied and why).
 
     Only `SIDE_FILES` and the chat templates of `SIDE_FOLDERS`, as regular files (a symbolic link only when it stays in
-    the folder, or points into a Hugging Face cache's blobs/: `trust.link_allowed`). Never code (`*.py`) or anything
-    else."""
+    the folder, or leads from a snapshot of the active Hugging Face cache into its own repo's blobs/:
+    `trust.link_allowed`). Never code (`*.py`) or anything else. The commands copy them from the folder's pinned copy
+    (`trust.pinned`: the files as checked), never by the path checked here."""
     from .trust import link_allowed
 
     copy, links, other = [], [], []

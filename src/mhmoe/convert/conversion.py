@@ -356,14 +356,18 @@ def convert(
             speed=speed,
         )
         return _convert_gguf(input_dir, output_dir, gguf_file, **options)
-    plan = plan_conversion(
-        input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads
-    )
+    plan = plan_conversion(  # its files pinned as checked (trust.pinned): plan.input_dir is where they are read
+        input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads,
+        trust_remote_code=trust_remote_code,
+    )  # fmt: skip
     plan.notes[:0] = source_notes or []
     _check_disk_space(plan, output_dir)  # before calibration's minutes
     planned = plan.total_bytes
     calibration_start = time.time()
-    choices = choose_heads(plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress, head_budget)
+    with plan.source.renaming():  # errors name input_dir, not its pinned copy
+        choices = choose_heads(
+            plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress, head_budget
+        )
     if plan.total_bytes > planned:  # the fitted router's tensors, planned by calibration
         _check_disk_space(plan, output_dir)
     if "calibration" in choices.record:
@@ -374,16 +378,18 @@ def convert(
     try:
         _write_converted(plan, choices, temporary, progress)
         copy_seconds = time.time() - start
-        verification = verified(input_dir, temporary, probe_text, trust_remote_code) if verify_logits else None
+        source = plan.input_dir  # the pinned copy
+        verification = verified(source, temporary, probe_text, trust_remote_code) if verify_logits else None
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
         if speed is not None:
-            report.speed = measure_speed(input_dir, temporary, speed, calibration_file, trust_remote_code, progress)
+            report.speed = measure_speed(source, temporary, speed, calibration_file, trust_remote_code, progress)
         report.recipe = choices.record["recipe"]["name"]
         names = (source_name or input_dir, output_dir)
         _write_record(temporary, report, choices, shared_heads_ratio, active_heads_ratio, names)
         _commit(temporary, output_dir, overwrite)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(temporary, ignore_errors=True)
+        plan.source.rename(e)
         raise
     return report
 

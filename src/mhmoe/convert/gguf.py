@@ -15,6 +15,14 @@ from .errors import ConversionError
 GGUF_MISSING = 'reading a GGUF file needs gguf, which is not installed: pip install "mhmoe[gguf]"'
 
 
+def _pinned(input_dir: str, gguf_file: str):
+    """The folder's files (the GGUF file its only weights) as `trust.pinned` checks them: nothing is read through a
+    link out of the folder, nor through a file swapped for one once checked."""
+    from .._plumbing.trust import pinned
+
+    return pinned(input_dir, ConversionError, "--input_dir", weights=(gguf_file,))
+
+
 def check_gguf_source(input_dir: str, gguf_file: str) -> str:
     """The GGUF file's path; refuses a missing package, file or a non-GGUF file (one line each)."""
     try:
@@ -24,14 +32,12 @@ def check_gguf_source(input_dir: str, gguf_file: str) -> str:
     if os.path.basename(gguf_file) != gguf_file:
         raise ConversionError(f"--gguf_file {gguf_file} must be a file name inside --input_dir {input_dir}")
     path = os.path.join(input_dir, gguf_file)
-    from .._plumbing.trust import check_links
-
-    check_links(input_dir, ConversionError, "--input_dir")  # nothing is read through a link out of the folder
-    if not os.path.isfile(path):
-        raise ConversionError(f"--gguf_file {gguf_file}: no such file in --input_dir {input_dir}")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ConversionError(f"{path} is not a GGUF file (no GGUF magic number)")
+    with _pinned(input_dir, gguf_file) as source:
+        if not os.path.isfile(os.path.join(source.path, gguf_file)):
+            raise ConversionError(f"--gguf_file {gguf_file}: no such file in --input_dir {input_dir}")
+        with open(os.path.join(source.path, gguf_file), "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ConversionError(f"{path} is not a GGUF file (no GGUF magic number)")
     return path
 
 
@@ -42,8 +48,11 @@ def gguf_config(input_dir: str, gguf_file: str):
     from .plan import SOURCE_MODEL_TYPES
 
     try:
-        config = AutoConfig.from_pretrained(input_dir, gguf_file=gguf_file, trust_remote_code=False)
+        with _pinned(input_dir, gguf_file) as source:
+            config = AutoConfig.from_pretrained(source.path, gguf_file=gguf_file, trust_remote_code=False)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
+        if isinstance(e, ConversionError):
+            raise
         raise ConversionError(f"cannot read the GGUF file {gguf_file}: {str(e).splitlines()[0]}") from None
     if config.model_type not in SOURCE_MODEL_TYPES:
         raise ConversionError(
@@ -55,12 +64,18 @@ def gguf_config(input_dir: str, gguf_file: str):
 
 def dequantise_gguf(input_dir: str, gguf_file: str, dense_dir: str) -> list[str]:
     """Write the GGUF model of `input_dir/gguf_file` as a dense fp32 safetensors checkpoint into `dense_dir` (a new,
-    empty folder) with its tokenizer. Returns notes for the conversion report."""
+    empty folder) with its tokenizer, read from the folder's files as checked (`trust.pinned`). Returns notes for the
+    conversion report."""
+    check_gguf_source(input_dir, gguf_file)
+    config = gguf_config(input_dir, gguf_file)
+    with _pinned(input_dir, gguf_file) as source:  # errors name input_dir
+        return _dequantise(source.path, gguf_file, dense_dir, config)
+
+
+def _dequantise(input_dir: str, gguf_file: str, dense_dir: str, config) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_gguf_source(input_dir, gguf_file)
-    config = gguf_config(input_dir, gguf_file)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             input_dir, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False

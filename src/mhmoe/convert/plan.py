@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from transformers.utils import CONFIG_NAME
 
 from .._plumbing.checkpoint_files import SAFE_INDEX_NAME, read_header, read_model_type, side_files, weight_files
-from .._plumbing.trust import check_links
+from .._plumbing.trust import pinned
 from .errors import ConversionError
 from .recipe import (
     ACTIVE_HEADS_RATIO,
@@ -65,7 +65,7 @@ class ShardPlan:
 
 @dataclass
 class ConversionPlan:
-    input_dir: str
+    input_dir: str  # where the source's files are read: their pinned copy (`trust.pinned`), not the folder given
     source_model_type: str
     source_config: typing.Any
     config: typing.Any  # MoHLlamaConfig
@@ -73,6 +73,7 @@ class ConversionPlan:
     indexed: bool  # sharded with an index file (else one model.safetensors)
     copy_files: list[str]
     notes: list[str]
+    source: typing.Any = None  # trust.Pinned: the source's files as checked (input_dir is where they are read)
 
     @property
     def total_bytes(self) -> int:
@@ -90,15 +91,18 @@ def read_shard(path: str, filename: str) -> ShardPlan:
     return ShardPlan(filename, path, metadata, tensors)
 
 
+def _check_source(input_dir: str) -> None:
+    if not os.path.isdir(input_dir):
+        raise ConversionError(f"--input_dir {input_dir} is not a directory")
+    if not os.path.isfile(os.path.join(input_dir, CONFIG_NAME)):
+        raise ConversionError(f"{input_dir} is not a Transformers checkpoint: no {CONFIG_NAME}")
+
+
 def _source_config(input_dir: str):
+    """(config, model type) of the source, read from its pinned files."""
     from transformers import AutoConfig
 
     config_path = os.path.join(input_dir, CONFIG_NAME)
-    if not os.path.isdir(input_dir):
-        raise ConversionError(f"--input_dir {input_dir} is not a directory")
-    if not os.path.isfile(config_path):
-        raise ConversionError(f"{input_dir} is not a Transformers checkpoint: no {CONFIG_NAME}")
-    check_links(input_dir, ConversionError, "--input_dir")  # nothing is read through a link out of the folder
     model_type = read_model_type(config_path, ConversionError)
     if model_type == "moh_llama":
         raise ConversionError(f"{input_dir} is already a moh_llama (Mixture-of-Head) checkpoint")
@@ -270,10 +274,11 @@ def plan_added_tensors(plan: ConversionPlan, prefix: str, shapes: dict[str, tupl
     return dtypes
 
 
-def _files_to_copy(input_dir: str) -> tuple[list[str], list[str]]:
+def _files_to_copy(input_dir: str, pinned_dir: str) -> tuple[list[str], list[str]]:
     """(files copied beside the weights: generation config, tokenizer, chat template; notes on what is not copied).
-    Never code, never a symbolic link out of the folder (`_plumbing.checkpoint_files.side_files`)."""
-    return side_files(input_dir)
+    Never code, never a symbolic link out of the folder (`_plumbing.checkpoint_files.side_files`): the files are those
+    of the pinned copy (as checked), the notes say what of the folder given is left out."""
+    return side_files(pinned_dir)[0], side_files(input_dir)[1]
 
 
 def plan_conversion(
@@ -283,11 +288,40 @@ def plan_conversion(
     moh_aux_loss_coef: float = AUX_LOSS_COEF,
     shared_heads: int | None = None,
     active_heads: int | None = None,
+    trust_remote_code: bool = False,
 ) -> ConversionPlan:
     """Read and check the source (config, index, every shard's header); nothing is written. `shared_heads` /
-    `active_heads`: counts instead of the ratios (`recipe.head_split`)."""
+    `active_heads`: counts instead of the ratios (`recipe.head_split`). The source's files are pinned
+    (`trust.pinned`: opened once and checked, never through a link out of the folder; its Python files only with
+    `trust_remote_code`) and read from there: the plan's `input_dir`, kept while the plan lives (`source`)."""
     check_aux_loss_coef(moh_aux_loss_coef)
-    source_config, model_type = _source_config(input_dir)
+    _check_source(input_dir)
+    source = pinned(input_dir, ConversionError, "--input_dir", code=trust_remote_code)
+    with source.renaming():  # errors name the folder given
+        plan = _plan(
+            source.path,
+            source.folder,  # the folder given (also when input_dir is a pinned copy already)
+            shared_heads_ratio,
+            active_heads_ratio,
+            moh_aux_loss_coef,
+            shared_heads,
+            active_heads,
+        )
+    plan.source = source
+    return plan
+
+
+def _plan(
+    pinned_dir: str,
+    input_dir: str,
+    shared_heads_ratio,
+    active_heads_ratio,
+    moh_aux_loss_coef,
+    shared_heads,
+    active_heads,
+) -> ConversionPlan:
+    """`plan_conversion` of the files pinned in `pinned_dir`; `input_dir` (the folder given) only for the notes."""
+    source_config, model_type = _source_config(pinned_dir)
     _check_attention(source_config, model_type)
     heads = source_config.num_attention_heads
     shared, routed_active = head_split(heads, shared_heads_ratio, active_heads_ratio, shared_heads, active_heads)
@@ -299,8 +333,8 @@ def plan_conversion(
             + ", ".join(f"{k}={v!r}" for k, v in dropped_fields.items())
         )
 
-    shard_names, weight_map = weight_files(input_dir, ConversionError)
-    shards = [read_shard(os.path.join(input_dir, name), name) for name in shard_names]
+    shard_names, weight_map = weight_files(pinned_dir, ConversionError)
+    shards = [read_shard(os.path.join(pinned_dir, name), name) for name in shard_names]
     _check_index(shards, weight_map)
     added_names = set()
     if model_type == "qwen2":
@@ -312,8 +346,8 @@ def plan_conversion(
         _add_zero_biases(shards)
         notes.append(f"added {len(added_names)} zero o_proj biases (Qwen2 q/k/v biases -> Llama attention_bias=True)")
 
-    copy_files, copy_notes = _files_to_copy(input_dir)
+    copy_files, copy_notes = _files_to_copy(input_dir, pinned_dir)
     notes += copy_notes
     return ConversionPlan(
-        input_dir, model_type, source_config, config, shards, weight_map is not None, copy_files, notes
+        pinned_dir, model_type, source_config, config, shards, weight_map is not None, copy_files, notes
     )

@@ -42,7 +42,7 @@ from .._plumbing.checkpoint_files import (
     replace_dir,
     temporary_dir_next_to,
 )
-from .._plumbing.trust import check_links, load_config, load_tokenizer
+from .._plumbing.trust import Pinned, check_links, load_config, load_tokenizer, pinned
 from .cards import CONVERSION_RECORDS, public_paths
 from .remote_code import TOKENIZER_FILES, ExportError, auto_classes, modeling_sources, write_remote_code
 
@@ -51,13 +51,18 @@ def _first_line(error: Exception) -> str:
     return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
-def _source_dir(path: str, trust_remote_code: bool = False):
-    """(config, weight file names) of a checkpoint directory of an mhmoe model type."""
+def _source_dir(path: str, trust_remote_code: bool = False) -> Pinned:
+    """A checkpoint directory's files, pinned (`trust.pinned`: opened once, checked, never through a link out of it)."""
     if not os.path.isdir(path):
         raise ExportError(f"source {path} is not a directory (give a checkpoint directory or a model object)")
     if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
         raise ExportError(f"source {path} is not a Transformers checkpoint: no {CONFIG_NAME}")
-    check_links(path, ExportError, "source")  # nothing is read (re-saved, uploaded) through a link out of it
+    # nothing is read (re-saved, uploaded) through a link out of it, nor a file swapped for one once checked
+    return pinned(path, ExportError, "source", code=trust_remote_code)
+
+
+def _source_files(path: str, trust_remote_code: bool = False):
+    """(config, weight file names) of a pinned checkpoint directory of an mhmoe model type."""
     try:
         config = load_config(path, ExportError, trust_remote_code)
     except (OSError, TypeError, ValueError, KeyError) as e:
@@ -162,10 +167,24 @@ def export_pretrained(
         hint = " (merge a PEFT adapter first: model.merge_and_unload())" if "Peft" in kind else ""
         raise ExportError(f"cannot export a {kind}: give an mhmoe PreTrainedModel or a checkpoint directory{hint}")
     _check_target(save_directory, overwrite, source_dir)
+    if source_dir is None:
+        _export(model, None, save_directory, tokenizer, overwrite, model_card, push_to_hub, trust_remote_code)
+    else:  # read from its pinned files; errors name the folder given
+        with _source_dir(source_dir, trust_remote_code) as source:
+            options = (save_directory, tokenizer, overwrite, model_card, push_to_hub, trust_remote_code)
+            _export(source.path, source_dir, *options)
+    if push_to_hub:
+        upload_folder(save_directory, push_to_hub, private, token, commit_message)
+    return Path(save_directory)
+
+
+def _export(model, source_dir, save_directory, tokenizer, overwrite, model_card, push_to_hub, trust_remote_code):
+    """`export_pretrained` once its arguments are checked: `model` is a model object, or the pinned files of the
+    checkpoint directory `source_dir` (the folder given)."""
     if source_dir is not None:
-        config, weight_files = _source_dir(source_dir, trust_remote_code)
-        if tokenizer is None and any(os.path.isfile(os.path.join(source_dir, f)) for f in TOKENIZER_FILES):
-            tokenizer = source_dir
+        config, weight_files = _source_files(model, trust_remote_code)
+        if tokenizer is None and any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES):
+            tokenizer = model
     else:
         config, weight_files = model.config, None
     if getattr(config, "linear_type", "linear") == "bitnet_b158" and not config.bitnet_packed:
@@ -173,36 +192,25 @@ def export_pretrained(
         config = model.config
     if isinstance(tokenizer, (str, os.PathLike)):
         check_links(tokenizer, ExportError, "tokenizer folder")
-        tokenizer = load_tokenizer(tokenizer, ExportError, trust_remote_code)
+        tokenizer = load_tokenizer(tokenizer, ExportError, trust_remote_code)  # its pinned files
     classes = auto_classes(config)
     modeling_sources(classes.values())  # refuses code that cannot be exported before anything is written
 
     temporary = Path(temporary_dir_next_to(save_directory))
     try:
-        _write_weights(temporary, model if weight_files is None else source_dir, config, weight_files)
+        _write_weights(temporary, model, config, weight_files)
         if tokenizer is not None:
             tokenizer.save_pretrained(temporary)
             if (temporary / "tokenizer_config.json").is_file():  # no auto_map naming code that is not exported
                 drop_code_references(str(temporary / "tokenizer_config.json"))
-        if source_dir is not None:  # how a converted (and continue-tuned) model was made: its card names the base
-            record = next(
-                (
-                    os.path.join(source_dir, n)
-                    for n in CONVERSION_RECORDS
-                    if os.path.isfile(os.path.join(source_dir, n))
-                ),
-                None,
-            )
-            if record is not None:
-                _copy_conversion_record(record, temporary / "moh_conversion.json")
+        records = model if source_dir is not None else None  # how a converted (and continue-tuned) model was made
+        record = next((os.path.join(records, n) for n in CONVERSION_RECORDS if _is_file(records, n)), None)
+        if record is not None:  # its card names the base model
+            _copy_conversion_record(record, temporary / "moh_conversion.json")
         repo = push_to_hub or os.path.basename(os.path.abspath(save_directory))
+        has_tokenizer = tokenizer is not None
         write_remote_code(
-            temporary,
-            config,
-            model_card=model_card,
-            repo=repo,
-            has_tokenizer=tokenizer is not None,
-            records_dir=source_dir,
+            temporary, config, model_card=model_card, repo=repo, has_tokenizer=has_tokenizer, records_dir=records
         )
         for path in temporary.rglob("*"):
             if path.is_file():
@@ -213,9 +221,10 @@ def export_pretrained(
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-    if push_to_hub:
-        upload_folder(save_directory, push_to_hub, private, token, commit_message)
-    return Path(save_directory)
+
+
+def _is_file(folder: str | None, name: str) -> bool:
+    return folder is not None and os.path.isfile(os.path.join(folder, name))
 
 
 def _bitnet_packed(model):

@@ -461,6 +461,8 @@ def load_config(args: TrainArguments):
     from transformers import AutoConfig
 
     from .._plumbing.checkpoint_files import read_model_type
+    from .._plumbing.trust import load_config as load_pretrained_config
+    from .._plumbing.trust import pinned
 
     path = args.model_name_or_path
     from_scratch = os.path.isfile(path)
@@ -477,8 +479,9 @@ def load_config(args: TrainArguments):
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise TrainingError(f"{path} is not a checkpoint directory (no config.json)")
-        model_type = read_model_type(config_file, TrainingError)
-        _check_weight_files(path)
+        with pinned(path, TrainingError, "--model_name_or_path") as source:  # its files as checked, never a link out
+            model_type = read_model_type(os.path.join(source.path, "config.json"), TrainingError)
+            _check_weight_files(source.path)
     supported = supported_model_types()
     if model_type not in supported:
         raise TrainingError(
@@ -499,9 +502,11 @@ def load_config(args: TrainArguments):
     try:
         if from_scratch:
             config = AutoConfig.for_model(model_type, **{**fields, **overrides})
-        else:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=False, **overrides)  # mhmoe's own classes
+        else:  # mhmoe's own classes
+            config = load_pretrained_config(path, TrainingError, trust_remote_code=False, **overrides)
     except Exception as e:  # ValueError/TypeError, huggingface_hub's StrictDataclass*Error (not ValueErrors)
+        if isinstance(e, TrainingError):
+            raise
         if not isinstance(e, (TypeError, ValueError)) and type(e).__module__.split(".")[0] != "huggingface_hub":
             raise
         where = f"{path} with --config_overrides" if overrides else path

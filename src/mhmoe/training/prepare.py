@@ -306,6 +306,8 @@ def build_model(run: TrainRun, model) -> None:
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM
 
+    from .._plumbing.trust import pinned
+
     args = run.args
     set_seed(args.seed)
     if model is None:
@@ -313,11 +315,11 @@ def build_model(run: TrainRun, model) -> None:
             _check_fits_in_memory(run.config)
             model = AutoModelForCausalLM.from_config(run.config, trust_remote_code=False)
         else:
-            try:
-                # mhmoe's or Transformers' own classes, never the folder's code
-                model = AutoModelForCausalLM.from_pretrained(
-                    args.model_name_or_path, config=run.config, dtype=torch.float32, trust_remote_code=False
-                )
+            try:  # mhmoe's or Transformers' own classes, never the folder's code; its files as checked
+                with pinned(args.model_name_or_path, TrainingError, "--model_name_or_path") as source:
+                    model = AutoModelForCausalLM.from_pretrained(
+                        source.path, config=run.config, dtype=torch.float32, trust_remote_code=False
+                    )
             except RuntimeError as e:  # weights whose shapes the (overridden) config does not have
                 first = str(e).strip().splitlines()[0]
                 raise TrainingError(
