@@ -26,11 +26,11 @@ medians; ratios are medians of per-round ratios. Device, commit (and dirty flag)
 Usage:
   python benchmarks/gpu_moe.py [--out DIR] [--hidden 768 1536] [--tokens 8192 32768] [--repeats 20] [--sections ...]
       writes DIR/gpu_moe.json (default DIR: benchmarks/results/gpu_moe-<device>-<commit>/) and prints the tables
-  python benchmarks/gpu_moe.py --table
-      rewrites the table in benchmarks/README.md from every benchmarks/results/gpu_moe*/gpu_moe.json
+  python benchmarks/gpu_moe.py --table [--write_table]
+      prints the table of every benchmarks/results/gpu_moe*/gpu_moe.json (--write_table: also into benchmarks/README.md)
   python benchmarks/gpu_moe.py --smoke [--out DIR]
       tiny shapes on CPU (the checks under TRITON_INTERPRET=1 when set): checks that the script runs
-Without CUDA (and without --smoke / --table) it prints that no GPU is available and exits 0.
+Without CUDA (and without --smoke / --table / --write_table) it prints that no GPU is available and exits 0.
 """
 
 from __future__ import annotations
@@ -700,13 +700,17 @@ def own_peaks(models: dict) -> dict:
     return own
 
 
-def write_table() -> None:
+def table() -> str:
+    """The markdown of every recorded run (benchmarks/results/gpu_moe*/gpu_moe.json), oldest first."""
     runs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("gpu_moe*/gpu_moe.json"))]
-    body = "\n\n".join(markdown(r) for r in runs) if runs else "No GPU run has been recorded yet."
+    return "\n\n".join(markdown(r) for r in runs) if runs else "No GPU run has been recorded yet."
+
+
+def write_table(body: str) -> None:
+    """Put `body` between benchmarks/README.md's table markers (only with --write_table: --table just prints)."""
     text = README.read_text()
     pattern = re.compile(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), re.S)
     README.write_text(pattern.sub(lambda _: f"{TABLE_START}\n{body}\n{TABLE_END}", text))
-    print(body)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -716,7 +720,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--table", action="store_true", help="rewrite benchmarks/README.md's table from the JSON")
+    parser.add_argument("--table", action="store_true", help="print the table of every recorded run's JSON")
+    parser.add_argument("--write_table", action="store_true", help="also rewrite benchmarks/README.md's table with it")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run of the script itself")
     return parser
 
@@ -724,8 +729,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.table:
-        write_table()
+    if args.table or args.write_table:
+        body = table()
+        print(body)
+        if args.write_table:
+            write_table(body)
         return 0
     if not torch.cuda.is_available() and not args.smoke:
         print("no GPU available (torch.cuda.is_available() is False): nothing measured, nothing recorded")

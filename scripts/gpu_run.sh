@@ -33,7 +33,7 @@
 # Every command writes $OUT/gpu_run.log too: all output, nvidia-smi, the provenance check.
 # After the window, here (benchmarks/README.md gives the commands): merge the returned bundle into benchmarks/results
 #   (run.py mhmoe_table1 --merge RETURNED/runs_mhmoe_table1_gpu_slice.json --out benchmarks/results), copy gpu_moe.json,
-#   probe_*.json and gpu_run.log into benchmarks/results/gpu_moe-<device>-<commit>/, then gpu_moe.py --table.
+#   probe_*.json and gpu_run.log into benchmarks/results/gpu_moe-<device>-<commit>/, then gpu_moe.py --write_table.
 #
 # Environment: OUT (default outputs/gpu_run), GPU_RUN_PYTHON (python3), GPU_RUN_FORCE_WHEELS=1 (install every carried
 # wheel), GPU_RUN_STARTED (epoch seconds the deadline counts from; default this command's start), CELLS, SEEDS, SCALE,

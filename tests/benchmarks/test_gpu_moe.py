@@ -101,3 +101,18 @@ def test_the_model_card_template_reports_the_committed_gpu_run():
     assert f"3 heads takes {span([r['ours_h3']['ratio'] for r in ratios])} the time" in text
     assert f"a plain SMoE layer {span([r['ours_smoe']['ratio'] for r in ratios])}" in text
     assert f"takes {span(step)} an SMoE's, at {span(memory)} its peak memory" in text
+
+
+def test_table_prints_only_and_write_table_writes(tmp_path, monkeypatch, capsys):
+    """--table prints every recorded run and writes nothing; --write_table also puts that text between the README's
+    markers (and the committed README holds what it would write: not stale)."""
+    committed = gpu_moe.README.read_text()
+    assert gpu_moe.main(["--table"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == gpu_moe.table() and gpu_moe.README.read_text() == committed
+    assert f"{gpu_moe.TABLE_START}\n{printed}\n{gpu_moe.TABLE_END}" in committed
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{gpu_moe.TABLE_START}\nold\n{gpu_moe.TABLE_END}\nafter\n")
+    monkeypatch.setattr(gpu_moe, "README", readme)
+    assert gpu_moe.main(["--write_table"]) == 0
+    assert readme.read_text() == f"before\n{gpu_moe.TABLE_START}\n{printed}\n{gpu_moe.TABLE_END}\nafter\n"
