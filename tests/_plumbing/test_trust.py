@@ -462,6 +462,30 @@ def test_pinned_without_hard_links_through_the_descriptor(tmp_path, monkeypatch,
         trust.pinned(folder, ValueError, "x")
 
 
+def test_a_killed_commands_pinned_folder_is_removed_by_the_next_pin(tmp_path):
+    """A process killed while it held a pinned folder (hard links that would keep files on disk after their deletion)
+    leaves it behind; the next pin removes it, never one whose process lives (this one's)."""
+    import signal
+    import subprocess
+    import sys
+
+    from mhmoe._plumbing.trust import pinned
+
+    folder = _folder(tmp_path)
+    code = (
+        "import os, signal\nfrom mhmoe._plumbing.trust import pinned\n"
+        f"source = pinned({str(folder)!r}, ValueError, 'x')\nprint(source.path, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    left = Path(killed.stdout.strip())
+    assert killed.returncode == -signal.SIGKILL and (left / "config.json").read_text() == '{"a": 1}', killed.stderr
+    with pinned(folder, ValueError, "x") as live:
+        assert not left.parent.exists()
+        with pinned(folder, ValueError, "x") as other:
+            assert os.path.isdir(live.path) and os.path.isdir(other.path)
+
+
 def test_a_loaded_tokenizer_keeps_its_pinned_files_while_it_lives(tokenizer_dir, tmp_path):
     """`load_tokenizer` reads the pinned copy and keeps it while the tokenizer lives (a tokenizer re-reads its
     vocabulary file when saved); the copy goes with the tokenizer."""

@@ -22,14 +22,16 @@ names: a hard link to the opened file; where none can be made (another file syst
 descriptor, kept open (`/proc/<pid>/fd/<n>`, Linux); else a copy read from the descriptor. The commands read the pinned
 folder, and their errors name the user's folder (`Pinned.rename`). Python files are pinned only for a caller that
 trusts the folder's code. The pinned folder is removed when its `with` block ends, when the object loaded from it is
-garbage (`Pinned.keep_with`: a tokenizer re-reads its vocabulary file when saved), or at exit; a killed process leaves
-it in the temporary directory. A string that is not a local folder (a Hub repo id) passes through unchanged.
+garbage (`Pinned.keep_with`: a tokenizer re-reads its vocabulary file when saved), or at exit; one a killed process
+left is removed by the next command that pins a folder (`_sweep`: its lock is free). A string that is not a local
+folder (a Hub repo id) passes through unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import shutil
 import stat
@@ -40,7 +42,13 @@ _CODE_REFUSED = "trust_remote_code=True"  # in Transformers' ValueError when a f
 # what the commands read from subfolders of an input folder: {subfolder: the suffix of its files}
 SUBFOLDERS = {"additional_chat_templates": ".jinja", "converted": ".json"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 _FDS = "/proc/self/fd"  # where Linux names the files a process has open
+_PREFIX = "mhmoe-pinned-"  # the private folders in the temporary directory
 _LIVE: dict[str, str] = {}  # the real path of each pinned folder alive: the user's folder it holds
 _KEPT: list = []  # pins kept for objects that cannot be weakly referenced: until exit
 
@@ -87,19 +95,21 @@ def load_tokenizer(
     **kwargs,
 ):
     """`AutoTokenizer.from_pretrained(path, trust_remote_code=...)` of the folder's files as `pinned` checks them (kept
-    while the tokenizer lives); a tokenizer that needs the folder's code without `trust_remote_code` raises `error` in
-    one line."""
+    while the tokenizer lives). Raises `error` in one line for broken files (`tokenizer_files`), a tokenizer that needs
+    the folder's code without `trust_remote_code`, and any other failure to load."""
     from transformers import AutoTokenizer
+
+    from .tokenizer_files import load_failure, tokenizer_problem
 
     source = pinned(path, error, f"{what} folder", code=trust_remote_code, weights=False)
     with source.renaming():
+        problem = tokenizer_problem(source.path)
+        if problem:
+            raise error(problem)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code, **kwargs)
-        except ValueError as e:
-            message = code_refusal(e, path, what, flag, read=source.path)
-            if message is None:
-                raise
-            raise error(message) from None
+        except Exception as e:  # Transformers' and the tokenizers library's errors, in one line
+            raise error(code_refusal(e, path, what, flag, read=source.path) or load_failure(source.path, e)) from None
     return source.keep_with(tokenizer)
 
 
@@ -259,10 +269,43 @@ class Pinned:
 
 def _release(path: str, fds: list[int]) -> None:
     _LIVE.pop(os.path.realpath(path), None)
-    for fd in fds:
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    for fd in fds:  # the folder's lock last
         with contextlib.suppress(OSError):
             os.close(fd)
-    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _private_folder(fds: list[int]) -> str:
+    """A new private (0700) temporary folder, locked (`flock`) while this process lives: `_sweep` removes those whose
+    process is gone (a killed command's pinned files, whose hard links would keep deleted files on disk)."""
+    _sweep()
+    making = os.path.realpath(tempfile.mkdtemp(prefix="mhmoe-pinning-"))
+    if fcntl is None:  # Windows: not swept
+        return making
+    lock = os.open(os.path.join(making, ".lock"), os.O_CREAT | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+    fds.append(lock)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    top = os.path.join(os.path.dirname(making), _PREFIX + os.path.basename(making).removeprefix("mhmoe-pinning-"))
+    os.rename(making, top)  # visible to `_sweep` only once locked
+    return top
+
+
+def _sweep() -> None:
+    """Remove the pinned folders of processes gone: those whose lock can be taken."""
+    if fcntl is None:
+        return
+    for top in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), _PREFIX + "*")):
+        try:
+            lock = os.open(os.path.join(top, ".lock"), os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # another user's, or being removed
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live process (this one too): refused
+            shutil.rmtree(top, ignore_errors=True)
+        except OSError:
+            pass
+        finally:
+            os.close(lock)
 
 
 def pinned(folder, error: type[Exception], what: str, code: bool = False, weights=True) -> Pinned:
@@ -279,9 +322,8 @@ def pinned(folder, error: type[Exception], what: str, code: bool = False, weight
         return source
     check_links(folder, error, what)
     root = os.path.realpath(folder)
-    top = os.path.realpath(tempfile.mkdtemp(prefix="mhmoe-pinned-"))  # mode 0700
-    path = os.path.join(top, os.path.basename(os.path.abspath(folder)) or "folder")
     fds: list[int] = []
+    path = os.path.join(_private_folder(fds), os.path.basename(os.path.abspath(folder)) or "folder")
     os.mkdir(path, 0o700)
     pin = Pinned(folder, path, fds)
 
