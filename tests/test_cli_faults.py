@@ -280,3 +280,43 @@ def test_ctrl_c_at_any_moment_is_one_line(inputs, tmp_path, moment):
         if out.is_dir() and command in ("mhmoe-convert", "mhmoe-export"):  # renamed into place only when complete
             assert (out / "config.json").is_file() and (out / "model.safetensors").is_file(), sorted(os.listdir(out))
     assert interrupted >= 3, moment  # (export, the quickest, may finish before the last moment)
+
+
+BROKEN_TOKENIZERS = {  # what a careless copy or a hostile folder holds instead of a tokenizer
+    "truncated": lambda folder: (folder / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes()[:99]),
+    "binary": lambda folder: (folder / "tokenizer.json").write_bytes(bytes(range(256)) * 4),
+    "empty object": lambda folder: (folder / "tokenizer.json").write_text("{}"),
+    "another object": lambda folder: (folder / "tokenizer.json").write_text('{"hello": 1}'),
+    "empty": lambda folder: (folder / "tokenizer.json").write_bytes(b""),
+    "deeply nested": lambda folder: (folder / "tokenizer.json").write_text(
+        '{"model": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    ),
+    "config not an object": lambda folder: (folder / "tokenizer_config.json").write_text("[1]"),
+    "config without a vocabulary": lambda folder: (folder / "tokenizer.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_TOKENIZERS)
+def test_a_broken_tokenizer_is_one_line_in_every_command(inputs, tmp_path, capsys, case):
+    """The model folder's tokenizer files broken: mhmoe-export, mhmoe-eval and mhmoe-train (and mhmoe-convert, whose
+    calibration reads the source's tokenizer) stop with one line naming the folder or the file, exit status 2, no
+    traceback, nothing written."""
+    import shutil
+
+    moh = inputs("mhmoe-export", "unused")[0]
+    for command in COMMANDS:
+        source = inputs(command, "unused")
+        given = source[source.index("--input_dir") + 1] if command == "mhmoe-convert" else moh
+        broken = tmp_path / f"broken-{command}"
+        shutil.copytree(given, broken)
+        BROKEN_TOKENIZERS[case](broken)
+        out = tmp_path / f"out-{command}"
+        argv = [a.replace(given, str(broken)) for a in inputs(command, str(out))]
+        if command == "mhmoe-convert":
+            argv[argv.index("--recipe") + 1] = "fitted"  # calibration tokenizes text with the source's tokenizer
+        status = _run(command, argv)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith(f"{command}: ")]
+        assert status == 2 and len(lines) == 1 and "Traceback" not in err, (command, status, err[-3000:])
+        assert lines[0].startswith(f"{command}: error: ") and str(broken) in lines[0], (command, lines)
+        assert not out.exists() or command == "mhmoe-train" and not any(out.iterdir()), (command, list(out.iterdir()))

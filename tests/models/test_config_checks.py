@@ -183,3 +183,13 @@ def test_valid_rope_scaling_and_token_ids_still_build_a_model(model_type):
     torch.manual_seed(0)
     logits = model_class(config)(torch.randint(0, 64, (1, 8))).logits
     assert torch.isfinite(logits).all()
+
+
+def test_rope_checks_work_under_a_meta_device():
+    """Transformers builds configs inside `torch.device("meta")` when loading with empty weights: the frequencies the
+    check computes are real numbers there too (a meta tensor has none to test)."""
+    llama3 = dict(ROPE_TYPES["llama3"], rope_type="llama3", rope_theta=5e5)
+    with torch.device("meta"):
+        MHMoEConfig(**TINY, **MOE, rope_parameters=llama3)
+        with pytest.raises(ValueError, match="factor must be finite numbers > 0"):
+            MHMoEConfig(**TINY, **MOE, rope_parameters=dict(llama3, factor=0.0))

@@ -407,12 +407,6 @@ def _model_args_problem(model: str, model_args) -> str | None:
                 f"{key}={path} holds symbolic links out of the folder ({', '.join(found[:3])}); nothing is read "
                 "through them: copy the files into the folder if you mean to use them, or remove the links"
             )
-    from .._plumbing.tokenizer_files import tokenizer_problem
-
-    for key in ("tokenizer", "pretrained"):  # the tokenizer lm-eval will load: one line now, not a traceback later
-        problem = tokenizer_problem(model_args[key]) if isinstance(model_args.get(key), str) else None
-        if problem:
-            return f"{key}={model_args[key]}: {problem}"
     adapter = model_args.get("peft")
     if isinstance(adapter, str) and os.path.isdir(adapter):
         problem = _adapter_problem(adapter)
@@ -422,7 +416,29 @@ def _model_args_problem(model: str, model_args) -> str | None:
         has = {name: os.path.isfile(os.path.join(pretrained, name)) for name in ("config.json", "adapter_config.json")}
         if has["adapter_config.json"] and not has["config.json"]:
             return f"pretrained={pretrained} is a LoRA adapter folder: use pretrained=BASE_MODEL_DIR,peft={pretrained}"
-        return _weights_problem("pretrained", pretrained, model_args)
+        problem = _weights_problem("pretrained", pretrained, model_args)
+        if problem:
+            return problem
+    key = "tokenizer" if model_args.get("tokenizer") else "pretrained"  # the tokenizer lm-eval will load
+    problem = _tokenizer_problem(model_args.get(key), model_args)  # one line now, not a traceback later
+    return f"{key}={model_args[key]}: {problem}" if problem else None
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _tokenizer_problem(path, model_args: dict) -> str | None:
+    """Why the tokenizer of local folder `path` does not load (loaded here once, as lm-eval will load it), in words."""
+    from .._plumbing.trust import load_tokenizer
+
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return None
+    trust = str(model_args.get("trust_remote_code", "")).lower() in ("true", "1", "yes")
+    try:
+        load_tokenizer(path, _Refused, trust, "model or tokenizer", "--model_args ...,trust_remote_code=True")
+    except _Refused as e:
+        return str(e)
     return None
 
 

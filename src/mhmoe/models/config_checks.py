@@ -128,9 +128,10 @@ def _rope_frequency_problems(config, rope_type: str) -> list[str]:
         return []
     compute = ROPE_INIT_FUNCTIONS[rope_type]
     try:
-        results = [compute(config, "cpu")]
-        if rope_type == "dynamic":
-            results.append(compute(config, "cpu", seq_len=2 * config.max_position_embeddings))
+        with torch.device("cpu"):  # real numbers also when the config is built under a meta device (empty weights)
+            results = [compute(config, "cpu")]
+            if rope_type == "dynamic":
+                results.append(compute(config, "cpu", seq_len=2 * config.max_position_embeddings))
     except (ArithmeticError, ValueError, TypeError, KeyError) as e:
         return [f"rope_parameters {config.rope_parameters} give no rotary frequencies ({type(e).__name__}: {e})"]
     for inv_freq, scaling in results:
