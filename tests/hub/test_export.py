@@ -230,6 +230,9 @@ def test_exported_folder(exported):
         "head_sparse_attention_naive.py",
         "head_sparse_attention_cpu.py",
         "head_sparse_attention_triton.py",
+        "head_sparse_attention_triton_common.py",
+        "head_sparse_attention_triton_forward.py",
+        "head_sparse_attention_triton_backward.py",
         "routing_naive.py",
         "routing_triton.py",
     }
