@@ -29,9 +29,93 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mhmoe.models.moh.head_routers import l2_scores, routed_gates
-from mhmoe.models.moh.head_skipping import skipped_heads_attention
+from mhmoe.models.moh.head_skipping import _head_major_weight, _runs
+
+# ---------------------------------------------------------------------------------------------- the earlier loop
+# `skipped_heads_attention`: mhmoe's first CPU decoding path for MoH (per query row, runs of active heads, each with
+# its block of o_proj), kept here as the `skip` variant this benchmark compares against; tests/benchmarks checks it
+# against the masked reference.
+
+
+def _pieces(start: int, end: int, groups: int) -> list[tuple[int, int, int, int]]:
+    """Split a run of query heads [start, end) into pieces (q0, q1, kv0, kv1) that attend to one contiguous block of
+    key/value heads: whole GQA groups together, a partial group on its own."""
+    if groups == 1:
+        return [(start, end, start, end)]
+    pieces, head = [], start
+    while head < end:
+        group = head // groups
+        if head % groups == 0 and head + groups <= end:
+            whole = (end - head) // groups
+            pieces.append((head, head + whole * groups, group, group + whole))
+            head += whole * groups
+        else:
+            stop = min(end, (group + 1) * groups)
+            pieces.append((head, stop, group, group + 1))
+            head = stop
+    return pieces
+
+
+def _mask_row(attention_mask: torch.Tensor | None, b: int, t: int, length: int) -> torch.Tensor | None:
+    """Row (b, t) of a 4-D eager (additive float) or sdpa (boolean) mask, shaped (1, 1, 1, length) for sdpa."""
+    if attention_mask is None:
+        return None
+    return attention_mask[b if attention_mask.shape[0] > 1 else 0, 0, t, :length].view(1, 1, 1, length)
+
+
+def skipped_heads_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    gates: torch.Tensor,
+    o_proj: nn.Linear,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention + o_proj for the active heads only.
+
+    query (B, H, T, hd) post-RoPE, key/value (B, Hkv, L, hd), gates (B, T, H) with 0 on inactive heads. Returns
+    (B, T, d) = o_proj(concat_h gates_h · attention_h). Per query row, the active heads are split into runs of
+    consecutive heads; each run attends on a view of the cache (one `scaled_dot_product_attention` per run and GQA
+    block: a block's query heads act as query positions of its key/value head) and adds its o_proj contribution from
+    a block of the head-major o_proj weight (`_head_major_weight`), so the work and the memory reads scale with the
+    active heads. The cache is never copied.
+    """
+    batch, heads, seq, head_dim = query.shape
+    groups = heads // key.shape[1]
+    length = key.shape[2]
+    weight_t = _head_major_weight(o_proj)  # (H·hd, d)
+    gates = gates.to(query.dtype)
+    gate_values = gates.tolist()  # one host read; the per-row head lists below are plain Python
+    rows = []
+    for b in range(batch):
+        key_b, value_b = key[b : b + 1], value[b : b + 1]  # (1, Hkv, L, hd)
+        for t in range(seq):
+            mask = _mask_row(attention_mask, b, t, length)
+            query_row = query[b, :, t]  # (H, hd)
+            row_gates = gate_values[b][t]
+            active = [head for head, gate in enumerate(row_gates) if gate != 0.0]
+            weighted = any(row_gates[head] != 1.0 for head in active)  # straight-through gates are 1: no multiply
+            acc = o_proj.bias
+            for start, end in _runs(active):
+                parts = []
+                for q0, q1, kv0, kv1 in _pieces(start, end, groups):
+                    q = query_row[q0:q1].view(1, kv1 - kv0, -1, head_dim)  # (1, m, n/m, hd)
+                    attended = F.scaled_dot_product_attention(
+                        q, key_b[:, kv0:kv1], value_b[:, kv0:kv1], attn_mask=mask, scale=scaling
+                    )  # on views of the cache: (1, m, L, hd)
+                    parts.append(attended.view(-1, head_dim))
+                heads_out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (end - start, hd)
+                if weighted:
+                    heads_out = heads_out * gates[b, t, start:end, None]
+                heads_out = heads_out.view(1, -1)
+                block = weight_t[start * head_dim : end * head_dim]  # contiguous view: ((end - start)·hd, d)
+                acc = torch.mm(heads_out, block) if acc is None else torch.addmm(acc, heads_out, block)
+            rows.append(acc.view(-1))
+    return (rows[0] if len(rows) == 1 else torch.stack(rows)).view(batch, seq, -1)
 
 
 def parse_args():

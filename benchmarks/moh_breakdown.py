@@ -19,9 +19,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from moh_attention import draw_gates, settings  # the sibling script; `python benchmarks/moh_breakdown.py` finds it
+from moh_attention import draw_gates, settings, skipped_heads_attention  # the sibling script (found from benchmarks/)
 
-from mhmoe.models.moh.head_skipping import _head_major_weight, _runs, skipped_heads_attention
+from mhmoe.models.moh.head_skipping import _head_major_weight, _runs
 
 
 def main():

@@ -13,7 +13,6 @@ from mhmoe.evaluation.analysis import head_load
 from mhmoe.hub.cards import architecture_rows
 from mhmoe.models.moh import head_routers, head_skipping, moh_attention
 from mhmoe.models.moh.head_routers import HEAD_ROUTERS
-from mhmoe.models.moh.head_skipping import masked_heads_attention, skipped_heads_attention
 from mhmoe.models.moh.moh_losses import moh_load_balancing_loss
 from tests.causal_lm_tester import randomise_moh_routers as randomise_routers
 
@@ -206,44 +205,6 @@ def test_moh_llama_from_pretrained_loads_a_dense_llama_checkpoint(tmp_path):
 # head skipping
 
 
-SKIP_CASES = [(kv, mask, seq) for kv in (8, 4, 2, 1) for mask in ("none", "bool", "float") for seq in (1, 3)]
-
-
-@pytest.mark.parametrize("kv_heads,mask_kind,seq", [case for case in SKIP_CASES if case[1] != "none" or case[2] == 1])
-def test_head_skipping_equals_masked_computation(kv_heads, mask_kind, seq):
-    """The earlier decoding loop `skipped_heads_attention` (kept for the benchmarks); without a mask only single-token
-    queries."""
-    torch.manual_seed(kv_heads * 7 + seq)
-    batch, head_dim, length = 2, 4, 11
-    query = torch.randn(batch, HEADS, seq, head_dim)
-    key, value = torch.randn(batch, kv_heads, length, head_dim), torch.randn(batch, kv_heads, length, head_dim)
-    router = HEAD_ROUTERS["learned"](HIDDEN, HEADS, 2, 3)
-    randomise_routers(router)
-    gates, _, _ = router(torch.randn(batch, seq, HIDDEN), None)  # soft gates: weighted heads, zeros elsewhere
-    assert (gates != 0).sum(-1).eq(5).all()
-    o_proj = torch.nn.Linear(HEADS * head_dim, HIDDEN, bias=True)
-    mask = None
-    if mask_kind != "none":
-        visible = torch.ones(batch, 1, seq, length, dtype=torch.bool)
-        visible[1, ..., :4] = False  # left padding of row 1
-        visible[..., -seq:] &= torch.tril(torch.ones(seq, seq, dtype=torch.bool))  # causal among the new tokens
-        mask = visible
-        if mask_kind == "float":
-            mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
-    with torch.no_grad():
-        expected = masked_heads_attention(query, key, value, mask, gates, o_proj, head_dim**-0.5)
-        got = skipped_heads_attention(query, key, value, mask, gates, o_proj, head_dim**-0.5)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    # and the masked reference is what the model computes: gates on the per-head outputs of a standard attention
-    dense = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key.repeat_interleave(HEADS // kv_heads, 1),
-        value.repeat_interleave(HEADS // kv_heads, 1),
-        attn_mask=mask if mask is not None else None,
-    ).transpose(1, 2)
-    torch.testing.assert_close(o_proj((dense * gates[..., None]).flatten(2)), expected, rtol=1e-5, atol=1e-6)
-
-
 @pytest.fixture
 def sparse_from_two_tokens(monkeypatch):
     """The default backend's head-sparse op from 2 query tokens on (the models take it from PREFILL_MIN_TOKENS, which
@@ -350,20 +311,14 @@ def test_generation_computes_active_heads_only_and_equals_the_masked_path(
 
 
 def test_head_major_o_proj_copy_follows_weight_updates():
-    torch.manual_seed(0)
-    batch, head_dim, length = 1, 4, 6
-    query = torch.randn(batch, HEADS, 1, head_dim)
-    key, value = torch.randn(batch, 4, length, head_dim), torch.randn(batch, 4, length, head_dim)
-    gates = torch.zeros(batch, 1, HEADS)
-    gates[..., [0, 1, 4, 6]] = 1
-    o_proj = torch.nn.Linear(HEADS * head_dim, HIDDEN, bias=False)
+    """The cached head-major copy of o_proj's weight (fused decoding) follows in-place updates and stays out of the
+    state dict."""
+    o_proj = torch.nn.Linear(HEADS * 4, HIDDEN, bias=False)
+    first = head_skipping._head_major_weight(o_proj).clone()
+    assert torch.equal(first, o_proj.weight.t())
     with torch.no_grad():
-        first = skipped_heads_attention(query, key, value, None, gates, o_proj, 0.5)
-        o_proj.weight.mul_(2)  # in place: the cached head-major copy is stale now
-        second = skipped_heads_attention(query, key, value, None, gates, o_proj, 0.5)
-        expected = masked_heads_attention(query, key, value, None, gates, o_proj, 0.5)
-    torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(second, 2 * first, rtol=1e-5, atol=1e-6)
+        o_proj.weight.mul_(2)  # in place: the cached copy is stale now
+    assert torch.equal(head_skipping._head_major_weight(o_proj), 2 * first)
     assert "_moh_head_major" not in str(list(o_proj.state_dict()))
 
 

@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from mhmoe.training import TrainingError
-from mhmoe.training.cli import main
 from mhmoe.training.checkpoints import MANIFEST_ERA_KEYS, resolve_checkpoint
+from mhmoe.training.cli import main
 from mhmoe.training.manifest import MANIFEST_FILE
 from tests.training.test_loop import _args, train
 
@@ -211,7 +211,7 @@ def test_a_checkpoint_from_before_manifests_resumes_only_when_named(
     with pytest.raises(TrainingError, match=r"no complete checkpoint .*only when named explicitly"):
         train(_args(out, resume_from_checkpoint="latest", **common))
     (old / "optimizer.bin").write_bytes(b"")
-    with pytest.raises(TrainingError, match=r"checkpoint-2 does not load \(\w+Error: .*\); resume from another"):
+    with pytest.raises(TrainingError, match=r"checkpoint-2 does not load \(\w+Error(: .*)?\); resume from another"):
         train(_args(out, resume_from_checkpoint=str(old), **common))
     assert f"{old} has no manifest.json (written by an mhmoe from before manifests)" in capsys.readouterr().err
 

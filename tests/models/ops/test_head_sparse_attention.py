@@ -1,12 +1,11 @@
 """Head-sparse attention (ops/head_sparse_attention): the reference against the model's masked computation
-(`moh.masked_heads_attention`), and the CPU path (PyTorch) and the Triton kernels (under TRITON_INTERPRET=1) against
+(`tests/models/moh_reference.masked_heads_attention`), and the CPU path (PyTorch) and the Triton kernels (under TRITON_INTERPRET=1) against
 the reference on odd shapes: outputs and the gradients of query, key, value and gates, with GQA, sliding windows,
 padding masks (boolean and additive) and static caches (queries not at the end of the keys)."""
 
 import pytest
 import torch
 
-from mhmoe.models.moh.head_skipping import masked_heads_attention
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_cpu as cpu_path
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as triton_path
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu import head_sparse_attention_cpu
@@ -15,6 +14,7 @@ from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import (
     visible_keys,
 )
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
+from tests.models.moh_reference import masked_heads_attention
 
 SCALING = 0.3
 
@@ -99,7 +99,7 @@ def compare(fn, inputs, offset=None, window=None, rtol=1e-10, atol=1e-10, refere
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
 @pytest.mark.parametrize("kv_heads", [6, 2, 1])
 def test_reference_is_the_masked_computation(kv_heads, mask_kind):
-    """head_sparse_attention_naive, flattened and projected, is moh.masked_heads_attention given the same 4-D mask;
+    """head_sparse_attention_naive, flattened and projected, is masked_heads_attention (tests/models/moh_reference.py) given the same 4-D mask;
     with no mask it is causal by position (a static cache: the queries start at `query_offset`, later slots unused)."""
     batch, heads, tokens, keys, head_dim, offset = 2, 6, 5, 12, 4, 3
     query, key, value, gates, mask = make_inputs(

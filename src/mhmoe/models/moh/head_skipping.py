@@ -5,13 +5,10 @@
 work is `ops/backends.head_sparse_attention`: the CPU path on CPU (torch's flash kernel on the active rows per
 key/value head; decoding packed per key/value head), the Triton kernels on CUDA when asked
 (`moh_head_skipping="triton"`; off the CPU the default is the masked path), the naive reference when asked. Its output
-(B, T, H, hd) goes to the full `o_proj` (inactive heads are 0). It equals the masked computation
-(`masked_heads_attention`, tested), outputs and gradients. `module.moh_head_skipping`: True (default backend where it
+(B, T, H, hd) goes to the full `o_proj` (inactive heads are 0). It equals the masked computation (every head, times
+the gates: tests/models/moh_reference.py), outputs and gradients. `module.moh_head_skipping`: True (default backend where it
 pays), False (every head computed and masked: any attention backend) or a backend name ("naive", "cpu", "triton":
 always).
-
-`skipped_heads_attention` is the earlier CPU decoding loop (per query row, runs of active heads, each with its block of
-`o_proj`), kept for the benchmarks that compare against it (benchmarks/moh_attention.py, moh_breakdown.py).
 
 Shape legend: B batch, T query tokens, L key/value tokens (cache included), d hidden size, H query heads, Hkv
 key/value heads, hd head_dim.
@@ -20,7 +17,6 @@ key/value heads, hd head_dim.
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks are None or 4-D tensors
@@ -113,32 +109,6 @@ def _runs(heads: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _pieces(start: int, end: int, groups: int) -> list[tuple[int, int, int, int]]:
-    """Split a run of query heads [start, end) into pieces (q0, q1, kv0, kv1) that attend to one contiguous block of
-    key/value heads: whole GQA groups together, a partial group on its own."""
-    if groups == 1:
-        return [(start, end, start, end)]
-    pieces, head = [], start
-    while head < end:
-        group = head // groups
-        if head % groups == 0 and head + groups <= end:
-            whole = (end - head) // groups
-            pieces.append((head, head + whole * groups, group, group + whole))
-            head += whole * groups
-        else:
-            stop = min(end, (group + 1) * groups)
-            pieces.append((head, stop, group, group + 1))
-            head = stop
-    return pieces
-
-
-def _mask_row(attention_mask: torch.Tensor | None, b: int, t: int, length: int) -> torch.Tensor | None:
-    """Row (b, t) of a 4-D eager (additive float) or sdpa (boolean) mask, shaped (1, 1, 1, length) for sdpa."""
-    if attention_mask is None:
-        return None
-    return attention_mask[b if attention_mask.shape[0] > 1 else 0, 0, t, :length].view(1, 1, 1, length)
-
-
 def _head_major_weight(o_proj: nn.Linear) -> torch.Tensor:
     """o_proj.weight transposed and contiguous, (H·hd, d), cached on the module (not in the state dict).
 
@@ -155,87 +125,8 @@ def _head_major_weight(o_proj: nn.Linear) -> torch.Tensor:
     return cached[1]
 
 
-def skipped_heads_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    gates: torch.Tensor,
-    o_proj: nn.Linear,
-    scaling: float,
-) -> torch.Tensor:
-    """Attention + o_proj for the active heads only.
-
-    query (B, H, T, hd) post-RoPE, key/value (B, Hkv, L, hd), gates (B, T, H) with 0 on inactive heads. Returns
-    (B, T, d) = o_proj(concat_h gates_h · attention_h). Per query row, the active heads are split into runs of
-    consecutive heads; each run attends on a view of the cache (one `scaled_dot_product_attention` per run and GQA
-    block: a block's query heads act as query positions of its key/value head) and adds its o_proj contribution from
-    a block of the head-major o_proj weight (`_head_major_weight`), so the work and the memory reads scale with the
-    active heads. The cache is never copied.
-    """
-    batch, heads, seq, head_dim = query.shape
-    groups = heads // key.shape[1]
-    length = key.shape[2]
-    weight_t = _head_major_weight(o_proj)  # (H·hd, d)
-    gates = gates.to(query.dtype)
-    gate_values = gates.tolist()  # one host read; the per-row head lists below are plain Python
-    rows = []
-    for b in range(batch):
-        key_b, value_b = key[b : b + 1], value[b : b + 1]  # (1, Hkv, L, hd)
-        for t in range(seq):
-            mask = _mask_row(attention_mask, b, t, length)
-            query_row = query[b, :, t]  # (H, hd)
-            row_gates = gate_values[b][t]
-            active = [head for head, gate in enumerate(row_gates) if gate != 0.0]
-            weighted = any(row_gates[head] != 1.0 for head in active)  # straight-through gates are 1: no multiply
-            acc = o_proj.bias
-            for start, end in _runs(active):
-                parts = []
-                for q0, q1, kv0, kv1 in _pieces(start, end, groups):
-                    q = query_row[q0:q1].view(1, kv1 - kv0, -1, head_dim)  # (1, m, n/m, hd)
-                    attended = F.scaled_dot_product_attention(
-                        q, key_b[:, kv0:kv1], value_b[:, kv0:kv1], attn_mask=mask, scale=scaling
-                    )  # on views of the cache: (1, m, L, hd)
-                    parts.append(attended.view(-1, head_dim))
-                heads_out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (end - start, hd)
-                if weighted:
-                    heads_out = heads_out * gates[b, t, start:end, None]
-                heads_out = heads_out.view(1, -1)
-                block = weight_t[start * head_dim : end * head_dim]  # contiguous view: ((end - start)·hd, d)
-                acc = torch.mm(heads_out, block) if acc is None else torch.addmm(acc, heads_out, block)
-            rows.append(acc.view(-1))
-    return (rows[0] if len(rows) == 1 else torch.stack(rows)).view(batch, seq, -1)
-
-
-def masked_heads_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    gates: torch.Tensor,
-    o_proj: nn.Linear,
-    scaling: float,
-) -> torch.Tensor:
-    """Reference for `skipped_heads_attention`: every head computed (eager), output multiplied by the gates, o_proj."""
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, L)
-    if attention_mask is not None:
-        mask = attention_mask[..., : key.shape[2]]
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill(~mask, torch.finfo(query.dtype).min)
-        scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    heads_out = torch.matmul(probs, value).transpose(1, 2)  # (B, T, H, hd)
-    heads_out = heads_out * gates.to(query.dtype)[..., None]
-    return o_proj(heads_out.reshape(*heads_out.shape[:2], -1))
-
-
 __all__ = [
     "head_skipping_backend",
     "head_sparse_pays",
     "kv_heads_skippable",
-    "masked_heads_attention",
-    "skipped_heads_attention",
 ]

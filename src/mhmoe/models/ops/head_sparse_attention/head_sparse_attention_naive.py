@@ -21,7 +21,7 @@ Transformers' eager path then averages every value, these functions give 0 (sdpa
 loss. Tests compare rows that see at least one key.
 
 Gradients: with respect to query, key, value and the active gates, those of the masked computation
-(`moh.masked_heads_attention`). An inactive pair contributes nothing, so its gate gets no gradient here, where the
+(tests/models/moh_reference.py). An inactive pair contributes nothing, so its gate gets no gradient here, where the
 masked computation gives it <d out, attention>: only the "scores" straight-through estimator (eq. 9-10, every routed
 head's raw score) reads that, and it needs the inactive heads' attention, i.e. the dense path.
 """
@@ -118,7 +118,7 @@ def head_sparse_attention_naive(
     query_offset: int | None = None,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Eager attention over every head (as `moh.masked_heads_attention`, softmax in fp32), times the gates, 0 on
+    """Eager attention over every head (as tests/models/moh_reference.py, softmax in fp32), times the gates, 0 on
     inactive pairs: (B, T, H, hd). See the module docstring for the contract."""
     check_inputs(query, key, value, gates, attention_mask, query_offset)
     tokens, num_keys = query.shape[2], key.shape[2]
