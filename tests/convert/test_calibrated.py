@@ -285,7 +285,7 @@ def test_gguf_input_converts_and_verifies(tmp_path, tokenizer_dir, capsys):
     from mhmoe.convert.verify import all_heads_active
     from mhmoe.models.moh_llama import MoHLlamaForCausalLM
 
-    folder = tmp_path / "gguf"
+    folder = tmp_path / "llm_folder"
     folder.mkdir()
     reference = _tiny_gguf(folder / "tiny.gguf", tokenizer_dir)
     out = tmp_path / "out"
@@ -307,8 +307,11 @@ def test_gguf_input_converts_and_verifies(tmp_path, tokenizer_dir, capsys):
     printed = capsys.readouterr().out
     assert "dequantised tiny.gguf (GGUF)" in printed and "-> OK" in printed
     record = json.loads((out / "moh_conversion.json").read_text())
-    assert record["input_dir"] == "gguf" and record["verification"]["all_heads_equal"]  # the folder, not the file
-    assert "base_model: gguf\n" in (out / "README.md").read_text()
+    assert record["input_dir"] == "tiny.gguf" and record["verification"]["all_heads_equal"]  # the file, not a folder
+    card = (out / "README.md").read_text()
+    assert record["base_model"] is None and "base_model" not in card.split("---")[1]  # the metadata: Hub ids only
+    assert "Converted from the dense checkpoint `tiny.gguf`" in card
+    assert "llm_folder" not in card + json.dumps(record) and ".tmp" not in card + json.dumps(record)
     assert "dequantised tiny.gguf" in record["notes"][0]  # the GGUF notes are in the record written with the folder
     assert (out / "tokenizer.json").is_file() and not _leftovers(tmp_path, "out")
     moh = MoHLlamaForCausalLM.from_pretrained(str(out)).eval()

@@ -233,7 +233,8 @@ def test_conversion_record_names_a_hub_snapshot_by_its_repo_id(tmp_path, tokeniz
 def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_dir):
     """Like save_pretrained's folders: modeling code + auto_map (it loads with trust_remote_code=True where mhmoe
     cannot be imported, computing what mhmoe's own class computes), and the converted card naming the base model (the
-    folder's name, never its path); mhmoe-export of it keeps the card kind, the base model and the conversion record."""
+    Hub id, never a local folder's name or path: this one has none); mhmoe-export of it keeps the card kind and the
+    conversion record."""
     from mhmoe import MoHLlamaForCausalLM
     from mhmoe.hub.export import export_pretrained
     from mhmoe.hub.remote_code import check_exported_code
@@ -246,17 +247,17 @@ def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_di
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
     assert check_exported_code(out)
     card = (out / "README.md").read_text()
-    assert "base_model: Tiny-Llama-3" in card and "Converted from the dense checkpoint `Tiny-Llama-3`" in card
-    assert str(tmp_path) not in card and "{{" not in card
+    assert "base_model" not in card.split("---")[1] and "Converted from a local dense checkpoint" in card
+    assert "Tiny-Llama-3" not in card and str(tmp_path) not in card and "{{" not in card  # no Hub id: unnamed
     assert 'AutoTokenizer.from_pretrained("moh", trust_remote_code=True)' in card
 
     exported = tmp_path / "exported"
     export_pretrained(str(out), str(exported))
     card = (exported / "README.md").read_text()
-    assert "base_model: Tiny-Llama-3" in card and "Converted from the dense checkpoint" in card
+    assert "Converted from a local dense checkpoint" in card and "Tiny-Llama-3" not in card
     assert (exported / "moh_conversion.json").read_bytes() == (out / "moh_conversion.json").read_bytes()
     record = json.loads((out / "moh_conversion.json").read_text())  # published with the model: names, not paths
-    assert (record["input_dir"], record["output_dir"]) == ("Tiny-Llama-3", "moh")
+    assert (record["input_dir"], record["base_model"], record["output_dir"]) == (None, None, "moh")
     assert str(tmp_path) not in (out / "moh_conversion.json").read_text()
 
     ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
@@ -332,7 +333,8 @@ def _converting_child(argv, started):
 
 
 def _snapshot(folder: Path) -> dict:
-    """Every file's bytes; the conversion record without its timings (the whole run's and the calibration's)."""
+    """Every file's bytes; the conversion record without its timings (the whole run's, the calibration's and the
+    held-out perplexity's)."""
     files = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file():
@@ -341,6 +343,7 @@ def _snapshot(folder: Path) -> dict:
                 record = json.loads(data)
                 record.pop("seconds")
                 record.get("calibration", {}).pop("seconds", None)
+                record.get("heldout", {}).pop("seconds", None)
                 data = json.dumps(record, sort_keys=True).encode()
             files[str(p.relative_to(folder))] = data
     return files
@@ -446,7 +449,7 @@ def test_export_of_a_continue_tuned_model_names_base_and_training(tmp_path, toke
     )
     export_pretrained(str(out), str(tmp_path / "exported"))
     card = (tmp_path / "exported" / "README.md").read_text()
-    assert "base_model: Tiny-Llama" in card and "Trained with `mhmoe-train` for 1 step (" in card
+    assert "Converted from a local dense checkpoint" in card and "Trained with `mhmoe-train` for 1 step (" in card
     record = (out / "converted" / "moh_conversion.json").read_bytes()
     assert (tmp_path / "exported" / "moh_conversion.json").read_bytes() == record
 

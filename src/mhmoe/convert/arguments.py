@@ -74,6 +74,15 @@ class ConvertArguments:
         },
     )
     probe_file: str | None = field(default=None, metadata={"help": "Text for the probe batch of the logit check."})
+    base_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "The source's Hugging Face Hub id (ORG/NAME), which the model card's base_model and "
+            "moh_conversion.json name it by. Default: the repo id of a Hugging Face cache snapshot, or a Hub id in "
+            "the source's config.json (_name_or_path); else the --gguf_file name, else none (a local folder's "
+            "name or path is never published)."
+        },
+    )
     gguf_file: str | None = field(
         default=None,
         metadata={
@@ -125,12 +134,15 @@ class ConvertArguments:
     calibration_file: str | None = field(
         default=None,
         metadata={
-            "help": "Calibration text (plain text, or JSONL with a 'text' field) for calibrated recipes; "
-            "default: Python's own documentation (pydoc_data.topics)."
+            "help": "Calibration text (plain text, or JSONL with a 'text' field) for calibrated recipes, which read "
+            "its first --calibration_tokens tokens; the next tokens (up to 4,096, at least a quarter of a short "
+            "text) are held out for the held-out perplexity against the parent in the report, moh_conversion.json "
+            "and the card. Default: Python's own documentation (pydoc_data.topics)."
         },
     )
     calibration_tokens: int = field(
-        default=CALIBRATION_TOKENS, metadata={"help": "Tokens of calibration text used (blocks of 256)."}
+        default=CALIBRATION_TOKENS,
+        metadata={"help": "Tokens of calibration text used (blocks of 256; fewer when the text is short)."},
     )
     trust_remote_code: bool = field(
         default=False,
@@ -216,6 +228,7 @@ class ConvertArguments:
             recipe=head_recipe(self.recipe, shared_heads_by, self.moh_router),
             calibration_file=self.calibration_file,
             calibration_tokens=self.calibration_tokens,
+            base_model=self.base_model,
             trust_remote_code=self.trust_remote_code,
             head_budget=self.head_budget,
             speed=speed if self.measure_speed else None,

@@ -15,7 +15,8 @@ head, the mean norm of the head's contribution to the attention output (its o_pr
 the importance) and the mean and std of its pre-RoPE query norm (the calibrated routers' statistics); with
 `fit_router` the same pass accumulates XᵀX and XᵀY in float64 and fits the "fitted" router (`RouterFit`).
 `choose_heads(plan, recipe, ...)` turns them into per-layer head orders and the config fields, and the record
-written to moh_conversion.json. With `head_budget="calibrated"` it also gives each layer its own number of routed
+written to moh_conversion.json. It reads only the text's first tokens: `split_tokens` holds the tokens after them out
+for the conversion's held-out perplexity (heldout.py). With `head_budget="calibrated"` it also gives each layer its own number of routed
 heads active per token (head_budget.py: the same total as the uniform budget, more where restricting the layer's heads
 changes the model's predictions more); with `head_budget="threshold"` those budgets become each layer's average and a
 per-layer score threshold decides, per token, how many heads it takes.
@@ -36,6 +37,7 @@ HEAD_BUDGETS = ("uniform", "calibrated", "threshold")
 ROUTER_CHOICES = ("l2", "l2_standardized", "l2_relative", "fitted")
 CALIBRATION_TOKENS = 4096
 CALIBRATION_BLOCK = 256
+HELDOUT_TOKENS = 4096  # the most tokens of the calibration text held out for the card's perplexity ratio
 FIT_RIDGE = 1e-2  # "fitted": λ = FIT_RIDGE × the mean of diag(XᵀX), fixed beforehand (benchmarks/moh_head_budgets.py)
 FIT_LOG_FLOOR = 1e-6  # "fitted": contribution norms clamped here before the log
 
@@ -132,16 +134,35 @@ def read_calibration(path: str | None) -> tuple[str, str]:
     return raw, os.path.basename(path)
 
 
-def calibration_blocks(tokenizer, text: str, tokens: int, block: int):
-    """(N, block) token ids: the first `tokens` tokens of `text` cut into blocks (at least one, shorter if short)."""
+def text_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of `text`, without special tokens: what calibration and the held-out perplexity read."""
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def split_tokens(total: int, calibration_tokens: int) -> tuple[int, int]:
+    """(C, H): of a calibration text of `total` tokens, calibration reads the first C, and the next H are held out
+    (never calibrated on; the card's held-out perplexity reads them). H is up to `HELDOUT_TOKENS`: what the text has
+    after the `calibration_tokens`, and at least a quarter of a short text (C is then reduced)."""
+    reserved = min(HELDOUT_TOKENS, total // 4)
+    calibration = min(calibration_tokens, total - reserved)
+    return calibration, min(HELDOUT_TOKENS, total - calibration)
+
+
+def token_blocks(ids: list[int], block: int):
+    """(N, block) token ids: `ids` cut into blocks (at least one, shorter if short; a partial last block dropped)."""
     import torch
 
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:tokens]
     if len(ids) < 2:
         raise ConversionError("the calibration text has fewer than 2 tokens")
     block = min(block, len(ids))
     rows = max(1, len(ids) // block)
     return torch.tensor(ids[: rows * block]).view(rows, block)
+
+
+def calibration_blocks(tokenizer, text: str, tokens: int, block: int):
+    """(N, block) token ids: the first `tokens` tokens of `text` cut into blocks (at least one, shorter if short).
+    The converter itself holds part of its text out first (`split_tokens`)."""
+    return token_blocks(text_ids(tokenizer, text)[:tokens], block)
 
 
 @dataclass
@@ -313,8 +334,9 @@ def choose_heads(
     every layer's shared heads and set the recipe's router (and its statistics, in the permuted head order) on
     `plan.config`; `head_budget="calibrated"` sets `moh_active_heads_per_layer` (head_budget.py: measured on the
     first `SENSITIVITY_TOKENS` calibration tokens), `"threshold"` those budgets and `moh_head_thresholds` (measured on
-    all the calibration tokens)."""
-    from .heads import head_order, permute_rows
+    all the calibration tokens). Calibration reads the text's first tokens only: the rest is held out
+    (`split_tokens`)."""
+    from .heads import head_order
 
     if head_budget not in HEAD_BUDGETS:
         raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
@@ -328,21 +350,51 @@ def choose_heads(
         raise ConversionError(f"--calibration_tokens must be >= 2, got {calibration_tokens}")
     text, label = read_calibration(calibration_file)
     model, tokenizer = _load_source(plan.input_dir, trust_remote_code)
-    blocks = calibration_blocks(tokenizer, text, calibration_tokens, CALIBRATION_BLOCK)
+    ids = text_ids(tokenizer, text)
+    used, held_out = split_tokens(len(ids), calibration_tokens)
+    blocks = token_blocks(ids[:used], CALIBRATION_BLOCK)  # never the held-out tokens after them
     if int(blocks.max()) >= config.vocab_size:
         raise ConversionError("the source's tokenizer gives token ids beyond the model's vocabulary")
-    fitted = recipe.router == "fitted"
-    stats = measure_heads(model, blocks, progress, fit_router=fitted)
-    shared, kv = config.moh_shared_heads, config.num_key_value_heads
-    heads = config.num_attention_heads
+    stats = measure_heads(model, blocks, progress, fit_router=recipe.router == "fitted")
+    shared, heads = config.moh_shared_heads, config.num_attention_heads
     if recipe.shared_heads == "importance":
-        orders = [head_order(row, shared, kv) for row in stats.importance]
+        orders = [head_order(row, shared, config.num_key_value_heads) for row in stats.importance]
     else:
         orders = [list(range(heads)) for _ in stats.importance]
+    tensors = _set_router(plan, recipe, stats, orders, record)
+    _set_budgets(model, config, orders, blocks, tensors, head_budget, record, progress)
+    del model
+    record["calibration"] = {
+        "source": label,
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "tokens": stats.tokens,
+        "block_size": int(blocks.shape[1]),
+        "text_tokens": len(ids),
+        "heldout_tokens": held_out,
+        "split": "calibration reads the text's first tokens; the next heldout_tokens are held out (never calibrated "
+        "on: the held-out perplexity's)",
+        "importance": "mean norm of each head's o_proj contribution",
+    }
+    record["layers"] = [
+        {
+            "head_order": order,
+            "shared_source_heads": sorted(order[:shared]),
+            "importance": [round(v, 5) for v in stats.importance[i]],
+        }
+        for i, order in enumerate(orders)
+    ]
+    identity = all(order == list(range(heads)) for order in orders)
+    return HeadChoices(None if identity else orders, record, tensors)
+
+
+def _set_router(plan, recipe: HeadRecipe, stats: HeadStats, orders, record: dict) -> dict:
+    """The recipe's router on `plan.config` (for "fitted" also its weights, returned by name, and the fit's record;
+    for the calibrated l2 routers the per-head query-norm statistics in the permuted head order)."""
+    from .heads import permute_rows
+
+    config = plan.config
     config.moh_router = recipe.router
-    tensors = {}
-    if fitted:
-        tensors = _fitted_router(plan, stats.router_fit, orders)
+    if recipe.router == "fitted":
         record["router_fit"] = {
             "router": "learned (moh_router), W_r fitted; W_s and W_h zero (shared gates and stage weights 1)",
             "target": f"log of each head's o_proj contribution norm (clamped at {FIT_LOG_FLOOR:g})",
@@ -352,11 +404,17 @@ def choose_heads(
             "r2": [round(v, 4) for v in stats.router_fit.r2],
             "tokens": stats.tokens,
         }
-    elif recipe.router != "l2":
+        return _fitted_router(plan, stats.router_fit, orders)
+    if recipe.router != "l2":
         config.moh_head_norm_mean = [[round(v, 6) for v in row] for row in permute_rows(stats.norm_mean, orders)]
         config.moh_head_norm_std = [
             [round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)
         ]
+    return {}
+
+
+def _set_budgets(model, config, orders, blocks, tensors, head_budget: str, record: dict, progress: bool) -> None:
+    """`head_budget` "calibrated" / "threshold": the per-layer budgets (and thresholds) on `config`, and their record."""
     if head_budget in ("calibrated", "threshold"):
         sensitivity = blocks[: max(1, SENSITIVITY_TOKENS // blocks.shape[1])]  # (N, T): the first blocks
         budgets, delta = calibrated_budgets(model, config, orders, sensitivity, progress, tensors)
@@ -377,24 +435,6 @@ def choose_heads(
             "calibration tokens take the layer's budget on average)",
             routed_active_fraction=[round(v, 4) for v in fractions],
         )
-    del model
-    record["calibration"] = {
-        "source": label,
-        "sha256": hashlib.sha256(text.encode()).hexdigest(),
-        "tokens": stats.tokens,
-        "block_size": int(blocks.shape[1]),
-        "importance": "mean norm of each head's o_proj contribution",
-    }
-    record["layers"] = [
-        {
-            "head_order": order,
-            "shared_source_heads": sorted(order[:shared]),
-            "importance": [round(v, 5) for v in stats.importance[i]],
-        }
-        for i, order in enumerate(orders)
-    ]
-    identity = all(order == list(range(heads)) for order in orders)
-    return HeadChoices(None if identity else orders, record, tensors)
 
 
 def _fitted_router(plan, fit: RouterFit, orders: list[list[int]]) -> dict:
@@ -426,6 +466,7 @@ __all__ = [
     "DEFAULT_RECIPE",
     "FIT_RIDGE",
     "HEAD_BUDGETS",
+    "HELDOUT_TOKENS",
     "RECIPES",
     "ROUTER_CHOICES",
     "SHARED_CHOICES",
@@ -440,4 +481,7 @@ __all__ = [
     "head_recipe",
     "measure_heads",
     "read_calibration",
+    "split_tokens",
+    "text_ids",
+    "token_blocks",
 ]

@@ -38,6 +38,7 @@ from .._plumbing.checkpoint_files import (
 from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HEAD_BUDGETS, HeadRecipe, choose_heads, head_recipe
 from .errors import ConversionError
 from .heads import permute_checkpoint
+from .heldout import heldout_line
 from .plan import RECORD_NAME, ConversionPlan, ShardPlan, plan_conversion, read_shard
 from .recipe import (
     ACTIVE_HEADS_RATIO,
@@ -221,6 +222,8 @@ class ConversionReport:
     routed_active_heads_per_layer: list[int] | None = None  # --head_budget calibrated
     head_thresholds: list[float | None] | None = None  # --head_budget threshold
     speed: dict | None = None  # --measure_speed (speed.py)
+    heldout: dict | None = None  # the held-out perplexity (heldout.py), or {"skipped": why}
+    router_fit_r2: list[float] | None = None  # the fitted router's R² per layer (calibrate.py)
 
     @classmethod
     def of(cls, plan: ConversionPlan, input_dir: str, output_dir: str, seconds: float, verification: dict | None):
@@ -250,6 +253,8 @@ class ConversionReport:
         return self.shared_heads + self.routed_active_heads
 
     def format(self) -> str:
+        from ..hub.conversion_cards import fit_words, probe_change
+
         h, s, k = self.num_heads, self.shared_heads, self.routed_active_heads
         lines = [
             f"converted {self.source_model_type} -> moh_llama: {self.input_dir} -> {self.output_dir}",
@@ -283,8 +288,13 @@ class ConversionReport:
             lines.append(
                 f"  routing on ({self.active_heads}/{h} heads): max |Δlogit| {v['routed_max_abs_diff']:.3g}, mean "
                 f"{v['routed_mean_abs_diff']:.3g}, top-1 agreement {100 * v['routed_top1_agreement']:.1f}%, probe "
-                f"perplexity {v['source_probe_ppl']:.2f} -> {v['routed_probe_ppl']:.2f} (continue-tune to recover)"
+                f"perplexity {v['source_probe_ppl']:.2f} -> {v['routed_probe_ppl']:.2f} "
+                f"({probe_change(v['source_probe_ppl'], v['routed_probe_ppl'])})"
             )
+        if self.router_fit_r2 is not None:
+            lines.append(f"  router fit: R² per layer {fit_words(self.router_fit_r2)}")
+        if self.heldout is not None:
+            lines.append(heldout_line(self.heldout))
         if self.speed is not None:
             lines.append(speed_line(self.speed))
         return "\n".join(lines)
@@ -304,69 +314,78 @@ def convert(
     recipe: HeadRecipe | str = DEFAULT_RECIPE,
     calibration_file: str | None = None,
     calibration_tokens: int = CALIBRATION_TOKENS,
-    source_name: str | None = None,
+    source_names: dict | None = None,
     source_notes: list[str] | None = None,
     trust_remote_code: bool = False,
     shared_heads: int | None = None,
     active_heads: int | None = None,
     head_budget: str = "uniform",
     speed: SpeedSettings | None = None,
+    base_model: str | None = None,
 ) -> ConversionReport:
     """Convert `input_dir` (llama / mistral / qwen2, safetensors; or `gguf_file` inside it) into a moh_llama
     checkpoint at `output_dir`.
 
     `recipe`: how shared heads and the routed-head score are chosen (calibrate.py; "paper": the first heads shared,
-    l2 router, weights copied byte for byte; a calibrated recipe measures the source on `calibration_file` and permutes
-    heads). Raises `ConversionError` (nothing written at `output_dir`) for anything it refuses; see plan.py's
-    docstring. `verify_logits=False` skips loading the models (names, dtypes and shapes are still checked).
-    `source_name`: the source as moh_conversion.json and the card name it (default `input_dir`'s folder name or Hub
-    repo id; never a local path). `source_notes`: how the source was read (GGUF dequantisation), first among the
-    report's and moh_conversion.json's notes. `trust_remote_code`: let Transformers run the code the source's tokenizer
-    names (calibration, the logit check); the model's code is always Transformers' own and no code is copied.
-    `shared_heads` / `active_heads`: the head split as counts per layer (active = shared + routed) instead of the
-    ratios. `head_budget`: "uniform" (every layer `active_heads`), "calibrated" (per-layer routed budgets at the
-    same total, from each layer's measured effect on the model's predictions: head_budget.py) or "threshold" (those
-    budgets as averages; per token the heads scoring above a per-layer threshold). `speed`: time the
-    converted model against its parent on this machine before the folder is renamed into place (speed.py; recorded in
-    moh_conversion.json and the card). Arguments of the wrong
+    l2 router, weights copied byte for byte; a calibrated recipe measures the source on the first tokens of
+    `calibration_file` and permutes heads). Raises `ConversionError` (nothing written at `output_dir`) for anything it
+    refuses; see plan.py's docstring. `verify_logits=False` skips loading the models (names, dtypes and shapes are
+    still checked; no held-out perplexity). The logit check also measures the converted model's perplexity over its
+    parent's on the calibration text's held-out tokens (heldout.py). `base_model`: the source's Hugging Face Hub id,
+    which the card and moh_conversion.json name it by (default: a Hub cache snapshot's repo id, a Hub id in the
+    source's config.json `_name_or_path`, else the GGUF file's name; never a local path or folder name:
+    `hub.conversion_cards.parent_names`). `source_names`: those names, already found (a GGUF conversion's).
+    `source_notes`: how the source was read (GGUF dequantisation), first among the report's and moh_conversion.json's
+    notes. `trust_remote_code`: let Transformers run the code the source's tokenizer names (calibration, the logit
+    check); the model's code is always Transformers' own and no code is copied. `shared_heads` / `active_heads`: the
+    head split as counts per layer (active = shared + routed) instead of the ratios. `head_budget`: "uniform" (every
+    layer `active_heads`), "calibrated" (per-layer routed budgets at the same total, from each layer's measured effect
+    on the model's predictions: head_budget.py) or "threshold" (those budgets as averages; per token the heads
+    scoring above a per-layer threshold). `speed`: time the converted model against its parent on this machine before
+    the folder is renamed into place (speed.py; recorded in moh_conversion.json and the card). Arguments of the wrong
     type raise `TypeError`, values out of range `ConversionError` (a `ValueError`).
     """
-    start = time.time()
+    options = dict(locals())  # the arguments (nothing else is defined yet)
+    for name in ("input_dir", "output_dir", "gguf_file"):
+        del options[name]
     _check_arguments(shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads)
-    _check_options(head_budget, speed)
+    _check_options(head_budget, speed, base_model)
     check_paths(input_dir, output_dir)
     output_state(output_dir, overwrite)
-    recipe = head_recipe(recipe) if isinstance(recipe, str) else recipe
+    options["recipe"] = head_recipe(recipe) if isinstance(recipe, str) else recipe
     if gguf_file is not None:
-        options = dict(
-            shared_heads_ratio=shared_heads_ratio,
-            active_heads_ratio=active_heads_ratio,
-            overwrite=overwrite,
-            verify_logits=verify_logits,
-            probe_text=probe_text,
-            moh_aux_loss_coef=moh_aux_loss_coef,
-            progress=progress,
-            recipe=recipe,
-            calibration_file=calibration_file,
-            calibration_tokens=calibration_tokens,
-            trust_remote_code=trust_remote_code,
-            shared_heads=shared_heads,
-            active_heads=active_heads,
-            head_budget=head_budget,
-            speed=speed,
-        )
         return _convert_gguf(input_dir, output_dir, gguf_file, **options)
+    return _convert_folder(input_dir, output_dir, **options)
+
+
+def _convert_folder(input_dir: str, output_dir: str, **o) -> ConversionReport:
+    """`convert` of a safetensors folder, its arguments checked: plan, calibrate, write, verify, record, rename."""
+    from ..hub.conversion_cards import parent_names
+
+    start = time.time()
     plan = plan_conversion(  # its files pinned as checked (trust.pinned): plan.input_dir is where they are read
-        input_dir, shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads,
-        trust_remote_code=trust_remote_code,
-    )  # fmt: skip
-    plan.notes[:0] = source_notes or []
+        input_dir,
+        o["shared_heads_ratio"],
+        o["active_heads_ratio"],
+        o["moh_aux_loss_coef"],
+        o["shared_heads"],
+        o["active_heads"],
+        trust_remote_code=o["trust_remote_code"],
+    )
+    names = o["source_names"] or parent_names(input_dir, base_model=o["base_model"], config_dir=plan.input_dir)
+    plan.notes[:0] = o["source_notes"] or []
     _check_disk_space(plan, output_dir)  # before calibration's minutes
     planned = plan.total_bytes
     calibration_start = time.time()
     with plan.source.renaming():  # errors name input_dir, not its pinned copy
         choices = choose_heads(
-            plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress, head_budget
+            plan,
+            o["recipe"],
+            o["calibration_file"],
+            o["calibration_tokens"],
+            o["trust_remote_code"],
+            o["progress"],
+            o["head_budget"],
         )
     if plan.total_bytes > planned:  # the fitted router's tensors, planned by calibration
         _check_disk_space(plan, output_dir)
@@ -376,22 +395,48 @@ def convert(
 
     temporary = temporary_dir_next_to(output_dir)
     try:
-        _write_converted(plan, choices, temporary, progress)
+        _write_converted(plan, choices, temporary, o["progress"])
         copy_seconds = time.time() - start
         source = plan.input_dir  # the pinned copy
-        verification = verified(source, temporary, probe_text, trust_remote_code) if verify_logits else None
+        verification, heldout = _verify(source, temporary, plan, choices, o)
         report = ConversionReport.of(plan, input_dir, output_dir, copy_seconds, verification)
-        if speed is not None:
-            report.speed = measure_speed(source, temporary, speed, calibration_file, trust_remote_code, progress)
+        report.heldout = heldout
+        report.router_fit_r2 = (choices.record.get("router_fit") or {}).get("r2")
+        if o["speed"] is not None:
+            report.speed = measure_speed(
+                source, temporary, o["speed"], o["calibration_file"], o["trust_remote_code"], o["progress"]
+            )
         report.recipe = choices.record["recipe"]["name"]
-        names = (source_name or input_dir, output_dir)
-        _write_record(temporary, report, choices, shared_heads_ratio, active_heads_ratio, names)
-        _commit(temporary, output_dir, overwrite)
+        _write_record(temporary, report, choices, o["shared_heads_ratio"], o["active_heads_ratio"], names)
+        _commit(temporary, output_dir, o["overwrite"])
     except BaseException as e:
         shutil.rmtree(temporary, ignore_errors=True)
         plan.source.rename(e)
         raise
     return report
+
+
+def _verify(input_dir: str, temporary: str, plan, choices, o: dict) -> tuple[dict | None, dict]:
+    """The logit check (verify.py) and, in the same loads of the two models, the held-out perplexity (heldout.py):
+    (verification or None, moh_conversion.json's "heldout": the figures, or {"skipped": why})."""
+    from .heldout import HeldOut, held_out
+
+    if not o["verify_logits"]:
+        return None, {"skipped": "--skip_logit_check: the models were not loaded"}
+    config = plan.config
+    found = held_out(
+        input_dir,
+        config.vocab_size,
+        config.max_position_embeddings,
+        o["calibration_file"],
+        o["calibration_tokens"],
+        o["trust_remote_code"],
+    )
+    heldout = found if isinstance(found, HeldOut) else None
+    verification = verified(input_dir, temporary, o["probe_text"], o["trust_remote_code"], heldout)
+    if heldout is None:
+        return verification, {"skipped": found}
+    return verification, heldout.record(verification["dtype"], calibrated="calibration" in choices.record)
 
 
 def _check_arguments(shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, shared_heads, active_heads) -> None:
@@ -403,7 +448,13 @@ def _check_arguments(shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef, 
     )
 
 
-def _check_options(head_budget: str, speed) -> None:
+def _check_options(head_budget: str, speed, base_model) -> None:
+    from ..hub.conversion_cards import hub_id
+
+    if base_model is not None and not hub_id(base_model, single=True):
+        raise ConversionError(
+            f"--base_model must be a Hugging Face Hub model id (NAME or ORG/NAME), not a local path: {base_model!r}"
+        )
     if head_budget not in HEAD_BUDGETS:
         raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
     if speed is not None and not isinstance(speed, SpeedSettings):
@@ -426,16 +477,18 @@ def _write_converted(plan, choices, temporary: str, progress: bool) -> None:
         )
 
 
-def _write_record(temporary: str, report, choices, shared_heads_ratio, active_heads_ratio, names) -> None:
-    """moh_conversion.json: the report, the ratios and the recipe's record, with `names` (source, output) as names,
-    not local paths: the record is published with the model."""
-    from ..hub.cards import public_paths
-
+def _write_record(temporary: str, report, choices, shared_heads_ratio, active_heads_ratio, names: dict) -> None:
+    """moh_conversion.json: the report, the ratios and the recipe's record, with `names` (`parent_names`: the
+    source's public name and Hub id) and the output folder's name, not local paths: the record is published with the
+    model."""
     record = dataclasses.asdict(report)
+    record.pop("router_fit_r2")  # the record's router_fit has it
     record.update(
         shared_heads_ratio=shared_heads_ratio,
         active_heads_ratio=active_heads_ratio,
-        **public_paths(*names),
+        input_dir=names["input_dir"],
+        base_model=names["base_model"],
+        output_dir=os.path.basename(os.path.abspath(report.output_dir)),
         **choices.record,
     )
     with open(os.path.join(temporary, RECORD_NAME), "w") as f:
@@ -451,7 +504,9 @@ def _check_numbers(shared_heads_ratio, active_heads_ratio, moh_aux_loss_coef) ->
 
 def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) -> ConversionReport:
     """`convert` of a GGUF file: dequantised into a dense checkpoint in a temporary folder (gguf.py), converted from
-    there, the temporary folder removed."""
+    there, the temporary folder removed. The card and the record name the source by its Hub id when there is one,
+    else by the GGUF file's name (`parent_names`), never by the temporary folder."""
+    from ..hub.conversion_cards import parent_names
     from .gguf import check_gguf_source, dequantise_gguf, gguf_config
 
     check_gguf_source(input_dir, gguf_file)
@@ -463,14 +518,13 @@ def _convert_gguf(input_dir: str, output_dir: str, gguf_file: str, **options) ->
         options["shared_heads"],
         options["active_heads"],
     )
+    options["source_names"] = options["source_names"] or parent_names(input_dir, gguf_file, options["base_model"])
     dense = temporary_dir_next_to(output_dir)
     try:
         if options.get("progress", True):
             print(f"dequantising {gguf_file} to float32 (the whole model, in memory)", flush=True)
         notes = dequantise_gguf(input_dir, gguf_file, dense)
-        # the record and the card's base_model name the folder (a Hub repo id in a Hugging Face cache), the notes
-        # the GGUF file
-        report = convert(dense, output_dir, source_name=input_dir, source_notes=notes, **options)
+        report = convert(dense, output_dir, **{**options, "source_notes": notes})
         report.input_dir = os.path.join(input_dir, gguf_file)
     finally:
         shutil.rmtree(dense, ignore_errors=True)

@@ -2,7 +2,9 @@
 
 `verify_conversion(source_dir, converted_dir)` loads the source and the converted model one after the other (peak
 memory about one model) and compares them on a probe batch: the converted model with every head active must reproduce
-the source's logits; with routing on, the logit and perplexity change is reported. `all_heads_active(model)` is the
+the source's logits; with routing on, the logit and perplexity change is reported. The same loads measure the held-out
+perplexity of both models (heldout.py; a half-precision model of up to 1B parameters is run in float32 for it, which
+holds its float32 copy too). `all_heads_active(model)` is the
 switch it uses (continue-tuning uses it too, to measure the dense parent at step 0).
 """
 
@@ -98,13 +100,18 @@ def _refuse_non_finite(model, source_dir: str) -> None:
 
 
 def verify_conversion(
-    source_dir: str, converted_dir: str, probe_text: str | None = None, trust_remote_code: bool = False
+    source_dir: str,
+    converted_dir: str,
+    probe_text: str | None = None,
+    trust_remote_code: bool = False,
+    heldout=None,
 ) -> dict:
     """Load the source, then the converted model (one at a time, checkpoint dtype, CPU) and compare on a probe batch.
 
     Returns `all_heads_max_abs_diff` (converted with every head active vs source; must be ~0), `all_heads_equal`,
     and with routing on: `routed_max_abs_diff`, `routed_mean_abs_diff`, `routed_top1_agreement`, `source_probe_ppl`,
-    `routed_probe_ppl`.
+    `routed_probe_ppl`. `heldout` (heldout.py's `HeldOut`): each model, while loaded, is also run over the held-out
+    tokens (the converted one with routing on).
     """
     import gc
 
@@ -123,6 +130,8 @@ def verify_conversion(
     with torch.no_grad():
         reference = source(ids).logits.float()
     dtype = next(source.parameters()).dtype
+    if heldout is not None:  # last: it may leave the model in float32
+        heldout.measure(source, "parent")
     del source
     gc.collect()
 
@@ -137,6 +146,8 @@ def verify_conversion(
         with all_heads_active(converted):
             dense = converted(ids).logits.float()
         routed = converted(ids).logits.float()
+    if heldout is not None:  # last: it may leave the model in float32
+        heldout.measure(converted, "converted")
     del converted
     gc.collect()
     scale = max(1.0, reference.abs().max().item())
@@ -158,10 +169,14 @@ def verify_conversion(
 
 
 def verified(
-    source_dir: str, converted_dir: str, probe_text: str | None = None, trust_remote_code: bool = False
+    source_dir: str,
+    converted_dir: str,
+    probe_text: str | None = None,
+    trust_remote_code: bool = False,
+    heldout=None,
 ) -> dict:
     """`verify_conversion`, refusing a converted model that with every head active is not its source."""
-    verification = verify_conversion(source_dir, converted_dir, probe_text, trust_remote_code)
+    verification = verify_conversion(source_dir, converted_dir, probe_text, trust_remote_code, heldout)
     if not verification["source_logits_finite"]:
         raise ConversionError(
             f"verification failed: the source model's own logits on the probe are not finite (NaN or inf) in "

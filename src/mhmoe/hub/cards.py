@@ -1,10 +1,12 @@
 """Model cards: the templates in `model_cards/` (Hugging Face `ModelCard` format) filled from a config and real results.
 
 `model_card(config, ...)` returns a `huggingface_hub.ModelCard` whose YAML metadata holds `library_name`, `tags`,
-`license`, `pipeline_tag`, `base_model` (converted models), `datasets` and a `model-index` with the evaluation results,
-and whose body gives the architecture, the parity numbers of one MoE layer (`moe_layer_cost`), the activated heads and
-experts, and how the model was trained. `export_pretrained` / `mhmoe-export`, `write_remote_code` (training's final
-save, the converter) and the reproduction runs (benchmarks/reproduce) write it as README.md. Nothing here needs the network.
+`license`, `pipeline_tag`, `base_model` (converted models whose parent has a Hub id), `datasets` and a `model-index`
+with the evaluation results, and whose body gives the architecture, the parity numbers of one MoE layer
+(`moe_layer_cost`), the activated heads and experts, and how the model was trained; a converted model's card also
+says what its conversion did and measured (conversion_cards.py, from moh_conversion.json). `export_pretrained` /
+`mhmoe-export`, `write_remote_code` (training's final save, the converter) and the reproduction runs
+(benchmarks/reproduce) write it as README.md. Nothing here needs the network.
 """
 
 from __future__ import annotations
@@ -12,6 +14,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from .conversion_cards import (  # noqa: F401 (the converted card's parts, importable from here as before)
+    base_model_name,
+    conversion_rows,
+    conversion_text,
+    public_paths,
+    quality_text,
+    recorded_base_model,
+    speed_rows,
+    verification_rows,
+)
 
 TEMPLATES = {"mhmoe": "mhmoe.md", "moh_llama": "moh_llama.md", "converted": "converted.md"}
 
@@ -105,94 +118,6 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
     return rows
 
 
-def verification_rows(record: dict) -> list[tuple[str, str]]:
-    """The conversion's own measured quality: its logit check against the source (moh_conversion.json)."""
-    if "verification" not in record:
-        return []
-    v = record["verification"]
-    if v is None:
-        return [("logit check", "not run (`--skip_logit_check`)")]
-    try:
-        text = (
-            f"every head on: max \\|Δlogit\\| {v['all_heads_max_abs_diff']:.3g} vs the source "
-            f"({'within' if v['all_heads_equal'] else 'NOT within'} {v['all_heads_tolerance']:.3g}); routing on: "
-            f"probe perplexity {v['source_probe_ppl']:.2f} → {v['routed_probe_ppl']:.2f} "
-            f"(×{v['routed_probe_ppl'] / v['source_probe_ppl']:.2f}), top-1 agreement with the source "
-            f"{100 * v['routed_top1_agreement']:.1f}%"
-        )
-    except (KeyError, TypeError, ZeroDivisionError):  # an older or partial record
-        return []
-    return [(f"logit check ({v.get('probe', 'probe')}, {v.get('dtype', '')})", text)]
-
-
-def speed_rows(record: dict) -> list[tuple[str, str]]:
-    """The conversion's own timing against its parent (`mhmoe-convert --measure_speed`, moh_conversion.json's
-    "speed"); none when it was not measured."""
-    speed = record.get("speed")
-    if not speed:
-        return []
-    try:
-        p, d = speed["prefill"], speed["decode"]
-        text = (
-            f"prefill of {p['tokens']:,} tokens ×{p['speed_ratio']:.2f} the parent's speed (MoH "
-            f"{p['moh_tokens_per_s']:,.1f} vs parent {p['parent_tokens_per_s']:,.1f} tokens/s; ideal "
-            f"×{p['ideal_speed_ratio']:.2f}, {p['rounds']} rounds); greedy decoding of {d['new_tokens']} tokens after "
-            f"it ×{d['speed_ratio']:.2f} ({d['moh_tokens_per_s']:,.1f} vs {d['parent_tokens_per_s']:,.1f} tokens/s; "
-            f"ideal ×{d['ideal_speed_ratio']:.2f}, {d['rounds']} rounds in lockstep); medians of the per-round ratios "
-            f"parent time / MoH time, batch {speed['batch']}, {speed['dtype']}, {speed['device']}, "
-            f"{speed['threads']} thread{'' if speed['threads'] == 1 else 's'}, {speed['text']}. These are the converting machine's timings of this "
-            f"conversion, and noisy; the repeatable benchmark is `{speed['benchmark']}` in mhmoe's repository"
-        )
-    except (KeyError, TypeError, ValueError):  # an older or partial record
-        return []
-    return [("speed vs the parent (`--measure_speed`)", text)]
-
-
-def conversion_rows(record: dict | None) -> list[tuple[str, str]]:
-    """(label, text) rows from a converted model's moh_conversion.json: head recipe, calibration data, the logit
-    check's figures and, where measured, its speed against the parent."""
-    if not record or "recipe" not in record:
-        return []
-    recipe = record["recipe"]
-    rows = [
-        (
-            "conversion recipe",
-            f"`{recipe['name']}`: shared heads `{recipe['shared_heads']}`, routed-head score "
-            f"`{recipe['router']}` (mhmoe-convert)",
-        )
-    ]
-    calibration = record.get("calibration")
-    if calibration:
-        rows.append(
-            (
-                "calibration",
-                f"{calibration['source']}, {calibration['tokens']:,} tokens, sha256 `{calibration['sha256'][:16]}…`",
-            )
-        )
-    fit = record.get("router_fit")
-    if fit:
-        r2 = sorted(fit.get("r2") or [0.0])
-        rows.append(
-            (
-                "router fit",
-                f"W_r of the learned router fitted on the calibration text ({fit['tokens']:,} tokens): per layer a "
-                f"ridge regression of the {fit['target']} on {fit['features']}, {fit['ridge']}; R² per layer (the "
-                f"mean over its heads, on the calibration tokens; no intercept) from {r2[0]:.2f} to {r2[-1]:.2f}, "
-                f"median {r2[len(r2) // 2]:.2f}",
-            )
-        )
-    layers = record.get("layers") or []
-    if layers and recipe["shared_heads"] != "first":
-        shown = "; ".join(f"{i}: {layer['shared_source_heads']}" for i, layer in enumerate(layers[:4]))
-        rows.append(
-            (
-                "shared heads (source head ids, per layer)",
-                shown + (f"; … ({len(layers)} layers in moh_conversion.json)" if len(layers) > 4 else ""),
-            )
-        )
-    return rows + verification_rows(record) + speed_rows(record)
-
-
 def parity_rows(config) -> list[tuple[str, str]]:
     """One MoE layer's total parameters and activated multiply-adds per token (`moe_layer_cost`); none for dense."""
     if not getattr(config, "decoder_sparse_step", 0):
@@ -208,28 +133,6 @@ def parity_rows(config) -> list[tuple[str, str]]:
         ),
         ("activated multiply-adds per token", f"{cost.macs_per_token:,}"),
     ]
-
-
-def base_model_name(input_dir: str) -> str:
-    """The name a converted model's card gives its dense parent: the Hub repo id of a Hugging Face cache snapshot
-    (`.../models--org--name/snapshots/REV` -> `org/name`), else the source folder's name (never the local path)."""
-    path = os.path.abspath(input_dir)
-    snapshots = os.path.dirname(path)
-    repo = os.path.basename(os.path.dirname(snapshots))
-    if os.path.basename(snapshots) == "snapshots" and repo.startswith("models--"):
-        return repo.removeprefix("models--").replace("--", "/")
-    return os.path.basename(path)
-
-
-def public_paths(input_dir: str, output_dir: str) -> dict:
-    """What moh_conversion.json keeps of its folders (it is published with the model): `input_dir` as the card's
-    `base_model` (`base_model_name`: a Hub repo id or the folder's name), `output_dir` as the folder's name."""
-    return {"input_dir": base_model_name(input_dir), "output_dir": os.path.basename(os.path.abspath(output_dir))}
-
-
-def _recorded_base_model(input_dir: str) -> str:
-    """A record's `input_dir`: a name as written by `public_paths`, or (older records) an absolute local path."""
-    return base_model_name(input_dir) if os.path.isabs(input_dir) else input_dir
 
 
 def training_text(summary: dict, final_ppl: bool = True) -> str:
@@ -305,8 +208,8 @@ def folder_records(folder) -> dict:
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 record = json.load(f)
-            if key == "base_model" and record.get("input_dir"):
-                found[key] = _recorded_base_model(record["input_dir"])
+            if key == "base_model" and (record.get("input_dir") or "base_model" in record):
+                found[key] = recorded_base_model(record)  # a Hub id, or None
                 found["conversion"] = record  # its head recipe and calibration data join the architecture table
             elif key == "training" and isinstance(record, dict):
                 training, summary = training_text(record), record
@@ -345,42 +248,26 @@ def model_card(
 
     `results`: evaluation results, each {"dataset_name", "dataset_type", "metric_type", "metric_value"} (optional
     "metric_name", "dataset_split", "task_type" (default "text-generation")), written to the `model-index`.
-    `base_model`: the dense parent of a converted model (selects the `converted` template). `remote_code`: the folder
-    carries its modeling code (`trust_remote_code=True` loads it without mhmoe). `versions`: {"mhmoe": ...,
-    "transformers": ...} the model was made with (default: the running ones). `conversion`: the converter's
-    moh_conversion.json record (its head recipe and calibration data join the architecture table)."""
+    `base_model`: the Hub id of a converted model's dense parent. `conversion`: the converter's moh_conversion.json
+    record (its router, head recipe, calibration data and figures join the card). Either selects the `converted`
+    template. `remote_code`: the folder carries its modeling code (`trust_remote_code=True` loads it without mhmoe).
+    `versions`: {"mhmoe": ..., "transformers": ...} the model was made with (default: the running ones)."""
     import transformers
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard, ModelCardData
 
     from .._plumbing.version import __version__
 
-    kind = "converted" if base_model else ("moh_llama" if config.model_type == "moh_llama" else "mhmoe")
-    tags = ["mhmoe", config.model_type, *(["custom_code"] if remote_code else [])]
-    if getattr(config, "moh_shared_heads", None) is not None:
-        tags.append("mixture-of-head-attention")
-    if getattr(config, "decoder_sparse_step", 0):
-        tags.append("mixture-of-experts")
-    eval_results = [
-        EvalResult(
-            task_type=r.get("task_type", "text-generation"),
-            dataset_type=r["dataset_type"],
-            dataset_name=r["dataset_name"],
-            dataset_split=r.get("dataset_split"),
-            metric_type=r["metric_type"],
-            metric_value=r["metric_value"],
-            metric_name=r.get("metric_name"),
-        )
-        for r in results or []
-    ]
+    converted = bool(base_model or conversion)
+    kind = "converted" if converted else ("moh_llama" if config.model_type == "moh_llama" else "mhmoe")
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
         license=license,
-        tags=list(dict.fromkeys(tags)),
+        tags=_tags(config, remote_code),
         base_model=base_model,
         datasets=datasets,
         model_name=model_name,
-        eval_results=eval_results or None,
+        eval_results=_eval_results(results) or None,
     )
     repo = repo or model_name
     load = ", trust_remote_code=True" if remote_code else ""
@@ -398,6 +285,7 @@ def model_card(
         f"{r.get('metric_name') or r['metric_type']} | {r['metric_value']:.4g} |"
         for r in results or []
     )
+    tuned = training is not None
     return ModelCard.from_template(
         data,
         template_path=str(templates_dir() / TEMPLATES[kind]),
@@ -409,9 +297,37 @@ def model_card(
         results_rows=results_rows,
         usage=usage,
         base_model=base_model,
+        conversion_text=conversion_text(config, base_model, conversion, tuned) if converted else "",
+        quality_text=quality_text(conversion, tuned) if converted else "",
         mhmoe_version=(versions or {}).get("mhmoe", __version__),
         transformers_version=(versions or {}).get("transformers", transformers.__version__),
     )
+
+
+def _tags(config, remote_code: bool) -> list[str]:
+    tags = ["mhmoe", config.model_type, *(["custom_code"] if remote_code else [])]
+    if getattr(config, "moh_shared_heads", None) is not None:
+        tags.append("mixture-of-head-attention")
+    if getattr(config, "decoder_sparse_step", 0):
+        tags.append("mixture-of-experts")
+    return list(dict.fromkeys(tags))
+
+
+def _eval_results(results: list[dict] | None) -> list:
+    from huggingface_hub import EvalResult
+
+    return [
+        EvalResult(
+            task_type=r.get("task_type", "text-generation"),
+            dataset_type=r["dataset_type"],
+            dataset_name=r["dataset_name"],
+            dataset_split=r.get("dataset_split"),
+            metric_type=r["metric_type"],
+            metric_value=r["metric_value"],
+            metric_name=r.get("metric_name"),
+        )
+        for r in results or []
+    ]
 
 
 __all__ = [
