@@ -181,6 +181,7 @@ def export_pretrained(
 def _export(model, source_dir, save_directory, tokenizer, overwrite, model_card, push_to_hub, trust_remote_code):
     """`export_pretrained` once its arguments are checked: `model` is a model object, or the pinned files of the
     checkpoint directory `source_dir` (the folder given)."""
+    records = model if source_dir is not None else None  # the pinned folder: how a converted model was made
     if source_dir is not None:
         config, weight_files = _source_files(model, trust_remote_code)
         if tokenizer is None and any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES):
@@ -203,7 +204,6 @@ def _export(model, source_dir, save_directory, tokenizer, overwrite, model_card,
             tokenizer.save_pretrained(temporary)
             if (temporary / "tokenizer_config.json").is_file():  # no auto_map naming code that is not exported
                 drop_code_references(str(temporary / "tokenizer_config.json"))
-        records = model if source_dir is not None else None  # how a converted (and continue-tuned) model was made
         record = next((os.path.join(records, n) for n in CONVERSION_RECORDS if _is_file(records, n)), None)
         if record is not None:  # its card names the base model
             _copy_conversion_record(record, temporary / "moh_conversion.json")
