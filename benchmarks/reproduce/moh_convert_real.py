@@ -118,7 +118,7 @@ def moh_model(source, dense_state, stats, shared, active, variant):
         orders = [list(range(heads)) for _ in stats.importance]
     config.moh_router = score if score in ("l2", "l2_standardized", "l2_relative") else "l2_relative"
     config.moh_head_norm_mean = permute_rows(stats.norm_mean, orders)
-    config.moh_head_norm_std = permute_rows(stats.norm_std, orders)
+    config.moh_head_norm_sigma = permute_rows(stats.norm_std, orders)
     model = MoHLlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(
         permute_state_dict(dense_state, orders, kv, config.head_dim), strict=False

@@ -115,7 +115,7 @@ def test_calibrated_router_needs_its_statistics():
             moh_active_heads=2,
             moh_router="l2_relative",
             moh_head_norm_mean=[[1.0] * 8],
-            moh_head_norm_std=[[1.0] * 8] * 2,
+            moh_head_norm_sigma=[[1.0] * 8] * 2,
         )
 
 

@@ -193,3 +193,31 @@ def test_rope_checks_work_under_a_meta_device():
         MHMoEConfig(**TINY, **MOE, rope_parameters=llama3)
         with pytest.raises(ValueError, match="factor must be finite numbers > 0"):
             MHMoEConfig(**TINY, **MOE, rope_parameters=dict(llama3, factor=0.0))
+
+
+@pytest.mark.parametrize("model_type", CLASSES)
+def test_no_field_is_named_like_an_init_std_but_init_fields(model_type):
+    """Transformers' common tests (and tools that follow them) take every config field ending in `_std` or `_range`
+    for an initialisation scale and overwrite it (1e-10): only real init fields may be named so."""
+    import dataclasses
+
+    config_class = CLASSES[model_type][0]
+    named = {f.name for f in dataclasses.fields(config_class) if f.name.endswith(("_std", "_range"))}
+    assert named <= {"initializer_range", "embedding_init_std"}, named
+
+
+def test_calibration_statistics_saved_under_their_old_name_load(tmp_path):
+    """A config saved when moh_head_norm_sigma was moh_head_norm_std loads with its statistics in the new field and
+    saves them under the new name."""
+    sigma = [[0.5] * 4, [2.0] * 4]
+    config = MoHLlamaConfig(**TINY, moh_shared_heads=1, moh_active_heads=2, moh_router="l2")
+    config.save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    fields.update(moh_router="l2_standardized", moh_head_norm_mean=[[1.0] * 4] * 2, moh_head_norm_std=sigma)
+    fields.pop("moh_head_norm_sigma", None)
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    loaded = MoHLlamaConfig.from_pretrained(tmp_path)
+    assert loaded.moh_head_norm_sigma == sigma and not hasattr(loaded, "moh_head_norm_std")
+    loaded.save_pretrained(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert saved["moh_head_norm_sigma"] == sigma and "moh_head_norm_std" not in saved

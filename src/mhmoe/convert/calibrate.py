@@ -407,7 +407,7 @@ def _set_router(plan, recipe: HeadRecipe, stats: HeadStats, orders, record: dict
         return _fitted_router(plan, stats.router_fit, orders)
     if recipe.router != "l2":
         config.moh_head_norm_mean = [[round(v, 6) for v in row] for row in permute_rows(stats.norm_mean, orders)]
-        config.moh_head_norm_std = [
+        config.moh_head_norm_sigma = [
             [round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)
         ]
     return {}

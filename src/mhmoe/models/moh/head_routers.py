@@ -303,7 +303,7 @@ class L2Router(MoHRouter):
 
 class CalibratedRouter(MoHRouter):
     """Routed heads scored against their own query-norm statistics measured on calibration text (config
-    `moh_head_norm_mean` μ_h and `moh_head_norm_std` σ_h, per layer and head: plain lists, no parameters; measured by
+    `moh_head_norm_mean` μ_h and `moh_head_norm_sigma` σ_h, per layer and head: plain lists, no parameters; measured by
     `mhmoe-convert --calibration_file`)."""
 
     reads_query_norms = True
@@ -321,23 +321,23 @@ class CalibratedRouter(MoHRouter):
 
     @classmethod
     def layer_statistics(cls, config, layer_idx):
-        return config.moh_head_norm_mean[layer_idx], config.moh_head_norm_std[layer_idx]
+        return config.moh_head_norm_mean[layer_idx], config.moh_head_norm_sigma[layer_idx]
 
     @classmethod
     def config_problems(cls, config) -> list[str]:
         """The statistics: present, (layers × heads), finite and > 0."""
-        mean, std = getattr(config, "moh_head_norm_mean", None), getattr(config, "moh_head_norm_std", None)
+        mean, std = getattr(config, "moh_head_norm_mean", None), getattr(config, "moh_head_norm_sigma", None)
         if mean is None or std is None:
             return [
-                f"moh_router {cls.name!r} needs moh_head_norm_mean and moh_head_norm_std (per layer, per head "
+                f"moh_router {cls.name!r} needs moh_head_norm_mean and moh_head_norm_sigma (per layer, per head "
                 "query-norm statistics, measured by mhmoe-convert --calibration_file)"
             ]
         shape = (getattr(config, "num_hidden_layers", None), config.num_attention_heads)
-        for name, rows in (("moh_head_norm_mean", mean), ("moh_head_norm_std", std)):
+        for name, rows in (("moh_head_norm_mean", mean), ("moh_head_norm_sigma", std)):
             if len(rows) != shape[0] or any(len(row) != shape[1] for row in rows):
                 return [f"{name} must be a list of {shape[0]} layers × {shape[1]} heads"]
         if any(not (value > 0 and math.isfinite(value)) for row in (*mean, *std) for value in row):
-            return ["moh_head_norm_mean and moh_head_norm_std must be finite and > 0"]
+            return ["moh_head_norm_mean and moh_head_norm_sigma must be finite and > 0"]
         return []
 
     def statistics(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,9 @@ def refuse_auto_class_registration(cls: type) -> None:
         )
 
 
+LEGACY_SIGMA = "moh_head_norm_std"  # moh_head_norm_sigma's name in configs saved before 0.1.0
+
+
 @strict
 class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
     r"""`LlamaConfig` plus Mixture-of-Head attention.
@@ -40,8 +43,9 @@ class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
     `moh_router="learned"` adds the two-stage router of eq. 5-6 (zero-initialised: every gate starts at 1).
     `moh_aux_loss_coef` weights the head load-balancing loss (eq. 7) when `output_router_logits` is on.
     The calibrated routers (`models/moh/head_routers.py`) score each routed head's query norm against its own
-    calibration statistics `moh_head_norm_mean` / `moh_head_norm_std` (per layer, per head: plain lists, no
-    parameters), measured by `mhmoe-convert --calibration_file`.
+    calibration statistics `moh_head_norm_mean` / `moh_head_norm_sigma` (per layer, per head: plain lists, no
+    parameters), measured by `mhmoe-convert --calibration_file`. (`moh_head_norm_sigma` was `moh_head_norm_std`, a name
+    Transformers' tests read as an initialisation std; configs saved with it load as before.)
     """
 
     model_type = "moh_llama"
@@ -60,9 +64,12 @@ class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
     moh_aux_loss_coef: float | int = 0.01
     output_router_logits: bool = False
     moh_head_norm_mean: list | None = None
-    moh_head_norm_std: list | None = None
+    moh_head_norm_sigma: list | None = None  # not *_std: Transformers takes those for init stds
 
     def __post_init__(self, **kwargs):
+        legacy = kwargs.pop(LEGACY_SIGMA, None)  # a config saved before the rename
+        if legacy is not None and self.moh_head_norm_sigma is None:
+            self.moh_head_norm_sigma = legacy
         check_keyword_arguments(type(self), kwargs)
         raise_problems(self, size_problems(self))  # LlamaConfig divides by num_attention_heads
         super().__post_init__(**kwargs)
