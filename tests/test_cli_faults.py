@@ -94,6 +94,9 @@ def test_file_size_limit_is_one_line(inputs, tmp_path, capsys, command):
         and "a file grew past the largest file allowed" in lines[0]
         and "ulimit -f" in lines[0]
     ), lines
+    hidden = [str(p) for p in tmp_path.rglob(".*") if p.name != ".mhmoe-train.lock"]  # a half-written folder
+    results = [str(p) for p in tmp_path.rglob("results*.json")]  # a results file cut short
+    assert not hidden and not results, (command, hidden, results)
 
 
 def test_full_disk_is_one_line_in_every_command(inputs, tmp_path):

@@ -361,7 +361,7 @@ def check_writable(output_dir: str, error: type[ValueError] = CheckpointError, n
 def os_error_message(e: OSError, output_dir: str) -> str | None:
     """One line saying which problem an OSError met while writing `output_dir` is (full disk or quota, a file size
     limit, read-only file system, permission) and where; None for other errors."""
-    where = e.filename if e.filename else output_dir
+    where = getattr(e, "filename2", None) or e.filename or output_dir  # a copy or rename: filename2 is the target
     detail = f"{e.strerror or e} at {where}" if where != output_dir else f"{e.strerror or e}"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"not enough disk space to write {output_dir} ({detail}); free some space or choose another folder"

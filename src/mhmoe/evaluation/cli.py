@@ -206,19 +206,53 @@ def main(argv: list[str] | None = None) -> None:
     problem = _run_arguments_problem(args) or _model_args_problem(args.model, args.model_args)
     if problem:
         _exit_with_error(problem)
+    before = _files_under(args.output_path)
     try:
         results = _execute_run(parser, args, suites_only)
-    except KeyboardInterrupt:
+    except BaseException as e:  # a failed or interrupted run leaves no half-written results behind
+        _remove_new_files(args.output_path, before)
+        if not isinstance(e, KeyboardInterrupt):
+            raise
         from .._plumbing.interrupts import report
 
-        report(
-            "mhmoe-eval",
-            "the evaluation did not finish (results are written only at its end): run the same command again",
-        )
+        report("mhmoe-eval", "no results were written: run the same command again")
     if results:
         summary = _format_summary(results)
         if summary:
             print(summary)
+
+
+def _results_folder(output_path: str | None) -> str | None:
+    """Where lm-eval writes the results of --output_path (a folder, or a `.json` file name in its folder)."""
+    if not output_path:
+        return None
+    return os.path.dirname(os.path.abspath(output_path)) if output_path.endswith(".json") else output_path
+
+
+def _files_under(output_path: str | None) -> set[str]:
+    """Every path under the results folder (the folder itself included) as it is now."""
+    folder = _results_folder(output_path)
+    if folder is None or not os.path.isdir(folder):
+        return set()
+    found = {os.path.join(root, name) for root, dirs, files in os.walk(folder) for name in dirs + files}
+    return found | {folder}
+
+
+def _remove_new_files(output_path: str | None, before: set[str]) -> None:
+    """Remove what this run wrote under --output_path (a results file cut short by a full disk, a Ctrl-C); what was
+    there before stays."""
+    folder = _results_folder(output_path)
+    if folder is None or not os.path.isdir(folder):
+        return
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for path in [os.path.join(root, name) for name in files]:
+            if path not in before:
+                os.remove(path)
+        for path in [os.path.join(root, name) for name in dirs]:
+            if path not in before and not os.listdir(path):
+                os.rmdir(path)
+    if folder not in before and not os.listdir(folder):
+        os.rmdir(folder)
 
 
 def _print_tasks_dir(argv: list[str]) -> None:

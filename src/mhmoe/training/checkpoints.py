@@ -292,9 +292,10 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
             if args.plot:
                 plot_metrics(run.metrics_path, os.path.join(args.output_dir, PLOT_FILE))
             run.pending_checkpoint = _COMPLETER.submit(_complete, sealer, temporary, final, args)
-    except BaseException:
+    except BaseException:  # a full disk, a file size limit, Ctrl-C: no half-written hidden folder left behind
         if sealer is not None and run.pending_checkpoint is None:
             sealer.close()
+            shutil.rmtree(temporary, ignore_errors=True)
         raise
     accelerator.wait_for_everyone()
 
@@ -302,10 +303,14 @@ def save_checkpoint(run: TrainRun, step: int) -> None:
 def _complete(sealer: Sealer, temporary: str, final: str, args: TrainArguments) -> None:
     """The background half of a checkpoint: the manifest written last, the folder renamed into place, the oldest
     checkpoints beyond --save_total_limit removed."""
-    sealer.finish()  # every file flushed and hashed, the manifest written last: the completion marker
-    if os.path.isdir(final):  # a checkpoint of the same step from before a resume: replaced whole
-        remove_dir_atomic(final)
-    os.replace(temporary, final)
+    try:
+        sealer.finish()  # every file flushed and hashed, the manifest written last: the completion marker
+        if os.path.isdir(final):  # a checkpoint of the same step from before a resume: replaced whole
+            remove_dir_atomic(final)
+        os.replace(temporary, final)
+    except BaseException:  # (the manifest could not be written): the incomplete folder goes
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     fsync(args.output_dir)
     if args.save_total_limit:
         for _, old in list_checkpoints(args.output_dir, complete=False)[: -args.save_total_limit]:
