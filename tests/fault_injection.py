@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import pickle
@@ -50,6 +49,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests._plumbing.test_trust import _hub_snapshot  # the Hub cache's layout, as the link tests build it
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -479,19 +480,6 @@ def _ordinary(inputs: Inputs, command: str, model: Path, work: Path, env: dict |
 
 
 # links ----------------------------------------------------------------------------------------------------------
-
-
-def _hub_snapshot(cache: Path, repo: str, folder: Path) -> Path:
-    """`folder`'s files as the Hub cache stores them: blobs/SHA256, snapshots/REV/NAME -> ../../blobs/SHA256."""
-    blobs, snapshot = cache / repo / "blobs", cache / repo / "snapshots" / "0123abcd"
-    blobs.mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True)
-    for path in sorted(folder.iterdir()):
-        if path.is_file():
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            (blobs / digest).write_bytes(path.read_bytes())
-            os.symlink(f"../../blobs/{digest}", snapshot / path.name)
-    return snapshot
 
 
 def _loadable_secret(tokenizer_json: Path) -> bytes:
