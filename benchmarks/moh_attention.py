@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhmoe.models.moh.head_routers import l2_scores, routed_gates
-from mhmoe.models.moh.head_skipping import _head_major_weight, _runs
+from mhmoe.models.moh.head_skipping import _head_major_weight
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import runs as _runs
 
 # ---------------------------------------------------------------------------------------------- the earlier loop
 # `skipped_heads_attention`: mhmoe's first CPU decoding path for MoH (per query row, runs of active heads, each with

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from moh_attention import draw_gates, settings, skipped_heads_attention  # the sibling script (found from benchmarks/)
 
-from mhmoe.models.moh.head_skipping import _head_major_weight, _runs
+from mhmoe.models.moh.head_skipping import _head_major_weight
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import runs as _runs
 
 
 def main():

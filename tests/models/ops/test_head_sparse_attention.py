@@ -593,3 +593,18 @@ def test_triton_kernels_compile_for_sm90():
     assert run.returncode == 0, run.stdout + run.stderr
     compiled = [line for line in run.stdout.splitlines() if line.startswith("sm_90")]
     assert len(compiled) == 39 and all(": shared " in line for line in compiled), run.stdout
+
+
+def test_runs_are_the_maximal_stretches_of_consecutive_ids():
+    """`runs` (the CPU op's and the fused decoding step's one helper) against itertools.groupby on id - position."""
+    import itertools
+    import random
+
+    from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import runs
+
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = sorted(rng.sample(range(40), rng.randint(1, 40)))
+        groups = [list(g) for _, g in itertools.groupby(enumerate(ids), key=lambda p: p[1] - p[0])]
+        assert runs(ids) == [(g[0][1], g[-1][1] + 1) for g in groups]
+    assert runs([]) == []

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .head_skipping import _head_major_weight, _runs
+from ..ops.head_sparse_attention.head_sparse_attention_naive import runs as _runs
+from .head_skipping import _head_major_weight
 
 HOST_ROWS = 16  # up to this many tokens per step the top-K is picked on the host (a batch of decoded sequences)
 GATE_ROWS_CACHED = 1024  # gate rows (and step plans) kept per router (one per selection seen; C(R, K) can be large)

@@ -19,6 +19,8 @@ import functools
 import torch
 from torch import nn
 
+from ..ops.head_sparse_attention.head_sparse_attention_cpu import DECODE_MAX_TOKENS  # the op's decode path
+
 HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks are None or 4-D tensors
 # Where the head-sparse op pays on CPU (benchmarks/head_sparse_layer.py: one SmolLM2-135M layer, 7/9 and 5/9 heads).
 # Below PREFILL_MIN_TOKENS query tokens the attention of the inactive heads is a small share of a layer's work and the
@@ -31,7 +33,6 @@ HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks 
 PREFILL_MIN_TOKENS = 2048
 FEW_ACTIVE_SHARE = 0.4
 FEW_ACTIVE_TOKENS = (384, 768, 1024)
-DECODE_MAX_TOKENS = 16
 
 
 def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -> str | None | bool:
@@ -96,17 +97,6 @@ def _kv_heads_skippable(num_heads: int, shared_heads: int, active_heads: int, kv
         if first >= shared_heads and routed_heads - routed_inside >= active_heads:
             return True
     return False
-
-
-def _runs(heads: list[int]) -> list[tuple[int, int]]:
-    """Sorted head ids -> maximal runs [start, end) of consecutive ids."""
-    runs, start = [], heads[0]
-    for prev, head in zip(heads, heads[1:]):
-        if head != prev + 1:
-            runs.append((start, prev + 1))
-            start = head
-    runs.append((start, heads[-1] + 1))
-    return runs
 
 
 def _head_major_weight(o_proj: nn.Linear) -> torch.Tensor:

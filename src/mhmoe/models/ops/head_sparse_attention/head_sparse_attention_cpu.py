@@ -39,7 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .head_sparse_attention_naive import additive_mask, apply_gates, check_inputs, visible_keys
+from .head_sparse_attention_naive import additive_mask, apply_gates, check_inputs, runs, visible_keys
 
 DECODE_MAX_TOKENS = 16  # up to this many query tokens: the decode path
 
@@ -77,17 +77,6 @@ def head_sparse_attention_cpu(
     return apply_gates(out, gates, active)
 
 
-def _runs(ids: list[int]) -> list[tuple[int, int]]:
-    """Sorted ids -> maximal runs [start, end) of consecutive ids."""
-    runs = []
-    for i in ids:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return [tuple(run) for run in runs]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # decoding
 
@@ -109,7 +98,7 @@ def _decode(query, key, value, gates, scaling, attention_mask, offset, sliding_w
         out = out.view(batch, heads, tokens, head_dim).transpose(1, 2)
     else:
         out = query.new_zeros(batch, tokens, heads, head_dim)
-        for start, end in _runs([g for g in range(kv_heads) if needed[g]]):
+        for start, end in runs([g for g in range(kv_heads) if needed[g]]):
             part = F.scaled_dot_product_attention(
                 packed[:, start:end], key[:, start:end], value[:, start:end], attn_mask=mask, scale=scaling
             )  # (B, n, G·T, hd)
@@ -146,7 +135,7 @@ def _prefill(query, key, value, active, scaling, attention_mask, offset, sliding
         chunk = tokens  # one segment per (batch row, key/value head): masked rows
     dense = [  # runs (start, end, whether some of their pairs are inactive)
         (start, end, any(share[g] < 1 for g in range(start, end)))
-        for start, end in _runs([g for g in range(kv_heads) if full[g]])
+        for start, end in runs([g for g in range(kv_heads) if full[g]])
     ]
     sparse = [g for g in range(kv_heads) if not full[g]]
     return _HeadSparsePrefill.apply(

@@ -29,6 +29,17 @@ head's raw score) reads that, and it needs the inactive heads' attention, i.e. t
 import torch
 
 
+def runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids -> maximal runs [start, end) of consecutive ids (heads, key/value heads)."""
+    found = []
+    for i in ids:
+        if found and found[-1][1] == i:
+            found[-1][1] = i + 1
+        else:
+            found.append([i, i + 1])
+    return [tuple(run) for run in found]
+
+
 def visible_keys(
     num_queries: int,
     num_keys: int,
