@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests._plumbing.test_trust import _hub_snapshot  # the Hub cache's layout, as the link tests build it
+from tests.test_cli_faults import BROKEN_TOKENIZERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -630,20 +631,9 @@ def _set_rope_factor_zero(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
+# the tokenizer cases of tests/test_cli_faults.py (one table for both), and a RoPE factor that trains to NaN
 BROKEN: dict[str, Callable[[Path], None]] = {
-    "tokenizer.json truncated": lambda f: (f / "tokenizer.json").write_bytes(
-        (f / "tokenizer.json").read_bytes()[: (f / "tokenizer.json").stat().st_size // 2]
-    ),
-    "tokenizer.json binary": lambda f: (f / "tokenizer.json").write_bytes(
-        bytes((i * 131 + 7) % 256 for i in range(4096))
-    ),
-    "tokenizer.json `{}`": lambda f: (f / "tokenizer.json").write_text("{}"),
-    "tokenizer.json empty": lambda f: (f / "tokenizer.json").write_bytes(b""),
-    "tokenizer.json nested 100000 deep": lambda f: (f / "tokenizer.json").write_text(
-        '{"model": ' + "[" * 100000 + "]" * 100000 + "}"
-    ),
-    'tokenizer.json `{"hello": 1}`': lambda f: (f / "tokenizer.json").write_text('{"hello": 1}'),
-    "tokenizer_config.json without tokenizer.json": lambda f: (f / "tokenizer.json").unlink(),
+    **{f"tokenizer {name}": breaks for name, breaks in BROKEN_TOKENIZERS.items()},
     "rope_scaling linear, factor 0": _set_rope_factor_zero,
 }
 
@@ -793,7 +783,7 @@ def probes() -> list[Probe]:
     )
     for broken in BROKEN:
         for command in ("mhmoe-export", "mhmoe-eval", "mhmoe-train"):
-            quick = (broken, command) == ("tokenizer.json truncated", "mhmoe-export")
+            quick = (broken, command) == ("tokenizer truncated", "mhmoe-export")
             table.append(Probe("broken files", broken, command, REFUSED_1_OR_2, _broken_probe(broken), quick))
     for moment in INTERRUPT_MOMENTS:
         for command in COMMANDS:
