@@ -136,14 +136,18 @@ def run_recovery_demo(
     reset_accelerate_state()
 
     tokens_per_step = batch_size * block_size
+    figures = {"dense_ppl": dense_ppl, **_moh_figures(outcome, dense_ppl), "dense_continued_ppl": control_ppl}
+    tokens = {"dense_tokens": dense_steps * tokens_per_step, "tune_tokens": tune_steps * tokens_per_step}
+    return _write_record(workdir, vocab_size, figures, outcome["conversion"], tokens, started)
+
+
+def _write_record(workdir: str, vocab_size: int, figures: dict, conversion, tokens: dict, started: float) -> dict:
+    """recovery_demo.json in `workdir`: the perplexities, the heads, the tokens trained and the time taken."""
     result = {
         "chance_ppl": float(vocab_size),
-        "dense_ppl": dense_ppl,
-        **_moh_figures(outcome, dense_ppl),
-        "dense_continued_ppl": control_ppl,
-        "active_heads": f"{outcome['conversion'].active_heads}/{outcome['conversion'].num_heads}",
-        "dense_tokens": dense_steps * tokens_per_step,
-        "tune_tokens": tune_steps * tokens_per_step,
+        **figures,
+        "active_heads": f"{conversion.active_heads}/{conversion.num_heads}",
+        **tokens,
         "seconds": round(time.time() - started, 1),
         "workdir": os.path.basename(os.path.abspath(workdir)),  # its name: the record never holds a local path
     }
