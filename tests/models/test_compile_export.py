@@ -104,3 +104,27 @@ def test_export_matches_eager(name):
         )
     torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.aux_loss, expected.aux_loss, rtol=1e-5, atol=1e-5)
+
+
+def test_moh_llama_static_cache_generation_compiled(fresh_dynamo):
+    """MoH-LLaMA's defaults (l2 router, straight-through 0/1 gates) take the CPU's fused decoding step in eager
+    decoding; a compiled forward (fullgraph) takes the plain gated path instead (the step reads its weight cache and
+    picks heads on the host: not traceable) and gives eager's tokens."""
+    from mhmoe import MoHLlamaConfig, MoHLlamaForCausalLM
+
+    fields = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    config = MoHLlamaConfig(
+        **fields, num_key_value_heads=2, max_position_embeddings=64, moh_shared_heads=1, moh_active_heads=2
+    )
+    torch.manual_seed(0)
+    model = MoHLlamaForCausalLM(config).eval()
+    ids = _ids(batch=1, seq=5)
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, generation_config=GenerationConfig(**settings))
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
+    compile_config._compile_all_devices = True  # Transformers compiles generation on GPUs only unless told
+    got = model.generate(
+        ids,
+        generation_config=GenerationConfig(**settings, cache_implementation="static", compile_config=compile_config),
+    )
+    assert hasattr(model, "_compiled_call") and torch.equal(got, expected)

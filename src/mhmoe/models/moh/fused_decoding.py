@@ -79,11 +79,13 @@ def fused_decoding_projection(
     module, hidden_states, position_embeddings, attention_mask, cache, sliding_window, kwargs
 ) -> FusedProjection | None:
     """`fused_projection(module)` when `attention_forward` can take `fused_decoding_step` for this call, else None:
-    a decoding step (one new token per sequence, a cache) on the CPU without autograd, sdpa, straight-through gates of
+    a decoding step (one new token per sequence, a cache) on the CPU without autograd, not being traced, sdpa, straight-through gates of
     which some can be 0, plain nn.Linear projections holding every head, RoPE over the whole head, no sliding window,
     nothing recording the router's output, and the module's defaults (`moh_fused_decoding` True; `moh_head_skipping`
     True: a backend named there, or False for the masked path, is what runs)."""
     if hidden_states.shape[1] != 1 or cache is None or torch.is_grad_enabled() or not hidden_states.is_cpu:
+        return None
+    if torch.compiler.is_compiling():  # traced graphs take the plain gated path (the step picks heads on the host)
         return None
     router = module._modules["head_router"]
     settings = module.__dict__
