@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests._plumbing.test_trust import _hub_snapshot  # the Hub cache's layout, as the link tests build it
-from tests.test_cli_faults import BROKEN_TOKENIZERS
+from tests.test_cli_faults import BROKEN_TOKENIZERS, _maps_torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -648,14 +648,6 @@ def _broken_probe(broken: str):
 
 
 # interrupts -----------------------------------------------------------------------------------------------------
-
-
-def _maps_torch(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return "libtorch" in f.read()
-    except OSError:
-        return False
 
 
 def _interrupt_probe(moment: str):
