@@ -27,7 +27,7 @@ so a run cut at its limit (scripts/gpu_run.sh: `HS_SECONDS`, 45 s) keeps what it
 
 Needs a CUDA GPU and triton (or --smoke); prints Markdown tables. A section that fails is recorded under "errors"
 (exit 1) and the next one still runs. The JSON is headed by the device, commit (from git,
-or on a GPU machine from scripts/gpu_run.sh's pack: benchmarks/provenance.py), versions and precision
+or on a GPU machine from scripts/gpu_run.sh's pack: benchmarks/_provenance.py), versions and precision
 (gpu_moe.provenance).
 """
 

@@ -52,8 +52,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import gpu_moe_parts  # noqa: E402
-import provenance as _provenance  # noqa: E402
+import _gpu_moe_parts  # noqa: E402
+import _provenance  # noqa: E402
 
 RESULTS = HERE / "results"
 README = HERE / "README.md"
@@ -353,7 +353,7 @@ def time_blocks(blocks, tokens, hidden, repeats, dtype, device) -> dict:
         return run
 
     def forward_backward(block):
-        return gpu_moe_parts.fwd_bwd_step(block, x, grad)
+        return _gpu_moe_parts.fwd_bwd_step(block, x, grad)
 
     return {
         mode: interleaved({name: make(block) for name, block in blocks.items()}, repeats, device, "hf_mixtral")
@@ -554,7 +554,7 @@ def time_expert_gemms(block, tokens, repeats, dtype, device) -> dict:
 
 def provenance(device: torch.device) -> dict:
     """Device, commit and dirty flag (from git, or on a GPU machine from scripts/gpu_run.sh's pack, checked against the
-    files: benchmarks/provenance.py), versions, the behaviour-changing environment and the precision settings."""
+    files: benchmarks/_provenance.py), versions, the behaviour-changing environment and the precision settings."""
     import transformers
 
     import mhmoe
@@ -667,9 +667,9 @@ def markdown(result: dict) -> str:
             lines += ["", f"| {label.format(**section)} | µs |", "| --- | --- |"]
             lines += [f"| {name} | {us:.1f} |" for name, us in section["us"].items()]
     if result.get("parts"):
-        lines += ["", gpu_moe_parts.markdown_parts(result["parts"])]
+        lines += ["", _gpu_moe_parts.markdown_parts(result["parts"])]
     if result.get("compiled"):
-        lines += ["", gpu_moe_parts.markdown_compiled(result["compiled"])]
+        lines += ["", _gpu_moe_parts.markdown_compiled(result["compiled"])]
     if result.get("gemm"):
         gemm = result["gemm"]
         lines += [
@@ -797,11 +797,11 @@ def main(argv=None) -> int:
             result["gemm"] = time_expert_gemms(blocks["ours_h3"], args.tokens[-1], args.repeats, dtype, device)
             del blocks
         elif section == "parts":
-            result["parts"] = gpu_moe_parts.time_parts(
+            result["parts"] = _gpu_moe_parts.time_parts(
                 build_blocks, interleaved, args.hidden[0], args.tokens[-1], args.repeats, dtype, device
             )
         elif section == "compiled":
-            result["compiled"] = gpu_moe_parts.time_compiled(
+            result["compiled"] = _gpu_moe_parts.time_compiled(
                 build_blocks,
                 interleaved,
                 args.hidden[0],

@@ -15,7 +15,7 @@ every aten operation below autograd, which is where a GPU kernel would be launch
   and with `--fused_steps` the grouped_mm experts' fused steps (SwiGLU, its backward, the slots' sum), which run on
   CUDA only; each launch adds the bytes of the tensors it is given (read or written once) to the bytes moved.
 
-Per part of the h=3 forward (`gpu_moe_parts.block_parts`) and for the whole forward and forward+backward of each block.
+Per part of the h=3 forward (`_gpu_moe_parts.block_parts`) and for the whole forward and forward+backward of each block.
 
     TRITON_INTERPRET=1 MHMOE_ROUTING_BACKEND=triton PYTHONPATH=src python benchmarks/moe_dispatch.py --triton [--fused_steps]
 """
@@ -32,8 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_moe_parts  # noqa: E402
 import gpu_moe  # noqa: E402
-import gpu_moe_parts  # noqa: E402
 
 NO_LAUNCH = {
     "empty",
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
             "fwd+bwd": count(forward_backward(block), args.tokens, args.scale_tokens),
         }
     with torch.no_grad():
-        parts = {t: gpu_moe_parts.block_parts(blocks["ours_h3"], x) for t, x in inputs.items()}
+        parts = {t: _gpu_moe_parts.block_parts(blocks["ours_h3"], x) for t, x in inputs.items()}
     for name in parts[args.tokens]:
 
         def make(tokens, name=name):
@@ -253,9 +253,9 @@ def main(argv=None) -> int:
             return run
 
         result["h3_forward_parts"][name] = count(make, args.tokens, args.scale_tokens)
-    import provenance
+    import _provenance
 
-    git = provenance.git_state()
+    git = _provenance.git_state()
     result.update(commit=git["commit"], dirty=git["dirty"], torch=torch.__version__)
     print(f"commit {git['commit']}{' (dirty)' if git['dirty'] else ''}, torch {torch.__version__}")
     print(

@@ -12,7 +12,7 @@
 #   call 2  timeout 240 s, carry .gpu_wheels .gpu_pack:  bash scripts/gpu_run.sh reproduce
 #
 # Stages
-#   pack       (here, before the window) benchmarks/gpu_pack.py pack, then the payload check
+#   pack       (here, before the window) scripts/gpu_pack.py pack, then the payload check
 #   setup      the image's Python and torch as they are; each carried wheel whose package the image lacks or has older
 #              (Transformers: at any other version) goes into .gpu_site/ (pip --no-index --no-deps --target: nothing
 #              else changes); data/corpus/ from the pack (SHA-256 checked); the pack's provenance checked against the
@@ -71,7 +71,7 @@ for stage in "${STAGES[@]}"; do
 done
 
 if [ "${STAGES[*]}" = pack ]; then  # here, before the window: nothing goes to $OUT
-    exec "$PY" benchmarks/gpu_pack.py pack
+    exec "$PY" scripts/gpu_pack.py pack
 fi
 
 mkdir -p "$OUT" "$WORK"
@@ -84,8 +84,8 @@ built with CUDA (set GPU_RUN_PYTHON to its interpreter)"; exit 2; }
         "$PY" - <<'PYEOF'
 import json, sys
 sys.path.insert(0, "benchmarks")
-import provenance
-state = provenance.git_state()
+import _provenance
+state = _provenance.git_state()
 print("gpu_run: provenance", json.dumps({k: state[k] for k in ("commit", "dirty", "tree_verified", "changed_files")}))
 if not state["tree_verified"]:
     print("gpu_run: warning: the tree here differs from the packed one (listed above): results are marked dirty; run "
@@ -124,7 +124,7 @@ PYEOF
         log "no .gpu_wheels/ carried: using the image's packages as they are"
     fi
     if [ -d "$PACK/corpus" ]; then
-        "$PY" benchmarks/gpu_pack.py unpack --pack "$PACK" --corpus data/corpus
+        "$PY" scripts/gpu_pack.py unpack --pack "$PACK" --corpus data/corpus
     fi
     "$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import re, sys

@@ -34,8 +34,8 @@ from mhmoe.convert.recovery_demo import write_corpus
 from mhmoe.training import reset_accelerate_state, train
 from mhmoe.training.data import read_files, train_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
-import provenance  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _provenance.py
+import _provenance  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "data" / "corpus"
@@ -307,7 +307,7 @@ def run_cell(
             "device": device_name(device),
             "precision": precision(mixed_precision, device, next(result.model.parameters()).dtype),
             **kernel_provenance(config, device, caught),
-            "env": provenance.behaviour_env(),
+            "env": _provenance.behaviour_env(),
         },
     }
 
@@ -457,8 +457,8 @@ def versions() -> dict:
 
 def git_state() -> dict:
     """The commit and whether tracked files differ from it (untracked files are not counted): from git, or on a GPU
-    machine from the provenance pack that scripts/gpu_run.sh names (benchmarks/provenance.py)."""
-    return provenance.git_state()
+    machine from the provenance pack that scripts/gpu_run.sh names (benchmarks/_provenance.py)."""
+    return _provenance.git_state()
 
 
 def environment() -> dict:
@@ -468,7 +468,7 @@ def environment() -> dict:
         "dirty": git["dirty"],
         "device": device_name(),
         **{k: v for k, v in versions().items() if k in ("torch", "transformers", "mhmoe")},
-        "env": provenance.behaviour_env(),
+        "env": _provenance.behaviour_env(),
     }
 
 

@@ -365,7 +365,9 @@ def stage_other_text(args, results: dict) -> None:
     save(results)
 
 
-def main(argv=None) -> None:
+def main(argv=None, stage_tune=None) -> None:
+    """`stage_tune`: the tune stage (`moh_convert_real_recovery.stage_tune`, passed in by run.py: that module imports
+    this one, so this one never imports it)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", choices=["zero_shot", "cli", "tune", "other_text", "report"], required=True)
     parser.add_argument("--gguf_dir", help="the folder holding SmolLM2's GGUF file (see the module docstring)")
@@ -394,6 +396,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", nargs="+", choices=list(BUDGETS), default=["7/9"], help="tune: active heads")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="tune: --seed of each tuning run")
     args = parser.parse_args(argv)
+    if args.stage == "tune" and stage_tune is None:
+        parser.error("--stage tune runs through benchmarks/reproduce/run.py moh_convert_real")
     if args.stage != "report" and not args.gguf_dir:
         parser.error(f"--stage {args.stage} needs --gguf_dir (the folder holding {GGUF})")
     torch.manual_seed(0)
@@ -414,9 +418,7 @@ def main(argv=None) -> None:
         results["environment"]["commit"] = os.environ.get("MHMOE_BENCH_COMMIT") or results["environment"]["commit"]
         results.setdefault("stage_commits", {})[args.stage] = results["environment"]["commit"]
         if args.stage == "tune":
-            import moh_convert_real_recovery
-
-            moh_convert_real_recovery.stage_tune(args, results, driver)
+            stage_tune(args, results, driver)
         else:
             stages = {"zero_shot": stage_zero_shot, "cli": stage_cli, "other_text": stage_other_text}
             stages[args.stage](args, results)

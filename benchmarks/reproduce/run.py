@@ -298,7 +298,7 @@ def probe(name: str, scale_name: str, wanted: list[str] | None, steps: int, out:
         **harness.git_state(),
         "device": harness.device_name(),
         "versions": harness.versions(),
-        "env": harness.provenance.behaviour_env(),
+        "env": harness._provenance.behaviour_env(),
         "routing_backend": routing.routing_backend(torch.empty(0, device=device))[0],
         "started_utc": harness.utc_now(),
         "cells": {},
@@ -610,8 +610,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["moh_convert_real"]:  # a real pretrained model, not a miniature table: its own script
         import moh_convert_real
+        import moh_convert_real_recovery  # its tune stage (it imports moh_convert_real, never the other way round)
 
-        return moh_convert_real.main(argv[1:])
+        return moh_convert_real.main(argv[1:], stage_tune=moh_convert_real_recovery.stage_tune)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("table", nargs="?", choices=[*tables.TABLES, "moh_fig2"])
     parser.add_argument("--scale", choices=[s for s in tables.SCALES if s != "quick"], default="cpu")

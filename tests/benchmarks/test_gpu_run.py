@@ -1,5 +1,5 @@
 """The GPU window's plan on CPU: what travels (payload), what comes back (layout, provenance), and that a fresh
-machine's rerun is seeded from what came back (scripts/gpu_run.sh, benchmarks/gpu_pack.py, benchmarks/provenance.py)."""
+machine's rerun is seeded from what came back (scripts/gpu_run.sh, scripts/gpu_pack.py, benchmarks/_provenance.py)."""
 
 import json
 import os
@@ -13,9 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "scripts"))
 
+import _provenance  # noqa: E402
 import gpu_pack  # noqa: E402
-import provenance  # noqa: E402
 
 MIB = 2**20
 
@@ -91,7 +92,7 @@ def test_pack_carries_train_and_validation_compressed_and_unpacks_them_byte_for_
         "train.jsonl.xz",
         "validation.jsonl.xz",
     ]
-    assert json.loads((pack / "provenance.json").read_text())["commit"] == provenance.local_git_state()["commit"]
+    assert json.loads((pack / "provenance.json").read_text())["commit"] == _provenance.local_git_state()["commit"]
     assert gpu_pack.unpack(pack, tmp_path / "restored")
     for split in ("train", "validation"):
         assert (tmp_path / "restored" / f"{split}.jsonl").read_bytes() == (corpus / f"{split}.jsonl").read_bytes()
@@ -103,28 +104,28 @@ def test_pack_carries_train_and_validation_compressed_and_unpacks_them_byte_for_
 def test_a_packed_commit_is_checked_against_the_files(tmp_path, monkeypatch):
     good, bad = "pyproject.toml", "README.md"
     record = {
-        "format": provenance.PACK_FORMAT,
+        "format": _provenance.PACK_FORMAT,
         "commit": "abc1234",
         "dirty": False,
         "packed_utc": "t",
-        "files": {good: provenance.blob_hash(REPO / good), bad: "0" * 40},
+        "files": {good: _provenance.blob_hash(REPO / good), bad: "0" * 40},
     }
     path = tmp_path / "provenance.json"
     path.write_text(json.dumps(record))
-    monkeypatch.setenv(provenance.PACK_ENV, str(path))
-    state = provenance.git_state()
+    monkeypatch.setenv(_provenance.PACK_ENV, str(path))
+    state = _provenance.git_state()
     assert state["commit"] == "abc1234" and state["dirty"] is True and state["tree_verified"] is False
     assert state["changed_files"] == [bad]
     record["files"].pop(bad)
     path.write_text(json.dumps(record))
-    assert provenance.git_state()["tree_verified"] is True and provenance.git_state()["dirty"] is False
+    assert _provenance.git_state()["tree_verified"] is True and _provenance.git_state()["dirty"] is False
     blob = subprocess.run(["git", "hash-object", good], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    assert provenance.blob_hash(REPO / good) == blob  # git's own hash, computed without git
+    assert _provenance.blob_hash(REPO / good) == blob  # git's own hash, computed without git
 
 
 def _device_copy(root: Path, corpus: Path) -> Path:
     """What the device tool sends: the travelling files, and the carried .gpu_pack (no .git)."""
-    for name in provenance.travelling_files():
+    for name in _provenance.travelling_files():
         source = REPO / name
         if source.is_file():
             target = root / name
@@ -144,7 +145,7 @@ def _call(root: Path, out: Path, stages: str, **env) -> subprocess.CompletedProc
         "PYTHONPATH": "",
         **env,
     }
-    environment.pop(provenance.PACK_ENV, None)
+    environment.pop(_provenance.PACK_ENV, None)
     return subprocess.run(
         ["bash", str(root / "scripts" / "gpu_run.sh"), *stages.split()],
         cwd=root,

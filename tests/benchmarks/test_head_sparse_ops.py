@@ -1,4 +1,4 @@
-"""benchmarks/head_sparse_ops.py: the head-sparse Triton path's host work, counted under the interpreter."""
+"""benchmarks/studies/head_sparse_ops.py: the head-sparse Triton path's host work, counted under the interpreter."""
 
 import sys
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "studies"))
 
 import head_sparse_ops  # noqa: E402
 

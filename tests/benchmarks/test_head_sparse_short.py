@@ -1,5 +1,5 @@
-"""The gates of benchmarks/head_sparse_short.py (its own and head_sparse_layer.py's top-K ones) and
-benchmarks/moh_prefill_bound.py's attention timer."""
+"""The gates of benchmarks/studies/head_sparse_short.py (its own and head_sparse_layer.py's top-K ones) and
+benchmarks/studies/moh_prefill_bound.py's attention timer."""
 
 import sys
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "studies"))
 
 import head_sparse_layer  # noqa: E402
 import head_sparse_short  # noqa: E402

@@ -1,4 +1,4 @@
-"""benchmarks/moh_head_thresholds.py: the heads it counts against the gates counted by hand, on a tiny MoH-LLaMA with
+"""benchmarks/studies/moh_head_thresholds.py: the heads it counts against the gates counted by hand, on a tiny MoH-LLaMA with
 thresholds (a count that varies by token) and without (exactly shared + K)."""
 
 import sys
@@ -11,7 +11,7 @@ from mhmoe import MoHLlamaConfig, MoHLlamaForCausalLM
 from tests.causal_lm_tester import randomise_moh_routers
 from tests.models.test_moh import VOCAB, tiny_llama_fields
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "studies"))
 
 import moh_head_thresholds as bench  # noqa: E402
 

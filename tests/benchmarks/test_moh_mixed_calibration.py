@@ -1,4 +1,4 @@
-"""benchmarks/moh_mixed_calibration.py on a small stand-in corpus: Python-docs pieces (the converter's default text, in
+"""benchmarks/studies/moh_mixed_calibration.py on a small stand-in corpus: Python-docs pieces (the converter's default text, in
 order) and kernel-document pieces in turn, only kernel documents, CHARS characters; no kernel documents is refused."""
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "studies"))
 
 import moh_mixed_calibration as mixed  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""benchmarks/moh_router_variants.py: the sequential refit against the converter's own fit, on a tiny Llama."""
+"""benchmarks/studies/moh_router_variants.py: the sequential refit against the converter's own fit, on a tiny Llama."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import torch
 
 from tests.convert.test_convert import TINY, _llama_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "studies"))
 
 import moh_router_variants as variants  # noqa: E402
 

@@ -3,15 +3,15 @@ behaviour. One answer for every results file (gpu_moe.py, the reproduction harne
 
 Locally the commit comes from git. On a lent GPU machine it cannot: the checkout travels without a usable `.git` (in the
 2026-11-26 window its `.git` was another checkout's and reported a stale commit, dirty). So `python
-benchmarks/provenance.py pack DIR` (run by `scripts/gpu_run.sh pack`, before the window, in the checkout that travels)
+benchmarks/_provenance.py pack DIR` (run by `scripts/gpu_run.sh pack`, before the window, in the checkout that travels)
 writes DIR/provenance.json: the commit, whether tracked files differed from it, and a git blob hash of every file that
 travels (tracked and untracked-not-ignored). On the GPU machine `MHMOE_PROVENANCE=DIR/provenance.json` makes
 `git_state()` hash the files again: the commit is the packed one, `tree_verified` says whether every packed file
 arrived unchanged, and a changed or missing file marks the result dirty (listed in `changed_files`). What git says on
 that machine is kept as `device_git_reported`, for the record only.
 
-    python benchmarks/provenance.py pack DIR      # DIR/provenance.json for the tree as it is now
-    python benchmarks/provenance.py show          # the provenance a result written here would record (JSON)
+    python benchmarks/_provenance.py pack DIR      # DIR/provenance.json for the tree as it is now
+    python benchmarks/_provenance.py show          # the provenance a result written here would record (JSON)
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ K/V of every key/value head some active pair needs (with GQA a key/value head is
 is). Prefill is compute-bound (its ideal is the flops share), decoding memory-bound (the bytes share). Before timing,
 each cell checks sparse == dense × gates (and the gradients in training).
 
-    python benchmarks/head_sparse_layer.py [--tokens 512 2048 4096] [--batch 1 4] [--rounds 7] [--quick]
+    python benchmarks/studies/head_sparse_layer.py [--tokens 512 2048 4096] [--batch 1 4] [--rounds 7] [--quick]
 """
 
 import argparse

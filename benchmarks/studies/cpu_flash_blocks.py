@@ -16,7 +16,7 @@
 Each round runs every candidate once, in a rotated order (`gpu_moe.interleaved`, after two warm-up rounds); a
 ratio is the median over rounds of the per-round time ratio.
 
-    python benchmarks/cpu_flash_blocks.py [--tokens 4096] [--rounds 9] [--threads 2]
+    python benchmarks/studies/cpu_flash_blocks.py [--tokens 4096] [--rounds 9] [--threads 2]
 """
 
 import argparse
@@ -27,7 +27,7 @@ import torch
 
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu import _causal_flash
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import gpu_moe  # noqa: E402  (the interleaved timing loop, shared with the other benchmarks)
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -10,19 +10,23 @@ own weights and KV caches (so the data comes from memory and the code paths stay
   product;
 - the whole `skipped_heads_attention` call and MHA (sdpa + `o_proj`).
 
-Usage: python benchmarks/moh_breakdown.py [--context 512] [--rounds 30]
+Usage: python benchmarks/studies/moh_breakdown.py [--context 512] [--rounds 30]
 """
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from moh_attention import draw_gates, settings, skipped_heads_attention  # the sibling script (found from benchmarks/)
 
 from mhmoe.models.moh.head_skipping import _head_major_weight
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import runs as _runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: moh_attention.py
+from moh_attention import draw_gates, settings, skipped_heads_attention  # noqa: E402
 
 
 def main():

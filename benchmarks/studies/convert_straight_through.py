@@ -10,8 +10,8 @@ Runs `mhmoe.convert.recovery_demo.run_recovery_demo` (tiny dense LLaMA trained h
 continue-tuned with the converter's own code path) once per estimator and seed, same parent, same data, same schedule,
 and prints the held-out perplexity after continue-tuning. Commands:
 
-    python benchmarks/convert_straight_through.py --seeds 0
-    python benchmarks/convert_straight_through.py --seeds 0 --estimators True scores selected_scores
+    python benchmarks/studies/convert_straight_through.py --seeds 0
+    python benchmarks/studies/convert_straight_through.py --seeds 0 --estimators True scores selected_scores
 
 (about 2-3 minutes per run on the shared 2-core CPU; docs/conversion.md has the measured output)
 """

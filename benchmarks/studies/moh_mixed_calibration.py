@@ -4,7 +4,7 @@ domain): Python's documentation (the converter's default calibration text) inter
 (from `scripts/get_corpus.sh`'s corpus), 3,000 characters of each in turn.
 
     bash scripts/get_corpus.sh <corpus>
-    python benchmarks/moh_mixed_calibration.py --corpus <corpus> --out <workdir>/mixed.txt
+    python benchmarks/studies/moh_mixed_calibration.py --corpus <corpus> --out <workdir>/mixed.txt
 
 The Linux documents are the corpus's training documents that start with an SPDX licence line or name the kernel in
 their first 2,000 characters, every k-th of them (about 60), each's first 3,000 characters; the Python pieces are the

@@ -11,7 +11,7 @@
 Each round runs the five models in a rotated order (`convert.speed.interleaved_prefill`); a speed is the median over
 rounds of the per-round ratio parent time / model time. The ideal (flops) is `moh_head_sparse.py`'s.
 
-    python benchmarks/moh_prefill_bound.py --gguf_dir <folder> --workdir <dir> [--tokens 4096] [--batch 1 4]
+    python benchmarks/studies/moh_prefill_bound.py --gguf_dir <folder> --workdir <dir> [--tokens 4096] [--batch 1 4]
 """
 
 import argparse
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from mhmoe.convert.speed import ideal, interleaved_prefill
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import moh_head_sparse  # noqa: E402  (its conversions and text)
 
 

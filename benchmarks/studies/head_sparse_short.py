@@ -14,7 +14,7 @@ heads per token, uniformly).
 Each round runs every candidate once, in a rotated order (`gpu_moe.interleaved`, after two warm-up rounds); a
 ratio is the median over rounds of the per-round time ratio.
 
-    python benchmarks/head_sparse_short.py [--rounds 9] [--threads 2]
+    python benchmarks/studies/head_sparse_short.py [--rounds 9] [--threads 2]
 """
 
 import argparse
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_cpu as cpu_path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import gpu_moe  # noqa: E402  (the interleaved timing loop, shared with the other benchmarks)
 from head_sparse_layer import HEAD_DIM, HEADS, KV_HEADS, draw_gates  # noqa: E402  (SmolLM2's shapes, top-K gates)
 

