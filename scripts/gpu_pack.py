@@ -37,7 +37,7 @@ import _provenance  # noqa: E402
 
 REPO = _provenance.REPO
 PAYLOAD_LIMIT_MIB = 48  # the device tool's limit is 64 MiB; the rest is margin for files added later
-CARRY = (".gpu_wheels", ".gpu_pack")  # what both calls of a window carry (README, "One GPU window")
+CARRY = (".gpu_wheels", ".gpu_pack")  # what both calls of a window carry (benchmarks/README.md, "One GPU window")
 CARRY_BUDGET_MIB = {".gpu_wheels": 14, ".gpu_pack": 10}  # the most each may hold: checked by pack and the tests
 CORPUS_SPLITS = ("train", "validation")  # what the gpu scales read (harness.data_files); the test split stays home
 MIB = 2**20

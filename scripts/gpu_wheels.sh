@@ -36,7 +36,7 @@ except m.PackageNotFoundError: pass" "$name" "$ROOT/requirements-dev.txt")"
 done
 bytes=$(du -sb "$TMP" | cut -f1)
 if [ "$bytes" -gt $((14 * 1024 * 1024)) ]; then
-    echo "gpu_wheels: error: $((bytes / 1024 / 1024)) MiB of wheels, over the 14 MiB budget (gpu_pack.py)" >&2
+    echo "gpu_wheels: error: $((bytes / 1024 / 1024)) MiB of wheels, over the 14 MiB budget (scripts/gpu_pack.py)" >&2
     exit 1
 fi
 rm -rf "$DEST"

@@ -4,7 +4,7 @@
 in background threads, each as soon as it is written, beside the writing of the next; `finish()` adds the files
 written otherwise and writes `manifest.json` atomically: the last file written, the checkpoint's completion marker.
 mhmoe-train calls `finish()` in a background thread while training goes on (`checkpoints.save_checkpoint`;
-benchmarks/checkpoint_hash.py measures what the manifest adds to a checkpoint). `verify(folder)` reads every listed
+benchmarks/studies/checkpoint_hash.py measures what the manifest adds to a checkpoint). `verify(folder)` reads every listed
 file back and raises `ManifestError` naming the first that is missing, not a regular file, of another size or
 another hash (a flipped byte, a truncated or emptied file).
 """
