@@ -22,6 +22,7 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
+from ..models.mhmoe.router_types import block_class
 from ..models.mhmoe.sparse_moe import MHMoETopKRouter
 from ..models.moh.head_routers import MoHRouter, topk_mask
 
@@ -100,11 +101,9 @@ def expert_load(model, batches: Iterable) -> torch.Tensor:
     """(MoE layers, E) selection frequency of every expert over `batches` (MHMoE models; sub-tokens of padding
     tokens excluded)."""
     config = model.config
-    if getattr(config, "router_type", "topk") == "lory":
-        raise ValueError(
-            "expert_load counts top-k expert selections; a Lory model (router_type='lory') selects no experts: each "
-            "segment merges all experts with soft weights, so there is no selection frequency to count"
-        )
+    why = block_class(config).no_expert_selection  # e.g. Lory's: it merges the experts
+    if why:
+        raise ValueError(f"expert_load counts top-k expert selections; {why}")
     top_k, moe_heads = config.num_experts_per_tok, getattr(config, "moe_heads", 1)
     counts, rows = None, 0.0
     for router_logits, mask in _router_outputs(model, batches, "router_logits"):

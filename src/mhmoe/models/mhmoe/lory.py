@@ -21,7 +21,7 @@ each head p gets its own routing weights per segment from the mean of its sub-to
 Sub-tokens are concatenated again and projected by the merge layer, as in MH-MoE.
 
 Cost per segment and head: the merge reads E expert parameter sets (E·3·W·I multiply-adds) once, then every token of
-the segment pays one expert (3·W·I); `parity.moe_layer_cost` counts both.
+the segment pays one expert (3·W·I); `MHLoryBlock.layer_cost` counts both (`parity.moe_layer_cost`).
 
 Decoding with the KV cache: the block keeps, per layer, the number of tokens seen, the running sum of the current
 segment's sub-tokens and the mean of the previous segment, next to the key/value cache (`cache._mhmoe_lory`), so a
@@ -39,7 +39,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .experts import sub_token_width
-from .sparse_moe import moe_block_parts
+from .sparse_moe import moe_block_part_params, moe_block_parts
 
 LORY_EXPERT_POOLS = ("shared", "per_head")  # MH-Lory v1: E experts shared by the heads | v2: E per head, E·h in all
 LORY_FIRST_SEGMENTS = ("uniform", "proposal")  # the first segment: uniform merge | routed on itself, no gradient
@@ -153,6 +153,48 @@ class MHLoryBlock(nn.Module):
                 "merged experts is not defined by either paper); choose one"
             )
         return problems
+
+    # What the rest of mhmoe asks the block kind (`router_types.block_class(config)`), so that no caller names it.
+    no_expert_selection = (  # why `evaluation.expert_load` cannot count its expert selections
+        "a Lory model (router_type='lory') selects no experts: each segment merges all experts with soft weights, so "
+        "there is no selection frequency to count"
+    )
+
+    @classmethod
+    def card_rows(cls, config) -> list[tuple[str, str]]:
+        """The model card's "Lory routing" row (the MoE row's top-k does not apply)."""
+        pools = "one pool per head (MH-Lory v2)" if config.lory_expert_pool == "per_head" else "one shared pool"
+        proposal = getattr(config, "lory_first_segment", "uniform") == "proposal"
+        first = " (the first on itself, without gradient)" if proposal else ""
+        return [
+            (
+                "Lory routing",
+                f"all experts merged into one per {config.lory_segment_length}-token segment, "
+                f"routed on the previous segment{first}; {pools}",
+            )
+        ]
+
+    @classmethod
+    def layer_cost(cls, config) -> dict:
+        """One MoE layer's parameters and per-token activated multiply-adds (`parity.MoELayerCost`'s fields): P pools
+        of E experts (P·E·3·W·I) and routers (P·E·W); per token one merged expert per sub-token (3·D·I); per segment
+        each head's router on its mean and its merge of E experts (h·E·W + h·E·3·W·I, `merge_macs_per_segment`),
+        spread over the L tokens of the segment in `macs_per_token` (rounded)."""
+        d, h, E, f = config.hidden_size, config.moe_heads, config.num_experts, config.moe_intermediate_size
+        pools = h if config.lory_expert_pool == "per_head" else 1
+        width = d // h
+        head_merge, shared = moe_block_part_params(config)
+        per_segment = h * E * width + h * E * 3 * width * f  # each head: router on its mean, merge of E experts
+        per_token = head_merge + h * 3 * width * f + shared  # one merged expert per sub-token
+        return dict(
+            params=head_merge + pools * E * width + pools * E * 3 * width * f + shared,
+            macs_per_token=per_token + round(per_segment / config.lory_segment_length),
+            expert_params=pools * E * 3 * width * f,
+            head_merge_params=head_merge,
+            router_params=pools * E * width,
+            shared_expert_params=shared,
+            merge_macs_per_segment=per_segment,
+        )
 
     def forward(self, hidden_states: torch.Tensor, cache=None) -> torch.Tensor:
         batch_size, seq_len, hidden_dim = hidden_states.shape

@@ -1,4 +1,5 @@
-"""FLOPs and parameter parity between sparse MoE and MH-MoE layers (pure arithmetic, no torch).
+"""FLOPs and parameter parity between sparse MoE and MH-MoE layers (arithmetic; each block kind counts its own layer,
+`layer_cost` in sparse_moe.py and lory.py, which `moe_layer_cost` asks for).
 
 Shape legend: d = hidden_size, h = moe_heads, E = num_experts, k = num_experts_per_tok, f = moe_intermediate_size.
 
@@ -36,46 +37,12 @@ class MoELayerCost:
 
 
 def moe_layer_cost(config) -> MoELayerCost:
-    """Cost of one MoE layer of `config` (an `MHMoEConfig` or anything with the same fields); Lory's per-segment merge
-    is included in `macs_per_token` as merge_macs_per_segment / lory_segment_length (rounded)."""
-    if getattr(config, "router_type", "topk") == "lory":
-        return _lory_layer_cost(config)
-    d, h, E = config.hidden_size, config.moe_heads, config.num_experts
-    k, f = config.num_experts_per_tok, config.moe_intermediate_size
-    f_shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-    width = d // h  # sub-token width
-    head_merge = (int(bool(config.moe_head_layer)) + int(bool(config.moe_merge_layer))) * d * d
-    router = E * width
-    experts = E * 3 * width * f
-    shared = 3 * d * f_shared
-    macs = head_merge + h * width * E + h * k * 3 * width * f + shared
-    return MoELayerCost(
-        params=head_merge + router + experts + shared,
-        macs_per_token=macs,
-        expert_params=experts,
-        head_merge_params=head_merge,
-        router_params=router,
-        shared_expert_params=shared,
-    )
+    """Cost of one MoE layer of `config` (an `MHMoEConfig` or anything with the same fields), as its block kind counts
+    it (`layer_cost` of `router_types.block_class(config)`); Lory's per-segment merge is included in `macs_per_token`
+    as merge_macs_per_segment / lory_segment_length (rounded)."""
+    from .router_types import block_class  # the block classes import torch; this module's arithmetic does not
 
-
-def _lory_layer_cost(config) -> MoELayerCost:
-    d, h, E, f = config.hidden_size, config.moe_heads, config.num_experts, config.moe_intermediate_size
-    pools = h if config.lory_expert_pool == "per_head" else 1
-    width = d // h
-    head_merge = (int(bool(config.moe_head_layer)) + int(bool(config.moe_merge_layer))) * d * d
-    shared = 3 * d * (getattr(config, "shared_expert_intermediate_size", 0) or 0)
-    per_segment = h * E * width + h * E * 3 * width * f  # each head: router on its mean, merge of E experts
-    per_token = head_merge + h * 3 * width * f + shared  # one merged expert per sub-token
-    return MoELayerCost(
-        params=head_merge + pools * E * width + pools * E * 3 * width * f + shared,
-        macs_per_token=per_token + round(per_segment / config.lory_segment_length),
-        expert_params=pools * E * 3 * width * f,
-        head_merge_params=head_merge,
-        router_params=pools * E * width,
-        shared_expert_params=shared,
-        merge_macs_per_segment=per_segment,
-    )
+    return MoELayerCost(**block_class(config).layer_cost(config))
 
 
 def matched_moe_settings(

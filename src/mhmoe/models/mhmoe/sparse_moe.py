@@ -48,6 +48,13 @@ def moe_block_parts(config) -> tuple:
     return head, merge, MHMoEMLP(config, shared) if shared else None
 
 
+def moe_block_part_params(config) -> tuple[int, int]:
+    """(head + merge layer, shared expert) weights of every MoE block (biases excluded): n·d² and 3·d·f_shared."""
+    d = config.hidden_size
+    head_merge = (int(bool(config.moe_head_layer)) + int(bool(config.moe_merge_layer))) * d * d
+    return head_merge, 3 * d * (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
 def moe_block_problems(config) -> list[str]:
     """The fields every MoE block reads (sub-tokens, experts, head/merge layers, shared expert), in words."""
     problems = []
@@ -160,6 +167,32 @@ class MHMoESparseMoeBlock(nn.Module):
             )
         return problems
 
+    # What the rest of mhmoe asks the block kind (`router_types.block_class(config)`), so that no caller names it.
+    no_expert_selection = None  # why `evaluation.expert_load` cannot count its expert selections (None: it can)
+
+    @classmethod
+    def card_rows(cls, config) -> list[tuple[str, str]]:
+        """(label, text) rows the model card adds for this block kind (the MoE row already says top-k)."""
+        return []
+
+    @classmethod
+    def layer_cost(cls, config) -> dict:
+        """One MoE layer's parameters and per-token activated multiply-adds (`parity.MoELayerCost`'s fields): head and
+        merge layers d² each, router h·(d/h)·E = d·E, experts h·k·3·(d/h)·f = 3·d·f·k, shared expert 3·d·f_shared."""
+        d, h, E = config.hidden_size, config.moe_heads, config.num_experts
+        k, f = config.num_experts_per_tok, config.moe_intermediate_size
+        head_merge, shared = moe_block_part_params(config)
+        width = d // h  # sub-token width
+        router, experts = E * width, E * 3 * width * f
+        return dict(
+            params=head_merge + router + experts + shared,
+            macs_per_token=head_merge + h * width * E + h * k * 3 * width * f + shared,
+            expert_params=experts,
+            head_merge_params=head_merge,
+            router_params=router,
+            shared_expert_params=shared,
+        )
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         batch_size, seq_len, hidden_dim = hidden_states.shape
         sub_tokens = self.head_proj(hidden_states) if self.head_proj is not None else hidden_states
@@ -184,6 +217,7 @@ __all__ = [
     "MHMoEMLP",
     "MHMoESparseMoeBlock",
     "MHMoETopKRouter",
+    "moe_block_part_params",
     "moe_block_parts",
     "moe_block_problems",
 ]
