@@ -43,7 +43,11 @@ def templates_dir() -> Path:
 
 
 def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, str]]:
-    """(label, text) rows describing the model: size, attention, MoE / Lory / BitNet / MoH options."""
+    """(label, text) rows describing the model: size, attention, MoE options, the rows its MoE block kind and
+    linear_type add (`card_rows` of their classes: Lory's, BitNet's), MoH options."""
+    from ..models.mhmoe.linear_types import linear_class
+    from ..models.mhmoe.router_types import block_class
+
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     rows = [("model type", f"`{config.model_type}`")]
@@ -69,26 +73,7 @@ def architecture_rows(config, parameters: int | None = None) -> list[tuple[str, 
             rows.append(("MoE", moe))
         else:
             rows.append(("MoE", "none (dense)"))
-    if getattr(config, "router_type", "topk") == "lory":  # the MoE row's top-k does not apply
-        pools = "one pool per head (MH-Lory v2)" if config.lory_expert_pool == "per_head" else "one shared pool"
-        proposal = getattr(config, "lory_first_segment", "uniform") == "proposal"
-        first = " (the first on itself, without gradient)" if proposal else ""
-        rows.append(
-            (
-                "Lory routing",
-                f"all experts merged into one per {config.lory_segment_length}-token segment, "
-                f"routed on the previous segment{first}; {pools}",
-            )
-        )
-    if getattr(config, "linear_type", "linear") == "bitnet_b158":
-        layers = {
-            "all": "every decoder projection",
-            "official": "attention and FFN projections (not head/merge layers)",
-            "ffn_only": "the FFN projections",
-            "experts": "the routed experts",
-        }.get(config.bitnet_quantized_layers, config.bitnet_quantized_layers)
-        stored = "int8 ternary weights + one scale per matrix" if config.bitnet_packed else "latent fp weights"
-        rows.append(("BitNet b1.58", f"{layers} ternary, 8-bit activations; stored as {stored}"))
+    rows += block_class(config).card_rows(config) + linear_class(config).card_rows(config)  # e.g. Lory's, BitNet's
     if getattr(config, "moh_shared_heads", None) is not None:
         shared, active = config.moh_shared_heads, config.moh_active_heads
         gates = ", straight-through 0/1 gates" if config.moh_straight_through else ""

@@ -3,9 +3,9 @@
 `export_pretrained(model_or_dir, save_directory, tokenizer=None)` writes a self-contained folder:
 
 - the weights as safetensors (an in-memory model through `save_pretrained`; a checkpoint directory's shards and index
-  copied byte for byte; pickle-only checkpoints are refused, never unpickled). A BitNet b1.58 model
-  (`linear_type="bitnet_b158"`) is written packed: int8 ternary weights and one fp32 scale per matrix
-  (`bitnet_packed=True`, inference only, the same logits),
+  copied byte for byte; pickle-only checkpoints are refused, never unpickled), after the `export_transform` of the
+  model's linear_type, if it has one: a BitNet b1.58 model (`linear_type="bitnet_b158"`) is written packed: int8
+  ternary weights and one fp32 scale per matrix (`bitnet_packed=True`, inference only, the same logits),
 - `config.json` with an `auto_map` naming the classes for `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`,
 - `generation_config.json`, the tokenizer (the one given, else the source directory's; without an `auto_map` naming
   code of the source folder), `moh_conversion.json` of a converted model (folder names, never local paths), a
@@ -188,8 +188,9 @@ def _export(model, source_dir, save_directory, tokenizer, overwrite, model_card,
             tokenizer = model
     else:
         config, weight_files = model.config, None
-    if getattr(config, "linear_type", "linear") == "bitnet_b158" and not config.bitnet_packed:
-        model, weight_files = _bitnet_packed(model), None  # int8 ternary weights + scales, not the latent weights
+    transform = _export_transform(config)  # e.g. BitNet's: int8 ternary weights + scales, not the latent weights
+    if transform is not None:
+        model, weight_files = transform(_model_object(model)), None
         config = model.config
     if isinstance(tokenizer, (str, os.PathLike)):
         check_links(tokenizer, ExportError, "tokenizer folder")
@@ -227,14 +228,21 @@ def _is_file(folder: str | None, name: str) -> bool:
     return folder is not None and os.path.isfile(os.path.join(folder, name))
 
 
-def _bitnet_packed(model):
-    """A latent BitNet model (object or checkpoint directory) as its packed inference copy (`bitnet.packed_model`)."""
-    from ..models.mhmoe.bitnet import packed_model
+def _export_transform(config):
+    """What the config's linear_type does to a model before it is written (`export_transform` of its class, e.g.
+    `bitnet.packed_model`), or None."""
+    from ..models.mhmoe.linear_types import linear_class
+
+    return linear_class(config).export_transform(config)
+
+
+def _model_object(model):
+    """A model object, or the MHMoE model a checkpoint directory holds (only MHMoE models have a linear_type)."""
     from ..models.mhmoe.modeling_mhmoe import MHMoEForCausalLM
 
     if isinstance(model, (str, os.PathLike)):
         model = MHMoEForCausalLM.from_pretrained(model, trust_remote_code=False)
-    return packed_model(model)
+    return model
 
 
 def _copy_conversion_record(source: str, target: Path) -> None:

@@ -406,6 +406,30 @@ class BitNetB158:
             problems.append("bitnet_packed=True needs linear_type='bitnet_b158' (it marks exported ternary weights)")
         return problems
 
+    # What the rest of mhmoe asks the kind (`linear_types.linear_class(config)`), so that no caller names it.
+    # The official BitNet MH-MoE code's conventions (`matching.conventions_fields("official", ...)`).
+    official_fields = dict(
+        bitnet_quantized_layers="official", bitnet_ffn_norm="before_down", bitnet_attention_norm="before_o_proj"
+    )
+
+    @staticmethod
+    def card_rows(config) -> list[tuple[str, str]]:
+        """The model card's "BitNet b1.58" row: what is ternary and how the weights are stored."""
+        layers = {
+            "all": "every decoder projection",
+            "official": "attention and FFN projections (not head/merge layers)",
+            "ffn_only": "the FFN projections",
+            "experts": "the routed experts",
+        }.get(config.bitnet_quantized_layers, config.bitnet_quantized_layers)
+        stored = "int8 ternary weights + one scale per matrix" if config.bitnet_packed else "latent fp weights"
+        return [("BitNet b1.58", f"{layers} ternary, 8-bit activations; stored as {stored}")]
+
+    @staticmethod
+    def export_transform(config):
+        """`packed_model` for latent weights (an export writes int8 ternary weights + scales: the same logits, about
+        a quarter of the bytes); None when they are packed already."""
+        return None if config.bitnet_packed else packed_model
+
 
 __all__ = [
     "BITNET_ATTENTION_NORMS",

@@ -1,6 +1,9 @@
 """`linear_type`: how an MHMoE model builds its decoder projections and routed experts. `LINEAR_TYPES` maps the name to
 a class with `linear(config, in_features, out_features, bias, role, sublayer_in)`, `experts(config)` and
-`config_problems(config)` (its own fields, in words). A new kind is a class and an entry here.
+`config_problems(config)` (its own fields, in words). What the rest of mhmoe needs to know about a kind, the class says
+too, and callers ask `linear_class(config)` instead of naming it: `card_rows(config)` (the model card's rows for it),
+`export_transform(config)` (what an export does to the model before writing it, or None) and `official_fields` (the
+official MH-MoE code's conventions for it, `matching.conventions_fields`). A new kind is a class and an entry here.
 
 Roles (`bitnet.QUANTIZED_ROLES`): "attention" (q/k/v/o), "ffn" (dense MLPs and the shared expert), "experts",
 "head_merge" (MH-MoE's head and merge layers). `sublayer_in`: an input projection of its sub-layer (q/k/v, gate/up).
@@ -29,8 +32,27 @@ class Linear:
     def config_problems(config) -> list[str]:
         return []
 
+    official_fields = {}  # the official code's conventions add nothing for full-precision projections
+
+    @staticmethod
+    def card_rows(config) -> list[tuple[str, str]]:
+        return []
+
+    @staticmethod
+    def export_transform(config):
+        """None: an export writes the weights as they are."""
+        return None
+
 
 LINEAR_TYPES = {"linear": Linear, "bitnet_b158": BitNetB158}
+
+
+def linear_class(config) -> type:
+    """The class of `config.linear_type` (`config`: a config or its dict); `Linear` for a config without that field
+    (another model's, MoH-LLaMA's) or a name not registered (`linear_type_problems` refuses it when the config is
+    built)."""
+    name = config.get("linear_type") if isinstance(config, dict) else getattr(config, "linear_type", None)
+    return LINEAR_TYPES.get(name, Linear)
 
 
 def make_linear(
@@ -55,4 +77,4 @@ def linear_type_problems(config) -> list[str]:
     return problems
 
 
-__all__ = ["LINEAR_TYPES", "Linear", "linear_type_problems", "make_experts", "make_linear"]
+__all__ = ["LINEAR_TYPES", "Linear", "linear_class", "linear_type_problems", "make_experts", "make_linear"]

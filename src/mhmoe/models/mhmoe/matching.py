@@ -6,7 +6,9 @@
 - `conventions_fields`: the official MH-MoE code's conventions where this library's defaults differ ("official").
 """
 
+from .bitnet import BitNetB158
 from .configuration_mhmoe import MHMoEConfig
+from .linear_types import linear_class
 from .parity import matched_moe_settings
 
 CONVENTIONS = ("library", "official")
@@ -18,15 +20,13 @@ OFFICIAL_ROUTING = dict(
     router_aux_loss_mode="top1_sum",
     router_aux_loss_coef=0.01,
 )
-OFFICIAL_BITNET = dict(
-    bitnet_quantized_layers="official", bitnet_ffn_norm="before_down", bitnet_attention_norm="before_o_proj"
-)
+OFFICIAL_BITNET = BitNetB158.official_fields  # each linear_type's own: `official_fields` of its class
 
 
 def conventions_fields(conventions: str, config) -> dict:
     """The fields that give `config` (an MHMoEConfig or its dict) the `conventions`: {} for "library" (the config as
-    is), for "official" `OFFICIAL_ROUTING`, `moe_layer_bias=True` when it has a head or merge layer, and
-    `OFFICIAL_BITNET` when it is a BitNet model (see `matched_to_smoe`)."""
+    is), for "official" `OFFICIAL_ROUTING`, `moe_layer_bias=True` when it has a head or merge layer, and its
+    linear_type's `official_fields` (`OFFICIAL_BITNET` for a BitNet model; see `matched_to_smoe`)."""
     if conventions not in CONVENTIONS:
         raise ValueError(f"conventions must be one of {CONVENTIONS}, got {conventions!r}")
     if conventions == "library":
@@ -36,8 +36,7 @@ def conventions_fields(conventions: str, config) -> dict:
     heads = get("moe_heads", 1) or 1
     if any(get(name) or (get(name) is None and heads > 1) for name in ("moe_head_layer", "moe_merge_layer")):
         fields["moe_layer_bias"] = True
-    if get("linear_type", "linear") == "bitnet_b158":
-        fields.update(OFFICIAL_BITNET)
+    fields.update(linear_class(config).official_fields)
     return fields
 
 
