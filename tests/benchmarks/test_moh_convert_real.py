@@ -142,8 +142,9 @@ def test_tune_stage_end_to_end(tmp_path, tokenizer_dir, monkeypatch, capsys):
     monkeypatch.setattr(recovery, "DPKG_STATUS", str(status))
     common = ["--stage", "tune", "--gguf_dir", str(tmp_path), "--workdir", str(work), "--tune_steps", "2"]
     common += ["--tune_eval_every", "1", "--tune_eval_blocks", "1", "--eval_blocks", "2"]
-    real.main(common + ["--runs", "dense", "lm", "distill", "--seeds", "0"])
-    real.main(common + ["--runs", "dense", "--seeds", "0", "1"])
+    tune = recovery.stage_tune  # as run.py passes it (moh_convert_real never imports its tune stage: no circle)
+    real.main(common + ["--runs", "dense", "lm", "distill", "--seeds", "0"], stage_tune=tune)
+    real.main(common + ["--runs", "dense", "--seeds", "0", "1"], stage_tune=tune)
     out = capsys.readouterr().out
     assert "parent tuned seed 0: already in the results" in out
     data = json.loads(results.read_text())
