@@ -19,7 +19,15 @@ from mhmoe.models.mhmoe.router_types import ROUTER_TYPES, block_class
 from mhmoe.models.mhmoe.sparse_moe import MHMoESparseMoeBlock
 
 BLOCK_HOOKS = ("config_problems", "reads_cache", "card_rows", "layer_cost", "no_expert_selection")
-LINEAR_HOOKS = ("linear", "experts", "config_problems", "card_rows", "export_transform", "official_fields")
+LINEAR_HOOKS = (
+    "linear",
+    "experts",
+    "config_problems",
+    "card_rows",
+    "export_transform",
+    "training_refusal",
+    "official_fields",
+)
 COST = dict(params=7, macs_per_token=5, expert_params=4, head_merge_params=2, router_params=1, shared_expert_params=0)
 
 
@@ -54,6 +62,10 @@ class DummyLinear(Linear):
             return model
 
         return zero_lm_head
+
+    @staticmethod
+    def training_refusal(config):
+        return "dummy weights do not train"
 
 
 def tiny(**kw):
@@ -121,6 +133,11 @@ def test_a_registered_linear_kind_reaches_card_conventions_and_export(dummies, t
     assert not weights["lm_head.weight"].any()  # the kind's transform ran before the weights were written
     assert weights["model.embed_tokens.weight"].any()
     assert "dummy linear" in (tmp_path / "out" / "README.md").read_text()
+    pytest.importorskip("peft")
+    from mhmoe.training.peft import lora_config
+
+    with pytest.raises(ValueError, match="dummy weights do not train"):
+        lora_config(model)
 
 
 def test_the_registered_kinds_answer_as_before():
@@ -146,3 +163,5 @@ def test_the_registered_kinds_answer_as_before():
     assert kind.export_transform(bitnet) is not None
     assert kind.export_transform(tiny(linear_type="bitnet_b158", bitnet_packed=True)) is None
     assert linear_class(tiny()).export_transform(tiny()) is None and linear_class(tiny()).official_fields == {}
+    assert kind.training_refusal(bitnet) is None
+    assert "packed export" in kind.training_refusal(tiny(linear_type="bitnet_b158", bitnet_packed=True))

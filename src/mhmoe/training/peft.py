@@ -65,11 +65,12 @@ def lora_config(
     `routers=True`, the MoH head routers with parameters trained in full (`modules_to_save`).
     BitNet models: LoRA trains full-precision adapters beside the quantised projections (PEFT wraps `BitLinear` as a
     Linear; expert deltas join the latent weights before quantisation); packed exports are refused."""
-    if getattr(getattr(model, "config", None), "bitnet_packed", False):
-        raise ValueError(
-            "this BitNet model is a packed export (bitnet_packed=True: int8 ternary weights, inference only); train "
-            "LoRA on the latent checkpoint (the one mhmoe-train saved) instead"
-        )
+    from ..models.mhmoe.linear_types import linear_class
+
+    config = getattr(model, "config", None)
+    refusal = linear_class(config).training_refusal(config)  # e.g. a packed BitNet export's
+    if refusal:
+        raise ValueError(refusal)
     if isinstance(target_modules, (list, tuple)):  # names given by hand: each must name a module of this model
         modules = dict(model.named_modules())
         names = {name.rsplit(".", 1)[-1] for name in modules}

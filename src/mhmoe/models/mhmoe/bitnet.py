@@ -430,6 +430,16 @@ class BitNetB158:
         a quarter of the bytes); None when they are packed already."""
         return None if config.bitnet_packed else packed_model
 
+    @staticmethod
+    def training_refusal(config):
+        """Why LoRA cannot train a packed export (None for latent weights)."""
+        if not config.bitnet_packed:
+            return None
+        return (
+            "this BitNet model is a packed export (bitnet_packed=True: int8 ternary weights, inference only); train "
+            "LoRA on the latent checkpoint (the one mhmoe-train saved) instead"
+        )
+
 
 __all__ = [
     "BITNET_ATTENTION_NORMS",

@@ -2,8 +2,9 @@
 a class with `linear(config, in_features, out_features, bias, role, sublayer_in)`, `experts(config)` and
 `config_problems(config)` (its own fields, in words). What the rest of mhmoe needs to know about a kind, the class says
 too, and callers ask `linear_class(config)` instead of naming it: `card_rows(config)` (the model card's rows for it),
-`export_transform(config)` (what an export does to the model before writing it, or None) and `official_fields` (the
-official MH-MoE code's conventions for it, `matching.conventions_fields`). A new kind is a class and an entry here.
+`export_transform(config)` (what an export does to the model before writing it, or None), `training_refusal(config)`
+(why LoRA cannot train such a model, in words, or None) and `official_fields` (the official MH-MoE code's conventions
+for it, `matching.conventions_fields`). A new kind is a class and an entry here.
 
 Roles (`bitnet.QUANTIZED_ROLES`): "attention" (q/k/v/o), "ffn" (dense MLPs and the shared expert), "experts",
 "head_merge" (MH-MoE's head and merge layers). `sublayer_in`: an input projection of its sub-layer (q/k/v, gate/up).
@@ -41,6 +42,11 @@ class Linear:
     @staticmethod
     def export_transform(config):
         """None: an export writes the weights as they are."""
+        return None
+
+    @staticmethod
+    def training_refusal(config):
+        """None: its weights train."""
         return None
 
 
