@@ -4,12 +4,12 @@ active), continue-tune it, and check that held-out perplexity recovers to <= 1.0
 
     python conversion/demo_recovery.py [--dense_steps 600 --tune_steps 150 ...]
 
-Exits 1 when the MoH model does not recover. The logic is `mhmoe.convert.recovery_demo`.
+Exits 1 when the MoH model does not recover. The logic is `mhmoe.recovery_demo`.
 """
 
 import sys
 
-from mhmoe.convert.recovery_demo import main
+from mhmoe.recovery_demo import main
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -183,7 +183,7 @@ def test_ctrl_c_in_training_says_how_to_resume(checkpoint_dir, corpus, tmp_path)
 def test_ctrl_c_in_conversion_says_what_is_left(inputs, tmp_path, corpus, capsys, monkeypatch, tune):
     """Ctrl-C (KeyboardInterrupt) while converting leaves nothing and says so; while continue-tuning, after a
     checkpoint, it names the checkpoint and how to resume. One line, exit status 130."""
-    import mhmoe.convert.conversion as conversion
+    import mhmoe.convert.write as write
     import mhmoe.training.loop as loop
 
     out = tmp_path / "out"
@@ -211,7 +211,7 @@ def test_ctrl_c_in_conversion_says_what_is_left(inputs, tmp_path, corpus, capsys
 
         monkeypatch.setattr(loop, "train_step", step_then_interrupt)
     else:
-        monkeypatch.setattr(conversion, "_check_written", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        monkeypatch.setattr(write, "_check_written", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     status = _run("mhmoe-convert", argv)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("mhmoe-")]  # (Transformers' loading bar too)

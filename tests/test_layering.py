@@ -2,8 +2,9 @@
 cycle, and every module imports on its own in a fresh interpreter.
 
 Layers, bottom up (mhmoe/__init__.py says the same): `_plumbing` (imports nothing of mhmoe), `models` (the model layer),
-`hub`, `evaluation`, `training`, `convert`, and the top (`mhmoe` itself and `mhmoe.demo`). Every `import` statement
-counts, deferred ones inside functions and `if TYPE_CHECKING:` ones included: a reader meets them all.
+`hub`, `evaluation`, `training`, `convert`, and the top (`mhmoe` itself, `mhmoe.demo` and `mhmoe.recovery_demo`,
+which use the jobs). Every `import` statement counts, deferred ones inside functions and `if TYPE_CHECKING:` ones
+included: a reader meets them all.
 """
 
 import ast

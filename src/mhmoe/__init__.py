@@ -3,7 +3,7 @@
 The house, from the bottom up: `_plumbing` (lazy names, registration, extras, console scripts, checkpoint files;
 imports nothing of mhmoe), `models` (the model layer: runs on torch and Transformers alone), then the four jobs a user
 comes for: `hub` (publish: export with the modeling code, cards), `evaluation` (lm-eval, routing statistics),
-`training` (the training loop), `convert` (dense LLaMA -> MoH), and `demo` (all of them, end to end). Arrows only go
+`training` (the training loop), `convert` (dense LLaMA -> MoH), and `demo`, `recovery_demo` (end to end). Arrows only go
 down; tests/test_layering.py checks it. docs/architecture.md is the map.
 
 `import mhmoe` is light: it imports neither torch nor Transformers. The public names load with the module that defines

@@ -2,7 +2,7 @@
 
 Run `python -m mhmoe.demo` (or `mhmoe-demo`; `--quick` is a smoke run of about a minute). Every stage reuses the
 library's own pieces: `mhmoe.training` (the one training loop; it trains the tokenizer too), the Auto classes,
-`mhmoe.evaluation` (expert/head load heat-maps, lm-eval) and `mhmoe.convert.recovery_demo` (dense LLaMA -> MoH
+`mhmoe.evaluation` (expert/head load heat-maps, lm-eval) and `mhmoe.recovery_demo` (dense LLaMA -> MoH
 continue-tuning). It sits at the top of the package because it runs every job. The corpus is the Python stdlib's `pydoc_data.topics` (~465K characters of English reference
 text; every 10th topic held out), so nothing is downloaded.
 """
@@ -63,7 +63,7 @@ def demo_config(size: str, vocab_size: int, block_size: int):
 
 def train_model(args, data_dir: Path, out: Path):
     """Write the config JSON and train from it with `mhmoe.training` (which trains the BPE tokenizer on the data)."""
-    from .convert.recovery_demo import write_corpus
+    from .recovery_demo import write_corpus
     from .training.loop import train
     from .training.prepare import reset_accelerate_state
 
@@ -149,8 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from .convert.recovery_demo import format_result, run_recovery_demo
     from .evaluation.analysis import expert_load, head_load, plot_load
+    from .recovery_demo import format_result, run_recovery_demo
     from .training.data import read_files, tokenize_and_pack
 
     out = Path(args.output_dir)

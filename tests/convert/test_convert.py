@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mhmoe
-import mhmoe.convert.conversion as conversion
+import mhmoe.convert.write as write
 from mhmoe.convert import ConversionError, convert, head_split, main
 from tests.fixtures.training import free_port, fresh_accelerate_state
 
@@ -373,7 +373,7 @@ def test_output_dir_rules_and_interrupted_write(tmp_path, monkeypatch, capsys):
         convert(str(source), str(source / "sub"), progress=False)
 
     calls = []
-    real_write = conversion._write_shard
+    real_write = write._write_shard
 
     def failing_write(shard, path, progress=None):  # the disk fills up at the third shard
         calls.append(shard.filename)
@@ -381,7 +381,7 @@ def test_output_dir_rules_and_interrupted_write(tmp_path, monkeypatch, capsys):
             raise OSError(28, "No space left on device")
         return real_write(shard, path, progress)
 
-    monkeypatch.setattr(conversion, "_write_shard", failing_write)
+    monkeypatch.setattr(write, "_write_shard", failing_write)
     with pytest.raises(OSError, match="No space left"):
         convert(str(source), str(out), overwrite=True, progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and _leftovers(tmp_path, "out") == []
@@ -603,7 +603,7 @@ def test_recovery_demo_dense_to_moh_on_cpu(tmp_path):
     """The paper's Fig. 2 claim in miniature: a tiny dense LLaMA trained here on the stdlib's pydoc topics (held-out
     topics for validation), converted to MoH with 75% of the heads active per token, which costs clearly more than 5%
     perplexity, recovers to within 5% of the dense parent after a short continue-tuning budget."""
-    from mhmoe.convert.recovery_demo import format_result, run_recovery_demo
+    from mhmoe.recovery_demo import format_result, run_recovery_demo
 
     result = run_recovery_demo(str(tmp_path), control=False)  # the defaults: hidden 128, 300 + 60 steps
     print(format_result(result))

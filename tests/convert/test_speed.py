@@ -9,10 +9,10 @@ import statistics
 import pytest
 import torch
 
-import mhmoe.convert.conversion as conversion
-import mhmoe.convert.speed as speed_module
+import mhmoe.evaluation.conversion_speed as speed_module
 from mhmoe.convert import convert, main
-from mhmoe.convert.speed import SpeedSettings, active_head_share, forward_flops
+from mhmoe.convert.options import SpeedSettings
+from mhmoe.evaluation.conversion_speed import active_head_share, forward_flops
 from mhmoe.hub.cards import speed_rows
 from tests.convert.test_convert import _llama_dir
 
@@ -128,7 +128,7 @@ def test_without_the_flag_nothing_is_timed_and_the_card_says_nothing_of_speed(tm
     def refuse(*args, **kwargs):
         raise AssertionError("timed without --measure_speed")
 
-    monkeypatch.setattr(conversion, "measure_speed", refuse)
+    monkeypatch.setattr(speed_module, "measure_speed", refuse)
     monkeypatch.setattr(speed_module, "interleaved_prefill", refuse)
     monkeypatch.setattr(speed_module, "lockstep_decode", refuse)
     source = _llama_dir(tmp_path / "src", tokenizer_dir)

@@ -2,15 +2,24 @@
 
 One module per stage:
 
+* conversion.py     `convert`: the pipeline read → plan → choose heads → write → verify → record, and its report
+* options.py        `ConvertOptions` (convert's keyword arguments, checked) and `SpeedSettings` (--measure_speed)
 * recipe.py         the paper's recipe, every default once: head split ratios, l2 router, straight-through gates,
                     balance-loss β, continue-tuning optimizer and schedule; `head_split`
+* source.py         the reader step: the input folder, or a GGUF file dequantised into a temporary folder (gguf.py)
 * plan.py           reading and checking the source checkpoint (config, index, shard headers) into a ConversionPlan
-* write.py          `convert`: shards streamed byte for byte into a temporary folder, checked, renamed at the end
-* verify.py         the converted model with every head active must give the source's logits
+* calibrate.py      `choose_heads`: heads measured on calibration text, the shared heads, router and head budgets
+                    chosen (routers.py: the converter's routers and shared-head choices, one table each; heads.py,
+                    head_budget.py)
+* write.py          shards streamed byte for byte into a temporary folder, checked, renamed at the end
+* verify.py         the converted model with every head active must give the source's logits (heldout.py: the
+                    held-out perplexity)
 * continue_tune.py  continue-tuning through mhmoe.training, and the recovery curve (paper Fig. 2)
 * arguments.py      `ConvertArguments`, the converter's own flags, and the continue-tuning flags taken from mhmoe-train
 * cli.py            `mhmoe-convert` / `python -m mhmoe.convert` / conversion/convert_llama_to_moh.py: `main`
-* recovery_demo.py  the end-to-end proof on CPU: a dense parent trained here, converted, continue-tuned, compared
+
+Elsewhere: `--measure_speed`'s timing is `mhmoe.evaluation.conversion_speed`, the end-to-end recovery demo (a dense
+parent trained here, converted, continue-tuned, compared) `mhmoe.recovery_demo`.
 
 `convert(input_dir, output_dir)` turns a Transformers checkpoint of model_type llama, mistral or qwen2 (safetensors,
 one file or shards + index) into a `moh_llama` checkpoint; `convert_and_continue_tune(args, tune)` also trains it. The

@@ -9,9 +9,10 @@ import functools
 import typing
 from dataclasses import dataclass, field
 
-from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HEAD_BUDGETS, RECIPES, ROUTER_CHOICES, SHARED_CHOICES
+from .calibrate import CALIBRATION_TOKENS, DEFAULT_RECIPE, HEAD_BUDGETS, RECIPES, SHARED_CHOICES
+from .options import SPEED_NEW_TOKENS, SPEED_ROUNDS, SPEED_TOKENS
 from .recipe import ACTIVE_HEADS_RATIO, AUX_LOSS_COEF, CONTINUE_TUNING_DEFAULTS, SHARED_HEADS_RATIO
-from .speed import SPEED_NEW_TOKENS, SPEED_ROUNDS, SPEED_TOKENS
+from .routers import ROUTERS, router_help
 
 
 class Ratio(float):
@@ -114,10 +115,8 @@ class ConvertArguments:
     moh_router: str | None = field(
         default=None,
         metadata={
-            "help": "Override the recipe's routed-head score: 'l2' (the paper's), 'l2_standardized' or "
-            "'l2_relative' (per-head calibration statistics), 'fitted' (the learned router, its weights fitted on "
-            "calibration text).",
-            "choices": list(ROUTER_CHOICES),
+            "help": f"Override the recipe's routed-head score: {router_help()}.",
+            "choices": list(ROUTERS),
         },
     )
     head_budget: str = field(
@@ -210,7 +209,7 @@ class ConvertArguments:
     def conversion_options(self) -> dict:
         """The keyword arguments of `convert` these arguments give (besides input and output folders)."""
         from .calibrate import head_recipe
-        from .speed import SpeedSettings
+        from .options import SpeedSettings
         from .verify import read_probe
 
         shared_heads, shared_heads_by = self.head_counts()

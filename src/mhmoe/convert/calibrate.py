@@ -24,6 +24,7 @@ per-layer score threshold decides, per token, how many heads it takes.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -31,15 +32,13 @@ from dataclasses import asdict, dataclass, field
 
 from .errors import ConversionError
 from .head_budget import SENSITIVITY_TOKENS, calibrated_budgets, calibrated_thresholds
+from .routers import FIT_LOG_FLOOR, FIT_RIDGE, ROUTER_PREFIX, ROUTERS, SHARED_HEADS
 
-SHARED_CHOICES = ("first", "importance")
-HEAD_BUDGETS = ("uniform", "calibrated", "threshold")
-ROUTER_CHOICES = ("l2", "l2_standardized", "l2_relative", "fitted")
+SHARED_CHOICES = tuple(SHARED_HEADS)  # routers.py: "first", "importance"
+ROUTER_CHOICES = tuple(ROUTERS)  # routers.py: "l2", "l2_standardized", "l2_relative", "fitted"
 CALIBRATION_TOKENS = 4096
 CALIBRATION_BLOCK = 256
 HELDOUT_TOKENS = 4096  # the most tokens of the calibration text held out for the card's perplexity ratio
-FIT_RIDGE = 1e-2  # "fitted": λ = FIT_RIDGE × the mean of diag(XᵀX), fixed beforehand (benchmarks/moh_head_budgets.py)
-FIT_LOG_FLOOR = 1e-6  # "fitted": contribution norms clamped here before the log
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,9 @@ class HeadRecipe:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.shared_heads != "first" or self.router != "l2"
+        """Whether its shared-head choice or its router reads calibration measurements (an unknown one: yes)."""
+        shared, router = SHARED_HEADS.get(self.shared_heads), ROUTERS.get(self.router)
+        return shared is None or shared.calibrated or router is None or router.calibrated
 
 
 RECIPES = {
@@ -281,23 +282,42 @@ def measure_heads(model, blocks, progress: bool = False, fit_router: bool = Fals
 
 @dataclass
 class HeadChoices:
-    """What the calibration chose: per-layer head orders (None: unchanged), the record for moh_conversion.json and
-    tensors the checkpoint gets (name -> tensor: the "fitted" router's weights, planned as zeros on `plan`)."""
+    """What `choose_heads` chose, for the converter to apply: per-layer head orders (None: unchanged), the config
+    fields to set (in order: the router's, then the head budget's), the record for moh_conversion.json and the
+    tensors the checkpoint gets (name -> tensor: the "fitted" router's weights, planned as zeros by `plan_recipe`)."""
 
     orders: list[list[int]] | None
     record: dict = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)
+    fields: dict = field(default_factory=dict)
+
+    def configured(self, config):
+        """A copy of `config` with the chosen fields set."""
+        config = copy.deepcopy(config)
+        for name, value in self.fields.items():
+            setattr(config, name, value)
+        return config
 
 
-def resolve_auto(plan) -> HeadRecipe:
-    """--recipe auto: "fitted" when the source folder has a tokenizer, else "paper" (with a note on the plan)."""
-    if any(os.path.isfile(os.path.join(plan.input_dir, name)) for name in TOKENIZER_FILES):
-        return RECIPES["fitted"]
-    plan.notes.append(
+def resolve_recipe(recipe: HeadRecipe, input_dir: str) -> tuple[HeadRecipe, str | None]:
+    """(the recipe, a note or None): --recipe auto is "fitted" when the source folder has a tokenizer, else "paper"
+    (with a note); a named recipe is itself."""
+    if recipe.name != "auto":
+        return recipe, None
+    if any(os.path.isfile(os.path.join(input_dir, name)) for name in TOKENIZER_FILES):
+        return RECIPES["fitted"], None
+    return RECIPES["paper"], (
         "recipe paper: the source has no tokenizer, which calibration needs (--recipe fitted with a "
         "tokenizer in --input_dir measures the heads and fits the router)"
     )
-    return RECIPES["paper"]
+
+
+def plan_recipe(plan, recipe: HeadRecipe) -> None:
+    """The tensors the recipe's router adds (the "fitted" router's weights) planned on `plan` as zeros, in the shard
+    and dtype of each layer's o_proj weight, before calibration: the disk check counts them."""
+    from .plan import plan_added_tensors
+
+    plan_added_tensors(plan, ROUTER_PREFIX, ROUTERS[recipe.router].added_shapes(plan.config))
 
 
 def _load_source(source_dir: str, trust_remote_code: bool = False):
@@ -321,31 +341,19 @@ def _load_source(source_dir: str, trust_remote_code: bool = False):
     return model, tokenizer
 
 
-def choose_heads(
-    plan,
-    recipe: HeadRecipe,
-    calibration_file: str | None = None,
-    calibration_tokens: int = CALIBRATION_TOKENS,
-    trust_remote_code: bool = False,
-    progress: bool = False,
-    head_budget: str = "uniform",
-) -> HeadChoices:
-    """Measure the source of `plan` on calibration text (unless the recipe and the head budget need none), choose
-    every layer's shared heads and set the recipe's router (and its statistics, in the permuted head order) on
-    `plan.config`; `head_budget="calibrated"` sets `moh_active_heads_per_layer` (head_budget.py: measured on the
-    first `SENSITIVITY_TOKENS` calibration tokens), `"threshold"` those budgets and `moh_head_thresholds` (measured on
-    all the calibration tokens). Calibration reads the text's first tokens only: the rest is held out
-    (`split_tokens`)."""
-    from .heads import head_order
+@dataclass
+class _Calibration:
+    """The calibration text read and cut (`_calibrate`): the source model, its blocks, what was measured."""
 
-    if head_budget not in HEAD_BUDGETS:
-        raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
-    config = plan.config
-    if recipe.name == "auto":
-        recipe = resolve_auto(plan)
-    record = {"recipe": asdict(recipe), "head_budget": {"kind": head_budget}}
-    if not recipe.needs_calibration and head_budget == "uniform":
-        return HeadChoices(None, record)
+    model: object
+    blocks: object  # (N, T) token ids: the text's first tokens
+    stats: HeadStats
+    record: dict  # moh_conversion.json's "calibration"
+
+
+def _calibrate(plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress) -> _Calibration:
+    """The source of `plan` loaded and measured on the first tokens of the calibration text (the rest held out:
+    `split_tokens`)."""
     if calibration_tokens < 2:
         raise ConversionError(f"--calibration_tokens must be >= 2, got {calibration_tokens}")
     text, label = read_calibration(calibration_file)
@@ -353,18 +361,10 @@ def choose_heads(
     ids = text_ids(tokenizer, text)
     used, held_out = split_tokens(len(ids), calibration_tokens)
     blocks = token_blocks(ids[:used], CALIBRATION_BLOCK)  # never the held-out tokens after them
-    if int(blocks.max()) >= config.vocab_size:
+    if int(blocks.max()) >= plan.config.vocab_size:
         raise ConversionError("the source's tokenizer gives token ids beyond the model's vocabulary")
-    stats = measure_heads(model, blocks, progress, fit_router=recipe.router == "fitted")
-    shared, heads = config.moh_shared_heads, config.num_attention_heads
-    if recipe.shared_heads == "importance":
-        orders = [head_order(row, shared, config.num_key_value_heads) for row in stats.importance]
-    else:
-        orders = [list(range(heads)) for _ in stats.importance]
-    tensors = _set_router(plan, recipe, stats, orders, record)
-    _set_budgets(model, config, orders, blocks, tensors, head_budget, record, progress)
-    del model
-    record["calibration"] = {
+    stats = measure_heads(model, blocks, progress, fit_router=ROUTERS[recipe.router].fits)
+    record = {
         "source": label,
         "sha256": hashlib.sha256(text.encode()).hexdigest(),
         "tokens": stats.tokens,
@@ -375,6 +375,44 @@ def choose_heads(
         "on: the held-out perplexity's)",
         "importance": "mean norm of each head's o_proj contribution",
     }
+    return _Calibration(model, blocks, stats, record)
+
+
+def choose_heads(
+    plan,
+    recipe: HeadRecipe,
+    calibration_file: str | None = None,
+    calibration_tokens: int = CALIBRATION_TOKENS,
+    trust_remote_code: bool = False,
+    progress: bool = False,
+    head_budget: str = "uniform",
+) -> HeadChoices:
+    """Measure the source of `plan` on calibration text (unless the recipe and the head budget need none) and choose
+    every layer's shared heads, the recipe's router (and its statistics, in the permuted head order) and, with
+    `head_budget="calibrated"`, `moh_active_heads_per_layer` (head_budget.py: measured on the first
+    `SENSITIVITY_TOKENS` calibration tokens), `"threshold"` those budgets and `moh_head_thresholds` (measured on all
+    the calibration tokens). Returns what it chose (`HeadChoices`); `plan` is left as it is. `recipe`: a named recipe
+    (`resolve_recipe` resolves "auto"), its router's tensors planned (`plan_recipe`)."""
+    if head_budget not in HEAD_BUDGETS:
+        raise ConversionError(f"--head_budget must be one of {', '.join(HEAD_BUDGETS)}, got {head_budget!r}")
+    record = {"recipe": asdict(recipe), "head_budget": {"kind": head_budget}}
+    if not recipe.needs_calibration and not HEAD_BUDGETS[head_budget]:
+        return HeadChoices(None, record)
+    calibration = _calibrate(plan, recipe, calibration_file, calibration_tokens, trust_remote_code, progress)
+    stats, config = calibration.stats, plan.config
+    shared, heads = config.moh_shared_heads, config.num_attention_heads
+    order = SHARED_HEADS[recipe.shared_heads].order
+    orders = [order(row, shared, config.num_key_value_heads) for row in stats.importance]
+    router = ROUTERS[recipe.router]
+    choices = HeadChoices(None, record, fields=router.fields(stats, orders))
+    record.update(router.record(stats))
+    choices.tensors = router.tensors(config, stats, orders, _planned_dtypes(plan))
+    for step in HEAD_BUDGETS[head_budget]:  # each sees the fields chosen before it
+        fields, words = step(calibration, choices.configured(config), orders, choices.tensors, progress)
+        choices.fields.update(fields)
+        record["head_budget"].update(words)
+    del calibration.model
+    record["calibration"] = calibration.record
     record["layers"] = [
         {
             "head_order": order,
@@ -383,82 +421,51 @@ def choose_heads(
         }
         for i, order in enumerate(orders)
     ]
-    identity = all(order == list(range(heads)) for order in orders)
-    return HeadChoices(None if identity else orders, record, tensors)
+    choices.orders = None if all(order == list(range(heads)) for order in orders) else orders
+    return choices
 
 
-def _set_router(plan, recipe: HeadRecipe, stats: HeadStats, orders, record: dict) -> dict:
-    """The recipe's router on `plan.config` (for "fitted" also its weights, returned by name, and the fit's record;
-    for the calibrated l2 routers the per-head query-norm statistics in the permuted head order)."""
-    from .heads import permute_rows
-
-    config = plan.config
-    config.moh_router = recipe.router
-    if recipe.router == "fitted":
-        record["router_fit"] = {
-            "router": "learned (moh_router), W_r fitted; W_s and W_h zero (shared gates and stage weights 1)",
-            "target": f"log of each head's o_proj contribution norm (clamped at {FIT_LOG_FLOOR:g})",
-            "features": "the attention's input (hidden states after the input layer norm)",
-            "ridge": f"lambda = {FIT_RIDGE:g} x mean(diag X^T X) per layer, fixed beforehand",
-            "lambda": [round(v, 6) for v in stats.router_fit.ridge],
-            "r2": [round(v, 4) for v in stats.router_fit.r2],
-            "tokens": stats.tokens,
-        }
-        return _fitted_router(plan, stats.router_fit, orders)
-    if recipe.router != "l2":
-        config.moh_head_norm_mean = [[round(v, 6) for v in row] for row in permute_rows(stats.norm_mean, orders)]
-        config.moh_head_norm_sigma = [
-            [round(max(v, 1e-6), 6) for v in row] for row in permute_rows(stats.norm_std, orders)
-        ]
-    return {}
-
-
-def _set_budgets(model, config, orders, blocks, tensors, head_budget: str, record: dict, progress: bool) -> None:
-    """`head_budget` "calibrated" / "threshold": the per-layer budgets (and thresholds) on `config`, and their record."""
-    if head_budget in ("calibrated", "threshold"):
-        sensitivity = blocks[: max(1, SENSITIVITY_TOKENS // blocks.shape[1])]  # (N, T): the first blocks
-        budgets, delta = calibrated_budgets(model, config, orders, sensitivity, progress, tensors)
-        config.moh_active_heads_per_layer = budgets
-        record["head_budget"].update(
-            routed_active_heads_per_layer=budgets,
-            sensitivity="mean KL(source || model) of the next-token distributions with only layer l at K routed "
-            "heads active, K = 1..R; the budgets minimise its sum over the layers at the uniform total",
-            sensitivity_tokens=sensitivity.numel(),
-            kl=[[round(v, 6) for v in row] for row in delta],
-        )
-    if head_budget == "threshold":
-        thresholds, fractions = calibrated_thresholds(model, config, orders, blocks, tensors)
-        config.moh_head_thresholds = thresholds
-        record["head_budget"].update(
-            thresholds=thresholds,
-            routing="per token, the routed heads whose score exceeds the layer's threshold (set so that the "
-            "calibration tokens take the layer's budget on average)",
-            routed_active_fraction=[round(v, 4) for v in fractions],
-        )
-
-
-def _fitted_router(plan, fit: RouterFit, orders: list[list[int]]) -> dict:
-    """The "fitted" recipe on `plan`: the paper's learned router with straight-through 0/1 gates, its weights
-    planned (as zeros, in the shard of each layer's o_proj) and returned by name: W_r (R, d) = the fitted rows of
-    the routed heads in the permuted head order, in the checkpoint's dtype; W_s, W_h zero."""
+def _planned_dtypes(plan) -> dict:
+    """The torch dtype of every router tensor `plan_recipe` planned on `plan`, by name."""
     import torch
 
-    from .plan import plan_added_tensors
+    torch_dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    return {
+        t.name: torch_dtypes[t.dtype]
+        for shard in plan.shards
+        for t in shard.tensors
+        if t.added and f".{ROUTER_PREFIX}" in t.name
+    }
 
-    config = plan.config
-    config.moh_router, config.moh_straight_through = "learned", True
-    shared, d = config.moh_shared_heads, config.hidden_size
-    shapes = {"routed_weight": (config.num_attention_heads - shared, d)}
-    if shared > 1:
-        shapes["shared_weight"] = (shared, d)
-    if shared > 0:
-        shapes["stage_weight"] = (2, d)
-    dtypes = plan_added_tensors(plan, "self_attn.head_router.", shapes)
-    tensors = {name: torch.zeros(shapes[name.rsplit(".", 1)[1]], dtype=dtype) for name, dtype in dtypes.items()}
-    for i, (w, order) in enumerate(zip(fit.weights, orders, strict=True)):
-        name = f"model.layers.{i}.self_attn.head_router.routed_weight"
-        tensors[name] = w[order[shared:]].to(dtypes[name])  # (R, d)
-    return tensors
+
+def _budgets(calibration: _Calibration, config, orders, tensors, progress: bool) -> tuple[dict, dict]:
+    """Per-layer routed budgets at the uniform total (head_budget.py), measured on the first blocks."""
+    blocks = calibration.blocks
+    sensitivity = blocks[: max(1, SENSITIVITY_TOKENS // blocks.shape[1])]  # (N, T): the first blocks
+    budgets, delta = calibrated_budgets(calibration.model, config, orders, sensitivity, progress, tensors)
+    return {"moh_active_heads_per_layer": budgets}, dict(
+        routed_active_heads_per_layer=budgets,
+        sensitivity="mean KL(source || model) of the next-token distributions with only layer l at K routed "
+        "heads active, K = 1..R; the budgets minimise its sum over the layers at the uniform total",
+        sensitivity_tokens=sensitivity.numel(),
+        kl=[[round(v, 6) for v in row] for row in delta],
+    )
+
+
+def _thresholds(calibration: _Calibration, config, orders, tensors, progress: bool) -> tuple[dict, dict]:
+    """Per-layer score thresholds that give each layer its budget on average over the calibration tokens."""
+    thresholds, fractions = calibrated_thresholds(calibration.model, config, orders, calibration.blocks, tensors)
+    return {"moh_head_thresholds": thresholds}, dict(
+        thresholds=thresholds,
+        routing="per token, the routed heads whose score exceeds the layer's threshold (set so that the "
+        "calibration tokens take the layer's budget on average)",
+        routed_active_fraction=[round(v, 4) for v in fractions],
+    )
+
+
+# --head_budget: name -> the steps that choose it, in order, each (calibration, config, orders, tensors, progress)
+# -> (config fields, its words in moh_conversion.json's "head_budget"); "uniform" needs none (nor calibration)
+HEAD_BUDGETS = {"uniform": (), "calibrated": (_budgets,), "threshold": (_budgets, _thresholds)}
 
 
 __all__ = [
@@ -476,6 +483,8 @@ __all__ = [
     "RouterFit",
     "calibration_blocks",
     "choose_heads",
+    "plan_recipe",
+    "resolve_recipe",
     "default_calibration_text",
     "fit_routers",
     "head_recipe",

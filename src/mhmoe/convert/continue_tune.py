@@ -19,10 +19,11 @@ from transformers.utils import CONFIG_NAME
 from .._plumbing.checkpoint_files import replace_dir, temporary_dir_next_to, write_json_atomic
 from ..hub.cards import RECOVERY_RECORD
 from .arguments import ConvertArguments, _continue_tune_arguments_class
-from .conversion import check_paths, convert, output_state
+from .conversion import convert
 from .errors import ConversionError
 from .recipe import head_split
 from .verify import all_heads_active
+from .write import check_paths, output_state
 
 CONVERTED_SUBDIR = "converted"
 DISTILL_RECORD = "distillation.json"

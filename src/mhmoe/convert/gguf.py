@@ -1,9 +1,9 @@
 """GGUF input: a LLaMA-family GGUF file dequantised through Transformers' GGUF support into a dense checkpoint.
 
 `dequantise_gguf(input_dir, gguf_file, dense_dir)` writes an ordinary safetensors checkpoint (fp32 weights, config,
-tokenizer, generation config) that the converter then reads like any other (plan.py, write.py, verify.py). Needs the
-`gguf` package (`pip install 'mhmoe[gguf]'`). The whole model is dequantised in memory (fp32) by Transformers; it is
-not streamed tensor by tensor.
+tokenizer, generation config) that the converter then reads like any other (source.py, its reader step, yields it to
+plan.py, write.py, verify.py). Needs the `gguf` package (`pip install 'mhmoe[gguf]'`). The whole model is dequantised
+in memory (fp32) by Transformers; it is not streamed tensor by tensor.
 """
 
 from __future__ import annotations

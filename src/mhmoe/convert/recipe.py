@@ -1,6 +1,7 @@
 """The MoH paper's recipe for turning a dense LLaMA into MoH-LLaMA (§4.4, App. B.2, Table D): every default, once.
 
-Change the converter's recipe here; plan.py, write.py, continue_tune.py and cli.py read it from this file. The head
+Change the converter's recipe here; plan.py, options.py, conversion.py, continue_tune.py and cli.py read it from this
+file. The head
 choices measured on calibration text (which heads are shared, the routed-head score: the default for a source with a
 tokenizer is "fitted", the learned router with W_r fitted, `moh_straight_through=True`) are calibrate.py's; the
 fields below are what the paper's recipe (`--recipe paper`) writes.
@@ -13,7 +14,7 @@ fields below are what the paper's recipe (`--recipe paper`) writes.
   `STRAIGHT_THROUGH = "scores"`: the paper's eq. 9-10 read with g_i the raw softmax score of every routed head (the
   estimator passes "through the sparsity function"); `"selected_scores"` is the other reading (the selected heads'
   scores only). "scores" recovered at least as well as the soft top-K gates' gradient (`True`) on a tiny model
-  (benchmarks/convert_straight_through.py, docs/conversion.md, which also compares the other reading).
+  (benchmarks/studies/convert_straight_through.py, docs/conversion.md, which also compares the other reading).
 * MoH load-balance loss β = `AUX_LOSS_COEF` (eq. 7).
 * Continue-tuning (the paper's second stage): AdamW, warmup 50 iterations, cosine 2e-5 -> 1e-6, weight decay 0.1,
   gradient clipping 1.0; the dense parent's perplexity is measured at step 0.

@@ -1,5 +1,7 @@
 """`mhmoe-convert --measure_speed`: the converted MoH model timed against its dense parent on this machine, side by
-side in one process, before the output folder is renamed into place (so its card states the figures).
+side in one process, before the output folder is renamed into place (so its card states the figures). A benchmark,
+not a conversion step: the converter (`convert/conversion.py`) calls `measure_speed` with its checked settings
+(`convert/options.py`'s `SpeedSettings`) and the calibration text; nothing here imports the converter.
 
 Two cells, batch 1, the checkpoint's dtype, on CPU with torch's threads, on the calibration text (`--calibration_file`,
 else Python's docs; random token ids when the source has no tokenizer):
@@ -23,35 +25,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import dataclass
 
-from .errors import ConversionError
-from .verify import moh_routers
-
-SPEED_TOKENS = 512
-SPEED_NEW_TOKENS = 32
-SPEED_ROUNDS = 5
 PREFILL_MIN_SECONDS = 5.0  # a model's prefills in all, before the rounds stop growing
 BENCHMARK = "benchmarks/moh_head_sparse.py"
-
-
-@dataclass(frozen=True)
-class SpeedSettings:
-    """What `--measure_speed` times: a prompt of `tokens` tokens, `new_tokens` greedy tokens after it, `rounds`
-    rounds (at least; more for short prefills)."""
-
-    tokens: int = SPEED_TOKENS
-    new_tokens: int = SPEED_NEW_TOKENS
-    rounds: int = SPEED_ROUNDS
-
-    def __post_init__(self):
-        for flag, value in (
-            ("--speed_tokens", self.tokens),
-            ("--speed_new_tokens", self.new_tokens),
-            ("--speed_rounds", self.rounds),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConversionError(f"{flag} must be a whole number >= 1, got {value!r}")
 
 
 def forward_flops(config, tokens: int, keys_seen: float, logits_rows: int) -> tuple[float, float]:
@@ -84,7 +60,10 @@ def head_counter(model):
         counts[0] += int((output[0] != 0).sum())  # gates (B, T, H)
         counts[1] += output[0].numel()
 
-    hooks = [router.register_forward_hook(count) for router in moh_routers(model)]
+    from ..models.moh.head_routers import MoHRouter
+
+    routers = [module for module in model.modules() if isinstance(module, MoHRouter)]  # layer 0 first
+    hooks = [router.register_forward_hook(count) for router in routers]
     try:
         yield counts
     finally:
@@ -188,36 +167,41 @@ def cell(times: dict[str, list[float]], tokens: int) -> dict:
     }
 
 
-def _prompt_ids(source_dir: str, vocab_size: int, tokens: int, calibration_file, trust_remote_code: bool):
-    """((1, ≤ tokens) ids of the calibration text, its label); random ids when the source has no usable tokenizer."""
+def _prompt_ids(source_dir: str, vocab_size: int, tokens: int, text: str, trust_remote_code: bool):
+    """(1, ≤ tokens) ids of `text`, or None when the source has no usable tokenizer."""
     import torch
 
-    from .calibrate import read_calibration
-
-    text, label = read_calibration(calibration_file)
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(source_dir, trust_remote_code=trust_remote_code)
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:tokens]
         if ids and max(ids) < vocab_size:
-            return torch.tensor([ids]), label
+            return torch.tensor([ids])
     except (OSError, ValueError, TypeError, KeyError):
         pass
+    return None
+
+
+def _random_ids(vocab_size: int, tokens: int):
+    import torch
+
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (1, tokens), generator=generator), "random token ids"
+    return torch.randint(0, vocab_size, (1, tokens), generator=generator)
 
 
 def measure_speed(
     source_dir: str,
     converted_dir: str,
-    settings: SpeedSettings,
-    calibration_file: str | None = None,
+    settings,
+    text: tuple[str, str],
     trust_remote_code: bool = False,
     progress: bool = True,
 ) -> dict:
     """Time the converted model in `converted_dir` against its parent `source_dir` (both loaded, checkpoint dtype,
-    CPU): the record moh_conversion.json keeps as "speed" and the card states (`mhmoe.hub.cards.speed_rows`)."""
+    CPU) on `text` ((text, label): the calibration text) with `settings` (tokens, new_tokens, rounds: the converter's
+    `SpeedSettings`): the record moh_conversion.json keeps as "speed" and the card states
+    (`mhmoe.hub.conversion_cards.speed_rows`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -231,9 +215,10 @@ def measure_speed(
     config = moh.config
     positions = config.max_position_embeddings
     new_tokens = min(settings.new_tokens, positions // 2)
-    ids, text = _prompt_ids(
-        source_dir, config.vocab_size, min(settings.tokens, positions - new_tokens), calibration_file, trust_remote_code
-    )
+    tokens = min(settings.tokens, positions - new_tokens)
+    ids = _prompt_ids(source_dir, config.vocab_size, tokens, text[0], trust_remote_code)
+    label = text[1] if ids is not None else "random token ids"
+    ids = _random_ids(config.vocab_size, tokens) if ids is None else ids
     prompt = ids.shape[1]
     if progress:
         print(
@@ -268,7 +253,7 @@ def measure_speed(
         "prefill": prefill,
         "decode": decode,
         "batch": 1,
-        "text": text,
+        "text": label,
         "device": str(next(moh.parameters()).device),
         "dtype": str(next(moh.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
@@ -292,10 +277,8 @@ def speed_line(speed: dict) -> str:
 
 
 __all__ = [
-    "SPEED_NEW_TOKENS",
-    "SPEED_ROUNDS",
-    "SPEED_TOKENS",
-    "SpeedSettings",
+    "BENCHMARK",
+    "PREFILL_MIN_SECONDS",
     "active_head_share",
     "head_counter",
     "measured_head_share",

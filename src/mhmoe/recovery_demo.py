@@ -21,7 +21,7 @@ import math
 import os
 import time
 
-from .recipe import ACTIVE_HEADS_RATIO, SHARED_HEADS_RATIO
+from .convert.recipe import ACTIVE_HEADS_RATIO, SHARED_HEADS_RATIO
 
 
 def stdlib_sources() -> list[str]:
@@ -95,8 +95,8 @@ def run_recovery_demo(
     import torch
     from transformers import LlamaForCausalLM
 
-    from ..training.data import read_files, train_tokenizer
-    from ..training.prepare import reset_accelerate_state
+    from .training.data import read_files, train_tokenizer
+    from .training.prepare import reset_accelerate_state
 
     started = time.time()
     train_file, val_file = data_files or write_corpus(os.path.join(workdir, "data"), stdlib=stdlib)
@@ -192,9 +192,9 @@ def _convert_and_tune(
 ) -> dict:
     """The dense parent converted with the paper's recipe and continue-tuned by `mhmoe-convert`'s own code path;
     `convert_and_continue_tune`'s outcome."""
-    from ..training.prepare import reset_accelerate_state
-    from .arguments import ConvertArguments
-    from .continue_tune import continue_tune_arguments, convert_and_continue_tune
+    from .convert.arguments import ConvertArguments
+    from .convert.continue_tune import continue_tune_arguments, convert_and_continue_tune
+    from .training.prepare import reset_accelerate_state
 
     reset_accelerate_state()
     return convert_and_continue_tune(
@@ -225,8 +225,8 @@ def _moh_figures(outcome: dict, dense_ppl: float) -> dict:
 
 def _continue_dense(tune: dict, dense_dir: str, output_dir: str) -> float:
     """The control: the dense parent trained with the continue-tuning settings; its held-out perplexity."""
-    from ..training.loop import train
-    from ..training.prepare import reset_accelerate_state
+    from .training.loop import train
+    from .training.prepare import reset_accelerate_state
 
     reset_accelerate_state()
     continued = train(
@@ -237,8 +237,8 @@ def _continue_dense(tune: dict, dense_dir: str, output_dir: str) -> float:
 
 def _train_dense_parent(model, tokenizer, common: dict, output_dir: str, steps: int, lr: float) -> float:
     """Train the dense parent with `mhmoe.training` (warmup, cosine to lr/10); return its held-out perplexity."""
-    from ..training.loop import train
-    from ..training.prepare import reset_accelerate_state
+    from .training.loop import train
+    from .training.prepare import reset_accelerate_state
 
     reset_accelerate_state()
     dense = train(
