@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .heads import head_order, permute_rows
 
-FIT_RIDGE = 1e-2  # "fitted": λ = FIT_RIDGE × the mean of diag(XᵀX), fixed beforehand (benchmarks/moh_head_budgets.py)
+FIT_RIDGE = 1e-2  # "fitted": λ = FIT_RIDGE × mean diag(XᵀX), fixed beforehand (benchmarks/studies/moh_head_budgets.py)
 FIT_LOG_FLOOR = 1e-6  # "fitted": contribution norms clamped here before the log
 ROUTER_PREFIX = "self_attn.head_router."  # the added tensors: model.layers.{i}.self_attn.head_router.<key>
 ROUTERS: dict[str, ConverterRouter] = {}
