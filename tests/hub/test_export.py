@@ -74,8 +74,11 @@ for name, folder in folders.items():
     info[name] = {"classes": [type(x).__module__ + "." + type(x).__name__ for x in (model.config, base, model)],
                   "tokens": tok("the water")["input_ids"]}
 info["mhmoe_modules"] = sorted(m for m in sys.modules if m == "mhmoe" or m.startswith("mhmoe."))
-kernel_files = ("routing_triton", "head_router_triton")
-info["routing_has_triton"] = [m.HAS_TRITON for n, m in list(sys.modules.items()) if n.endswith(kernel_files)]
+kernel_files = ("_triton", "_triton_forward", "_triton_backward")
+info["kernels_loaded"] = sorted(
+    {n.rsplit(".", 1)[1] for n in sys.modules if n.startswith("transformers_modules") and n.endswith(kernel_files)}
+)
+info["backends_has_triton"] = [m.has_triton() for n, m in list(sys.modules.items()) if n.startswith("transformers_modules") and n.endswith(".backends")]
 save_file(tensors, out + ".safetensors")
 with open(out + ".json", "w") as f:
     json.dump(info, f)
@@ -175,8 +178,11 @@ def test_loads_without_mhmoe(exported):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, info = load_file(root / "got.safetensors"), json.loads((root / "got.json").read_text())
     assert "not installed here" in info["blocked"] and info["mhmoe_modules"] == []
-    # both kernel files, in the config's and the model's dynamic-module namespaces of each folder: no kernels offered
-    assert len(info["routing_has_triton"]) == 8 and not any(info["routing_has_triton"])
+    # the op registry in the config's and the model's dynamic-module namespaces of each folder: no kernel offered (no
+    # triton here); kernels load when first chosen (ops/backends.py): on the CPU only the default experts backend's
+    # (grouped_mm, whose fused steps file offers nothing without triton), no routing, head-router or attention kernel
+    assert len(info["backends_has_triton"]) == 4 and not any(info["backends_has_triton"])
+    assert info["kernels_loaded"] == ["experts_grouped_mm_steps_triton"]
     for name, model in exported["models"].items():
         classes = info[name]["classes"]
         assert all(c.startswith("transformers_modules.") for c in classes), classes

@@ -40,8 +40,7 @@ def spy_steps(monkeypatch) -> list:
 
 
 def set_fused(model, value) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.moh_fused_decoding = value
+    model.config.moh_fused_decoding = value
 
 
 def generate_both(model, ids, mask, monkeypatch, **settings):
@@ -273,8 +272,7 @@ def test_fused_step_runs_only_where_it_equals_the_masked_path(case, monkeypatch)
     if case == "eager":
         model.set_attn_implementation("eager")
     elif case in ("head_skipping_backend", "masked_path"):
-        for attention in attentions:
-            attention.moh_head_skipping = "naive" if case == "head_skipping_backend" else False
+        model.config.moh_head_skipping = "naive" if case == "head_skipping_backend" else False
     elif case == "off":
         set_fused(model, False)
     elif case == "router_hooks":

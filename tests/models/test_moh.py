@@ -213,8 +213,7 @@ def sparse_from_two_tokens(monkeypatch):
 
 
 def set_head_skipping(model, value) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.moh_head_skipping = value
+    model.config.moh_head_skipping = value  # every layer reads the model's config (attention_plan.py)
 
 
 def spy_head_sparse(monkeypatch) -> list:
@@ -290,8 +289,7 @@ def test_generation_computes_active_heads_only_and_equals_the_masked_path(
     caches: the same tokens and scores as every head computed and masked; every step takes the head-sparse path (the
     fused decoding step, which would take the single-token steps on the CPU, is off: tests/models/test_fused_decoding.py)."""
     model = build_skipping_models()[name].eval()
-    for layer in model.model.layers:
-        layer.self_attn.moh_fused_decoding = False
+    model.config.moh_fused_decoding = False
     calls = spy_head_sparse(monkeypatch)
     ids = torch.randint(1, VOCAB, (3, 19), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
@@ -376,8 +374,7 @@ def test_default_takes_the_head_sparse_op_only_where_it_pays(active, decode_spar
     model = MoHLlamaForCausalLM(
         MoHLlamaConfig(**fields, moh_shared_heads=4, moh_active_heads=active, moh_straight_through=True)
     ).eval()
-    for layer in model.model.layers:
-        layer.self_attn.moh_fused_decoding = False
+    model.config.moh_fused_decoding = False
     with torch.no_grad():
         for tokens, sparse in ((19, False), (20, True)):
             calls.clear()

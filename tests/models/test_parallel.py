@@ -47,9 +47,7 @@ def masked_heads(model):
     """Every MoH layer computes all heads and masks (moh_head_skipping=False): tensor-parallel ranks hold some heads
     and always take that path, so the single-process reference and every mode take it too, and the comparison is about
     the sharding alone (the head-sparse path is checked against the masked one in test_moh.py)."""
-    for module in model.modules():
-        if hasattr(module, "moh_head_skipping"):
-            module.moh_head_skipping = False
+    model.config.moh_head_skipping = False
     return model
 
 

@@ -46,13 +46,9 @@ def test_saved_before_loads_with_identical_logits(name):
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
     with torch.no_grad():
         logits = model.eval()(SAVED["input_ids"]).logits  # the default: head-sparse where it pays
-        for module in model.modules():  # the head-sparse op (issue 31) asked for: it sums in another order
-            if hasattr(module, "moh_head_skipping"):
-                module.moh_head_skipping = "cpu"
+        model.config.moh_head_skipping = "cpu"  # the head-sparse op (issue 31) asked for: it sums in another order
         sparse = model(SAVED["input_ids"]).logits
-        for module in model.modules():  # the computation of 17c8c52: every MoH head computed and masked
-            if hasattr(module, "moh_head_skipping"):
-                module.moh_head_skipping = False
+        model.config.moh_head_skipping = False  # the computation of 17c8c52: every MoH head computed and masked
         masked = model(SAVED["input_ids"]).logits
     # bit for bit where the fixture was saved; a CPU with other vector units (AVX-512 or not) picks other matmul
     # kernels, which round differently: within fp32 rounding there

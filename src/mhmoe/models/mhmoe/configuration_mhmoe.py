@@ -95,6 +95,8 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
     moh_router: str = "learned"
     moh_straight_through: bool | str = False  # True: soft top-K gates' grad | "scores"/"selected_scores": eq. 9-10
     moh_aux_loss_coef: float | int = 0.01
+    moh_head_skipping: bool | str = True  # True: where it pays | False | "naive" | "cpu" | "triton" (attention_plan.py)
+    moh_fused_decoding: bool = True  # the CPU decoding step (fused_decoding.py)
     # the variants chosen by name: linear_types.py (BitNet b1.58: bitnet.py), router_types.py (Lory: lory.py)
     linear_type: str = "linear"
     bitnet_quantized_layers: str = "all"  # "all" | "official" | "ffn_only" | "experts"

@@ -7,7 +7,8 @@ few ops per layer (scores, top-K, gates, the multiply) made MoH decoding of Smol
 
 - one GEMV for the keys, values, the router's scores (for a router that scores with a matrix, the learned one) and
   the queries, over a cached concatenation of the projections' weights (`fused_projection`: one more copy of their
-  weights in memory, rebuilt when a weight changes; `attention.moh_fused_decoding = False` turns the step off);
+  weights in memory, rebuilt when a weight changes; the config's `moh_fused_decoding = False` turns the step off;
+`attention_plan.py` decides when it runs);
 - the top-K of the few rows picked on the host from one read of the scores (`host_hard_gates`; a tie between the K-th
   and the next score falls back to `torch.topk`);
 - RoPE once over the queries and keys together;
@@ -73,39 +74,6 @@ class FusedProjection(NamedTuple):
     output_weight: torch.Tensor | None  # o_proj's, head-major (H·hd, d) (skips_heads)
     output_bias: torch.Tensor | None
     plans: dict  # active heads -> StepPlan
-
-
-def fused_decoding_projection(
-    module, hidden_states, position_embeddings, attention_mask, cache, sliding_window, kwargs
-) -> FusedProjection | None:
-    """`fused_projection(module)` when `attention_forward` can take `fused_decoding_step` for this call, else None:
-    a decoding step (one new token per sequence, a cache) on the CPU without autograd, not being traced, sdpa, straight-through gates of
-    which some can be 0, plain nn.Linear projections holding every head, RoPE over the whole head, no sliding window,
-    nothing recording the router's output, and the module's defaults (`moh_fused_decoding` True; `moh_head_skipping`
-    True: a backend named there, or False for the masked path, is what runs)."""
-    if hidden_states.shape[1] != 1 or cache is None or torch.is_grad_enabled() or not hidden_states.is_cpu:
-        return None
-    if torch.compiler.is_compiling():  # traced graphs take the plain gated path (the step picks heads on the host)
-        return None
-    router = module._modules["head_router"]
-    settings = module.__dict__
-    if not settings.get("moh_fused_decoding", True) or settings.get("moh_head_skipping", True) is not True:
-        return None  # turned off, or a head-skipping backend / the masked path asked for by name
-    if not router.straight_through:
-        return None
-    if router.shared_heads + router.active_heads >= router.num_heads:  # every head on: the parent's computation
-        return None
-    if sliding_window is not None or kwargs.get("output_attentions") or (module.training and module.attention_dropout):
-        return None
-    if router._forward_hooks or router._forward_pre_hooks or nn.modules.module._global_forward_hooks:
-        return None  # output capturing (the router logits) hooks the router's forward: let it run
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
-        return None
-    if position_embeddings[0].shape[-1] != module.head_dim:  # partial rotary
-        return None
-    if module.config._attn_implementation != "sdpa":
-        return None
-    return fused_projection(module)
 
 
 def _plain_linear(projection: nn.Module) -> bool:
@@ -233,7 +201,7 @@ def step_plan(projection: FusedProjection, heads_on: tuple, heads: int, head_dim
 
 def fused_decoding_step(module, hidden_states, position_embeddings, attention_mask, cache, projection):
     """The attention output (B, 1, d) of a decoding step and None (no attention weights), equal to the masked path
-    of `attention_forward` with the router's straight-through gates. `projection`: `fused_decoding_projection`'s."""
+    of `attention_forward` with the router's straight-through gates. `projection`: the plan's (`attention_plan.py`)."""
     modules = module._modules
     router, head_dim = modules["head_router"], module.head_dim
     batch, _, hidden = hidden_states.shape
@@ -297,7 +265,6 @@ def fused_decoding_step(module, hidden_states, position_embeddings, attention_ma
 __all__ = [
     "FusedProjection",
     "StepPlan",
-    "fused_decoding_projection",
     "fused_decoding_step",
     "fused_projection",
     "host_hard_gates",

@@ -1,14 +1,14 @@
 """Head skipping: MoH attention computed only for the active (token, head) pairs, the fast path of
 `moh_attention.attention_forward` in prefill, training and decoding.
 
-`head_skipping_backend` decides whether a call takes it (by default only where it pays: `head_sparse_pays`); the
-work is `ops/backends.head_sparse_attention`: the CPU path on CPU (torch's flash kernel on the active rows per
+`attention_plan.plan_attention` decides whether a call takes it (by default only where it pays: `head_sparse_pays`);
+the work is `ops/backends.head_sparse_attention`: the CPU path on CPU (torch's flash kernel on the active rows per
 key/value head; decoding packed per key/value head), the Triton kernels on CUDA when asked
 (`moh_head_skipping="triton"`; off the CPU the default is the masked path), the naive reference when asked. Its output
 (B, T, H, hd) goes to the full `o_proj` (inactive heads are 0). It equals the masked computation (every head, times
-the gates: tests/models/moh_reference.py), outputs and gradients. `module.moh_head_skipping`: True (default backend where it
-pays), False (every head computed and masked: any attention backend) or a backend name ("naive", "cpu", "triton":
-always).
+the gates: tests/models/moh_reference.py), outputs and gradients. The config's `moh_head_skipping`: True (default
+backend where it pays), False (every head computed and masked: any attention backend) or a backend name ("naive",
+"cpu", "triton": always).
 
 Shape legend: B batch, T query tokens, L key/value tokens (cache included), d hidden size, H query heads, Hkv
 key/value heads, hd head_dim.
@@ -21,7 +21,6 @@ from torch import nn
 
 from ..ops.head_sparse_attention.head_sparse_attention_cpu import DECODE_MAX_TOKENS  # the op's decode path
 
-HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks are None or 4-D tensors
 # Where the head-sparse op pays on CPU (benchmarks/head_sparse_layer.py: one SmolLM2-135M layer, 7/9 and 5/9 heads).
 # Below PREFILL_MIN_TOKENS query tokens the attention of the inactive heads is a small share of a layer's work and the
 # op's bookkeeping costs more than it saves: the masked path runs (the parent's attention, then the gates). Except in
@@ -33,39 +32,6 @@ HEAD_SPARSE_MASK_BACKENDS = ("eager", "sdpa")  # attention backends whose masks 
 PREFILL_MIN_TOKENS = 2048
 FEW_ACTIVE_SHARE = 0.4
 FEW_ACTIVE_TOKENS = (384, 768, 1024)
-
-
-def head_skipping_backend(module, query_states, attention_mask, gates, kwargs) -> str | None | bool:
-    """Whether `attention_forward` computes only the active heads, and with which backend: False (every head computed
-    and masked), None (the default backend of `ops/backends.py`) or a backend name. It runs in every layer of every
-    decoding step: the default's cheap refusals (device, `head_sparse_pays`) come before the config is read."""
-    asked = getattr(module, "moh_head_skipping", True)
-    if asked is False or torch.compiler.is_compiling():  # traced graphs take the dense path (the op reads the gates)
-        return False
-    router = module.head_router
-    if router.shared_heads + router.active_heads >= router.num_heads:  # every head is active: nothing to skip
-        return False
-    if query_states.shape[1] != router.num_heads:  # tensor parallel: this rank holds some heads
-        return False
-    if asked is True:
-        # off by default off the CPU: the CPU path calls torch's CPU flash kernel, and the Triton kernels are not in
-        # `ops/backends.AUTOMATIC` until a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py); ask for
-        # moh_head_skipping="triton" to use them
-        if query_states.device.type != "cpu":
-            return False
-        kv_heads = router.num_heads // module.num_key_value_groups
-        inference = attention_mask is None and not (query_states.requires_grad or gates.requires_grad)  # no backward
-        if not head_sparse_pays(router, query_states.shape[2], kv_heads, inference):
-            return False
-    if (module.training and module.attention_dropout > 0) or kwargs.get("output_attentions"):
-        return False
-    if gates.requires_grad and router.straight_through == "scores":  # needs every routed head's attention
-        return False
-    if module.config._attn_implementation not in HEAD_SPARSE_MASK_BACKENDS:  # flex BlockMask, flash's packing, ...
-        return False
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
-        return False
-    return None if asked is True else asked  # a backend asked for by name runs everywhere
 
 
 def head_sparse_pays(router, tokens: int, kv_heads: int, inference: bool = False) -> bool:
@@ -116,7 +82,6 @@ def _head_major_weight(o_proj: nn.Linear) -> torch.Tensor:
 
 
 __all__ = [
-    "head_skipping_backend",
     "head_sparse_pays",
     "kv_heads_skippable",
 ]

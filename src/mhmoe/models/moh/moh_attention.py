@@ -6,11 +6,12 @@ heads, hd head_dim, S shared heads (always on, the first S), R = H - S routed he
 
 Per token the gates g_i (B, T, H) of the head router (`head_routers.py`, chosen by `moh_router`) multiply each head's
 attention output (B, T, H, hd) before `o_proj` (the paper's summation form, eq. 4), so every attention backend (eager,
-sdpa, flex, flash) and GQA work unchanged. Where it can, attention is computed for the active (token, head) pairs only
-(`head_skipping.py`: prefill, training and decoding, through `ops/backends.head_sparse_attention`). A decoding step on
-the CPU runs `fused_decoding.py` (one GEMV for keys, values, the router's scores and the queries; only the active
-heads' q_proj rows and o_proj columns when the router scores the attention input). The balance loss is
-`moh_losses.py`; tensor parallelism of the router `moh_parallel.py`.
+sdpa, flex, flash) and GQA work unchanged. Which path a call takes is decided in one place, `attention_plan.py`: the
+gated (masked) computation; attention for the active (token, head) pairs only (`head_skipping.py`: prefill, training
+and decoding, through `ops/backends.head_sparse_attention`); or, for a decoding step on the CPU, `fused_decoding.py`
+(one GEMV for keys, values, the router's scores and the queries; only the active heads' q_proj rows and o_proj columns
+when the router scores the attention input). The balance loss is `moh_losses.py`; tensor parallelism of the router
+`moh_parallel.py`.
 
 This file runs on torch + transformers alone: exported checkpoints ship it next to the modeling file.
 """
@@ -24,9 +25,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager
 
 from ..cache_naming import either_cache
 from ..ops.backends import head_sparse_attention
-from .fused_decoding import fused_decoding_projection, fused_decoding_step
+from .attention_plan import plan_attention
+from .fused_decoding import fused_decoding_step
 from .head_routers import MoHRouter
-from .head_skipping import head_skipping_backend
 from .moh_config import moh_enabled
 
 
@@ -40,8 +41,6 @@ def add_head_router(attention: nn.Module, config) -> nn.Module:
         router = MoHRouter.from_config(config, getattr(attention, "layer_idx", None))
         router = router.to(device=weight.device, dtype=dtype)
     attention.head_router = router
-    attention.moh_head_skipping = True
-    attention.moh_fused_decoding = True
     return attention
 
 
@@ -58,21 +57,17 @@ def attention_forward(
     """The forward of a Llama-style attention module (q_proj, k_proj, v_proj, o_proj, head_dim, scaling, config,
     layer_idx, head_router): plain multi-head attention when `module.head_router` is None (no gates), else MoH gates on
     each head's output before o_proj. With all heads active and gates of exactly 1 it performs Llama's operations in
-    Llama's order. Where `head_skipping_backend` allows, only the active heads are computed (`head_sparse_attention`),
-    which equals the gated computation; a decoding step on the CPU takes `fused_decoding_step` (the same computation in
-    fewer ops: `fused_decoding.py`). `attention_interface`: the backend function (default:
-    `config._attn_implementation`'s in ALL_ATTENTION_FUNCTIONS)."""
-    if module.head_router is not None:  # a decoding step on the CPU with sdpa (the backend the caller's config names)
-        fused = fused_decoding_projection(
-            module, hidden_states, position_embeddings, attention_mask, cache, sliding_window, kwargs
-        )
-        if fused is not None:
-            return fused_decoding_step(module, hidden_states, position_embeddings, attention_mask, cache, fused)
+    Llama's order. `plan_attention` picks the path: the gated computation, only the active heads
+    (`head_sparse_attention`, equal to it), or `fused_decoding_step` (the same computation in fewer ops).
+    `attention_interface`: the backend function (default: `config._attn_implementation`'s in ALL_ATTENTION_FUNCTIONS)."""
+    plan = plan_attention(module, hidden_states, position_embeddings, attention_mask, cache, sliding_window, kwargs)
+    if plan.path == "fused_decoding":
+        return fused_decoding_step(module, hidden_states, position_embeddings, attention_mask, cache, plan.projection)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query_states = module.q_proj(hidden_states).view(hidden_shape)  # (B, T, H, hd), pre-RoPE
     gates = None
-    if module.head_router is not None:
+    if plan.path != "plain":
         gates, _, _ = module.head_router(hidden_states, query_states)  # (B, T, H)
     query_states = query_states.transpose(1, 2)  # (B, H, T, hd)
     key_states = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, Hkv, T, hd)
@@ -88,8 +83,7 @@ def attention_forward(
         if attention_mask is None and key_states.shape[-2] > length:  # a static cache's prefill, keys padded to its
             query_offset = past  # full length without a mask: the queries are at past.. (with a mask, it masks)
 
-    skipping = False if gates is None else head_skipping_backend(module, query_states, attention_mask, gates, kwargs)
-    if skipping is not False:  # None: the default backend
+    if plan.path == "head_sparse":
         attn_output = head_sparse_attention(
             query_states,
             key_states,
@@ -99,7 +93,7 @@ def attention_forward(
             attention_mask,
             query_offset=query_offset,
             sliding_window=sliding_window,
-            backend=skipping,
+            backend=plan.backend,
         )  # (B, T, H, hd), 0 on inactive heads
         return module.o_proj(attn_output.reshape(*input_shape, -1)), None
 

@@ -7,6 +7,8 @@ import math
 from ..ops.head_router.head_router_naive import STRAIGHT_THROUGH as MOH_STRAIGHT_THROUGH  # head_routers.py: each's grad
 from .head_routers import HEAD_ROUTERS, layer_active_heads
 
+HEAD_SKIPPING_CHOICES = (True, False, "naive", "cpu", "triton")  # moh_head_skipping (attention_plan.py)
+
 
 def moh_enabled(config) -> bool:
     """Whether `config` asks for Mixture-of-Head attention (`moh_active_heads` set)."""
@@ -56,6 +58,23 @@ def threshold_problems(config) -> list[str]:
     return []
 
 
+def head_skipping_problems(config) -> list[str]:
+    """What is wrong with `moh_head_skipping` / `moh_fused_decoding`, in words."""
+    problems = []
+    skipping = getattr(config, "moh_head_skipping", True)
+    if not any(
+        skipping is choice or (isinstance(choice, str) and skipping == choice) for choice in HEAD_SKIPPING_CHOICES
+    ):
+        problems.append(
+            f"moh_head_skipping must be True (the head-sparse op where it pays), False (every head computed and masked) "
+            f"or a backend name, 'naive', 'cpu' or 'triton', got {skipping!r}"
+        )
+    fused = getattr(config, "moh_fused_decoding", True)
+    if not isinstance(fused, bool):
+        problems.append(f"moh_fused_decoding must be True or False, got {fused!r}")
+    return problems
+
+
 def moh_config_problems(config) -> list[str]:
     """What is wrong with a config's moh_* fields, in words (empty list: valid)."""
     problems = []
@@ -100,7 +119,7 @@ def moh_config_problems(config) -> list[str]:
             )
     if shared is None or 0 <= shared < heads:
         problems += per_layer_problems(config)
-    problems += threshold_problems(config)
+    problems += threshold_problems(config) + head_skipping_problems(config)
     if router is not None:
         problems += router.config_problems(config)
     return problems

@@ -69,6 +69,7 @@ class MoHHeadRouterParallel(TensorParallelLayer):
                 f"parallel size ({size}): each rank routes whole heads"
             )
         original_forward = module.forward
+        module.tensor_parallel = True  # this rank computes some heads: the masked path (attention_plan.py)
 
         def tp_forward(hidden_states, query_states):
             local_heads = query_states.shape[-2]  # (B, T, h, hd): this rank's heads

@@ -62,6 +62,8 @@ class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
     moh_router: str = "l2"
     moh_straight_through: bool | str = True  # True | False | "scores" | "selected_scores" (eq. 9-10): see MHMoEConfig
     moh_aux_loss_coef: float | int = 0.01
+    moh_head_skipping: bool | str = True  # True: where it pays | False | "naive" | "cpu" | "triton" (attention_plan.py)
+    moh_fused_decoding: bool = True  # the CPU decoding step (fused_decoding.py)
     output_router_logits: bool = False
     moh_head_norm_mean: list | None = None
     moh_head_norm_sigma: list | None = None  # not *_std: Transformers takes those for init stds

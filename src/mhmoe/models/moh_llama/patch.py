@@ -37,6 +37,8 @@ MOH_FIELDS = {
     "moh_router": "l2",
     "moh_straight_through": True,
     "moh_aux_loss_coef": 0.01,
+    "moh_head_skipping": True,
+    "moh_fused_decoding": True,
 }
 _MOH_KEY = "moh_router_logits"
 _RECORDER = OutputRecorder(MoHRouter, index=1)

@@ -12,14 +12,15 @@ TRITON_INTERPRET=1).
 | head_router.l2_head_gates  | naive, triton             | the same                                               |
 | experts                    | naive, grouped_mm, triton | grouped_mm; triton only when asked (behind in fwd+bwd: |
 |                            |                           | benchmarks/README.md, gpu_moe on an H200)              |
-| head_sparse_attention      | naive, cpu, triton        | cpu; the attention modules call the op on CPU only     |
-|                            |                           | unless `moh_head_skipping="triton"` (moh/head_skipping)|
+| head_sparse_attention      | naive, cpu, triton        | cpu; MoH attention calls the op on CPU only unless the |
+|                            |                           | config names a backend (moh/attention_plan.py)         |
 
 What asks for a backend: for the routing ops and the head router, `MHMOE_ROUTING_BACKEND=torch|triton` in the
 environment, else the config's `routing_backend` ("torch" is the naive reference); for the experts, Transformers'
 `experts_implementation` ("eager" is the naive reference, "grouped_mm", "triton"; any other function registered with
 Transformers' experts interface runs as Transformers runs it, see `sparse_moe.MHMoEExpertsInterface`); for MoH's
-head-sparse attention, the attention module's `moh_head_skipping` when it names a backend (`moh/moh_attention.py`).
+head-sparse attention, the config's `moh_head_skipping` when it names a backend (`moh/attention_plan.py`, which
+decides every MoH attention call's path). Config fields and that one environment variable: nothing else asks.
 A backend asked for runs or raises. A kernel chosen by default that fails is replaced by the reference: the failure is
 logged once at WARNING and recorded (`fallbacks()`: {op: reason}, which the benchmarks and the reproduction write
 into their results), and no kernel is chosen by default again until `reset_fallbacks()`. Under torch.compile /
@@ -28,49 +29,23 @@ default one that fails falls back inside its op, recorded the same way); the oth
 experts' grouped_mm path has its own traced form, and on CUDA with SiLU runs its eager code as a custom op).
 
 Adding an op: `ops/<op>/<op>_naive.py` (the reference) beside its kernels (`<op>_triton.py`, importing triton through
-`triton_compat.py`), one entry in `IMPLEMENTATIONS` and `AUTOMATIC`, a function here that the model calls, and tests
+`triton_compat.py`), a loader and an entry in `LOADERS` (and `AUTOMATIC`), a function here that the model calls
+(kernels are imported when first chosen: importing a config or a model loads none), and tests
 against the reference on odd shapes (outputs and gradients). File names must be unique across `models/`: exported
 checkpoints flatten the files into one folder (their copies run on torch alone; the kernel files then offer nothing
 and the references run).
 """
 
+import functools
 import logging
 import os
 import threading
 
 import torch
 
-from .experts.experts_grouped_mm import STEPS_FAILED as grouped_mm_steps_failed
-from .experts.experts_grouped_mm import experts_forward as grouped_mm_experts
-from .experts.experts_grouped_mm import is_silu
-from .experts.experts_naive import experts_forward as naive_experts
-from .experts.experts_triton import experts_forward as triton_experts
-from .head_router.head_router_naive import l2_head_gates as naive_l2_head_gates
-from .head_router.head_router_triton import l2_head_gates_triton
-from .head_sparse_attention.head_sparse_attention_cpu import head_sparse_attention_cpu
-from .head_sparse_attention.head_sparse_attention_naive import head_sparse_attention_naive
-from .head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
-from .routing.routing_naive import route as naive_route
-from .routing.routing_naive import sort_by_expert as naive_sort_by_expert
-from .routing.routing_triton import TRACED_FAILED as routing_traced_failed
-from .routing.routing_triton import route as triton_route
-from .routing.routing_triton import sort_by_expert as triton_sort_by_expert
-from .triton_compat import HAS_TRITON
-
 ROUTING_BACKEND_ENV = "MHMOE_ROUTING_BACKEND"
 ROUTING_BACKENDS = {"torch": "naive", "triton": "triton"}  # config.routing_backend / the environment -> backend
 EXPERTS_BACKENDS = {"eager": "naive", "grouped_mm": "grouped_mm", "triton": "triton"}  # experts_implementation ->
-IMPLEMENTATIONS = {
-    "routing.route": {"naive": naive_route, "triton": triton_route},
-    "routing.sort_by_expert": {"naive": naive_sort_by_expert, "triton": triton_sort_by_expert},
-    "head_router.l2_head_gates": {"naive": naive_l2_head_gates, "triton": l2_head_gates_triton},
-    "experts": {"naive": naive_experts, "grouped_mm": grouped_mm_experts, "triton": triton_experts},
-    "head_sparse_attention": {
-        "naive": head_sparse_attention_naive,
-        "cpu": head_sparse_attention_cpu,
-        "triton": head_sparse_attention_triton,
-    },
-}
 # op -> the backend chosen when none is asked for: a kernel on CUDA (when triton is installed), else this
 AUTOMATIC = {
     "routing.route": "triton",
@@ -81,9 +56,120 @@ AUTOMATIC = {
 TRACED_KERNELS = ("routing.route", "routing.sort_by_expert")
 DEFAULT = {"experts": "grouped_mm", "head_sparse_attention": "cpu"}  # ops whose default is not the naive reference
 # how to ask for an op's kernel (so that its error is raised); the routing ops' way when not listed
-ASK_FOR_KERNEL = {"head_sparse_attention": "set the attention modules' moh_head_skipping = 'triton'"}
+ASK_FOR_KERNEL = {"head_sparse_attention": "set the config's moh_head_skipping = 'triton'"}
+
+# Each backend is imported when first chosen (`IMPLEMENTATIONS` calls its loader once), so that importing a config or a
+# model imports no kernel (nor triton). Import statements, not strings: exports copy the files they name.
+_KERNEL_RECORDS: dict[str, dict] = {}  # the kernels' own records of failures inside them, once loaded (`fallbacks()`)
+
+
+def _routing_naive() -> dict:
+    from .routing.routing_naive import route, sort_by_expert
+
+    return {"routing.route": route, "routing.sort_by_expert": sort_by_expert}
+
+
+def _routing_triton() -> dict:
+    from .routing.routing_triton import TRACED_FAILED, route, sort_by_expert
+
+    _KERNEL_RECORDS["routing_triton"] = TRACED_FAILED
+    return {"routing.route": route, "routing.sort_by_expert": sort_by_expert}
+
+
+def _head_router_naive() -> dict:
+    from .head_router.head_router_naive import l2_head_gates
+
+    return {"head_router.l2_head_gates": l2_head_gates}
+
+
+def _head_router_triton() -> dict:
+    from .head_router.head_router_triton import l2_head_gates_triton
+
+    return {"head_router.l2_head_gates": l2_head_gates_triton}
+
+
+def _experts_naive() -> dict:
+    from .experts.experts_naive import experts_forward
+
+    return {"experts": experts_forward}
+
+
+def _experts_grouped_mm() -> dict:
+    from .experts.experts_grouped_mm import STEPS_FAILED, experts_forward
+
+    _KERNEL_RECORDS["experts_grouped_mm"] = STEPS_FAILED
+    return {"experts": experts_forward}
+
+
+def _experts_triton() -> dict:
+    from .experts.experts_triton import experts_forward
+
+    return {"experts": experts_forward}
+
+
+def _head_sparse_naive() -> dict:
+    from .head_sparse_attention.head_sparse_attention_naive import head_sparse_attention_naive
+
+    return {"head_sparse_attention": head_sparse_attention_naive}
+
+
+def _head_sparse_cpu() -> dict:
+    from .head_sparse_attention.head_sparse_attention_cpu import head_sparse_attention_cpu
+
+    return {"head_sparse_attention": head_sparse_attention_cpu}
+
+
+def _head_sparse_triton() -> dict:
+    from .head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
+
+    return {"head_sparse_attention": head_sparse_attention_triton}
+
+
+LOADERS = {  # op -> backend -> the loader of its module
+    "routing.route": {"naive": _routing_naive, "triton": _routing_triton},
+    "routing.sort_by_expert": {"naive": _routing_naive, "triton": _routing_triton},
+    "head_router.l2_head_gates": {"naive": _head_router_naive, "triton": _head_router_triton},
+    "experts": {"naive": _experts_naive, "grouped_mm": _experts_grouped_mm, "triton": _experts_triton},
+    "head_sparse_attention": {"naive": _head_sparse_naive, "cpu": _head_sparse_cpu, "triton": _head_sparse_triton},
+}
+
+
+class _Implementations(dict):
+    """{backend: function} of one op, each loaded on first use (`LOADERS`); tests may replace an entry."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+
+    def __iter__(self):
+        return iter(LOADERS[self.op])
+
+    def __contains__(self, backend) -> bool:
+        return backend in LOADERS[self.op]
+
+    def __len__(self) -> int:
+        return len(LOADERS[self.op])
+
+    def __missing__(self, backend: str):
+        function = self[backend] = LOADERS[self.op][backend]()[self.op]
+        return function
+
+
+IMPLEMENTATIONS = {op: _Implementations(op) for op in LOADERS}  # op -> backend -> function
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def has_triton() -> bool:
+    """Whether triton imports: tried on the first call on CUDA, so that importing the models imports no triton."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 _FALLBACKS: dict[str, str] = {}
 _LOCK = threading.Lock()
 
@@ -96,7 +182,7 @@ def choose(op: str, tensor: torch.Tensor, requested: str | None = None) -> tuple
             raise ValueError(f"{op} has no backend {requested!r}; its backends are {tuple(IMPLEMENTATIONS[op])}")
         return requested, True
     kernel = AUTOMATIC.get(op)
-    if kernel and tensor.is_cuda and HAS_TRITON:
+    if kernel and tensor.is_cuda and has_triton():
         if torch.compiler.is_compiling():  # in a graph only kernels with a custom op; they fall back inside it
             if op in TRACED_KERNELS:
                 return kernel, False
@@ -222,6 +308,8 @@ def experts(
     if backend == "naive":
         return implementation(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
     if backend == "triton":
+        from .experts.experts_grouped_mm import is_silu
+
         if not is_silu(act_fn):
             raise ValueError(f"the triton experts implement SiLU experts only, got {type(act_fn).__name__}")
         order, offsets = sort_by_expert(top_k_index, gate_up_proj.shape[0], routing_backend)  # (S,), (E,)
@@ -249,12 +337,12 @@ def fallbacks() -> dict[str, str]:
     """{op: reason of its kernel's first failure} for every kernel replaced by its reference since the last reset
     (the grouped_mm experts' fused steps included)."""
     with _LOCK:
-        return {**_FALLBACKS, **grouped_mm_steps_failed, **routing_traced_failed}
+        return {**_FALLBACKS, **{op: why for records in _KERNEL_RECORDS.values() for op, why in records.items()}}
 
 
 def reset_fallbacks() -> None:
     """Forget recorded failures (tests; a harness between runs): kernels are chosen by default again."""
     with _LOCK:
         _FALLBACKS.clear()
-        grouped_mm_steps_failed.clear()
-        routing_traced_failed.clear()
+        for records in _KERNEL_RECORDS.values():
+            records.clear()
