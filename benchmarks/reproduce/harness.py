@@ -30,7 +30,7 @@ import torch
 
 import mhmoe
 from mhmoe import MHMoEForCausalLM, moe_layer_cost
-from mhmoe.convert.recovery_demo import write_corpus
+from mhmoe.recovery_demo import write_corpus
 from mhmoe.training import reset_accelerate_state, train
 from mhmoe.training.data import read_files, train_tokenizer
 

@@ -564,7 +564,7 @@ def conversion_settings(folder: Path) -> dict:
 def run_fig2(scale_name: str, seeds: list[int], out_dir: Path, workdir: Path) -> Path:
     """MoH Fig. 2: dense LLaMA -> MoH at 75% heads with the converter (l2 router, straight-through), continue-tuned,
     against the dense parent and a dense control trained the same extra steps."""
-    from mhmoe.convert.recovery_demo import run_recovery_demo
+    from mhmoe.recovery_demo import run_recovery_demo
 
     train_file, val_file, data_name = harness.data_files(scale_name, workdir)
     runs = []

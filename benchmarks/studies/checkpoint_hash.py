@@ -124,8 +124,8 @@ def main() -> None:
 
     import torch
 
-    from mhmoe.convert.recovery_demo import write_corpus
     from mhmoe.demo import demo_config
+    from mhmoe.recovery_demo import write_corpus
     from mhmoe.training.data import read_files, train_tokenizer
 
     torch.set_num_threads(2)

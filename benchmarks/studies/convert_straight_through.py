@@ -6,7 +6,7 @@ raw softmax score of every routed head; `"selected_scores"`: read with g_i zero 
 selected heads' raw scores only). All have the same forward, so the converted model before tuning is identical; only
 continue-tuning differs.
 
-Runs `mhmoe.convert.recovery_demo.run_recovery_demo` (tiny dense LLaMA trained here, converted at 75% heads,
+Runs `mhmoe.recovery_demo.run_recovery_demo` (tiny dense LLaMA trained here, converted at 75% heads,
 continue-tuned with the converter's own code path) once per estimator and seed, same parent, same data, same schedule,
 and prints the held-out perplexity after continue-tuning. Commands:
 
@@ -21,7 +21,7 @@ import json
 import tempfile
 
 from mhmoe.convert import recipe
-from mhmoe.convert.recovery_demo import run_recovery_demo
+from mhmoe.recovery_demo import run_recovery_demo
 
 ESTIMATORS = {"True": True, "scores": "scores", "selected_scores": "selected_scores"}  # --estimators -> the value
 

@@ -39,7 +39,7 @@ KINDS = ("calibrated", "threshold")
 def active_fraction(model, blocks) -> tuple[float, float]:
     """(perplexity, fraction of all heads active over the tokens of `blocks`): the routers' gates counted as the model
     runs (shared heads included), averaged over layers and tokens."""
-    from mhmoe.convert.speed import head_counter
+    from mhmoe.evaluation.conversion_speed import head_counter
 
     with head_counter(model) as counts:
         ppl = real.perplexity(model, blocks)["ppl"]

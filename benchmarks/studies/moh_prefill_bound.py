@@ -1,14 +1,14 @@
 """How close MoH's head-sparse prefill can come to its ideal on this CPU: the converted SmolLM2-135M (the conversions of
 `moh_head_sparse.py`, same --gguf_dir / --workdir) against its parent, side by side, with two more rows per setting:
 
-- every head: the MoH model with `moh_head_skipping = False` (every head computed, then the gates): the parent's
+- every head: the MoH model with `config.moh_head_skipping = False` (every head computed, then the gates): the parent's
   attention plus MoH's router and gates;
 - bound: a perfect head-sparse op at the parent's own speed per query-key pair, i.e. every head's time minus the
   inactive pairs' share (2/9 or 4/9) of the parent's attention time, measured in the same round (the parent's SDPA
   calls timed as they run). What any head-sparse op built on the parent's attention kernel could reach, with the
   router kept.
 
-Each round runs the five models in a rotated order (`convert.speed.interleaved_prefill`); a speed is the median over
+Each round runs the five models in a rotated order (`evaluation.conversion_speed.interleaved_prefill`); a speed is the median over
 rounds of the per-round ratio parent time / model time. The ideal (flops) is `moh_head_sparse.py`'s.
 
     python benchmarks/studies/moh_prefill_bound.py --gguf_dir <folder> --workdir <dir> [--tokens 4096] [--batch 1 4]
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mhmoe.convert.speed import ideal, interleaved_prefill
+from mhmoe.evaluation.conversion_speed import ideal, interleaved_prefill
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import moh_head_sparse  # noqa: E402  (its conversions and text)
@@ -82,9 +82,7 @@ def main(argv=None) -> int:
     for name in moh_head_sparse.SETTINGS:
         models[name] = load(name)
         models[f"{name} every head"] = every = load(name)
-        for module in every.modules():
-            if hasattr(module, "head_router"):
-                module.moh_head_skipping = False
+        every.config.moh_head_skipping = False
     with torch.no_grad():  # warm-up
         for model in models.values():
             model(moh_head_sparse.text_ids(tokenizer, 1, 128), use_cache=False, logits_to_keep=1)
