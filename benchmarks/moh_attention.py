@@ -21,6 +21,14 @@ how much of a 64 MB o_proj weight or a KV cache survives in the L3 between calls
     python benchmarks/moh_attention.py                # LLaMA-7B-like layer: d=4096, 32 heads of 128, MHA
     python benchmarks/moh_attention.py --kv-heads 8   # GQA (LLaMA3-8B-like)
     python benchmarks/moh_attention.py --layers 1     # one layer, timed again and again (warm caches)
+
+`--model` times whole decoding steps of real models instead: a MoH-LLaMA (the l2 router, straight-through gates, the
+first half of the heads shared, 75% active: `models/moh/fused_decoding.py`, the step MoH models take on the CPU)
+against its dense parent (Transformers' LlamaForCausalLM, the same weights), both with a static cache of --contexts
+keys (filled with random keys and values), an attention-bound shape (small MLP and vocabulary), interleaved rounds.
+It also times the MoH step reading its key/value heads as one span (the step before it read them by runs):
+
+    python benchmarks/moh_attention.py --model --hidden 1024 --heads 16 --contexts 8192 --threads 1
 """
 
 import argparse
@@ -129,7 +137,64 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the dev machine has 2 shared cores)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--layers", type=int, default=4, help="layers per timed decode step, each with its own data")
+    parser.add_argument("--model", action="store_true", help="whole decoding steps of MoH-LLaMA vs its dense parent")
     return parser.parse_args()
+
+
+def model_steps(args) -> None:
+    """`--model`: decoding steps of a MoH-LLaMA against its dense parent (see the module docstring)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from mhmoe import MoHLlamaConfig, MoHLlamaForCausalLM
+    from mhmoe.models.moh import fused_decoding
+
+    heads, kv_heads = args.heads, args.kv_heads or args.heads
+    fields = dict(
+        vocab_size=512, hidden_size=args.hidden, intermediate_size=256, num_hidden_layers=args.layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, torch_dtype=args.dtype,
+    )  # fmt: skip
+    dense = LlamaForCausalLM(LlamaConfig(**fields)).eval()
+    moh_fields = dict(moh_shared_heads=heads // 2, moh_active_heads=heads // 4, moh_router="l2")
+    moh = MoHLlamaForCausalLM(MoHLlamaConfig(**fields, **moh_fields)).eval()
+    moh.load_state_dict(dense.state_dict())  # the l2 router adds no parameters
+    split_keys = fused_decoding.SPLIT_MIN_SKIPPED_KEYS
+    for length in args.contexts:
+        caches = {}
+        for name, model in (("dense", dense), ("moh", moh)):
+            cache = StaticCache(config=model.config, max_cache_len=length)
+            with torch.no_grad():  # lay out the cache, then random keys and values in every position
+                model(torch.tensor([[1]]), past_key_values=cache, use_cache=True)
+            for layer in cache.layers:
+                layer.keys.normal_()
+                layer.values.normal_()
+            caches[name] = cache
+        position = torch.tensor([length - 2])
+        ids = torch.randint(1, 512, (1, 1), generator=torch.Generator().manual_seed(0))
+
+        def step(model, cache):
+            with torch.no_grad():
+                model(ids, past_key_values=cache, cache_position=position, use_cache=True)
+
+        variants = {
+            "dense": lambda: step(dense, caches["dense"]),
+            "moh (runs)": lambda: step(moh, caches["moh"]),
+            "moh (one span)": lambda: step(moh, caches["moh"]),
+        }
+        times = {name: [] for name in variants}
+        for round_ in range(args.rounds + 2):
+            for name in list(variants)[round_ % 3 :] + list(variants)[: round_ % 3]:
+                fused_decoding.SPLIT_MIN_SKIPPED_KEYS = 1 << 62 if name == "moh (one span)" else split_keys
+                start = time.perf_counter()
+                variants[name]()
+                if round_ >= 2:  # two warm-up rounds
+                    times[name].append(time.perf_counter() - start)
+        fused_decoding.SPLIT_MIN_SKIPPED_KEYS = split_keys
+        base = statistics.median(times["dense"])
+        print(f"context {length}, {args.layers} layers, d={args.hidden}, {heads} heads / {kv_heads} kv, "
+              f"{heads // 2} shared + {heads // 4} of {heads - heads // 2} routed (75%), {args.threads} thread(s):")  # fmt: skip
+        for name, values in times.items():
+            median = statistics.median(values)
+            print(f"  {name:15s} {median * 1e3:8.3f} ms  x{median / base:.3f} dense")
 
 
 def settings(heads: int) -> dict[str, tuple[int, int]]:
@@ -148,6 +213,8 @@ def draw_gates(heads: int, shared: int, active: int, dtype=torch.float32) -> tor
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
+    if args.model:
+        return model_steps(args)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     d, heads = args.hidden, args.heads

@@ -46,7 +46,13 @@ def set_fused(model, value) -> None:
 def generate_both(model, ids, mask, monkeypatch, **settings):
     """Greedy generation with the fused step off (the masked path), then on: (off, on, fused steps taken)."""
     calls = spy_steps(monkeypatch)
-    settings = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, **settings)
+    settings = {
+        "max_new_tokens": 5,
+        "do_sample": False,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+        **settings,
+    }
     with torch.no_grad():
         set_fused(model, False)
         masked = model.generate(ids, attention_mask=mask, **settings)
@@ -68,6 +74,28 @@ def assert_same_generation(masked, fused, rtol=1e-5, atol=1e-5):
     assert torch.equal(fused.sequences, masked.sequences)
     for got, expected in zip(fused.scores, masked.scores):
         torch.testing.assert_close(got, expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("router", ["learned", "l2"])
+def test_step_reads_key_value_heads_by_runs_on_long_caches(router, batch, monkeypatch):
+    """With enough cached keys in the key/value heads between the needed ones (SPLIT_MIN_SKIPPED_KEYS), the step
+    reads only the runs of key/value heads its active heads need, one SDPA call each, and still gives the masked
+    path's tokens and scores (multi-head attention: a key/value head per query head; batch 2: a padding mask)."""
+    model = moh_llama(router, kv_heads=8)
+    ids, mask = padded_prompt(batch, length=fused_decoding.SPLIT_MIN_SKIPPED_KEYS // 2 + 20)
+    runs, original = [], fused_decoding.head_sparse_decode
+
+    def spy(query, key, value, scaling, attention_mask, kv_runs):
+        runs.append(kv_runs)
+        return original(query, key, value, scaling, attention_mask, kv_runs)
+
+    monkeypatch.setattr(fused_decoding, "head_sparse_decode", spy)
+    masked, fused, calls = generate_both(model, ids, mask, monkeypatch, max_new_tokens=3)
+    assert_same_generation(masked, fused)
+    assert calls and runs
+    if batch == 1:  # one sequence's 3 shared + 2 routed heads of 8 leave gaps between runs in some layer and step
+        assert any(kv_runs is not None and len(kv_runs) > 1 for kv_runs in runs)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

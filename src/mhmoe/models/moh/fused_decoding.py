@@ -12,12 +12,14 @@ few ops per layer (scores, top-K, gates, the multiply) made MoH decoding of Smol
 - the top-K of the few rows picked on the host from one read of the scores (`host_hard_gates`; a tie between the K-th
   and the next score falls back to `torch.topk`);
 - RoPE once over the queries and keys together;
-- one SDPA call: its own GQA (`enable_gqa`, Transformers' choice without a mask: faster than packing on the CPU,
-  ~40 µs a layer at 4,096 keys here), or with a mask GQA packed (a key/value head's query heads as its query rows).
+- the attention through `ops/backends.head_sparse_decode` (torch's SDPA): its own GQA (`enable_gqa`, Transformers'
+  choice without a mask: faster than packing on the CPU, ~40 µs a layer at 4,096 keys here), or with a mask GQA packed
+  (a key/value head's query heads as its query rows).
 
 Head-sparse (`FusedProjection.skips_heads`: an fp32 model with a plain o_proj): the step reads only the active heads'
-columns of o_proj and only the key/value heads from the first to the last one an active head needs; when the router
-scores the hidden states (`skips_queries`: the learned router, the converter's fitted one) the queries are not needed
+columns of o_proj and only the key/value heads an active head needs (by runs of them, one SDPA call each, where the
+ones skipped between runs hold at least SPLIT_MIN_SKIPPED_KEYS keys; else the span from the first to the last); when
+the router scores the hidden states (`skips_queries`: the learned router, the converter's fitted one) the queries are not needed
 to route, so it reads only the active heads' rows of q_proj too (the parameter-free routers score every query).
 Decoding is memory-bound: those are the bytes MoH can save per token. The weights are read as contiguous blocks per
 run of consecutive active heads (`step_plan`, cached per selection: views of q_proj's weight and of a head-major copy
@@ -37,10 +39,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
+from ..ops.backends import head_sparse_decode
 from ..ops.head_sparse_attention.head_sparse_attention_naive import runs as _runs
 from .head_skipping import _head_major_weight
 
 HOST_ROWS = 16  # up to this many tokens per step the top-K is picked on the host (a batch of decoded sequences)
+# The step reads the key/value heads by runs (one SDPA call each) when those it skips hold at least this many cached
+# key rows (key/value heads × keys); else one call over the span, reading the unneeded ones in between
+# (benchmarks/moh_attention.py --model: the crossover on this 2-core CPU, 1 thread)
+SPLIT_MIN_SKIPPED_KEYS = 2048
 GATE_ROWS_CACHED = 1024  # gate rows (and step plans) kept per router (one per selection seen; C(R, K) can be large)
 
 # Each line below runs in every layer of every decoding step: module attributes are read from `_modules` and
@@ -51,12 +58,16 @@ class StepPlan(NamedTuple):
     """What a head-sparse step reads for one set of active heads: the query heads [first, last) of the key/value heads
     [first // g, last // g) (whole GQA groups, from the first to the last group an active head needs), their query
     pieces when it skips queries ((width, q_proj weight rows, bias rows), weight None for a run of inactive heads:
-    zeros), and the o_proj runs ((start, end) columns of the attended heads, the head-major o_proj rows they meet)."""
+    zeros), the o_proj runs ((start, end) columns of the attended heads, the head-major o_proj rows they meet), and
+    the runs of key/value heads an active head needs, relative to first // g (None when they are one run), with the
+    number of key/value heads between them that none needs."""
 
     first: int
     last: int
     query_pieces: tuple
     output_runs: tuple
+    kv_runs: tuple | None
+    skipped_kv_heads: int
 
 
 class FusedProjection(NamedTuple):
@@ -193,9 +204,13 @@ def step_plan(projection: FusedProjection, heads_on: tuple, heads: int, head_dim
             done = end
     if query_weight is not None and last > done:
         pieces.append(((last - done) * head_dim, None, None))
+    needed = sorted({head // groups - first // groups for head in heads_on})  # key/value heads, from the span's first
+    kv_runs = tuple(_runs(needed))
+    skipped = needed[-1] + 1 - len(needed)
     if len(projection.plans) >= GATE_ROWS_CACHED:
         projection.plans.clear()
-    plan = projection.plans[heads_on] = StepPlan(first, last, tuple(pieces), tuple(outputs))
+    plan = StepPlan(first, last, tuple(pieces), tuple(outputs), kv_runs if len(kv_runs) > 1 else None, skipped)
+    projection.plans[heads_on] = plan
     return plan
 
 
@@ -243,13 +258,11 @@ def fused_decoding_step(module, hidden_states, position_embeddings, attention_ma
     if query_heads < heads:  # the key/value heads of the attended groups only
         keys, values = keys[:, first // groups : last // groups], values[:, first // groups : last // groups]
     offset = 0 if projection.skips_queries else first  # where the attended heads' queries start
-    if attention_mask is None:  # SDPA's own GQA (as Transformers' sdpa path): faster than packing without a mask
-        queries = qk[:, offset : offset + query_heads].view(batch, query_heads, 1, head_dim)  # (B, n, 1, hd)
-        attended = F.scaled_dot_product_attention(queries, keys, values, scale=module.scaling, enable_gqa=True)
-    else:  # GQA packed, the mask broadcast over a key/value head's query rows
-        queries = qk[:, offset : offset + query_heads].reshape(batch, query_heads // groups, groups, head_dim)
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attention_mask, scale=module.scaling)
-    attended = attended.reshape(batch, query_heads, head_dim)  # (B, n, hd)
+    kv_runs = None  # by runs of key/value heads where the ones skipped between them hold enough keys
+    if skips and plan.kv_runs is not None and plan.skipped_kv_heads * keys.shape[-2] >= SPLIT_MIN_SKIPPED_KEYS:
+        kv_runs = plan.kv_runs
+    queries = qk[:, offset : offset + query_heads]  # (B, n, hd)
+    attended = head_sparse_decode(queries, keys, values, module.scaling, attention_mask, kv_runs)
     if weighted:
         attended = attended * gates[:, first:last, None]
     if not skips:

@@ -14,6 +14,7 @@ TRITON_INTERPRET=1).
 |                            |                           | benchmarks/README.md, gpu_moe on an H200)              |
 | head_sparse_attention      | naive, cpu, triton        | cpu; MoH attention calls the op on CPU only unless the |
 |                            |                           | config names a backend (moh/attention_plan.py)         |
+| head_sparse_decode         | sdpa                      | sdpa (torch's): the CPU decoding step's attention      |
 
 What asks for a backend: for the routing ops and the head router, `MHMOE_ROUTING_BACKEND=torch|triton` in the
 environment, else the config's `routing_backend` ("torch" is the naive reference); for the experts, Transformers'
@@ -54,7 +55,11 @@ AUTOMATIC = {
 }  # head_sparse_attention's Triton kernels join once a GPU benchmark shows them ahead (benchmarks/gpu_head_sparse.py)
 # ops whose kernels have a torch.library form (routing_triton's custom ops): chosen inside traced graphs too
 TRACED_KERNELS = ("routing.route", "routing.sort_by_expert")
-DEFAULT = {"experts": "grouped_mm", "head_sparse_attention": "cpu"}  # ops whose default is not the naive reference
+DEFAULT = {
+    "experts": "grouped_mm",
+    "head_sparse_attention": "cpu",
+    "head_sparse_decode": "sdpa",
+}  # ops whose default is not the naive reference
 # how to ask for an op's kernel (so that its error is raised); the routing ops' way when not listed
 ASK_FOR_KERNEL = {"head_sparse_attention": "set the config's moh_head_skipping = 'triton'"}
 
@@ -119,6 +124,12 @@ def _head_sparse_cpu() -> dict:
     return {"head_sparse_attention": head_sparse_attention_cpu}
 
 
+def _head_sparse_decode_sdpa() -> dict:
+    from .head_sparse_attention.head_sparse_decode_sdpa import head_sparse_decode_sdpa
+
+    return {"head_sparse_decode": head_sparse_decode_sdpa}
+
+
 def _head_sparse_triton() -> dict:
     from .head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
 
@@ -131,6 +142,7 @@ LOADERS = {  # op -> backend -> the loader of its module
     "head_router.l2_head_gates": {"naive": _head_router_naive, "triton": _head_router_triton},
     "experts": {"naive": _experts_naive, "grouped_mm": _experts_grouped_mm, "triton": _experts_triton},
     "head_sparse_attention": {"naive": _head_sparse_naive, "cpu": _head_sparse_cpu, "triton": _head_sparse_triton},
+    "head_sparse_decode": {"sdpa": _head_sparse_decode_sdpa},
 }
 
 
@@ -287,6 +299,19 @@ def head_sparse_attention(
     times its gate, 0 elsewhere. `backend`: "naive", "cpu" or "triton" (None: the default)."""
     args = (query, key, value, gates, scaling, attention_mask, query_offset, sliding_window)
     return _run("head_sparse_attention", query, backend, *args)
+
+
+def head_sparse_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    attention_mask: torch.Tensor | None = None,
+    kv_runs: tuple | None = None,
+) -> torch.Tensor:
+    """The CPU decoding step's attention (`head_sparse_decode_sdpa`): query (B, n, hd) of the query heads of key/value
+    (B, m, L, hd), only the runs `kv_runs` of key/value heads read when given -> (B, n, hd)."""
+    return IMPLEMENTATIONS["head_sparse_decode"]["sdpa"](query, key, value, scaling, attention_mask, kv_runs)
 
 
 def experts(
