@@ -667,19 +667,30 @@ def test_continue_tuning_on_a_chat_dataset(tmp_path, chat_tokenizer_dir, chat_da
 
 
 def test_conversion_entry_script_runs_as_mhmoe_convert(tmp_path, tokenizer_dir):
-    """conversion/convert_llama_to_moh.py (the design's entry point) is mhmoe-convert: the same options, and a
-    conversion through it writes the same tensors as the console script's."""
+    """conversion/convert_llama_to_moh.py (the design's entry point) is mhmoe-convert: the same options (both
+    commands' --help), and a conversion through the script (a fresh process) writes the same tensors as the function
+    the console script runs (mhmoe.convert.cli.main, here in-process: mhmoe-convert itself converts from the wheel in
+    tests/test_installed_package.py)."""
+    from mhmoe.convert.cli import main as console_main
+
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
     script = os.path.join(os.path.dirname(__file__), "..", "..", "conversion", "convert_llama_to_moh.py")
     console = os.path.join(os.path.dirname(sys.executable), "mhmoe-convert")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     outputs = {}
     for name, command in (("script", [sys.executable, script]), ("console", [console])):
         helps = subprocess.run([*command, "--help"], capture_output=True, text=True, env=env, check=True).stdout
         outputs[name] = re.findall(r"--\w+", helps)
-        flags = ["--input_dir", str(source), "--output_dir", str(tmp_path / name), "--recipe", "paper"]
-        subprocess.run([*command, *flags, "--disable_tqdm"], capture_output=True, env=env, check=True, timeout=300)
     assert outputs["script"] == outputs["console"] and "--head_budget" in outputs["script"]
+    flags = ["--input_dir", str(source), "--recipe", "paper", "--disable_tqdm"]
+    subprocess.run(
+        [sys.executable, script, *flags, "--output_dir", str(tmp_path / "script")],
+        capture_output=True,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    console_main([*flags, "--output_dir", str(tmp_path / "console")])
     script_tensors = load_file(tmp_path / "script" / "model.safetensors")
     console_tensors = load_file(tmp_path / "console" / "model.safetensors")
     assert script_tensors.keys() == console_tensors.keys()
