@@ -340,20 +340,28 @@ def test_readme_python_snippets_from_the_wheel(installed):
         assert proc.stdout.strip().splitlines() == expected, (index, code)
 
 
-_TINY_LLAMA = """
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def _tiny_llama(folder: Path) -> None:
+    """A tiny dense Llama with a word-level tokenizer: only the converter's input, written from this process (it is
+    not what is under test; the converter reading it is, from the wheel)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64)
-LlamaForCausalLM(config).save_pretrained("llama")
-vocab = {**{f"w{i}": i for i in range(63)}, "[UNK]": 63}
-tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained("llama")
-"""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    vocab = {**{f"w{i}": i for i in range(63)}, "[UNK]": 63}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
 
 
 def _card_usage(card: str) -> str:
@@ -368,7 +376,7 @@ def test_converter_and_paper_cuts_from_the_wheel(installed):
     line; the Accelerate configs and the eval-tasks folder are found in the installed package."""
     work, env = installed["work"] / "convert", installed["env"]
     work.mkdir()
-    _check([installed["python"], "-c", _TINY_LLAMA], env=env, cwd=work)
+    _tiny_llama(work / "llama")
     proc = _check(["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"], env=env, cwd=work)
     # the default recipe calibrates, permutes heads (o_proj sums the heads in another order: float rounding only) and
     # fits the learned router
