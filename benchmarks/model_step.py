@@ -54,7 +54,8 @@ elif name == "smoe":
     model = MHMoEForCausalLM(MHMoEConfig(**base, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=1024))
 elif name == "mhmoe_h3":
     model = MHMoEForCausalLM(MHMoEConfig(**base, moe_heads=3, num_experts=24, num_experts_per_tok=3,
-                                         moe_intermediate_size=256, moh_shared_heads=2, moh_active_heads=4))
+                                         moe_intermediate_size=256, moh_shared_heads=2, moh_active_heads=4,
+                                         moh_router="learned", moh_straight_through=False))
 else:
     model = MoHLlamaForCausalLM(MoHLlamaConfig(**base, moh_shared_heads=4, moh_active_heads=2))
 torch.manual_seed(0)

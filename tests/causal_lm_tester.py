@@ -39,6 +39,7 @@ TINY = dict(
 )
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 MOH = dict(moh_shared_heads=1, moh_active_heads=2)
+LEARNED = dict(moh_router="learned", moh_straight_through=False)  # the paper's from-scratch router, soft gates
 
 
 @dataclass
@@ -113,7 +114,7 @@ def _patched(family: str, moh_router: str = "l2", **fields):
 CASES = [
     CausalLMCase("mhmoe-mh", _mhmoe(**MOE, moe_heads=2), experts=True),
     CausalLMCase("mhmoe-smoe", _mhmoe(**MOE, moe_heads=1, sliding_window=6), experts=True),  # Mixtral-like
-    CausalLMCase("mhmoe-moh", _mhmoe(**MOE, **MOH, moe_heads=2), experts=True, moh=True),
+    CausalLMCase("mhmoe-moh", _mhmoe(**MOE, **MOH, **LEARNED, moe_heads=2), experts=True, moh=True),
     CausalLMCase(
         "mhmoe-mixed",
         _mhmoe(**MOE, moe_heads=2, decoder_sparse_step=2, shared_expert_intermediate_size=16),

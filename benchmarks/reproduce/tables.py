@@ -188,10 +188,11 @@ def moh_table4(scale: dict) -> dict[str, MHMoEConfig]:
     (dense MLPs, so only attention differs)."""
     heads = scale["num_attention_heads"] * 2  # 8 heads at the cpu scale: 2 shared + routed
     fields = dict(base_fields(scale), num_attention_heads=heads, decoder_sparse_step=0, output_router_logits=True)
+    learned = dict(moh_router="learned", moh_straight_through=False)  # the paper's from-scratch router, soft gates
     return {
         "MHA (100% heads)": MHMoEConfig(**fields),
-        "MoH 75% heads": MHMoEConfig(**fields, moh_shared_heads=2, moh_active_heads=heads * 3 // 4 - 2),
-        "MoH 50% heads": MHMoEConfig(**fields, moh_shared_heads=2, moh_active_heads=heads // 2 - 2),
+        "MoH 75% heads": MHMoEConfig(**fields, **learned, moh_shared_heads=2, moh_active_heads=heads * 3 // 4 - 2),
+        "MoH 50% heads": MHMoEConfig(**fields, **learned, moh_shared_heads=2, moh_active_heads=heads // 2 - 2),
     }
 
 

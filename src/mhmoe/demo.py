@@ -55,7 +55,8 @@ def demo_config(size: str, vocab_size: int, block_size: int):
         pad_token_id=0,
         moh_shared_heads=2,
         moh_active_heads=1,
-        moh_router="learned",
+        moh_router="learned",  # the paper's from-scratch router with soft gates (the defaults: its continue-tuning)
+        moh_straight_through=False,
         output_router_logits=True,
         **MODEL_SIZES[size],
     )

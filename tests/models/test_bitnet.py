@@ -201,7 +201,8 @@ def test_save_load_and_packed_export_round_trip(tmp_path):
 def test_packed_round_trip_with_moh_and_dense_layers(tmp_path):
     """MoH attention (its router follows q_proj's dtype, int8 when packed) and a dense BitLinear MLP layer."""
     torch.manual_seed(0)
-    model = MHMoEForCausalLM(tiny(moh_shared_heads=1, moh_active_heads=2, decoder_sparse_step=2)).eval()
+    learned = dict(moh_router="learned", moh_straight_through=False)
+    model = MHMoEForCausalLM(tiny(moh_shared_heads=1, moh_active_heads=2, decoder_sparse_step=2, **learned)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".head_router." in name:

@@ -33,6 +33,8 @@ def tiny_mhmoe(**kwargs) -> MHMoEConfig:
         moe_intermediate_size=32,
         pad_token_id=0,
         eos_token_id=None,
+        moh_router="learned",  # the paper's from-scratch router (the fields' defaults are its continue-tuning one)
+        moh_straight_through=False,
     )
     fields.update(kwargs)
     return MHMoEConfig(**fields)

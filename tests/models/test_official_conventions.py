@@ -257,9 +257,9 @@ def test_l2_router_score_straight_through_readings(mode, backend):
 
 def test_scores_straight_through_needs_the_l2_router():
     with pytest.raises(ValueError, match="'scores'.*needs moh_router 'l2', 'l2_standardized' or 'l2_relative'"):
-        tiny(moh_shared_heads=2, moh_active_heads=1, moh_straight_through="scores")
+        tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="learned", moh_straight_through="scores")
     with pytest.raises(ValueError, match="'selected_scores'.*needs moh_router 'l2'"):
-        tiny(moh_shared_heads=2, moh_active_heads=1, moh_straight_through="selected_scores")
+        tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="learned", moh_straight_through="selected_scores")
     with pytest.raises(ValueError, match="moh_straight_through must be"):
         tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="l2", moh_straight_through="soft")
     config = tiny(moh_shared_heads=2, moh_active_heads=1, moh_router="l2", moh_straight_through="scores")

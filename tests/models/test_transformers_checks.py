@@ -30,7 +30,7 @@ CONFIGS = {
         MHMoEConfig,
         dict(TINY, **MOE, decoder_sparse_step=2, shared_expert_intermediate_size=8),
     ),
-    "moh learned": (MHMoEConfig, dict(TINY, **MOE, moh_shared_heads=1, moh_active_heads=2)),
+    "moh learned": (MHMoEConfig, dict(TINY, **MOE, moh_shared_heads=1, moh_active_heads=2, moh_router="learned")),
     "moh l2, dense": (
         MHMoEConfig,
         dict(TINY, decoder_sparse_step=0, moh_shared_heads=1, moh_active_heads=2, moh_router="l2"),

@@ -20,7 +20,9 @@ from tests.fixtures.training import chat_records
 SMALL = dict(vocab_size=320, hidden_size=48, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
            router_aux_loss_coef=0.05, router_z_loss_coef=0.01, output_router_logits=True)  # fmt: skip
-MOH = dict(moh_shared_heads=1, moh_active_heads=2, moh_aux_loss_coef=0.1)
+MOH = dict(
+    moh_shared_heads=1, moh_active_heads=2, moh_aux_loss_coef=0.1, moh_router="learned", moh_straight_through=False
+)
 
 
 def _model(name):

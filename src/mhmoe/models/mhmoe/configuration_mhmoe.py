@@ -13,7 +13,7 @@ from ..config_checks import (
     size_problems,
     token_id_problems,
 )
-from ..moh.moh_config import moh_config_problems
+from ..moh.moh_config import MoHConfigFields, moh_config_problems
 from ..ops.backends import ROUTING_BACKENDS
 from .linear_types import linear_type_problems
 from .plans import MHMOE_EP_PLAN, MHMOE_TP_PLAN, ConfigPlan, mhmoe_has_module
@@ -21,7 +21,7 @@ from .router_types import router_type_problems
 
 
 @strict
-class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
+class MHMoEConfig(CheckedOverrides, PreTrainedConfig, MoHConfigFields):
     r"""LLaMA-style decoder whose feed-forward is, per layer, a dense SwiGLU MLP or an MH-MoE block.
 
     Layer `i` is MoE when `decoder_sparse_step > 0` and `(i + 1) % decoder_sparse_step == 0` (0: a dense LLaMA). The
@@ -32,8 +32,9 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
     The variants are chosen by name and check their own fields: `router_type` the MoE block (`router_types.py`:
     "topk", `sparse_moe.py`; "lory", `lory.py`), `linear_type` the projections and experts (`linear_types.py`:
     "linear"; "bitnet_b158", `bitnet.py`), `moh_router` the MoH head router (`models/moh/head_routers.py`; MoH is on
-    when `moh_shared_heads` and `moh_active_heads` are set). Configs sized to match Llama, Mixtral or an SMoE, and the
-    official MH-MoE code's conventions: `matching.py`. Every field is described in the README's configuration table.
+    when `moh_shared_heads` and `moh_active_heads` are set; the moh_* fields are `moh_config.MoHConfigFields`, shared
+    with MoH-LLaMA). Configs sized to match Llama, Mixtral or an SMoE, and the
+    official MH-MoE code's conventions: `matching.py`. Every field is described in docs/models.md.
     """
 
     model_type = "mhmoe"
@@ -87,16 +88,6 @@ class MHMoEConfig(CheckedOverrides, PreTrainedConfig):
     moe_layer_bias: bool = False  # head/merge layers with a bias (the official code's nn.Linear(d, d, bias=True))
     output_router_logits: bool = False
     routing_backend: str | None = None  # "torch" | "triton" | None: by device (ops/backends.py)
-    # mixture-of-head attention (models/moh/); both None = plain multi-head attention
-    moh_shared_heads: int | None = None
-    moh_active_heads: int | None = None
-    moh_active_heads_per_layer: list | None = None  # per-layer routed budgets (None: moh_active_heads in every layer)
-    moh_head_thresholds: list | None = None  # per-layer score thresholds instead of the top-K (head_routers.py)
-    moh_router: str = "learned"
-    moh_straight_through: bool | str = False  # True: soft top-K gates' grad | "scores"/"selected_scores": eq. 9-10
-    moh_aux_loss_coef: float | int = 0.01
-    moh_head_skipping: bool | str = True  # True: where it pays | False | "naive" | "cpu" | "triton" (attention_plan.py)
-    moh_fused_decoding: bool = True  # the CPU decoding step (fused_decoding.py)
     # the variants chosen by name: linear_types.py (BitNet b1.58: bitnet.py), router_types.py (Lory: lory.py)
     linear_type: str = "linear"
     bitnet_quantized_layers: str = "all"  # "all" | "official" | "ffn_only" | "experts"

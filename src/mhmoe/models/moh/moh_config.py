@@ -1,13 +1,40 @@
-"""The moh_* fields that every MoH config shares (MHMoEConfig, MoHLlamaConfig, a model patched by `apply_moh`): when
-MoH is on, their defaults, and what is wrong with them, in words. The chosen router checks its own fields
-(`head_routers.py`)."""
+"""The moh_* fields that every MoH config shares (MHMoEConfig, MoHLlamaConfig, a model patched by `apply_moh`),
+declared once (`MoHConfigFields`: names, types, one set of defaults): when MoH is on, and what is wrong with them, in
+words. The chosen router checks its own fields (`head_routers.py`)."""
 
+import dataclasses
 import math
 
 from ..ops.head_router.head_router_naive import STRAIGHT_THROUGH as MOH_STRAIGHT_THROUGH  # head_routers.py: each's grad
 from .head_routers import HEAD_ROUTERS, layer_active_heads
 
 HEAD_SKIPPING_CHOICES = (True, False, "naive", "cpu", "triton")  # moh_head_skipping (attention_plan.py)
+
+
+@dataclasses.dataclass(kw_only=True, repr=False)
+class MoHConfigFields:
+    """The Mixture-of-Head attention fields, a base of both configs (their strict checks type them); `apply_moh` adds
+    them to a Llama / Mistral / Qwen2 config (`MOH_FIELDS`). MoH is on when `moh_shared_heads` and `moh_active_heads`
+    are set: the first `moh_shared_heads` heads of every layer always on, `moh_active_heads` of the others routed per
+    token. The defaults are the paper's continue-tuning recipe (§4.4), which adds no parameters: the "l2" router
+    (pre-RoPE query norms) with straight-through 0/1 gates; `moh_router="learned"` is the two-stage router of eq. 5-6
+    (the paper's from-scratch models; zero-initialised, soft gates unless `moh_straight_through`)."""
+
+    moh_shared_heads: int | None = None
+    moh_active_heads: int | None = None
+    moh_active_heads_per_layer: list | None = None  # per-layer routed budgets (None: moh_active_heads in every layer)
+    moh_head_thresholds: list | None = None  # per-layer score thresholds instead of the top-K (head_routers.py)
+    moh_router: str = "l2"  # head_routers.HEAD_ROUTERS
+    moh_straight_through: bool | str = True  # True: the soft top-K gates' gradient | False | "scores" /
+    # "selected_scores": eq. 9-10
+    moh_aux_loss_coef: float | int = 0.01  # the head load-balancing loss (eq. 7), with output_router_logits
+    moh_head_norm_mean: list | None = None  # the calibrated routers' statistics, per layer and head (mhmoe-convert
+    moh_head_norm_sigma: list | None = None  # --calibration_file); not *_std: Transformers takes those for init stds
+    moh_head_skipping: bool | str = True  # True: where it pays | False | "naive" | "cpu" | "triton" (attention_plan.py)
+    moh_fused_decoding: bool = True  # the CPU decoding step (fused_decoding.py)
+
+
+MOH_FIELDS = {field.name: field.default for field in dataclasses.fields(MoHConfigFields)}  # name -> default
 
 
 def moh_enabled(config) -> bool:
@@ -125,4 +152,11 @@ def moh_config_problems(config) -> list[str]:
     return problems
 
 
-__all__ = ["MOH_STRAIGHT_THROUGH", "layer_active_heads", "moh_config_problems", "moh_enabled"]
+__all__ = [
+    "MOH_FIELDS",
+    "MOH_STRAIGHT_THROUGH",
+    "MoHConfigFields",
+    "layer_active_heads",
+    "moh_config_problems",
+    "moh_enabled",
+]

@@ -12,7 +12,7 @@ from ..config_checks import (
     token_id_problems,
 )
 from ..mhmoe.plans import ConfigPlan, moh_has_module
-from ..moh.moh_config import moh_config_problems
+from ..moh.moh_config import MoHConfigFields, moh_config_problems
 
 
 def refuse_auto_class_registration(cls: type) -> None:
@@ -32,7 +32,7 @@ LEGACY_SIGMA = "moh_head_norm_std"  # moh_head_norm_sigma's name in configs save
 
 
 @strict
-class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
+class MoHLlamaConfig(CheckedOverrides, LlamaConfig, MoHConfigFields):
     r"""`LlamaConfig` plus Mixture-of-Head attention.
 
     The first `moh_shared_heads` heads of every layer are always on; per token the router activates
@@ -55,18 +55,7 @@ class MoHLlamaConfig(CheckedOverrides, LlamaConfig):
         {**LlamaConfig.base_model_tp_plan, "layers.*.self_attn.head_router": "moh_head_router"}, moh_has_module
     )
 
-    moh_shared_heads: int | None = None
-    moh_active_heads: int | None = None
-    moh_active_heads_per_layer: list | None = None  # per-layer routed budgets (None: moh_active_heads in every layer)
-    moh_head_thresholds: list | None = None  # per-layer score thresholds instead of the top-K (head_routers.py)
-    moh_router: str = "l2"
-    moh_straight_through: bool | str = True  # True | False | "scores" | "selected_scores" (eq. 9-10): see MHMoEConfig
-    moh_aux_loss_coef: float | int = 0.01
-    moh_head_skipping: bool | str = True  # True: where it pays | False | "naive" | "cpu" | "triton" (attention_plan.py)
-    moh_fused_decoding: bool = True  # the CPU decoding step (fused_decoding.py)
     output_router_logits: bool = False
-    moh_head_norm_mean: list | None = None
-    moh_head_norm_sigma: list | None = None  # not *_std: Transformers takes those for init stds
 
     def __post_init__(self, **kwargs):
         legacy = kwargs.pop(LEGACY_SIGMA, None)  # a config saved before the rename

@@ -25,21 +25,10 @@ from transformers.utils.output_capturing import (
 from ..causal_lm import causal_lm_forward
 from ..moh.head_routers import MoHRouter
 from ..moh.moh_attention import MoHAttentionMixin, add_head_router
-from ..moh.moh_config import moh_config_problems
+from ..moh.moh_config import MOH_FIELDS, moh_config_problems
 from .configuration_moh_llama import MoHLlamaConfig
 from .modeling_moh_llama import MoHLlamaAttention, MoHLlamaForCausalLM, MoHLlamaModel
 
-MOH_FIELDS = {
-    "moh_shared_heads": None,
-    "moh_active_heads": None,
-    "moh_active_heads_per_layer": None,
-    "moh_head_thresholds": None,
-    "moh_router": "l2",
-    "moh_straight_through": True,
-    "moh_aux_loss_coef": 0.01,
-    "moh_head_skipping": True,
-    "moh_fused_decoding": True,
-}
 _MOH_KEY = "moh_router_logits"
 _RECORDER = OutputRecorder(MoHRouter, index=1)
 # base model class -> (attention class, MoH classes for attention / base model / causal LM); Mistral and Qwen2 classes
