@@ -286,69 +286,52 @@ def _ppl_metadata(root: Path) -> dict:
     return {"c4_path": str(corpora / "c4_validation.jsonl")}
 
 
-LM_EVAL_CLI = """
-import json, sys
-from lm_eval.__main__ import cli_evaluate
-for argv in json.loads(sys.argv[1]):  # `python -m lm_eval ARGV` for each, in one process (one import of lm-eval)
-    sys.argv = ["lm_eval", *argv]
-    try:
-        cli_evaluate()
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            raise
-"""
-
-
-def test_lm_eval_hf_trust_remote_code(exported):
+@pytest.mark.parametrize("name", ["mhmoe", "moh_llama"])
+def test_lm_eval_hf_trust_remote_code(exported, name):
     """Plain `lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` with mhmoe blocked gives the
-    perplexities the `mhmoe` model computes in-process on the same folder, for both exported model types (lm-eval's
-    own command-line entry point run for each folder in one fresh process: it imports lm-eval and torch once)."""
+    perplexities the `mhmoe` model computes in-process on the same folder."""
     pytest.importorskip("lm_eval")
     from mhmoe.evaluation import lm_eval_model, suites
 
-    root = exported["root"]
+    root, folder = exported["root"], exported["dirs"][name]
     metadata = _ppl_metadata(root)
-    runs = [
-        [
-            "run",
-            "--model",
-            "hf",
-            "--model_args",
-            f"pretrained={exported['dirs'][name]},trust_remote_code=True,max_length=512",
-            "--include_path",
-            str(REPO / "eval_tasks"),
-            "--tasks",
-            "mhmoe_ppl_c4",
-            "--metadata",
-            json.dumps(metadata),
-            "--device",
-            "cpu",
-            "--batch_size",
-            "4",
-            "--output_path",
-            str(root / f"lm_eval_out_{name}"),
-        ]
-        for name in ("mhmoe", "moh_llama")
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={folder},trust_remote_code=True,max_length=512",
+        "--include_path",
+        str(REPO / "eval_tasks"),
+        "--tasks",
+        "mhmoe_ppl_c4",
+        "--metadata",
+        json.dumps(metadata),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(root / f"lm_eval_out_{name}"),
     ]
-    cmd = [sys.executable, "-c", LM_EVAL_CLI, json.dumps(runs)]
-    proc = subprocess.run(cmd, cwd=root, env=_blocked_env(root), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=root, env=_blocked_env(root), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("mhmoe", "moh_llama"):
-        folder = exported["dirs"][name]
-        (path,) = glob.glob(str(root / f"lm_eval_out_{name}" / "**" / "results_*.json"), recursive=True)
-        results = json.loads(Path(path).read_text())
-        assert results["config"]["model"] == "hf" and results["config"]["model_args"]["trust_remote_code"] is True
-        assert results["config"]["model_args"]["pretrained"] == str(folder), name
-        got = results["results"]["mhmoe_ppl_c4"]
+    (path,) = glob.glob(str(root / f"lm_eval_out_{name}" / "**" / "results_*.json"), recursive=True)
+    results = json.loads(Path(path).read_text())
+    assert results["config"]["model"] == "hf" and results["config"]["model_args"]["trust_remote_code"] is True
+    got = results["results"]["mhmoe_ppl_c4"]
 
-        lm = lm_eval_model.MHMoELM(pretrained=str(folder), device="cpu", batch_size=4, max_length=512)
-        tm = suites.task_manager(["mhmoe_ppl"], metadata=metadata)
-        expected = suites.simple_evaluate(model=lm, tasks=["mhmoe_ppl_c4"], task_manager=tm, bootstrap_iters=0)
-        expected = expected["results"]["mhmoe_ppl_c4"]
-        assert got["sample_len"] == expected["sample_len"] == 3, name
-        for metric in ("token_perplexity,none", "word_perplexity,none", "bits_per_byte,none"):
-            assert got[metric] == pytest.approx(expected[metric], rel=1e-4), (name, metric)
-        assert 1.0 < got["token_perplexity,none"] < 10 * len(exported["tokenizer"])  # untrained: near-uniform
+    lm = lm_eval_model.MHMoELM(pretrained=str(folder), device="cpu", batch_size=4, max_length=512)
+    tm = suites.task_manager(["mhmoe_ppl"], metadata=metadata)
+    expected = suites.simple_evaluate(model=lm, tasks=["mhmoe_ppl_c4"], task_manager=tm, bootstrap_iters=0)
+    expected = expected["results"]["mhmoe_ppl_c4"]
+    assert got["sample_len"] == expected["sample_len"] == 3
+    for metric in ("token_perplexity,none", "word_perplexity,none", "bits_per_byte,none"):
+        assert got[metric] == pytest.approx(expected[metric], rel=1e-4), metric
+    assert 1.0 < got["token_perplexity,none"] < 10 * len(exported["tokenizer"])  # untrained: near-uniform
 
 
 def test_lm_eval_moh_llama_routing_statistics(exported):
