@@ -123,8 +123,11 @@ def test_moh_llama_static_cache_generation_compiled(fresh_dynamo):
     expected = model.generate(ids, generation_config=GenerationConfig(**settings))
     compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
     compile_config._compile_all_devices = True  # Transformers compiles generation on GPUs only unless told
-    got = model.generate(
-        ids,
-        generation_config=GenerationConfig(**settings, cache_implementation="static", compile_config=compile_config),
-    )
+    config = GenerationConfig(**settings, cache_implementation="static", compile_config=compile_config)
+    got = model.generate(ids, generation_config=config)
     assert hasattr(model, "_compiled_call") and torch.equal(got, expected)
+    # another prompt: the compiled decoding steps run again without recompiling (Transformers' no-recompile check)
+    other = _ids(batch=1, seq=5, seed=7)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = model.generate(other, generation_config=config)
+    assert torch.equal(again, model.generate(other, generation_config=GenerationConfig(**settings)))
