@@ -13,7 +13,7 @@ from mhmoe.training import TrainingError
 from mhmoe.training.arguments import TrainingStopped
 from mhmoe.training.checkpoints import read_state, resolve_checkpoint
 from mhmoe.training.lock import OutputDirLock, OutputDirLocked
-from mhmoe.training.manifest import seal
+from mhmoe.training.manifest import Sealer
 from mhmoe.training.metrics import _read_metrics, keep_metrics_up_to
 from tests.training.test_checkpoint_integrity import _as_before_manifests
 from tests.training.test_loop import _args, _records, train
@@ -34,7 +34,7 @@ def _common(corpus, config_json, tokenizer_dir, **overrides):
 def _state(folder, step):
     folder.mkdir(parents=True)
     (folder / "train_state.json").write_text(json.dumps({"step": step, "sealed": True}))
-    seal(str(folder))  # its manifest, as every checkpoint has
+    Sealer(str(folder)).finish()  # its manifest, as every checkpoint has
 
 
 def test_latest_skips_damaged_checkpoints_by_name(tmp_path, capsys):

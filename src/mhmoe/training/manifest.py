@@ -123,11 +123,6 @@ class Sealer:
         self._flush_pool.shutdown(wait=True)
 
 
-def seal(folder: str) -> dict:
-    """Flush every file under `folder` to disk while hashing it, then write the manifest (`Sealer` in one go)."""
-    return Sealer(folder).finish()
-
-
 def read_manifest(folder: str) -> dict | None:
     """The manifest of `folder`; None when it has none (lost, or a checkpoint from before manifests). Raises `ManifestError` when
     it does not read back."""
@@ -174,4 +169,4 @@ def verify(folder: str, manifest: dict | None = None) -> None:
             )
 
 
-__all__ = ["MANIFEST_FILE", "ManifestError", "Sealer", "read_manifest", "seal", "sha256_file", "verify"]
+__all__ = ["MANIFEST_FILE", "ManifestError", "Sealer", "read_manifest", "sha256_file", "verify"]
