@@ -30,8 +30,8 @@ from torch import nn
 from transformers import initialization as init
 
 from ..ops.backends import l2_head_gates, routing_backend
+from ..ops.head_router.head_router_naive import L2_STD_MIN, l2_scores  # the "l2" scores: one definition
 
-L2_STD_MIN = 1e-6  # clamp of the per-token std in the "l2" router
 HEAD_ROUTERS: dict[str, type["MoHRouter"]] = {}  # moh_router -> router class
 
 
@@ -84,13 +84,6 @@ def topk_mask(router_logits: torch.Tensor, top_k: int, threshold: float | None =
     probs = torch.softmax(router_logits.float(), dim=-1)
     index = torch.topk(probs, top_k, dim=-1).indices
     return torch.zeros_like(probs).scatter(-1, index, 1.0)
-
-
-def l2_scores(norms: torch.Tensor) -> torch.Tensor:
-    """(B, T, R) fp32 query norms of the routed heads -> the "l2" router's (B, T, R) scores: each norm divided by the
-    per-token std of the R norms (clamped at L2_STD_MIN)."""
-    std = norms.std(dim=-1, keepdim=True, correction=1 if norms.shape[-1] > 1 else 0)
-    return norms / std.clamp_min(L2_STD_MIN)
 
 
 def routed_query_norms(query_states: torch.Tensor, shared_heads: int) -> torch.Tensor:

@@ -23,15 +23,19 @@ def check_straight_through(straight_through) -> None:
         raise ValueError(f"straight_through must be one of {STRAIGHT_THROUGH}, got {straight_through!r}")
 
 
+def l2_scores(norms: torch.Tensor) -> torch.Tensor:
+    """(..., R) fp32 query norms of the routed heads -> the "l2" router's (..., R) scores: each norm divided by the
+    per-token std of the R norms (clamped at L2_STD_MIN). The one definition: the router module uses it too."""
+    std = norms.std(dim=-1, keepdim=True, correction=1 if norms.shape[-1] > 1 else 0)
+    return norms / std.clamp_min(L2_STD_MIN)
+
+
 def l2_head_gates(
     queries: torch.Tensor, shared_heads: int, active_heads: int, straight_through: bool | str = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """queries (M, H, hd) -> gates (M, H) fp32, router logits (M, R) fp32, selected routed heads (M, K) int64."""
     check_straight_through(straight_through)
-    norms = queries[:, shared_heads:].float().norm(dim=-1)  # (M, R)
-    routed = norms.shape[-1]
-    std = norms.std(dim=-1, keepdim=True, correction=1 if routed > 1 else 0)
-    logits = norms / std.clamp_min(L2_STD_MIN)
+    logits = l2_scores(queries[:, shared_heads:].float().norm(dim=-1))  # (M, R)
     probs = torch.softmax(logits, dim=-1)
     weights, index = torch.topk(probs, active_heads, dim=-1)  # (M, K)
     weights = weights / weights.sum(dim=-1, keepdim=True) * active_heads
