@@ -38,7 +38,7 @@ def situation(name: str, model):
     elif name == "prefill 40":
         tokens, cache = 40, None
     elif name in ("long prefill", "long prefill, training"):
-        tokens, cache, grad = head_skipping.PREFILL_MIN_TOKENS, None, name.endswith("training")
+        tokens, cache, grad = head_skipping.DEFAULT_CPU_POLICY.prefill_min_tokens, None, name.endswith("training")
     elif name == "named backend, prefill 40":
         model.config.moh_head_skipping, tokens, cache = "naive", 40, None
     elif name == "named backend, eager":

@@ -4,6 +4,8 @@ gradient against sigmoid(score - threshold) by hand, the balance loss against eq
 every attention path (head-sparse prefill with gradients, generation, the fused decoding step) against the masked
 computation, save/load, and the config's refusals."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,7 +101,8 @@ def test_head_sparse_prefill_with_thresholds_equals_the_masked_path(backend, mon
     equal every head computed and masked, with a threshold in each layer."""
     from mhmoe.models.moh import head_skipping
 
-    monkeypatch.setattr(head_skipping, "PREFILL_MIN_TOKENS", 2)
+    policy = dataclasses.replace(head_skipping.DEFAULT_CPU_POLICY, prefill_min_tokens=2)
+    monkeypatch.setattr(head_skipping, "DEFAULT_CPU_POLICY", policy)
     model = threshold_llama()
     calls = spy_head_sparse(monkeypatch)
     ids = torch.randint(1, VOCAB, (2, 33), generator=torch.Generator().manual_seed(3))

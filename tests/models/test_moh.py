@@ -1,6 +1,7 @@
 """Mixture-of-Head attention: routers against naive per-token loops and the paper's formulas, equivalence with dense
 Llama / plain MHA, head skipping against masking, generation, load-balancing loss, configs, training, save/load."""
 
+import dataclasses
 import math
 
 import pytest
@@ -209,9 +210,15 @@ def test_moh_llama_from_pretrained_loads_a_dense_llama_checkpoint(tmp_path):
 
 @pytest.fixture
 def sparse_from_two_tokens(monkeypatch):
-    """The default backend's head-sparse op from 2 query tokens on (the models take it from PREFILL_MIN_TOKENS, which
-    the tiny prompts here do not reach)."""
-    monkeypatch.setattr(head_skipping, "PREFILL_MIN_TOKENS", 2)
+    """The default backend's head-sparse op from 2 query tokens on (the models take it from the CPU policy's
+    prefill_min_tokens, which the tiny prompts here do not reach)."""
+    use_policy(monkeypatch, prefill_min_tokens=2)
+
+
+def use_policy(monkeypatch, **fields) -> None:
+    """The models' dispatch (`head_skipping.head_sparse_pays`) under the default CPU policy with `fields` replaced."""
+    policy = dataclasses.replace(head_skipping.DEFAULT_CPU_POLICY, **fields)
+    monkeypatch.setattr(head_skipping, "DEFAULT_CPU_POLICY", policy)
 
 
 def set_head_skipping(model, value) -> None:
@@ -367,10 +374,10 @@ def test_kv_heads_skippable_matches_brute_force():
 
 @pytest.mark.parametrize("active,decode_sparse", [(3, False), (2, True)])
 def test_default_takes_the_head_sparse_op_only_where_it_pays(active, decode_sparse, monkeypatch):
-    """Prefill: the op from PREFILL_MIN_TOKENS query tokens on, the masked path below; decoding: the op only where a
+    """Prefill: the op from the policy's prefill_min_tokens on, the masked path below; decoding: the op only where a
     key/value head can go unread (8 heads on 4 key/value heads, 4 shared: 3 routed active leave none unread). The
     fused decoding step, which takes single-token steps on the CPU first, is off here (test_fused_decoding.py)."""
-    monkeypatch.setattr(head_skipping, "PREFILL_MIN_TOKENS", 20)
+    use_policy(monkeypatch, prefill_min_tokens=20)
     calls = spy_head_sparse(monkeypatch)
     fields = tiny_llama_fields()
     model = MoHLlamaForCausalLM(
@@ -389,10 +396,10 @@ def test_default_takes_the_head_sparse_op_only_where_it_pays(active, decode_spar
 
 
 def test_default_takes_the_op_for_short_prefills_with_few_routed_heads(monkeypatch):
-    """Where at most FEW_ACTIVE_SHARE of the routed heads are active (1 of 4 here, not 2 of 4) the op runs on shorter
-    prefills too, in the lengths FEW_ACTIVE_TOKENS gives (from 20 to 24 and from 26 tokens here), in inference without
-    a mask only: not where a backward follows, not with padding."""
-    monkeypatch.setattr(head_skipping, "FEW_ACTIVE_TOKENS", (20, 24, 26))
+    """Where at most the CPU policy's few_active_share of the routed heads are active (1 of 4 here, not 2 of 4) the op
+    runs on shorter prefills too, in the lengths its few_active_tokens give (from 20 to 24 and from 26 tokens here), in
+    inference without a mask only: not where a backward follows, not with padding."""
+    use_policy(monkeypatch, few_active_tokens=(20, 24, 26))
     calls = spy_head_sparse(monkeypatch)
     fields = tiny_llama_fields()
     ids = torch.randint(1, VOCAB, (2, 26))

@@ -19,32 +19,25 @@ import functools
 import torch
 from torch import nn
 
-from ..ops.head_sparse_attention.head_sparse_attention_cpu import DECODE_MAX_TOKENS  # the op's decode path
-
-# Where the head-sparse op pays on CPU (benchmarks/head_sparse_layer.py: one SmolLM2-135M layer, 7/9 and 5/9 heads).
-# Below PREFILL_MIN_TOKENS query tokens the attention of the inactive heads is a small share of a layer's work and the
-# op's bookkeeping costs more than it saves: the masked path runs (the parent's attention, then the gates). Except in
-# inference without a mask where at most FEW_ACTIVE_SHARE of the routed heads are active (top-K): there the op pays
-# from FEW_ACTIVE_TOKENS[0] to [1] (its short path: masked rows) and from FEW_ACTIVE_TOKENS[2] (its chunked path); in
-# between, the parent's kernel switches to its large query blocks and the op's lead at batch 1 is a few percent of the
-# attention at best (benchmarks/head_sparse_short.py), within what its gates and bookkeeping cost on a real model. Decoding (up to DECODE_MAX_TOKENS) takes the op only where a key/value head can
-# go unread by every active head.
-PREFILL_MIN_TOKENS = 2048
-FEW_ACTIVE_SHARE = 0.4
-FEW_ACTIVE_TOKENS = (384, 768, 1024)
+from ..ops.head_sparse_attention.head_sparse_attention_cpu_policy import DEFAULT_CPU_POLICY, CpuHeadSparsePolicy
 
 
-def head_sparse_pays(router, tokens: int, kv_heads: int, inference: bool = False) -> bool:
-    """Whether the default backend's head-sparse op is worth its bookkeeping for `tokens` query tokens (see
-    PREFILL_MIN_TOKENS): long prefills; with `inference` (no backward, no mask) some shorter ones where few routed
-    heads are active; decoding only when some key/value head may be needed by no active head."""
-    if tokens >= PREFILL_MIN_TOKENS:
+def head_sparse_pays(
+    router, tokens: int, kv_heads: int, inference: bool = False, policy: CpuHeadSparsePolicy | None = None
+) -> bool:
+    """Whether the default backend's head-sparse op is worth its bookkeeping for `tokens` query tokens, by the CPU
+    policy's thresholds (default `DEFAULT_CPU_POLICY`; its `prefill_min_tokens`, `few_active_share` and
+    `few_active_tokens`, with the measurements that set them): long prefills; with `inference` (no backward, no mask)
+    some shorter ones where few routed heads are active; decoding (up to its `decode_max_tokens`) only when some
+    key/value head may be needed by no active head."""
+    policy = policy or DEFAULT_CPU_POLICY
+    if tokens >= policy.prefill_min_tokens:
         return True
-    if inference and router.threshold is None and router.active_heads <= FEW_ACTIVE_SHARE * router.routed_heads:
-        low, high, chunked = FEW_ACTIVE_TOKENS
+    if inference and router.threshold is None and router.active_heads <= policy.few_active_share * router.routed_heads:
+        low, high, chunked = policy.few_active_tokens
         if low <= tokens < high or tokens >= chunked:
             return True
-    return tokens <= DECODE_MAX_TOKENS and kv_heads_skippable(router, kv_heads)
+    return tokens <= policy.decode_max_tokens and kv_heads_skippable(router, kv_heads)
 
 
 def kv_heads_skippable(router, kv_heads: int) -> bool:
