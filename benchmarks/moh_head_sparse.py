@@ -42,6 +42,7 @@ projections), and k_proj and v_proj always are (every head's K/V is cached: a la
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -50,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from mhmoe.convert.speed import (  # the converter's --measure_speed: the same timing
+from mhmoe.evaluation.conversion_speed import (  # the converter's --measure_speed: the same timing
     decoding_skipped_projections,
     ideal,
     interleaved_prefill,
@@ -90,6 +91,14 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--control", action="store_true", help="also time a copy of the parent: the noise's row")
     parser.add_argument("--output", default=None, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--cpu_policy",
+        action="append",
+        default=[],
+        metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
+        help="also time each MoH model with its CPU head-sparse op under the default CpuHeadSparsePolicy with these "
+        "fields replaced, as the row '<setting> NAME', in the same rounds (repeatable)",
+    )
     return parser.parse_args(argv)
 
 
@@ -194,6 +203,34 @@ class GateRecorder:
         return self.active / max(self.pairs, 1), self.needed / max(self.kv, 1)
 
 
+class WithPolicy:
+    """A loaded MoH model whose CPU head-sparse op runs under `policy` (--cpu_policy): the op's default policy
+    replaced for the duration of each call."""
+
+    def __init__(self, model, spec: str):
+        from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu_policy import DEFAULT_CPU_POLICY
+
+        fields = dict(item.split("=") for item in spec.split(","))
+        self.model, self.config = model, model.config
+        self.policy = dataclasses.replace(
+            DEFAULT_CPU_POLICY, **{k: type(getattr(DEFAULT_CPU_POLICY, k))(float(v)) for k, v in fields.items()}
+        )
+
+    def __call__(self, *args, **kwargs):
+        from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_cpu as policies  # the op's default
+
+        default, policies.DEFAULT_CPU_POLICY = policies.DEFAULT_CPU_POLICY, self.policy
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            policies.DEFAULT_CPU_POLICY = default
+
+
+def moh_rows(models) -> list[tuple[str, str]]:
+    """(row name, its setting) of every MoH model: the settings, then their --cpu_policy variants."""
+    return [(name, name.split(" ")[0]) for name in models if name.split(" ")[0] in SETTINGS]
+
+
 def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[int]) -> None:
     config = models["parent"].config
     for batch in batches:
@@ -214,8 +251,8 @@ def prefill_cells(models, recorders, tokenizer, args, rows: list, batches: list[
             for name, recorder in recorders.items():  # untimed: the gates of the same call
                 recorder.record(lambda m=models[name]: forward(m))
             keys_seen = batch * tokens * (tokens + 1) / 2
-            for name in SETTINGS:
-                active_share, _ = recorders[name].shares()
+            for name, setting in moh_rows(models):
+                active_share, _ = recorders[setting].shares()
                 speed_up = ideal(config, active_share, batch * tokens, keys_seen, batch)["ideal_speed_ratio"]
                 report(rows, "prefill", batch, tokens, name, times, speed_up, None, active_share)
             if CONTROL in times:
@@ -243,9 +280,9 @@ def decode_cells(models, recorders, tokenizer, args, rows: list) -> None:
         for name, recorder in recorders.items():  # untimed: the gates of the same decoding
             recorder.record(lambda n=name: greedy(n))
         keys_seen = args.new_tokens * (context + (args.new_tokens + 1) / 2)
-        for name in SETTINGS:
-            active_share, needed_share = recorders[name].shares()
-            skipped = decoding_skipped_projections(models[name])  # q_proj and o_proj (fitted), o_proj (l2)
+        for name, setting in moh_rows(models):
+            active_share, needed_share = recorders[setting].shares()
+            skipped = decoding_skipped_projections(models[setting])  # q_proj and o_proj (fitted), o_proj (l2)
             flops = ideal(config, active_share, args.new_tokens, keys_seen, args.new_tokens, skipped)
             ideal_flops = flops["ideal_speed_ratio"]
             nbytes, skippable = decode_bytes(
@@ -283,6 +320,7 @@ def report(rows, mode, batch, tokens, name, times, ideal_flops, ideal_bytes, act
         "ideal_bytes": ideal_bytes,
         "active_share": active_share,
         "needed_kv_share": needed_share,
+        "round_s": {"parent": times["parent"], name: times[name]},  # per round (interleaved): ratios between rows
     }
     rows.append(row)
     ideal = row["ideal_bytes"] if row["ideal_bytes"] is not None else row["ideal_flops"]
@@ -320,6 +358,10 @@ def main(argv=None) -> int:
         models[CONTROL] = AutoModelForCausalLM.from_pretrained(folders["parent"], dtype=torch.float32).eval()
     for name in SETTINGS:
         models[name] = MoHLlamaForCausalLM.from_pretrained(folders[name], dtype=torch.float32).eval()
+    for spec in args.cpu_policy:  # the same models, their op under another policy
+        label, fields = spec.split(":")
+        for name in SETTINGS:
+            models[f"{name} {label}"] = WithPolicy(models[name], fields)
     recorders = {name: GateRecorder(models[name]) for name in SETTINGS}
     setup_s = time.perf_counter() - started
     with torch.no_grad():  # warm-up

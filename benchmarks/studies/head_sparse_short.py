@@ -4,9 +4,9 @@ heads, the first 3 heads shared), with gates drawn like a top-K router's (the sh
 heads per token, uniformly).
 
 1. By length: the op's time over the parent's (SDPA over every head, causal) for its short path (a sparse key/value
-   head as masked rows, one call per batch row: `SHORT_TOKENS`) and its chunked path, at K = 2 (5/9 of the heads)
-   and K = 4 (7/9). They set `SHORT_TOKENS` (short below, chunked from there) and the models' dispatch where at most
-   40% of the routed heads are active (`head_skipping.FEW_ACTIVE_TOKENS`: the short path from 384 tokens, the chunked
+   head as masked rows, one call per batch row: the CPU policy's `short_tokens`) and its chunked path, at K = 2 (5/9 of the heads)
+   and K = 4 (7/9). They set `short_tokens` (short below, chunked from there) and the models' dispatch where at most
+   40% of the routed heads are active (the policy's `few_active_tokens`: the short path from 384 tokens, the chunked
    path from 1,024).
 2. By density: one key/value head whose 3 heads are active at density d (the others inactive), batch 1: that head
    as masked rows against the same head as causal attention over its 3 heads (`SHORT_DENSE_SHARE`).
@@ -18,6 +18,7 @@ ratio is the median over rounds of the per-round time ratio.
 """
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_cpu as cpu_path
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu_policy import DEFAULT_CPU_POLICY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import gpu_moe  # noqa: E402  (the interleaved timing loop, shared with the other benchmarks)
@@ -57,9 +59,9 @@ def density_gates(tokens: int, density: float, generator: torch.Generator) -> to
     return gates
 
 
-def op(query, key, value, gates, short_tokens: int, dense_share: float = cpu_path.SHORT_DENSE_SHARE):
-    cpu_path.SHORT_TOKENS, cpu_path.SHORT_DENSE_SHARE = short_tokens, dense_share
-    return cpu_path.head_sparse_attention_cpu(query, key, value, gates, HEAD_DIM**-0.5)
+def op(query, key, value, gates, short_tokens: int, dense_share: float = DEFAULT_CPU_POLICY.short_dense_share):
+    policy = dataclasses.replace(DEFAULT_CPU_POLICY, short_tokens=short_tokens, short_dense_share=dense_share)
+    return cpu_path.head_sparse_attention_cpu(query, key, value, gates, HEAD_DIM**-0.5, policy=policy)
 
 
 def main() -> None:
@@ -67,7 +69,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     cpu = torch.device("cpu")
-    defaults = cpu_path.SHORT_TOKENS, cpu_path.SHORT_DENSE_SHARE
     print(f"torch {torch.__version__}, {args.threads} threads, fp32; median of {args.rounds} rotated rounds")
     print(f"\n1. time / the parent's (SDPA over all {HEADS} heads); K of the 6 routed heads active per token")
     print("| tokens | batch | K | parent ms | short path | chunked path |")
@@ -114,7 +115,6 @@ def main() -> None:
                 )
                 ratios.append(cells["masked rows"]["ratio"])
             print(f"| {tokens} | " + " | ".join(f"{ratio:.3f}" for ratio in ratios) + " |")
-    cpu_path.SHORT_TOKENS, cpu_path.SHORT_DENSE_SHARE = defaults
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ import torch
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_cpu as cpu_path
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as triton_path
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu import head_sparse_attention_cpu
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_cpu_policy import (
+    DEFAULT_CPU_POLICY,
+    CpuHeadSparsePolicy,
+)
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import (
     head_sparse_attention_naive,
     visible_keys,
@@ -123,18 +127,9 @@ def test_reference_is_the_masked_computation(kv_heads, mask_kind):
 # the CPU path
 
 
-@pytest.fixture(autouse=True)
-def chunked_prefills(monkeypatch):
-    """The prefill tests below use short sequences to exercise the chunked path, which runs from SHORT_TOKENS on:
-    short prefills (masked rows) are off unless a test turns them on (`short_prefills`)."""
-    monkeypatch.setattr(cpu_path, "SHORT_TOKENS", 0)
-
-
-def short_prefills(monkeypatch, dense_share=0.99):
-    """Short prefills at any length; key/value heads active on less than `dense_share` of their pairs (here: all but
-    the fully active ones) as masked rows."""
-    monkeypatch.setattr(cpu_path, "SHORT_TOKENS", 10**9)
-    monkeypatch.setattr(cpu_path, "SHORT_DENSE_SHARE", dense_share)
+CHUNKED = CpuHeadSparsePolicy(short_tokens=0)  # the prefill tests' short sequences on the chunked path
+SHORT = CpuHeadSparsePolicy(short_tokens=10**9, short_dense_share=0.99)  # short prefills (masked rows) at any length,
+# every key/value head but the fully active ones as masked rows
 
 
 TORCH_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, chunk, full groups)
@@ -156,24 +151,29 @@ TORCH_CASES = {  # (B, H, Hkv, T, L, hd, offset, window, mask, chunk, full group
     "prefill-bool-padding": (2, 6, 3, 37, 41, 5, None, None, "bool", 8, (0,)),
     "prefill-float-window": (2, 6, 2, 37, 41, 5, None, 5, "float", 8, ()),
     "prefill-default-chunk": (1, 9, 3, 150, 150, 4, None, None, None, None, (0,)),
-    "prefill-balanced-shared": (1, 9, 3, 263, 263, 4, None, None, None, 32, (0,)),
+    "prefill-shared-odd-length": (1, 9, 3, 263, 263, 4, None, None, None, 32, (0,)),
 }
 
 
 PATHS = [  # every case; the prefills also as short prefills (masked rows)
     pytest.param(case, path, id=f"{name}-{path}")
     for name, case in TORCH_CASES.items()
-    for path in (["chunked", "short"] if case[3] > cpu_path.DECODE_MAX_TOKENS else ["decode"])
+    for path in (["chunked", "short"] if case[3] > DEFAULT_CPU_POLICY.decode_max_tokens else ["decode"])
 ]
 
 
 @pytest.mark.parametrize("case, path", PATHS)
-def test_cpu_path_matches_reference(monkeypatch, case, path):
+def test_cpu_path_matches_reference(case, path):
     batch, heads, kv_heads, tokens, keys, head_dim, offset, window, mask_kind, chunk, full = case
-    if path == "short":
-        short_prefills(monkeypatch)
     inputs = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full)
-    compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
+    compare(
+        head_sparse_attention_cpu,
+        inputs,
+        offset,
+        window,
+        chunk_size=chunk,
+        policy=SHORT if path == "short" else CHUNKED,
+    )
 
 
 @pytest.fixture
@@ -190,149 +190,22 @@ def flash_calls(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("layout", ["padded", "padded per key/value head", "per-segment"])
-def test_cpu_path_prefill_computes_only_active_rows(monkeypatch, flash_calls, layout):
+def test_cpu_path_prefill_computes_only_active_rows(flash_calls):
     """The flash calls of a prefill see the active rows only, outside the diagonal blocks: a fully active key/value
-    head is one causal call over its heads, the diagonal blocks one call, and the prefix calls take the active rows
-    after the first chunk: per (batch row, key/value head, chunk), or one call per chunk (per key/value head) padded
-    to the most rows."""
-    if layout == "per-segment":
-        monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 0.0)
-    split = layout == "padded per key/value head"
-    monkeypatch.setattr(cpu_path, "SPLIT_GAIN", {"even batch": 10.0 if split else 0.0, "odd batch": 0.0})
+    head is one causal call over its heads, the diagonal blocks one call, and each (batch row, key/value head, chunk)
+    after the first chunk one call of its active rows against the keys before its chunk."""
     calls = flash_calls
     batch, heads, kv_heads, tokens, chunk = 2, 9, 3, 64, 16
     query, key, value, gates, _ = make_inputs(batch, heads, kv_heads, tokens, tokens, 4, full_groups=(0,))
     with torch.no_grad():
-        out = head_sparse_attention_cpu(query, key, value, gates, SCALING, chunk_size=chunk)
+        out = head_sparse_attention_cpu(query, key, value, gates, SCALING, chunk_size=chunk, policy=CHUNKED)
     torch.testing.assert_close(out, head_sparse_attention_naive(query, key, value, gates, SCALING))
-    dense, diagonal, prefix = calls[0], calls[1], calls[2:]
+    dense, prefix, diagonal = calls[0], calls[1:-1], calls[-1]
     assert dense == ((batch, 3, tokens, 4), (batch, 1, tokens, 4), True)  # the shared heads' key/value head
     assert diagonal == ((batch * tokens // chunk, 6, chunk, 4), (batch * tokens // chunk, 2, chunk, 4), True)
     assert all(key_shape[2] % chunk == 0 and not causal for _, key_shape, causal in prefix)
-    active = int((gates[:, chunk:, 3:] != 0).sum())  # rows that have a prefix
-    computed = sum(shape[0] * shape[1] * shape[2] for shape, _, _ in prefix)
-    if layout == "per-segment":
-        assert len(prefix) == batch * 2 * (tokens // chunk - 1) and computed == active
-    else:
-        assert len(prefix) == (2 if split else 1) * (tokens // chunk - 1) and active < computed <= 1.25 * active
-        assert all(shape[1] == (1 if split else 2) for shape, _, _ in prefix)
-    assert computed < batch * (tokens - chunk) * 6 * 0.8
-
-
-@pytest.fixture
-def two_threads():
-    """torch on 2 threads (the CPU kernel's thread split is what `_causal_flash` balances), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("batch, groups, kv_heads, tokens", [(1, 3, 1, 300), (1, 2, 3, 257), (3, 1, 1, 256)])
-def test_causal_flash_in_balanced_halves(two_threads, flash_calls, batch, groups, kv_heads, tokens):
-    """An odd number of (batch row, key/value head) pairs on 2 threads: the causal call runs as its two halves in one
-    call plus the second half's unmasked call to the first half's keys (even and odd T), equal to causal attention
-    (an eager fp64 loop over rows) in output and log-sum-exp; with an even number, or on 1 thread, one causal call."""
-    calls = flash_calls
-    generator = torch.Generator().manual_seed(3)
-    query = torch.randn(batch, kv_heads * groups, tokens, 4, generator=generator, dtype=torch.float64)
-    key, value = (torch.randn(batch, kv_heads, tokens, 4, generator=generator, dtype=torch.float64) for _ in "kv")
-    out, lse = cpu_path._causal_flash(query, key, value, SCALING)
-    half, rest = tokens // 2, tokens - tokens // 2
-    heads = kv_heads * groups
-    assert calls == [
-        ((2 * batch, heads, rest, 4), (2 * batch, kv_heads, rest, 4), True),
-        ((batch, heads, rest, 4), (batch, kv_heads, half, 4), False),
-    ]
-    for t in (0, half - 1, half, tokens - 1):  # rows of both halves
-        scores = torch.einsum("bhd,bhkd->bhk", query[:, :, t], key.repeat_interleave(groups, 1)[:, :, : t + 1])
-        scores = scores * SCALING
-        probs = torch.softmax(scores, dim=-1)
-        want = torch.einsum("bhk,bhkd->bhd", probs, value.repeat_interleave(groups, 1)[:, :, : t + 1])
-        torch.testing.assert_close(out[:, :, t], want, rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(lse[:, :, t], torch.logsumexp(scores, dim=-1), rtol=1e-10, atol=1e-10)
-    calls.clear()
-    cpu_path._causal_flash(torch.cat([query, query]), torch.cat([key, key]), torch.cat([value, value]), SCALING)
-    torch.set_num_threads(1)
-    cpu_path._causal_flash(query, key, value, SCALING)
-    assert [causal for _, _, causal in calls] == [True, True]  # one plain causal call each
-
-
-@pytest.mark.parametrize("split_gain", [0.0, 0.85, 10.0])
-@pytest.mark.parametrize("span_rows, span_tokens", [(1, 1024), (8, 1024), (40, 1024), (10_000, 1024), (10_000, 9)])
-def test_prefix_spans_of_chunks(monkeypatch, flash_calls, span_rows, span_tokens, split_gain):
-    """`_span_prefix` with `_SpanPlan`: one call per span of chunks (s chunks: s × the mean rows of a (batch row,
-    key/value head, chunk) ≥ LARGE_QUERY_ROWS, s·C ≤ SPAN_MAX_TOKENS) holding the span's rows of every (batch row,
-    key/value head), padded to the most any has, or one call per key/value head padded over the batch rows (when
-    that pads to SPLIT_GAIN of the joint call's rows or less), against the keys before the span; the same per later
-    chunk of a span against the span's keys before it. Each row's result is its attention to every key before its
-    chunk (an eager fp64 reference), with cache offsets 0 and 5, 7 chunks (the last span cut short, the last chunk
-    partial), uneven densities and an empty (batch row, key/value head, chunk)."""
-    monkeypatch.setattr(cpu_path, "LARGE_QUERY_ROWS", span_rows)
-    monkeypatch.setattr(cpu_path, "SPAN_MAX_TOKENS", span_tokens)
-    monkeypatch.setattr(cpu_path, "SPLIT_GAIN", {"even batch": split_gain, "odd batch": 0.0})
-    monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 10.0)  # tiny chunks pad much: use the spans regardless
-    batch, heads, kv_heads, tokens, chunk, head_dim = 2, 6, 3, 20, 3, 5
-    generator = torch.Generator().manual_seed(4)
-    density = torch.tensor([0.2, 0.3, 0.9, 0.9, 0.6, 0.7])  # key/value head 1 much denser than 2
-    active = torch.rand(batch, tokens, heads, generator=generator) < density
-    active[0, 3:6, 2:4] = False  # batch row 0, key/value head 1, chunk 1: no rows
-    sparse, groups, num_chunks = [1, 2], heads // kv_heads, -(-tokens // chunk)
-    rows = cpu_path._Rows(active, kv_heads, sparse, chunk)
-    plan = rows.spans
-    count = rows.index.numel()
-    pair_chunk = torch.zeros(batch, len(sparse), num_chunks, dtype=torch.long)  # rows per (b, g, c), by hand
-    for b, t, h in active.nonzero().tolist():
-        if h // groups in sparse:
-            pair_chunk[b, h // groups - sparse[0], t // chunk] += 1
-    span = max(1, min(span_tokens // chunk, -(-span_rows * batch * len(sparse) * num_chunks // count), num_chunks))
-    assert plan.span == span
-    q_rows = torch.randn(count, head_dim, generator=generator, dtype=torch.float64)
-    for offset in (0, 5):
-        keys = offset + tokens
-        key, value = (torch.randn(batch, 2, keys, head_dim, generator=generator, dtype=torch.float64) for _ in "kv")
-        flash_calls.clear()
-        out, lse = cpu_path._span_prefix(q_rows, key, value, plan, offset, SCALING)
-        calls = [(query[1], query[2], key_shape[2]) for query, key_shape, _ in flash_calls]
-        for r in range(count):
-            b, head = divmod(int(rows.index[r]), tokens * heads)
-            g = head % heads // groups - sparse[0]
-            seen = offset + int(rows.tokens[r]) // chunk * chunk
-            if not seen:
-                assert torch.isneginf(lse[r])
-                continue
-            scores = key[b, g, :seen] @ q_rows[r] * SCALING
-            want = torch.softmax(scores, dim=0) @ value[b, g, :seen]
-            torch.testing.assert_close(out[r], want, rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(lse[r], torch.logsumexp(scores, dim=0), rtol=1e-10, atol=1e-10)
-
-        def expected_calls(unit_rows, keys):  # unit_rows (B, Hkv_s): rows of each (b, g) in the call's unit
-            per_head, joint = unit_rows.amax(0).tolist(), int(unit_rows.max())
-            if sum(per_head) <= split_gain * len(per_head) * joint:
-                return [(1, width, keys) for width in per_head if width and keys]
-            return [(2, joint, keys)] if joint and keys else []
-
-        expected = []  # (heads, query rows, keys) of each call, in order: the spans', then the later chunks'
-        for first in range(0, num_chunks, span):
-            expected += expected_calls(pair_chunk[..., first : first + span].sum(-1), offset + first * chunk)
-        for c in range(num_chunks):
-            if c % span:
-                expected += expected_calls(pair_chunk[..., c], (c - c // span * span) * chunk)
-        assert calls == expected
-        assert len({heads for heads, _, _ in calls}) == (1 if split_gain in (0.0, 10.0) else 2)
-
-
-@pytest.mark.parametrize("span_rows", [1, 20, 10_000])
-@pytest.mark.parametrize("case", ["prefill-gqa-shared", "prefill-after-cache", "prefill-mha"])
-def test_cpu_path_unpadded_spans(monkeypatch, span_rows, case):
-    """Without padding (each (batch row, key/value head) on its own: `_segment_prefix`), spans of 1 chunk, of a few
-    and of every chunk give the reference's outputs and gradients."""
-    monkeypatch.setattr(cpu_path._Rows, "PADDING_LIMIT", 0.0)
-    monkeypatch.setattr(cpu_path, "LARGE_QUERY_ROWS", span_rows)
-    batch, heads, kv_heads, tokens, keys, head_dim, offset, window, mask_kind, chunk, full = TORCH_CASES[case]
-    inputs = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full)
-    compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
+    assert len(prefix) == batch * 2 * (tokens // chunk - 1)
+    assert sum(shape[2] for shape, _, _ in prefix) == int((gates[:, chunk:, 3:] != 0).sum())  # rows with a prefix
 
 
 def test_cpu_path_nearly_dense_group_runs_dense(flash_calls):
@@ -344,13 +217,13 @@ def test_cpu_path_nearly_dense_group_runs_dense(flash_calls):
     generator = torch.Generator().manual_seed(5)
     nearly = (torch.rand(2, 70, 3, generator=generator) < 0.93).to(gates.dtype)
     gates[..., 3:6] = nearly * (torch.rand(2, 70, 3, generator=generator, dtype=gates.dtype) + 0.5)
-    assert cpu_path.DENSE_SHARE <= float((gates[..., 3:6] != 0).float().mean()) < 1
-    compare(head_sparse_attention_cpu, (query, key, value, gates, None), chunk_size=16)
+    assert CHUNKED.dense_share <= float((gates[..., 3:6] != 0).float().mean()) < 1
+    compare(head_sparse_attention_cpu, (query, key, value, gates, None), chunk_size=16, policy=CHUNKED)
     assert (flash_calls[0][0], flash_calls[0][2]) == ((2, 6, 70, 4), True)  # key/value heads 0 and 1 together
     binary = (gates != 0).to(gates.dtype)
     leaves = [x.detach().clone().requires_grad_() for x in (query, key, value)]
     ref_leaves = [x.detach().clone().requires_grad_() for x in (query, key, value)]
-    got = head_sparse_attention_cpu(*leaves, binary, SCALING, chunk_size=16)
+    got = head_sparse_attention_cpu(*leaves, binary, SCALING, chunk_size=16, policy=CHUNKED)
     want = head_sparse_attention_naive(*ref_leaves, binary, SCALING)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert (got[binary == 0] == 0).all()
@@ -361,11 +234,11 @@ def test_cpu_path_nearly_dense_group_runs_dense(flash_calls):
         torch.testing.assert_close(have.grad, expected.grad, rtol=1e-10, atol=1e-10, msg=name)
 
 
-def test_short_prefill_runs_sparse_groups_as_masked_rows(monkeypatch, flash_calls):
+def test_short_prefill_runs_sparse_groups_as_masked_rows(flash_calls):
     """Short prefills: a key/value head active on less than SHORT_DENSE_SHARE of its pairs is one masked call per
     batch row, its active rows against the keys up to its last active row; the others are causal calls over all their
     heads. Outputs and gradients equal the reference."""
-    short_prefills(monkeypatch, dense_share=0.5)
+    policy = CpuHeadSparsePolicy(short_tokens=10**9, short_dense_share=0.5)
     batch, tokens = 2, 70
     query, key, value, gates, _ = make_inputs(batch, 9, 3, tokens, tokens, 4, full_groups=(0,))
     generator = torch.Generator().manual_seed(3)
@@ -374,8 +247,8 @@ def test_short_prefill_runs_sparse_groups_as_masked_rows(monkeypatch, flash_call
         gates[..., heads] = on * (torch.rand(batch, tokens, 3, generator=generator, dtype=gates.dtype) + 0.5)
     gates[1, 60:, 3:6] = 0  # batch row 1's last active row of key/value head 1 comes earlier
     densities = (gates != 0).view(batch, tokens, 3, 3).double().mean(dim=(0, 1, 3))
-    assert densities[1] < cpu_path.SHORT_DENSE_SHARE <= densities[2] < 1
-    compare(head_sparse_attention_cpu, (query, key, value, gates, None))
+    assert densities[1] < policy.short_dense_share <= densities[2] < 1
+    compare(head_sparse_attention_cpu, (query, key, value, gates, None), policy=policy)
     assert flash_calls[:2] == [((batch, 3, tokens, 4), (batch, 1, tokens, 4), True)] * 2  # key/value heads 0 and 2
     masked = flash_calls[2:]
     assert len(masked) == batch
@@ -406,20 +279,21 @@ def test_cpu_path_decode_reads_only_needed_key_value_heads(monkeypatch):
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
 
 
-def test_cpu_path_eager_stand_in(monkeypatch):
-    """Off the CPU kernel (other devices) the eager computation gives the same results."""
-    monkeypatch.setattr(cpu_path, "_cpu_kernel", lambda tensor: False)
-    for case in ("prefill-gqa-shared", "prefill-bool-padding"):
-        batch, heads, kv_heads, tokens, keys, head_dim, offset, window, mask_kind, chunk, full = TORCH_CASES[case]
-        inputs = make_inputs(batch, heads, kv_heads, tokens, keys, head_dim, offset, mask_kind, full_groups=full)
-        compare(head_sparse_attention_cpu, inputs, offset, window, chunk_size=chunk)
+def test_cpu_path_off_the_cpu_is_the_reference(monkeypatch):
+    """Off the CPU (no CPU flash kernel) a prefill is the naive reference."""
+    calls = []
+    monkeypatch.setattr(cpu_path, "_reference", lambda *args: calls.append(args) or "reference")
+    query, key, value, gates, _ = make_inputs(1, 6, 2, 20, 20, 4, dtype=torch.float32)
+    meta = [x.to("meta") for x in (query, key, value, gates)]
+    assert head_sparse_attention_cpu(*meta, SCALING) == "reference" and len(calls) == 1
 
 
 def test_cpu_path_fp32_and_bf16():
     inputs = make_inputs(2, 9, 3, 40, 40, 8, full_groups=(0,), dtype=torch.float32)
-    compare(head_sparse_attention_cpu, inputs, rtol=1e-5, atol=1e-5, reference_dtype=torch.float64, chunk_size=16)
+    kwargs = dict(reference_dtype=torch.float64, chunk_size=16, policy=CHUNKED)
+    compare(head_sparse_attention_cpu, inputs, rtol=1e-5, atol=1e-5, **kwargs)
     inputs = [x.to(torch.bfloat16) if x is not None else None for x in inputs]
-    compare(head_sparse_attention_cpu, inputs, rtol=0.05, atol=0.05, reference_dtype=torch.float64, chunk_size=16)
+    compare(head_sparse_attention_cpu, inputs, rtol=0.05, atol=0.05, **kwargs)
 
 
 @pytest.mark.parametrize("fn", [head_sparse_attention_cpu, head_sparse_attention_triton], ids=["torch", "triton"])
@@ -442,7 +316,7 @@ def test_binary_gates_at_inference(fn, tokens):
 def test_no_active_pair_gives_zeros_and_no_gradient(tokens):
     query, key, value, gates, _ = make_inputs(1, 6, 2, tokens, 30, 4, active=0.0)
     leaves = [x.clone().requires_grad_() for x in (query, key, value, gates)]
-    out = head_sparse_attention_cpu(*leaves, SCALING, chunk_size=8)
+    out = head_sparse_attention_cpu(*leaves, SCALING, chunk_size=8, policy=CHUNKED)
     assert torch.equal(out, torch.zeros_like(out))
     out.sum().backward()
     assert all(leaf.grad is None or torch.equal(leaf.grad, torch.zeros_like(leaf)) for leaf in leaves)
@@ -454,7 +328,7 @@ def test_rows_that_see_no_key_stay_finite():
     for tokens in (1, 20):
         query, key, value, gates, mask = make_inputs(2, 6, 2, tokens, 24, 4, offset=0, mask_kind="bool", active=1.0)
         leaves = [x.clone().requires_grad_() for x in (query, key, value, gates)]
-        out = head_sparse_attention_cpu(*leaves, SCALING, mask, 0, chunk_size=8)
+        out = head_sparse_attention_cpu(*leaves, SCALING, mask, 0, chunk_size=8, policy=CHUNKED)
         out.sum().backward()
         assert torch.isfinite(out).all() and all(torch.isfinite(leaf.grad).all() for leaf in leaves)
 
