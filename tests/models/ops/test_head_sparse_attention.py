@@ -209,7 +209,7 @@ def test_cpu_path_prefill_computes_only_active_rows(flash_calls):
 
 
 def test_cpu_path_nearly_dense_group_runs_dense(flash_calls):
-    """A key/value head whose query heads are active on at least DENSE_SHARE of the tokens runs as causal attention
+    """A key/value head whose query heads are active on at least the policy's dense_share of the tokens runs as causal attention
     over all its heads (with the fully active group beside it: one call), its inactive pairs zeroed: outputs and
     gradients equal the reference, for soft gates and for 0/1 gates without gradient (where the gates' multiply is
     skipped, so the op itself must pass no gradient through the zeroed pairs)."""
@@ -235,7 +235,7 @@ def test_cpu_path_nearly_dense_group_runs_dense(flash_calls):
 
 
 def test_short_prefill_runs_sparse_groups_as_masked_rows(flash_calls):
-    """Short prefills: a key/value head active on less than SHORT_DENSE_SHARE of its pairs is one masked call per
+    """Short prefills: a key/value head active on less than the policy's short_dense_share of its pairs is one masked call per
     batch row, its active rows against the keys up to its last active row; the others are causal calls over all their
     heads. Outputs and gradients equal the reference."""
     policy = CpuHeadSparsePolicy(short_tokens=10**9, short_dense_share=0.5)

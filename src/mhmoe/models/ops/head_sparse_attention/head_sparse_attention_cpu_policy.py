@@ -21,7 +21,8 @@ class CpuHeadSparsePolicy:
     # least this share of the tokens runs as one causal flash call over all its heads, its inactive pairs zeroed
     # (MoH's shared heads: share 1). Crossover: SmolLM2-135M's real gates at 7/9 heads (c9883a1; the busiest routed
     # group of a layer reaches 91% of its pairs: benchmarks/results/moh_head_sparse.md, benchmarks/moh_head_sparse.py
-    # run at c9883a1, "Why the first version ... gained little").
+    # run at c9883a1, "Why the first version ... gained little"). The path's removal was not resolved on a loaded
+    # machine (benchmarks/results/head_sparse_cpu_paths.md, run 1): kept on judgment, to re-measure.
     dense_share: float = 0.8
 
     # Chunked path (prefill, no mask or window): T query tokens in chunks of about T / chunk_divisor tokens (a power
@@ -36,7 +37,9 @@ class CpuHeadSparsePolicy:
     # to its last active row; the others run dense. Crossover: benchmarks/studies/head_sparse_short.py
     # (benchmarks/results/head_sparse_short.txt: 2 of 6 routed heads active, batch 1, the short path ×0.771 of the
     # parent's attention at 512 tokens against ×0.961 chunked; ×0.950 against ×1.028 at 768, the chunked path ahead
-    # from 1,024).
+    # from 1,024). On the model (benchmarks/moh_head_sparse.py --cpu_policy no_short:short_tokens=0, SmolLM2-135M at
+    # 5/9, 512 tokens, batch 1): without it slower in 13 of 15 interleaved rounds, median -10%
+    # (benchmarks/results/head_sparse_cpu_paths.md, run 2).
     short_tokens: int = 768
     short_dense_share: float = 0.5
     # causal masks up to this many keys are built once per (size, dtype, device) and gathered from (4 MB in fp32)
