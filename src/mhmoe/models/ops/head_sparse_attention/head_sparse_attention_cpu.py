@@ -285,10 +285,8 @@ def _one_head(*tensors):
 
 def _rows_forward(query, q_rows, key, value, rows, call):
     """The rows' output (N, hd) and log-sum-exp (N,): their segments' calls, and (chunked) the diagonal blocks."""
-    o_rows, lse_rows = torch.zeros_like(q_rows), q_rows.new_full(q_rows.shape[:1], float("-inf"))
-    lse_rows = lse_rows.to(
-        torch.promote_types(q_rows.dtype, torch.float32)
-    )  # no keys yet: output 0, lse -inf (what `_merge` adds to)
+    o_rows = torch.zeros_like(q_rows)  # no keys yet: output 0, lse -inf (what `_merge` adds to)
+    lse_rows = q_rows.new_full(q_rows.shape[:1], float("-inf"), dtype=torch.promote_types(q_rows.dtype, torch.float32))
     for b, g, start, end, low, high, mask in rows.calls(call, q_rows.dtype):
         o, lse = _flash(*_one_head(q_rows[start:end], key[b, g, low:high], value[b, g, low:high]), mask, call.scaling)
         o_rows[start:end], lse_rows[start:end] = o[0, 0], lse[0, 0]
