@@ -143,6 +143,8 @@ def parse_args():
 
 def model_steps(args) -> None:
     """`--model`: decoding steps of a MoH-LLaMA against its dense parent (see the module docstring)."""
+    import dataclasses
+
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     from mhmoe import MoHLlamaConfig, MoHLlamaForCausalLM
@@ -157,7 +159,8 @@ def model_steps(args) -> None:
     moh_fields = dict(moh_shared_heads=heads // 2, moh_active_heads=heads // 4, moh_router="l2")
     moh = MoHLlamaForCausalLM(MoHLlamaConfig(**fields, **moh_fields)).eval()
     moh.load_state_dict(dense.state_dict())  # the l2 router adds no parameters
-    split_keys = fused_decoding.SPLIT_MIN_SKIPPED_KEYS
+    policy = fused_decoding.DEFAULT_CPU_POLICY
+    one_span = dataclasses.replace(policy, decode_split_min_skipped_keys=1 << 62)
     for length in args.contexts:
         caches = {}
         for name, model in (("dense", dense), ("moh", moh)):
@@ -183,12 +186,12 @@ def model_steps(args) -> None:
         times = {name: [] for name in variants}
         for round_ in range(args.rounds + 2):
             for name in list(variants)[round_ % 3 :] + list(variants)[: round_ % 3]:
-                fused_decoding.SPLIT_MIN_SKIPPED_KEYS = 1 << 62 if name == "moh (one span)" else split_keys
+                fused_decoding.DEFAULT_CPU_POLICY = one_span if name == "moh (one span)" else policy
                 start = time.perf_counter()
                 variants[name]()
                 if round_ >= 2:  # two warm-up rounds
                     times[name].append(time.perf_counter() - start)
-        fused_decoding.SPLIT_MIN_SKIPPED_KEYS = split_keys
+        fused_decoding.DEFAULT_CPU_POLICY = policy
         base = statistics.median(times["dense"])
         print(f"context {length}, {args.layers} layers, d={args.hidden}, {heads} heads / {kv_heads} kv, "
               f"{heads // 2} shared + {heads // 4} of {heads - heads // 2} routed (75%), {args.threads} thread(s):")  # fmt: skip

@@ -79,11 +79,12 @@ def assert_same_generation(masked, fused, rtol=1e-5, atol=1e-5):
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("router", ["learned", "l2"])
 def test_step_reads_key_value_heads_by_runs_on_long_caches(router, batch, monkeypatch):
-    """With enough cached keys in the key/value heads between the needed ones (SPLIT_MIN_SKIPPED_KEYS), the step
+    """With enough cached keys in the key/value heads between the needed ones (the CPU policy's
+    decode_split_min_skipped_keys), the step
     reads only the runs of key/value heads its active heads need, one SDPA call each, and still gives the masked
     path's tokens and scores (multi-head attention: a key/value head per query head; batch 2: a padding mask)."""
     model = moh_llama(router, kv_heads=8)
-    ids, mask = padded_prompt(batch, length=fused_decoding.SPLIT_MIN_SKIPPED_KEYS // 2 + 20)
+    ids, mask = padded_prompt(batch, length=fused_decoding.DEFAULT_CPU_POLICY.decode_split_min_skipped_keys // 2 + 20)
     runs, original = [], fused_decoding.head_sparse_decode
 
     def spy(query, key, value, scaling, attention_mask, kv_runs):

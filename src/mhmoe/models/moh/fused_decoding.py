@@ -18,7 +18,7 @@ few ops per layer (scores, top-K, gates, the multiply) made MoH decoding of Smol
 
 Head-sparse (`FusedProjection.skips_heads`: an fp32 model with a plain o_proj): the step reads only the active heads'
 columns of o_proj and only the key/value heads an active head needs (by runs of them, one SDPA call each, where the
-ones skipped between runs hold at least SPLIT_MIN_SKIPPED_KEYS keys; else the span from the first to the last); when
+ones skipped between runs hold at least the CPU policy's `decode_split_min_skipped_keys`; else the span from the first to the last); when
 the router scores the hidden states (`skips_queries`: the learned router, the converter's fitted one) the queries are not needed
 to route, so it reads only the active heads' rows of q_proj too (the parameter-free routers score every query).
 Decoding is memory-bound: those are the bytes MoH can save per token. The weights are read as contiguous blocks per
@@ -40,14 +40,11 @@ from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 from ..ops.backends import head_sparse_decode
+from ..ops.head_sparse_attention.head_sparse_attention_cpu_policy import DEFAULT_CPU_POLICY
 from ..ops.head_sparse_attention.head_sparse_attention_naive import runs as _runs
 from .head_skipping import _head_major_weight
 
 HOST_ROWS = 16  # up to this many tokens per step the top-K is picked on the host (a batch of decoded sequences)
-# The step reads the key/value heads by runs (one SDPA call each) when those it skips hold at least this many cached
-# key rows (key/value heads × keys); else one call over the span, reading the unneeded ones in between
-# (benchmarks/moh_attention.py --model: the crossover on this 2-core CPU, 1 thread)
-SPLIT_MIN_SKIPPED_KEYS = 2048
 GATE_ROWS_CACHED = 1024  # gate rows (and step plans) kept per router (one per selection seen; C(R, K) can be large)
 
 # Each line below runs in every layer of every decoding step: module attributes are read from `_modules` and
@@ -259,7 +256,8 @@ def fused_decoding_step(module, hidden_states, position_embeddings, attention_ma
         keys, values = keys[:, first // groups : last // groups], values[:, first // groups : last // groups]
     offset = 0 if projection.skips_queries else first  # where the attended heads' queries start
     kv_runs = None  # by runs of key/value heads where the ones skipped between them hold enough keys
-    if skips and plan.kv_runs is not None and plan.skipped_kv_heads * keys.shape[-2] >= SPLIT_MIN_SKIPPED_KEYS:
+    split_keys = DEFAULT_CPU_POLICY.decode_split_min_skipped_keys
+    if skips and plan.kv_runs is not None and plan.skipped_kv_heads * keys.shape[-2] >= split_keys:
         kv_runs = plan.kv_runs
     queries = qk[:, offset : offset + query_heads]  # (B, n, hd)
     attended = head_sparse_decode(queries, keys, values, module.scaling, attention_mask, kv_runs)

@@ -17,6 +17,14 @@ class CpuHeadSparsePolicy:
     # tokens per sequence (speculative or batched decoding) are "decoding"; set with the op (89837c9).
     decode_max_tokens: int = 16
 
+    # The CPU decoding step of a MoH model (`moh/fused_decoding.py`) reads the key/value heads by runs, one SDPA call
+    # each, when the key/value heads no active head needs between those runs hold at least this many cached key rows
+    # (heads × keys); else one call over the span from the first to the last needed one. Crossover: benchmarks/
+    # moh_attention.py --model (16 heads, 8 shared + 4 of 8 routed, l2, static cache, 1 thread, at 92b7d57):
+    # always by runs ×1.029 against ×1.006 the dense step at 1,024 keys, ×0.924 against ×0.977 at 2,048, ×0.808
+    # against ×0.962 at 8,192 (benchmarks/results/moh_decode_runs.txt); ~2 skipped key/value heads a step there.
+    decode_split_min_skipped_keys: int = 4096
+
     # Dense path (prefill without a cache, a mask or a window): a key/value head whose query heads are active on at
     # least this share of the tokens runs as one causal flash call over all its heads, its inactive pairs zeroed
     # (MoH's shared heads: share 1). Crossover: SmolLM2-135M's real gates at 7/9 heads (c9883a1; the busiest routed
