@@ -115,3 +115,24 @@ print(json.dumps(dict(before=before, mhmoe=LORA["mhmoe"], targets=targets)))
     assert result == dict(
         before=False, mhmoe=["q_proj", "k_proj", "v_proj", "o_proj"], targets=["k_proj", "o_proj", "q_proj", "v_proj"]
     )
+
+
+def test_configs_and_models_import_no_kernel_until_one_is_chosen():
+    """Kernels load when first chosen (ops/backends.py): building both configs and both models imports none of the
+    ops' kernel files; a forward on the CPU then imports only the backends it runs (the experts' grouped_mm, the
+    default; the head-sparse CPU op where the few-token prompts take it), never a Triton kernel on the CPU."""
+    code = f"""
+import json, re, sys
+kernels = lambda: sorted(m.rsplit(".", 1)[1] for m in sys.modules
+                         if m.startswith("mhmoe.models.ops.") and re.search(r"(_triton\\w*|_cpu|_grouped_mm)$", m))
+from mhmoe import MHMoEConfig, MoHLlamaConfig
+MHMoEConfig(hidden_size=32, num_attention_heads=4, moh_shared_heads=2, moh_active_heads=1)
+MoHLlamaConfig(hidden_size=32, num_attention_heads=4, moh_shared_heads=2, moh_active_heads=1)
+after_configs = kernels()
+{TINY_MODELS}
+print(json.dumps(dict(after_configs=after_configs, after_models=kernels())))
+"""
+    result = _run(code)
+    assert result["after_configs"] == []
+    assert "experts_grouped_mm" in result["after_models"]  # chosen by the MoE layers' forward
+    assert not [name for name in result["after_models"] if "_triton" in name and "grouped_mm" not in name]
