@@ -73,15 +73,20 @@ def test_full_forward_compiles_fullgraph(fresh_dynamo):
             torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
 
 
+def compiled_static_generation(settings: dict) -> GenerationConfig:
+    """`settings` with a static cache and a compiled forward (fullgraph) for the decoding steps."""
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
+    compile_config._compile_all_devices = True  # Transformers compiles generation on GPUs only unless told
+    return GenerationConfig(**settings, cache_implementation="static", compile_config=compile_config)
+
+
 def test_static_cache_generation_compiled(fresh_dynamo):
     """Greedy generation with a static cache runs the compiled forward (fullgraph) and gives eager's tokens."""
     model = _model(**CONFIGS["capacity-moh-shared"])
     ids = _ids(batch=1, seq=5)
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, generation_config=GenerationConfig(**settings))
-    compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
-    compile_config._compile_all_devices = True  # Transformers compiles generation on GPUs only unless told
-    config = GenerationConfig(**settings, cache_implementation="static", compile_config=compile_config)
+    config = compiled_static_generation(settings)
     got = model.generate(ids, generation_config=config)
     assert hasattr(model, "_compiled_call")  # the decoding steps ran compiled
     assert torch.equal(got, expected)
@@ -121,9 +126,7 @@ def test_moh_llama_static_cache_generation_compiled(fresh_dynamo):
     ids = _ids(batch=1, seq=5)
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, generation_config=GenerationConfig(**settings))
-    compile_config = CompileConfig(fullgraph=True, backend="aot_eager")
-    compile_config._compile_all_devices = True  # Transformers compiles generation on GPUs only unless told
-    config = GenerationConfig(**settings, cache_implementation="static", compile_config=compile_config)
+    config = compiled_static_generation(settings)
     got = model.generate(ids, generation_config=config)
     assert hasattr(model, "_compiled_call") and torch.equal(got, expected)
     # another prompt: the compiled decoding steps run again without recompiling (Transformers' no-recompile check)
