@@ -58,14 +58,15 @@ def plan_attention(
         projection = _fused_decoding(module, router, hidden_states, position_embeddings, cache, sliding_window)
         if projection is not None:
             return AttentionPlan("fused_decoding", projection=projection)
+    if asked is True and not hidden_states.is_cpu:
+        return MASKED
+    needs_grad = _needs_grad(module, router, hidden_states)
     if asked is True:
-        if not hidden_states.is_cpu:
-            return MASKED
         kv_heads = router.num_heads // module.num_key_value_groups
-        inference = attention_mask is None and not _needs_grad(module, router, hidden_states)
+        inference = attention_mask is None and not needs_grad
         if not head_sparse_pays(router, hidden_states.shape[1], kv_heads, inference):
             return MASKED
-    if router.straight_through == "scores" and _needs_grad(module, router, hidden_states):
+    if router.straight_through == "scores" and needs_grad:
         return MASKED  # its gradient needs every routed head's attention
     if module.config._attn_implementation not in HEAD_SPARSE_MASK_BACKENDS:
         return MASKED

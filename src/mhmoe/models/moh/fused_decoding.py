@@ -8,7 +8,7 @@ few ops per layer (scores, top-K, gates, the multiply) made MoH decoding of Smol
 - one GEMV for the keys, values, the router's scores (for a router that scores with a matrix, the learned one) and
   the queries, over a cached concatenation of the projections' weights (`fused_projection`: one more copy of their
   weights in memory, rebuilt when a weight changes; the config's `moh_fused_decoding = False` turns the step off;
-`attention_plan.py` decides when it runs);
+  `attention_plan.py` decides when it runs);
 - the top-K of the few rows picked on the host from one read of the scores (`host_hard_gates`; a tie between the K-th
   and the next score falls back to `torch.topk`);
 - RoPE once over the queries and keys together;
@@ -17,10 +17,11 @@ few ops per layer (scores, top-K, gates, the multiply) made MoH decoding of Smol
   (a key/value head's query heads as its query rows).
 
 Head-sparse (`FusedProjection.skips_heads`: an fp32 model with a plain o_proj): the step reads only the active heads'
-columns of o_proj and only the key/value heads an active head needs (by runs of them, one SDPA call each, where the
-ones skipped between runs hold at least the CPU policy's `decode_split_min_skipped_keys`; else the span from the first to the last); when
-the router scores the hidden states (`skips_queries`: the learned router, the converter's fitted one) the queries are not needed
-to route, so it reads only the active heads' rows of q_proj too (the parameter-free routers score every query).
+columns of o_proj and only the key/value heads an active head needs: by runs of them, one SDPA call each, where the
+ones skipped between runs hold at least the CPU policy's `decode_split_min_skipped_keys` keys, else the span from the
+first to the last. When the router scores the hidden states (`skips_queries`: the learned router, the converter's
+fitted one) the queries are not needed to route, so it reads only the active heads' rows of q_proj too (the
+parameter-free routers score every query).
 Decoding is memory-bound: those are the bytes MoH can save per token. The weights are read as contiguous blocks per
 run of consecutive active heads (`step_plan`, cached per selection: views of q_proj's weight and of a head-major copy
 of o_proj's). Otherwise (bf16, a LoRA'd or hooked o_proj) the gates multiply every head's output before the whole
