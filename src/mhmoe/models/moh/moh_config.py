@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from ..ops.head_router.head_router_naive import STRAIGHT_THROUGH as MOH_STRAIGHT_THROUGH  # head_routers.py: each's grad
+from ..ops.head_router.head_router_naive import is_one_of
 from .head_routers import HEAD_ROUTERS, layer_active_heads
 
 HEAD_SKIPPING_CHOICES = (True, False, "naive", "cpu", "triton")  # moh_head_skipping (attention_plan.py)
@@ -89,9 +90,7 @@ def head_skipping_problems(config) -> list[str]:
     """What is wrong with `moh_head_skipping` / `moh_fused_decoding`, in words."""
     problems = []
     skipping = getattr(config, "moh_head_skipping", True)
-    if not any(
-        skipping is choice or (isinstance(choice, str) and skipping == choice) for choice in HEAD_SKIPPING_CHOICES
-    ):
+    if not is_one_of(skipping, HEAD_SKIPPING_CHOICES):
         problems.append(
             f"moh_head_skipping must be True (the head-sparse op where it pays), False (every head computed and masked) "
             f"or a backend name, 'naive', 'cpu' or 'triton', got {skipping!r}"
@@ -112,7 +111,7 @@ def moh_config_problems(config) -> list[str]:
     if not (config.moh_aux_loss_coef >= 0 and math.isfinite(config.moh_aux_loss_coef)):
         problems.append(f"moh_aux_loss_coef must be a finite number >= 0, got {config.moh_aux_loss_coef}")
     straight = config.moh_straight_through
-    if not any(straight is value or (isinstance(value, str) and straight == value) for value in MOH_STRAIGHT_THROUGH):
+    if not is_one_of(straight, MOH_STRAIGHT_THROUGH):
         problems.append(
             f"moh_straight_through must be False, True, 'scores' or 'selected_scores' (the paper's eq. 9-10, two "
             f"readings), got {straight!r}"

@@ -15,11 +15,14 @@ L2_STD_MIN = 1e-6
 STRAIGHT_THROUGH = (False, True, "scores", "selected_scores")  # moh_straight_through: what the 0/1 gates' backward is
 
 
+def is_one_of(value, choices) -> bool:
+    """Whether `value` is one of `choices` (True, False or strings): the booleans by identity, so 1 is not True."""
+    return any(value is choice or (isinstance(choice, str) and value == choice) for choice in choices)
+
+
 def check_straight_through(straight_through) -> None:
     """Refuse a `straight_through` that is none of `STRAIGHT_THROUGH` (a typo would otherwise act as True)."""
-    if not any(
-        straight_through is mode or (isinstance(mode, str) and straight_through == mode) for mode in STRAIGHT_THROUGH
-    ):
+    if not is_one_of(straight_through, STRAIGHT_THROUGH):
         raise ValueError(f"straight_through must be one of {STRAIGHT_THROUGH}, got {straight_through!r}")
 
 
