@@ -5,7 +5,9 @@ code calling back into Python), it leaves torch half-initialised, and C code tha
 command then goes on and fails later with nonsense (`SystemError: bad call flags`, `cannot import name 'nn' from
 partially initialized module 'torch'`). `install()` replaces the handler: an interrupt that arrives while an import is
 running (an importlib frame on the stack) is held, and raised as soon as the import has finished (a timer checks every
-50 ms); at any other moment it is raised at once, as before. Each command's `main` then turns the KeyboardInterrupt
+50 ms). So is one that arrives inside a finalizer (`__del__`, a `weakref.finalize` or weakref callback): Python prints
+an exception raised there as "Exception ignored", drops it and goes on, so the interrupt would be lost and the command
+would run to its end. At any other moment it is raised at once, as before. Each command's `main` then turns the KeyboardInterrupt
 into its one line and exit status 130 (`report`).
 
 POSIX only (the timer is SIGALRM); elsewhere Python's own handler stays.
@@ -22,9 +24,13 @@ _RETRY_S = 0.05
 _held = False
 
 
-def _importing(frame) -> bool:
+def _must_hold(frame) -> bool:
+    """Whether an interrupt raised at `frame` would be lost or would break state: inside an import or a finalizer."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib") or code.co_name == "__del__":
+            return True
+        if code.co_name == "__call__" and os.path.basename(code.co_filename) == "weakref.py":  # weakref.finalize
             return True
         frame = frame.f_back
     return False
@@ -32,7 +38,7 @@ def _importing(frame) -> bool:
 
 def _on_interrupt(signum, frame) -> None:
     global _held
-    if _importing(frame):
+    if _must_hold(frame):
         _held = True
         signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
         return
