@@ -78,8 +78,6 @@ mkdir -p "$OUT" "$WORK"
 log() { echo "gpu_run: $*"; }
 
 setup() {
-    "$PY" -c "import torch" 2>/dev/null || { log "error: $PY cannot import torch; the GPU image must provide torch \
-built with CUDA (set GPU_RUN_PYTHON to its interpreter)"; exit 2; }
     if [ -f "$PACK/provenance.json" ]; then
         "$PY" - <<'PYEOF'
 import json, sys
@@ -126,10 +124,19 @@ PYEOF
     if [ -d "$PACK/corpus" ]; then
         "$PY" scripts/gpu_pack.py unpack --pack "$PACK" --corpus data/corpus
     fi
-    "$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
+    # one interpreter for the checks that import torch (each import costs seconds): torch at all (status 2), the
+    # Transformers range (1), mhmoe's model layer, then a CUDA GPU (3: none)
+    local status=0
+    "$PY" - "$ROOT/pyproject.toml" "$PY" <<'PYEOF' || status=$?
 import re, sys
+try:
+    import torch
+except ImportError as error:
+    print(f"gpu_run: error: {sys.argv[2]} cannot import torch ({error}); the GPU image must provide torch built with "
+          "CUDA (set GPU_RUN_PYTHON to its interpreter)")
+    sys.exit(2)
 from packaging.specifiers import SpecifierSet
-import torch, transformers
+import transformers
 wanted = SpecifierSet(re.search(r'"transformers([^"]*)"', open(sys.argv[1]).read()).group(1))  # pyproject's range
 if transformers.__version__ not in wanted:
     sys.exit(f"gpu_run: error: Transformers {transformers.__version__} is not in the range this project needs "
@@ -139,8 +146,11 @@ import mhmoe
 from mhmoe import MHMoEForCausalLM  # noqa: F401  (the model layer imports)
 print(f"gpu_run: mhmoe {mhmoe.__version__}; torch {torch.__version__} (CUDA build {torch.version.cuda}), "
       f"transformers {transformers.__version__}")
+if not torch.cuda.is_available():
+    sys.exit(3)
+print("gpu_run: GPU", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
 PYEOF
-    if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"; then
+    if [ "$status" = 3 ]; then
         if [ "$DRY" = 1 ]; then
             log "dry run (GPU_RUN_DRY=1): no CUDA GPU; probe and reproduce run the quick scale, bench its smoke shapes"
             return 0
@@ -148,8 +158,9 @@ PYEOF
         log "stop: no CUDA GPU is visible to torch (torch.cuda.is_available() is False). Everything above (the install \
 from the carried files, the imports) worked; the probe, the GPU benchmark and the reproduction need a GPU machine."
         exit 3
+    elif [ "$status" != 0 ]; then
+        exit "$status"
     fi
-    "$PY" -c "import torch; print('gpu_run: GPU', torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
     command -v nvidia-smi >/dev/null && nvidia-smi || true
 }
 
