@@ -154,11 +154,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="tokens per call (batch 1)")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per (tokens, mode)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 256 tokens, 3 rounds")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 64 tokens, 1 round (checks and table; no figure)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the dev machine has 2 cores)")
     args = parser.parse_args()
     if args.quick:
-        args.tokens, args.repeats = [256], 3
+        args.tokens, args.repeats = [64], 1
 
     load_start = _load()
     torch.set_num_threads(args.threads)

@@ -21,5 +21,5 @@ def test_moe_layer_benchmark_quick_run_passes_its_checks():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ours_smoe with Mixtral's weights == Mixtral: ok" in proc.stdout
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("|    256 |")]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|     64 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["fwd", "fwd+bwd"]
