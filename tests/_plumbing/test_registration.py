@@ -168,8 +168,8 @@ def test_save_and_reload(tmp_path):
 
 
 def test_pytest_xdist_workers_find_mhmoe(tmp_path):
-    """pytest-xdist: tests spread over two worker processes (execnet), each importing mhmoe and transformers in the
-    order the test module gives."""
+    """pytest-xdist: the tests run in a worker process started by execnet (one worker: a second would only repeat the
+    same imports), importing mhmoe and transformers in the order the test module gives."""
     import os
     import subprocess
     import sys
@@ -183,7 +183,7 @@ def test_pytest_xdist_workers_find_mhmoe(tmp_path):
             "pytest",
             "-q",
             "-n",
-            "2",
+            "1",
             "-p",
             "no:cacheprovider",
             "--rootdir",
