@@ -49,6 +49,8 @@ def test_interrupt_inside_a_finalizer_is_raised_after_it(finalizer):
         text=True,
         timeout=120,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        # xdist workers ignore SIGINT and children inherit that (install() then rightly leaves Python's handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert done.stdout.strip() == "interrupted after the finalizer", (done.stdout, done.stderr[-2000:])
     assert "Exception ignored" not in done.stderr, done.stderr[-2000:]
