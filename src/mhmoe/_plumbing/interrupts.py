@@ -5,10 +5,10 @@ code calling back into Python), it leaves torch half-initialised, and C code tha
 command then goes on and fails later with nonsense (`SystemError: bad call flags`, `cannot import name 'nn' from
 partially initialized module 'torch'`). `install()` replaces the handler: an interrupt that arrives while an import is
 running (an importlib frame on the stack) is held, and raised as soon as the import has finished (a timer checks every
-50 ms). So is one that arrives inside a finalizer (`__del__`, a `weakref.finalize` or weakref callback): Python prints
-an exception raised there as "Exception ignored", drops it and goes on, so the interrupt would be lost and the command
-would run to its end. At any other moment it is raised at once, as before. Each command's `main` then turns the KeyboardInterrupt
-into its one line and exit status 130 (`report`).
+50 ms). So is one that arrives inside a finalizer (a `__del__` method or a `weakref.finalize` callback): Python
+prints an exception raised there as "Exception ignored", drops it and goes on, so the interrupt would be lost and the
+command would run to its end (a plain weakref callback is not recognised). At any other moment it is raised at once,
+as before. Each command's `main` then turns the KeyboardInterrupt into its one line and exit status 130 (`report`).
 
 POSIX only (the timer is SIGALRM); elsewhere Python's own handler stays.
 """
