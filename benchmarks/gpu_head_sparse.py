@@ -1,16 +1,21 @@
-"""Head-sparse attention on a GPU: the Triton kernels (ops/head_sparse_attention) vs PyTorch SDPA over all heads.
+"""Head-sparse attention on a GPU: the Triton kernels (ops/head_sparse_attention) and the FlexAttention design
+(`head_sparse_attention_flex.py`: each head's active rows packed, one compiled FlexAttention call) vs PyTorch SDPA
+over all heads.
 
 Sections, in this order, each written to `--out DIR/gpu_head_sparse.json` (atomically) as soon as it has something,
 so a run cut at its limit (scripts/gpu_run.sh: `HS_SECONDS`, 45 s) keeps what it measured:
 
-  check  a small odd shape: the kernels against the reference (head_sparse_attention_naive.py), outputs and
-         gradients (bf16 inputs, fp32 reference): the largest difference
+  check  a small odd shape: the kernels, and the flex design, against the reference (head_sparse_attention_naive.py),
+         outputs and gradients (bf16 inputs, fp32 reference): the largest difference of each
   table  prefill at 4k and 16k tokens (batch 1, bf16, causal), forward and forward + backward, for two layer shapes:
          SmolLM2-135M (9 heads of 64, 3 key/value heads; 3 shared + 4 or 2 of 6 routed) and LLaMA-3-8B (32 heads of
          128, 8 key/value heads; the paper's 16 shared + 8 of 16 routed = 75%, and 16 + 4 = 62.5%). Routed heads are
          drawn uniformly per token. Each cell: the median over `--repeats` CUDA-event timings (after a warm-up call,
          which also compiles the kernels), the ratio kernel / SDPA beside the ideal (the active pairs' share of the
          attention FLOPs) and the goal (ideal + 10 points). Written after every cell.
+  flex   the table's cells for the FlexAttention design: its time and ratio to SDPA beside the kernels' ratio from
+         the table (the first call of a cell compiles, in the warm-up). A section of its own, after the table, so that
+         a run cut at its limit keeps the table. Off CUDA forward only (FlexAttention has no CPU backward).
   parts  where the time goes, for LLaMA-3-8B 16384 75% and SmolLM2 4096 7/9, forward and forward + backward: one
          torch.profiler run of `--profile_steps` calls each of the kernels and of SDPA: GPU time per kernel (per
          call), grouped into parts (the Triton row lists, key-block bounds, forward, dQ + delta and dK/dV kernels;
@@ -48,9 +53,10 @@ sys.path.insert(0, str(HERE))
 import gpu_moe  # noqa: E402  (provenance and the atomic JSON writer, shared with the MoE benchmark)
 
 from mhmoe.models.ops.head_sparse_attention import head_sparse_attention_triton as hs  # noqa: E402
+from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_flex import head_sparse_attention_flex  # noqa: E402
 from mhmoe.models.ops.head_sparse_attention.head_sparse_attention_naive import head_sparse_attention_naive  # noqa: E402
 
-SECTIONS = ("check", "table", "parts", "tiles")
+SECTIONS = ("check", "table", "flex", "parts", "tiles")
 SHAPES = {  # name -> (heads, kv heads, head_dim, shared, {setting: routed active})
     "SmolLM2-135M": (9, 3, 64, 3, {"7/9": 4, "5/9": 2}),
     "LLaMA-3-8B": (32, 8, 128, 16, {"75%": 8, "62.5%": 4}),
@@ -88,8 +94,9 @@ def draw_gates(tokens, heads, shared, active, device):
     return gates.scatter(-1, pick, 1.0)
 
 
-def check(device, dtype) -> float:
-    """Largest difference of the kernels from the reference on an odd shape (`dtype` inputs, fp32 reference)."""
+def check(device, dtype, op=None) -> float:
+    """Largest difference of `op` (default: the Triton kernels) from the reference on an odd shape (`dtype` inputs,
+    fp32 reference), outputs and gradients; forward only off CUDA for the flex design (no CPU backward)."""
     torch.manual_seed(0)
     batch, heads, kv_heads, tokens, head_dim = 2, 6, 2, 97, 40
     query = torch.randn(batch, tokens, heads, head_dim, device=device).transpose(1, 2)
@@ -97,7 +104,12 @@ def check(device, dtype) -> float:
     gates = (torch.rand(batch, tokens, heads, device=device) < 0.6).float()
     leaves = [x.to(dtype).requires_grad_() for x in (query, key, value)]
     ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
-    got = hs.head_sparse_attention_triton(*leaves, gates, head_dim**-0.5)
+    if op is head_sparse_attention_flex and device.type != "cuda":
+        with torch.no_grad():
+            got = op(*leaves, gates, head_dim**-0.5)
+            want = head_sparse_attention_naive(*ref_leaves, gates, head_dim**-0.5)
+        return (got.float() - want).abs().max().item()
+    got = (op or hs.head_sparse_attention_triton)(*leaves, gates, head_dim**-0.5)
     want = head_sparse_attention_naive(*ref_leaves, gates, head_dim**-0.5)
     grad = torch.randn_like(want)
     got.backward(grad.to(got.dtype))
@@ -152,6 +164,9 @@ class Cell:
 
     def kernel(self, q, k, v, **tiles):
         return hs.head_sparse_attention_triton(q, k, v, self.gates, self.head_dim**-0.5, **tiles)
+
+    def flex(self, q, k, v):
+        return head_sparse_attention_flex(q, k, v, self.gates, self.head_dim**-0.5)
 
     def step(self, fn, mode):
         """A zero-argument call of `fn` (`sdpa` or `kernel`): forward without grad, or forward + backward."""
@@ -243,6 +258,14 @@ def table_row(row) -> str:
     )
 
 
+def flex_row(row, kernel_ratio) -> str:
+    kernel = "–" if kernel_ratio is None else f"{kernel_ratio:.2f}"
+    return (
+        f"| {row['shape']} | {row['tokens']} | {row['active']} | {row['mode']} | {row['sdpa_ms']:.3f} | "
+        f"{row['flex_ms']:.3f} | **{row['ratio']:.2f}** | {kernel} | {row['ideal']:.2f} | {row['goal']:.2f} |"
+    )
+
+
 def parts_lines(record) -> list[str]:
     kernel, sdpa = record["kernel"], record["sdpa"]
     lines = [
@@ -306,9 +329,11 @@ def main(argv=None) -> int:
         try:  # a section that fails (a kernel that does not compile here, say) is recorded; the next still runs
             if section == "check":
                 result["check_max_abs_diff"] = check(device, dtype)
+                result["check_flex_max_abs_diff"] = check(device, dtype, head_sparse_attention_flex)
                 print(
-                    f"{result['device']}, torch {result['torch']}, triton {result['triton']}; kernels vs reference "
-                    f"({result['precision']['operands']}): max |Δ| {result['check_max_abs_diff']:.3g}",
+                    f"{result['device']}, torch {result['torch']}, triton {result['triton']}; vs reference "
+                    f"({result['precision']['operands']}): kernels max |Δ| {result['check_max_abs_diff']:.3g}, "
+                    f"flex {result['check_flex_max_abs_diff']:.3g}",
                     flush=True,
                 )
             elif section == "table":
@@ -335,6 +360,28 @@ def main(argv=None) -> int:
                                 )
                                 result["rows"].append(row)
                                 print(table_row(row), flush=True)
+                                save(section)
+                            del cell
+            elif section == "flex":
+                result["flex_rows"] = []
+                kernel = {(r["shape"], r["tokens"], r["active"], r["mode"]): r["ratio"] for r in result.get("rows", [])}
+                print(
+                    "| shape | tokens | active | pass | SDPA ms | flex ms | flex / SDPA | kernel / SDPA | ideal | goal |"
+                )
+                print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+                modes = ("forward", "forward+backward") if device.type == "cuda" else ("forward",)
+                for name, shape in shapes.items():
+                    for tokens in args.tokens:
+                        for setting in shape[4]:
+                            cell = Cell(name, tokens, setting, device, dtype, shapes)
+                            for mode in modes:
+                                dense_ms = time_ms(cell.step(cell.sdpa, mode), args.repeats, device)
+                                flex_ms = time_ms(cell.step(cell.flex, mode), args.repeats, device)
+                                row = dict(shape=name, tokens=tokens, active=setting, mode=mode, sdpa_ms=dense_ms)
+                                row.update(flex_ms=flex_ms, ratio=flex_ms / dense_ms, ideal=cell.ideal)
+                                row["goal"] = cell.ideal + 0.10
+                                result["flex_rows"].append(row)
+                                print(flex_row(row, kernel.get((name, tokens, setting, mode))), flush=True)
                                 save(section)
                             del cell
             elif section == "parts":

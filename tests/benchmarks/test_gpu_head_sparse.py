@@ -1,6 +1,6 @@
 """benchmarks/gpu_head_sparse.py off the GPU: its smoke run (tiny shapes, the kernels under TRITON_INTERPRET=1)
-writes the provenance header and every section: the table, the profiled parts (operators found by name), the tile
-alternatives."""
+writes the provenance header and every section: the table, the flex design's
+cells, the profiled parts (operators found by name), the tile alternatives."""
 
 import json
 import sys
@@ -22,11 +22,16 @@ def test_smoke_run_writes_every_section_with_provenance(tmp_path):
     assert "errors" not in data
     assert {"device", "commit", "dirty", "env", "torch", "triton", "transformers", "precision", "tiles"} <= set(data)
     assert data["precision"]["operands"] == "float32" and set(data["section_seconds"]) == set(gpu_head_sparse.SECTIONS)
-    assert data["check_max_abs_diff"] < 1e-4
+    assert data["check_max_abs_diff"] < 1e-4 and data["check_flex_max_abs_diff"] < 1e-4
     assert [(r["shape"], r["mode"]) for r in data["rows"]] == [
         (shape, mode) for shape in gpu_head_sparse.SMOKE_SHAPES for mode in ("forward", "forward+backward")
     ]
     assert all(r["kernel_ms"] > 0 and r["sdpa_ms"] > 0 for r in data["rows"])
+    # the flex design's cells: forward only on CPU (FlexAttention has no CPU backward)
+    assert [(r["shape"], r["mode"]) for r in data["flex_rows"]] == [
+        (s, "forward") for s in gpu_head_sparse.SMOKE_SHAPES
+    ]
+    assert all(r["flex_ms"] > 0 and r["ratio"] > 0 for r in data["flex_rows"])
     forward, backward = data["parts"]
     assert forward["mode"] == "forward" and backward["mode"] == "forward+backward"
     for record in (forward, backward):

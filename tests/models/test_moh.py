@@ -289,6 +289,25 @@ def test_training_computes_active_heads_only_and_equals_the_masked_path(
         torch.testing.assert_close(sparse_grads[param], grad, rtol=1e-4, atol=1e-6, msg=param)
 
 
+@pytest.mark.parametrize("name", ["mhmoe-learned-window", "moh-llama-l2-ste"])
+def test_flex_backend_at_inference_equals_the_masked_path(name, monkeypatch):
+    """`moh_head_skipping="flex"` (FlexAttention over each head's active rows; forward only on the CPU): a
+    left-padded prefill of 37 tokens gives the logits of every head computed and masked, through the op in both
+    layers on that backend."""
+    model = build_skipping_models()[name].eval()
+    calls = spy_head_sparse(monkeypatch)
+    ids = torch.randint(1, VOCAB, (2, 37), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        set_head_skipping(model, False)
+        masked = model(ids, attention_mask=mask).logits
+        set_head_skipping(model, "flex")
+        flex = model(ids, attention_mask=mask).logits
+    assert [call[1] for call in calls] == ["flex", "flex"]
+    torch.testing.assert_close(flex[mask.bool()], masked[mask.bool()], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["mhmoe-learned-window", "moh-llama-l2-ste"])
 def test_generation_computes_active_heads_only_and_equals_the_masked_path(

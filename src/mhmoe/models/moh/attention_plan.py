@@ -10,7 +10,7 @@
 The config asks (two fields, read from the module's config; the same on every layer):
 - `moh_head_skipping`: True (the default: the head-sparse op where it pays, `head_skipping.head_sparse_pays`, on the
   CPU; its Triton kernels are not chosen by default until a GPU benchmark shows them ahead), False (always masked),
-  or a backend name, "naive" | "cpu" | "triton" (the op on that backend wherever the op applies);
+  or a backend name, "naive" | "cpu" | "flex" | "triton" (the op on that backend wherever the op applies);
 - `moh_fused_decoding`: True (the default: the CPU decoding step where it applies) or False.
 A traced graph (torch.compile, torch.export) always takes the masked path: the head-sparse op and the decoding step
 choose heads on the host, which a graph cannot hold.

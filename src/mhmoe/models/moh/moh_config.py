@@ -9,7 +9,7 @@ from ..ops.head_router.head_router_naive import STRAIGHT_THROUGH as MOH_STRAIGHT
 from ..ops.head_router.head_router_naive import is_one_of
 from .head_routers import HEAD_ROUTERS, layer_active_heads
 
-HEAD_SKIPPING_CHOICES = (True, False, "naive", "cpu", "triton")  # moh_head_skipping (attention_plan.py)
+HEAD_SKIPPING_CHOICES = (True, False, "naive", "cpu", "flex", "triton")  # moh_head_skipping (attention_plan.py)
 
 
 @dataclasses.dataclass(kw_only=True, repr=False)
@@ -31,7 +31,7 @@ class MoHConfigFields:
     moh_aux_loss_coef: float | int = 0.01  # the head load-balancing loss (eq. 7), with output_router_logits
     moh_head_norm_mean: list | None = None  # the calibrated routers' statistics, per layer and head (mhmoe-convert
     moh_head_norm_sigma: list | None = None  # --calibration_file); not *_std: Transformers takes those for init stds
-    moh_head_skipping: bool | str = True  # True: where it pays | False | "naive" | "cpu" | "triton" (attention_plan.py)
+    moh_head_skipping: bool | str = True  # True: where it pays | False | a backend: "naive" "cpu" "flex" "triton"
     moh_fused_decoding: bool = True  # the CPU decoding step (fused_decoding.py)
 
 
@@ -93,7 +93,7 @@ def head_skipping_problems(config) -> list[str]:
     if not is_one_of(skipping, HEAD_SKIPPING_CHOICES):
         problems.append(
             f"moh_head_skipping must be True (the head-sparse op where it pays), False (every head computed and masked) "
-            f"or a backend name, 'naive', 'cpu' or 'triton', got {skipping!r}"
+            f"or a backend name, 'naive', 'cpu', 'flex' or 'triton', got {skipping!r}"
         )
     fused = getattr(config, "moh_fused_decoding", True)
     if not isinstance(fused, bool):

@@ -3,7 +3,8 @@
 Every op the models call goes through here. Per op, `IMPLEMENTATIONS` lists its backends: "naive" (the plain
 PyTorch reference, `ops/<op>/<op>_naive.py`), "grouped_mm" (torch's grouped GEMM with a hand-written backward,
 `ops/experts/experts_grouped_mm.py`), "cpu" (torch's CPU flash-attention kernel on the active rows,
-`ops/head_sparse_attention/head_sparse_attention_cpu.py`) and "triton" (`ops/<op>/<op>_triton.py`, CUDA, or CPU under
+`ops/head_sparse_attention/head_sparse_attention_cpu.py`), "flex" (torch's FlexAttention on each head's active rows,
+`head_sparse_attention_flex.py`; backward on CUDA only) and "triton" (`ops/<op>/<op>_triton.py`, CUDA, or CPU under
 TRITON_INTERPRET=1).
 
 | op                         | backends                  | by default                                             |
@@ -12,7 +13,7 @@ TRITON_INTERPRET=1).
 | head_router.l2_head_gates  | naive, triton             | the same                                               |
 | experts                    | naive, grouped_mm, triton | grouped_mm; triton only when asked (behind in fwd+bwd: |
 |                            |                           | benchmarks/README.md, gpu_moe on an H200)              |
-| head_sparse_attention      | naive, cpu, triton        | cpu; MoH attention calls the op on CPU only unless the |
+| head_sparse_attention      | naive, cpu, flex, triton  | cpu; MoH attention calls the op on CPU only unless the |
 |                            |                           | config names a backend (moh/attention_plan.py)         |
 | head_sparse_decode         | sdpa                      | sdpa (torch's): the CPU decoding step's attention      |
 
@@ -130,6 +131,12 @@ def _head_sparse_decode_sdpa() -> dict:
     return {"head_sparse_decode": head_sparse_decode_sdpa}
 
 
+def _head_sparse_flex() -> dict:
+    from .head_sparse_attention.head_sparse_attention_flex import head_sparse_attention_flex
+
+    return {"head_sparse_attention": head_sparse_attention_flex}
+
+
 def _head_sparse_triton() -> dict:
     from .head_sparse_attention.head_sparse_attention_triton import head_sparse_attention_triton
 
@@ -141,7 +148,12 @@ LOADERS = {  # op -> backend -> the loader of its module
     "routing.sort_by_expert": {"naive": _routing_naive, "triton": _routing_triton},
     "head_router.l2_head_gates": {"naive": _head_router_naive, "triton": _head_router_triton},
     "experts": {"naive": _experts_naive, "grouped_mm": _experts_grouped_mm, "triton": _experts_triton},
-    "head_sparse_attention": {"naive": _head_sparse_naive, "cpu": _head_sparse_cpu, "triton": _head_sparse_triton},
+    "head_sparse_attention": {
+        "naive": _head_sparse_naive,
+        "cpu": _head_sparse_cpu,
+        "flex": _head_sparse_flex,
+        "triton": _head_sparse_triton,
+    },
     "head_sparse_decode": {"sdpa": _head_sparse_decode_sdpa},
 }
 
@@ -296,7 +308,7 @@ def head_sparse_attention(
 ) -> torch.Tensor:
     """MoH attention for the active (token, head) pairs only (`head_sparse_attention_naive`, the contract): query
     (B, H, T, hd) post-RoPE, key/value (B, Hkv, L, hd), gates (B, T, H) -> (B, T, H, hd), each active pair's output
-    times its gate, 0 elsewhere. `backend`: "naive", "cpu" or "triton" (None: the default)."""
+    times its gate, 0 elsewhere. `backend`: "naive", "cpu", "flex" or "triton" (None: the default)."""
     args = (query, key, value, gates, scaling, attention_mask, query_offset, sliding_window)
     return _run("head_sparse_attention", query, backend, *args)
 
