@@ -33,12 +33,13 @@ def _compiled_flex():
 
 def _flex(query, key, value, block_mask, score_mod, scaling):
     """FlexAttention: compiled on CUDA (the fused kernel), eager elsewhere (a dense reference, forward only)."""
-    if query.requires_grad or key.requires_grad or value.requires_grad:
-        if not query.is_cuda and torch.is_grad_enabled():
-            raise NotImplementedError(
-                "the flex head-sparse backend has no backward off CUDA (torch's FlexAttention runs its backward on "
-                "GPUs only): on CPU set the config's moh_head_skipping to True or 'cpu'"
-            )
+    if not torch.is_grad_enabled():  # (torch refuses inputs that require grad off CUDA even without a backward)
+        query, key, value = query.detach(), key.detach(), value.detach()
+    elif not query.is_cuda and (query.requires_grad or key.requires_grad or value.requires_grad):
+        raise NotImplementedError(
+            "the flex head-sparse backend has no backward off CUDA (torch's FlexAttention runs its backward on "
+            "GPUs only): on CPU set the config's moh_head_skipping to True or 'cpu'"
+        )
     attend = _compiled_flex() if query.is_cuda else flex_attention
     return attend(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True)
 
