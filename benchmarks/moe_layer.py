@@ -150,6 +150,25 @@ def _load() -> str:
     return "/".join(f"{value:.2f}" for value in os.getloadavg())
 
 
+def profile(name: str, tokens: int, candidates: dict[str, nn.Module], rows: int = 12) -> None:
+    """Print where one candidate's fwd+bwd spends its time: torch.profiler's CPU ops over 3 calls (after 2 warm-ups),
+    by self time. Two trees' tables side by side show which ops a change added or made slower."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    generator = torch.Generator().manual_seed(1000 + tokens)  # the timed run's input
+    x = torch.randn(1, tokens, D, generator=generator)
+    grad = torch.randn(1, tokens, D, generator=generator)
+    module = candidates[name].train()
+    for _ in range(2):
+        _time_once(module, x, grad, backward=True)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            _time_once(module, x, grad, backward=True)
+    print(f"{name}, {tokens} tokens, fwd+bwd x3, CPU ops by self time:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="tokens per call (batch 1)")
@@ -158,6 +177,9 @@ def main() -> None:
         "--quick", action="store_true", help="smoke run: 64 tokens, 1 round (checks and table; no figure)"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the dev machine has 2 cores)")
+    parser.add_argument(
+        "--profile", metavar="NAME", help="instead of timing: profile one candidate's fwd+bwd (e.g. ours_h3)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.repeats = [64], 1
@@ -166,6 +188,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     candidates = build_candidates()
+    if args.profile:
+        if args.profile not in candidates:
+            parser.error(f"--profile {args.profile}: not a candidate; choose one of {', '.join(candidates)}")
+        for tokens in args.tokens:
+            profile(args.profile, tokens, candidates)
+        return
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, threads={torch.get_num_threads()}, "
         f"fp32, d={D}, activated MACs/token={activated_macs_per_token(candidates[REFERENCE]):,}, repeats={args.repeats}"
