@@ -29,8 +29,10 @@ class CpuHeadSparsePolicy:
     # least this share of the tokens runs as one causal flash call over all its heads, its inactive pairs zeroed
     # (MoH's shared heads: share 1). Crossover: SmolLM2-135M's real gates at 7/9 heads (c9883a1; the busiest routed
     # group of a layer reaches 91% of its pairs: benchmarks/results/moh_head_sparse.md, benchmarks/moh_head_sparse.py
-    # run at c9883a1, "Why the first version ... gained little"). The path's removal was not resolved on a loaded
-    # machine (benchmarks/results/head_sparse_cpu_paths.md, run 1): kept on judgment, to re-measure.
+    # run at c9883a1, "Why the first version ... gained little"). Its removal (`--cpu_policy no_dense:dense_share=2`:
+    # the shared heads through the row machinery too), quiet machine, batch 1: ×0.975 against the default's ×1.039
+    # (7/9) and ×1.035 against ×1.133 (5/9) at 2,048 tokens, ×1.015 / ×1.061 and ×1.097 / ×1.194 at 4,096, control
+    # ×1.032 / ×0.988 (benchmarks/results/head_sparse_cpu_paths.md, run 5): kept.
     dense_share: float = 0.8
 
     # Chunked path (prefill, no mask or window): T query tokens in chunks of about T / chunk_divisor tokens (a power
