@@ -181,6 +181,14 @@ class Cell:
         return run
 
 
+def table_cells(shapes, token_counts, device, dtype):
+    """Every (shape, tokens, active setting) cell of the table, one at a time (each holds its own inputs)."""
+    for name, shape in shapes.items():
+        for tokens in token_counts:
+            for setting in shape[4]:
+                yield Cell(name, tokens, setting, device, dtype, shapes), name, tokens, setting
+
+
 def _part(kernel_name: str) -> str:
     for pattern, part in PARTS:
         if re.search(pattern, kernel_name, re.I):
@@ -340,28 +348,25 @@ def main(argv=None) -> int:
                 result["rows"] = []
                 print("| shape | tokens | active | pass | SDPA ms | kernel ms | kernel / SDPA | ideal | goal |")
                 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
-                for name, shape in shapes.items():
-                    for tokens in args.tokens:
-                        for setting in shape[4]:
-                            cell = Cell(name, tokens, setting, device, dtype, shapes)
-                            for mode in ("forward", "forward+backward"):
-                                dense_ms = time_ms(cell.step(cell.sdpa, mode), args.repeats, device)
-                                sparse_ms = time_ms(cell.step(cell.kernel, mode), args.repeats, device)
-                                row = dict(
-                                    shape=name,
-                                    tokens=tokens,
-                                    active=setting,
-                                    mode=mode,
-                                    sdpa_ms=dense_ms,
-                                    kernel_ms=sparse_ms,
-                                    ratio=sparse_ms / dense_ms,
-                                    ideal=cell.ideal,
-                                    goal=cell.ideal + 0.10,
-                                )
-                                result["rows"].append(row)
-                                print(table_row(row), flush=True)
-                                save(section)
-                            del cell
+                for cell, name, tokens, setting in table_cells(shapes, args.tokens, device, dtype):
+                    for mode in ("forward", "forward+backward"):
+                        dense_ms = time_ms(cell.step(cell.sdpa, mode), args.repeats, device)
+                        sparse_ms = time_ms(cell.step(cell.kernel, mode), args.repeats, device)
+                        row = dict(
+                            shape=name,
+                            tokens=tokens,
+                            active=setting,
+                            mode=mode,
+                            sdpa_ms=dense_ms,
+                            kernel_ms=sparse_ms,
+                            ratio=sparse_ms / dense_ms,
+                            ideal=cell.ideal,
+                            goal=cell.ideal + 0.10,
+                        )
+                        result["rows"].append(row)
+                        print(table_row(row), flush=True)
+                        save(section)
+                    del cell
             elif section == "flex":
                 result["flex_rows"] = []
                 kernel = {(r["shape"], r["tokens"], r["active"], r["mode"]): r["ratio"] for r in result.get("rows", [])}
@@ -370,20 +375,17 @@ def main(argv=None) -> int:
                 )
                 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
                 modes = ("forward", "forward+backward") if device.type == "cuda" else ("forward",)
-                for name, shape in shapes.items():
-                    for tokens in args.tokens:
-                        for setting in shape[4]:
-                            cell = Cell(name, tokens, setting, device, dtype, shapes)
-                            for mode in modes:
-                                dense_ms = time_ms(cell.step(cell.sdpa, mode), args.repeats, device)
-                                flex_ms = time_ms(cell.step(cell.flex, mode), args.repeats, device)
-                                row = dict(shape=name, tokens=tokens, active=setting, mode=mode, sdpa_ms=dense_ms)
-                                row.update(flex_ms=flex_ms, ratio=flex_ms / dense_ms, ideal=cell.ideal)
-                                row["goal"] = cell.ideal + 0.10
-                                result["flex_rows"].append(row)
-                                print(flex_row(row, kernel.get((name, tokens, setting, mode))), flush=True)
-                                save(section)
-                            del cell
+                for cell, name, tokens, setting in table_cells(shapes, args.tokens, device, dtype):
+                    for mode in modes:
+                        dense_ms = time_ms(cell.step(cell.sdpa, mode), args.repeats, device)
+                        flex_ms = time_ms(cell.step(cell.flex, mode), args.repeats, device)
+                        row = dict(shape=name, tokens=tokens, active=setting, mode=mode, sdpa_ms=dense_ms)
+                        row.update(flex_ms=flex_ms, ratio=flex_ms / dense_ms, ideal=cell.ideal)
+                        row["goal"] = cell.ideal + 0.10
+                        result["flex_rows"].append(row)
+                        print(flex_row(row, kernel.get((name, tokens, setting, mode))), flush=True)
+                        save(section)
+                    del cell
             elif section == "parts":
                 result["parts"] = []
                 for name, tokens, setting in profiled:
