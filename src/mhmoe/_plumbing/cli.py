@@ -42,6 +42,8 @@ def run(command: str, argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     except KeyboardInterrupt:  # before the command's own main says what is left: while importing or parsing
         interrupts.report(command, "nothing was done")
+    finally:
+        interrupts.disarm()  # the command ended first: an interrupt still held changes nothing now
 
 
 def convert() -> None:

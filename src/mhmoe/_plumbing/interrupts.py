@@ -15,6 +15,7 @@ POSIX only (the timer is SIGALRM); elsewhere Python's own handler stays.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -51,6 +52,16 @@ def _on_timer(signum, frame) -> None:
         _on_interrupt(signal.SIGINT, frame)
 
 
+def disarm() -> None:
+    """Stop retrying a held interrupt: the command is ending with its own status. Left running, the timer's SIGALRM
+    would come while the interpreter tears down (seconds with torch loaded), after Python's handlers are gone, and
+    kill the process ('Alarm clock', status 142)."""
+    global _held
+    _held = False
+    if hasattr(signal, "setitimer"):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def install() -> None:
     """Hold Ctrl-C until the running import finishes (module docstring); a no-op where SIGINT is ignored (a background
     job), off the main thread, or without SIGALRM."""
@@ -61,6 +72,8 @@ def install() -> None:
         signal.signal(signal.SIGINT, _on_interrupt)
     except ValueError:  # not the main thread: leave Python's handler
         return
+    atexit.unregister(disarm)  # install() may run twice
+    atexit.register(disarm)  # a program that ends while an interrupt is held
 
 
 def install_in_console_script() -> None:
@@ -78,4 +91,4 @@ def report(command: str, what: str) -> None:
     raise SystemExit(EXIT_STATUS)
 
 
-__all__ = ["EXIT_STATUS", "install", "install_in_console_script", "report"]
+__all__ = ["EXIT_STATUS", "disarm", "install", "install_in_console_script", "report"]
