@@ -30,3 +30,26 @@ from tests.fixtures.training import (  # noqa: E402,F401
     moh_llama_type,
     tokenizer_dir,
 )
+
+
+@pytest.fixture(scope="session")
+def warm():
+    """Command lines forked from a server that imported torch, Transformers and mhmoe once (tests/fixtures/warm.py):
+    each pytest process starts it on first use."""
+    from tests.fixtures.warm import WarmServer, cli_env
+
+    server = WarmServer(cli_env())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def warm_blocked(tmp_path_factory):
+    """As `warm`, in an environment where `import mhmoe` (and triton) fail: exported folders loaded with
+    trust_remote_code (tests/fixtures/remote_code.py); a launch with `env=None` gets the server's environment."""
+    from tests.fixtures.remote_code import BLOCKED_PRELOAD, blocked_env
+    from tests.fixtures.warm import WarmServer
+
+    server = WarmServer(blocked_env(tmp_path_factory.mktemp("blocked")), preload=BLOCKED_PRELOAD)
+    yield server
+    server.close()

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from mhmoe.convert import ConversionError, convert, main
 from tests.convert.test_convert import TINY, _leftovers, _llama_dir
+from tests.fixtures.warm import cli_env
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 FAST_CLI = """
 import sys, time
 start = time.perf_counter()
@@ -33,14 +33,7 @@ print(code, time.perf_counter() - start, sorted(m for m in ("torch", "transforme
 """
 
 
-def _env(**extra):
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
+_env = cli_env
 
 
 # ------------------------------------------------------------------------------------------------ one-line errors
@@ -191,7 +184,7 @@ def test_only_checkpoint_files_are_copied(tmp_path, tokenizer_dir, capsys):
     assert not (tmp_path / "PLANTED_CODE_RAN").exists()
 
 
-def test_planted_code_never_runs_even_when_answering_yes(tmp_path, tokenizer_dir):
+def test_planted_code_never_runs_even_when_answering_yes(tmp_path, tokenizer_dir, warm):
     """mhmoe-convert and mhmoe-export read user folders with trust_remote_code=False: with `y` on stdin (Transformers'
     prompt answered yes) the planted tokenizer code is still not run."""
     source = _llama_dir(tmp_path / "llama", tokenizer_dir)
@@ -204,9 +197,7 @@ def test_planted_code_never_runs_even_when_answering_yes(tmp_path, tokenizer_dir
         if cmd[1] == "mhmoe.hub":  # a converted model whose folder was tampered with afterwards
             shutil.copy(source / "evil_tokenizer.py", converted)
             shutil.copy(source / "tokenizer_config.json", converted)
-        proc = subprocess.run(
-            [sys.executable, *map(str, cmd)], input="y\ny\n", env=_env(), capture_output=True, text=True, timeout=300
-        )
+        proc = warm.run([sys.executable, *map(str, cmd)], input="y\ny\n", env=_env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert not (tmp_path / "PLANTED_CODE_RAN").exists(), cmd
     exported = tmp_path / "exported"
@@ -230,7 +221,7 @@ def test_conversion_record_names_a_hub_snapshot_by_its_repo_id(tmp_path, tokeniz
         assert "base_model: org/Tiny-Llama" in card and str(tmp_path) not in card
 
 
-def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_dir):
+def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_dir, warm_blocked):
     """Like save_pretrained's folders: modeling code + auto_map (it loads with trust_remote_code=True where mhmoe
     cannot be imported, computing what mhmoe's own class computes), and the converted card naming the base model (the
     Hub id, never a local folder's name or path: this one has none); mhmoe-export of it keeps the card kind and the
@@ -261,7 +252,7 @@ def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_di
     assert str(tmp_path) not in (out / "moh_conversion.json").read_text()
 
     ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
-    remote = load_without_mhmoe({"converted": out}, ids, ids[:1, :4], tmp_path)
+    remote = load_without_mhmoe(warm_blocked, {"converted": out}, ids, ids[:1, :4], tmp_path)
     with torch.no_grad():
         local = MoHLlamaForCausalLM.from_pretrained(out).eval()(ids).logits
     torch.testing.assert_close(remote["converted.logits"], local)
@@ -272,7 +263,8 @@ def test_output_is_self_contained_with_the_converted_card(tmp_path, tokenizer_di
 
 def _in_private_mount(script: str, tmp_path: Path, size: str, read_only: bool) -> subprocess.CompletedProcess:
     """Run `script` (shell, $MNT a fresh tmpfs of `size`) in a user + mount namespace: a real small or read-only file
-    system without root. Skips where unprivileged namespaces are not available."""
+    system without root. Skips where unprivileged namespaces are not available. In the script, `warm.shell` in place
+    of `python` runs the command in a warm child that joins the namespace (tests/fixtures/warm.py)."""
     mnt = tmp_path / "mnt"
     mnt.mkdir(parents=True)
     probe = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs "{mnt}" && mount -o remount,ro "{mnt}"']
@@ -285,15 +277,15 @@ def _in_private_mount(script: str, tmp_path: Path, size: str, read_only: bool) -
     )
 
 
-def test_read_only_target_is_not_a_full_disk(tmp_path):
+def test_read_only_target_is_not_a_full_disk(tmp_path, warm):
     source = _llama_dir(tmp_path / "llama")
     for name, command in (
         (
             "convert",
-            f'{sys.executable} -m mhmoe.convert --input_dir "{source}" --output_dir '
+            f'{warm.shell} -m mhmoe.convert --input_dir "{source}" --output_dir '
             '"$MNT/out" --skip_logit_check --disable_tqdm',
         ),
-        ("export", f'{sys.executable} -m mhmoe.hub "{source}" "$MNT/out"'),
+        ("export", f'{warm.shell} -m mhmoe.hub "{source}" "$MNT/out"'),
     ):
         proc = _in_private_mount(command, tmp_path / name, "1m", read_only=True)
         assert proc.returncode == 1, proc.stderr[-2000:]  # a problem of the machine, not of the arguments
@@ -301,14 +293,14 @@ def test_read_only_target_is_not_a_full_disk(tmp_path):
         assert "read-only file system" in line and "/out" in line and "disk space" not in line, line
 
 
-def test_disk_full_while_writing_is_one_line(tmp_path):
+def test_disk_full_while_writing_is_one_line(tmp_path, warm):
     """A real file system too small for the modeling code written after the weights: ENOSPC in the middle of the
     write, reported in one line with the target, nothing left on the disk."""
     source = _llama_dir(tmp_path / "llama")
     weights = (source / "model.safetensors").stat().st_size
     size = (weights // 4096 + 3) * 4096  # the weights and config fit, the modeling code (~100 KB) does not
     script = (
-        f'{sys.executable} -m mhmoe.convert --input_dir "{source}" --output_dir "$MNT/out" --skip_logit_check '
+        f'{warm.shell} -m mhmoe.convert --input_dir "{source}" --output_dir "$MNT/out" --skip_logit_check '
         '--disable_tqdm; echo "status $?"; ls -A "$MNT"'
     )
     proc = _in_private_mount(script, tmp_path / "convert", str(size), read_only=False)
@@ -317,7 +309,7 @@ def test_disk_full_while_writing_is_one_line(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "status 1", proc.stdout  # and `ls -A` printed nothing after
 
     convert(str(source), str(tmp_path / "moh"), verify_logits=False, progress=False)  # mhmoe-export, the same
-    script = f'{sys.executable} -m mhmoe.hub "{tmp_path / "moh"}" "$MNT/out"; echo "status $?"; ls -A "$MNT"'
+    script = f'{warm.shell} -m mhmoe.hub "{tmp_path / "moh"}" "$MNT/out"; echo "status $?"; ls -A "$MNT"'
     proc = _in_private_mount(script, tmp_path / "export", str(size), read_only=False)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("mhmoe-export: error: not enough disk space to write") and "/out" in line, line

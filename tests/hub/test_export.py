@@ -1,8 +1,9 @@
 """mhmoe.hub: exported folders load with `trust_remote_code=True` where mhmoe cannot be imported, evaluate with plain
 `lm-eval run --model hf`, and refusals leave nothing behind.
 
-"Without mhmoe" is checked in subprocesses whose PYTHONPATH is only a folder with fake `mhmoe` and `triton` packages
-that raise ImportError (they shadow the installed ones; src/ is not on the path). Two tiny models are exported once
+"Without mhmoe" is checked in processes (warm children of the `warm_blocked` server) whose PYTHONPATH is only a folder
+with fake `mhmoe` and `triton` packages that raise ImportError (they shadow the installed ones; src/ is not on the
+path). Two tiny models are exported once
 per module: (a) an MHMoE model with MoE layers (2 MoE heads, shared expert) and MoH attention (learned router,
 randomised so that routing matters), from memory; (b) a MoH-LLaMA with the l2 router and straight-through gates, from
 a directory.
@@ -11,9 +12,7 @@ a directory.
 import contextlib
 import glob
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -85,25 +84,6 @@ with open(out + ".json", "w") as f:
 """
 
 
-def _blocked_env(root: Path) -> dict:
-    """Environment of a subprocess in which `import mhmoe` fails: PYTHONPATH is only a fake package that raises."""
-    fake = root / "no_mhmoe"
-    (fake / "mhmoe").mkdir(parents=True, exist_ok=True)
-    (fake / "mhmoe" / "__init__.py").write_text("raise ImportError('mhmoe is not installed here (test)')\n")
-    (fake / "triton").mkdir(exist_ok=True)  # nor triton: the exported kernel file must import without it
-    (fake / "triton" / "__init__.py").write_text("raise ImportError('triton is not installed here (test)')\n")
-    return {
-        **os.environ,
-        "PYTHONPATH": str(fake),
-        "HF_MODULES_CACHE": str(root / "hf_modules"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(root / "hf_datasets"),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
 def _leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))  # temporary / moved-aside dirs
 
@@ -158,7 +138,7 @@ def exported(tmp_path_factory):
 # ---------------------------------------------------------------------------------------- loading without mhmoe
 
 
-def test_loads_without_mhmoe(exported):
+def test_loads_without_mhmoe(exported, warm_blocked):
     """AutoModelForCausalLM / AutoModel / AutoTokenizer with trust_remote_code in a process where mhmoe cannot be
     imported: the same logits and the same greedy cached generation as the original models."""
     root = exported["root"]
@@ -174,7 +154,7 @@ def test_loads_without_mhmoe(exported):
         str(root / "inputs.safetensors"),
         str(root / "got"),
     ]
-    proc = subprocess.run(cmd, cwd=root, env=_blocked_env(root), capture_output=True, text=True, timeout=300)
+    proc = warm_blocked.run(cmd, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got, info = load_file(root / "got.safetensors"), json.loads((root / "got.json").read_text())
     assert "not installed here" in info["blocked"] and info["mhmoe_modules"] == []
@@ -287,7 +267,7 @@ def _ppl_metadata(root: Path) -> dict:
 
 
 @pytest.mark.parametrize("name", ["mhmoe", "moh_llama"])
-def test_lm_eval_hf_trust_remote_code(exported, name):
+def test_lm_eval_hf_trust_remote_code(exported, name, warm_blocked):
     """Plain `lm-eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` with mhmoe blocked gives the
     perplexities the `mhmoe` model computes in-process on the same folder."""
     pytest.importorskip("lm_eval")
@@ -317,7 +297,7 @@ def test_lm_eval_hf_trust_remote_code(exported, name):
         "--output_path",
         str(root / f"lm_eval_out_{name}"),
     ]
-    proc = subprocess.run(cmd, cwd=root, env=_blocked_env(root), capture_output=True, text=True, timeout=300)
+    proc = warm_blocked.run(cmd, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = glob.glob(str(root / f"lm_eval_out_{name}" / "**" / "results_*.json"), recursive=True)
     results = json.loads(Path(path).read_text())

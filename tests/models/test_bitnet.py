@@ -157,7 +157,7 @@ def test_tiny_model_loss_falls_and_generates():
     assert torch.equal(logits[0, 5:-1].argmax(-1), generated[0, 6:])
 
 
-def test_save_load_and_packed_export_round_trip(tmp_path):
+def test_save_load_and_packed_export_round_trip(tmp_path, warm_blocked):
     torch.manual_seed(0)
     model = MHMoEForCausalLM(tiny())
     _train(model, steps=3)
@@ -192,7 +192,7 @@ def test_save_load_and_packed_export_round_trip(tmp_path):
             assert f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_scale").shape == (6, 2)  # gate, up
             assert f.get_tensor("model.layers.1.mlp.experts.down_proj_scale").shape == (6,)
             assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").shape == ()
-    remote = load_without_mhmoe(folders, ids, prompt, tmp_path)  # trust_remote_code, mhmoe not importable
+    remote = load_without_mhmoe(warm_blocked, folders, ids, prompt, tmp_path)  # trust_remote_code, mhmoe not importable
     for name in folders:
         torch.testing.assert_close(remote[f"{name}.logits"], expected, rtol=1e-6, atol=1e-6)
         assert torch.equal(remote[f"{name}.generated"], expected_generation)

@@ -219,7 +219,7 @@ def test_proposal_first_segment_cached_decoding():
     assert "routed on the previous segment (the first on itself, without gradient)" in rows["Lory routing"]
 
 
-def test_save_load_and_export_with_trust_remote_code(tmp_path):
+def test_save_load_and_export_with_trust_remote_code(tmp_path, warm_blocked):
     models, folders, ids = {}, {}, torch.randint(0, 89, (2, 13))
     for pool in POOLS:
         torch.manual_seed(0)
@@ -235,7 +235,7 @@ def test_save_load_and_export_with_trust_remote_code(tmp_path):
         folders[pool] = tmp_path / f"export_{pool}"
         export_pretrained(model, folders[pool])
         assert (folders[pool] / "lory.py").is_file()
-    remote = load_without_mhmoe(folders, ids, ids[:, :6], tmp_path)
+    remote = load_without_mhmoe(warm_blocked, folders, ids, ids[:, :6], tmp_path)
     for pool, model in models.items():
         with torch.no_grad():
             torch.testing.assert_close(remote[f"{pool}.logits"], model(ids).logits, rtol=1e-5, atol=1e-5)

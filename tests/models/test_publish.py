@@ -3,7 +3,6 @@ where mhmoe is installed), and the explicit `mhmoe.hub.export_pretrained` writes
 trust_remote_code where mhmoe is not installed (the same logits)."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,6 @@ from safetensors.torch import load_file, save_file
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM
 from mhmoe.hub import export_pretrained
-from tests.hub.test_export import _blocked_env
 
 SCRIPT = r"""
 import sys
@@ -69,7 +67,7 @@ def _models():
 
 
 @pytest.mark.parametrize("name", ["mhmoe", "moh_llama"])
-def test_export_pretrained_loads_in_a_process_without_mhmoe(name, tmp_path):
+def test_export_pretrained_loads_in_a_process_without_mhmoe(name, tmp_path, warm_blocked):
     model = _models()[name]
     folder = tmp_path / "exported"
     export_pretrained(model, folder)
@@ -82,19 +80,16 @@ def test_export_pretrained_loads_in_a_process_without_mhmoe(name, tmp_path):
 
     ids = torch.randint(0, 64, (2, 9))
     save_file({"input_ids": ids}, tmp_path / "in.safetensors")
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            SCRIPT,
-            str(folder),
-            str(tmp_path / "in.safetensors"),
-            str(tmp_path / "out.safetensors"),
-        ],
-        env=_blocked_env(tmp_path),
-        check=True,
-        timeout=300,
-    )
+    args = [
+        sys.executable,
+        "-c",
+        SCRIPT,
+        str(folder),
+        str(tmp_path / "in.safetensors"),
+        str(tmp_path / "out.safetensors"),
+    ]
+    proc = warm_blocked.run(args, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     out = load_file(tmp_path / "out.safetensors")
     assert bool(out["is_remote"])
     with torch.no_grad():

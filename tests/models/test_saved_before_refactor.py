@@ -58,14 +58,14 @@ def test_saved_before_loads_with_identical_logits(name):
         torch.testing.assert_close(got, SAVED[name], rtol=0, atol=1e-6)
 
 
-def test_saved_before_exports_and_loads_without_mhmoe(tmp_path):
+def test_saved_before_exports_and_loads_without_mhmoe(tmp_path, warm_blocked):
     from mhmoe.hub import export_pretrained
 
     folders = {}
     for name in NAMES:
         folders[name] = tmp_path / name
         export_pretrained(str(FIXTURE / name), str(folders[name]))
-    remote = load_without_mhmoe(folders, SAVED["input_ids"], SAVED["input_ids"][:1, :4], tmp_path)
+    remote = load_without_mhmoe(warm_blocked, folders, SAVED["input_ids"], SAVED["input_ids"][:1, :4], tmp_path)
     for name in NAMES:
         # the exported code's default MoH attention (head-sparse where it pays): within fp32 rounding
         torch.testing.assert_close(remote[name + ".logits"], SAVED[name], rtol=0, atol=1e-6)

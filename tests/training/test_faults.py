@@ -3,7 +3,6 @@ resumed each time with `--resume_from_checkpoint latest`, ends with exactly the 
 once) of an uninterrupted run, and leaves no half-written folder or temporary file behind."""
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -14,7 +13,7 @@ import time
 import pytest
 import torch
 
-import mhmoe
+from tests.fixtures.warm import cli_env
 
 STEPS = 12
 
@@ -61,15 +60,7 @@ def _command(config_json, tokenizer_dir, corpus, out, *extra):
 
 
 def _env():
-    src = os.path.dirname(os.path.dirname(os.path.abspath(mhmoe.__file__)))
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-    )
+    return cli_env(PYTHONUNBUFFERED="1")
 
 
 def _losses(out):
@@ -86,22 +77,22 @@ def _records(out):
         ]
 
 
-def _start(command, env):
-    """Start a run and return once it prints its summary line, right before the first step (imports and setup take
-    seconds, the 12 tiny steps with their checkpoints well under one)."""
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _start(warm, command, env):
+    """Start a run (a warm child: tests/fixtures/warm.py) and return once it prints its summary line, right before the
+    first step (setup takes seconds, the 12 tiny steps with their checkpoints well under one)."""
+    proc = warm.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for line in proc.stdout:
         if line.startswith(b"mhmoe-train: "):
             break
     return proc, time.time()
 
 
-def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, config_json, tokenizer_dir):
+def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, config_json, tokenizer_dir, warm):
     from safetensors.torch import load_file
 
     env = _env()
     reference = tmp_path / "reference"
-    proc, started = _start(_command(config_json, tokenizer_dir, corpus, reference), env)
+    proc, started = _start(warm, _command(config_json, tokenizer_dir, corpus, reference), env)
     while not (reference / "train_summary.json").exists() and proc.poll() is None:
         time.sleep(0.005)
     training_seconds = time.time() - started  # the steps, checkpoints and final save: the window the kills aim at
@@ -112,6 +103,7 @@ def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, confi
         done = max((int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")), default=0)
         resume = done > 0
         proc, started = _start(
+            warm,
             _command(
                 config_json, tokenizer_dir, corpus, out, *(["--resume_from_checkpoint", "latest"] if resume else [])
             ),
@@ -137,11 +129,9 @@ def test_random_kills_resume_to_the_uninterrupted_result(tmp_path, corpus, confi
         if (out / "train_summary.json").exists():
             break
     if not (out / "train_summary.json").exists():
-        final = subprocess.run(
+        final = warm.run(
             _command(config_json, tokenizer_dir, corpus, out, "--resume_from_checkpoint", "latest"),
             env=env,
-            capture_output=True,
-            text=True,
             timeout=120,
         )
         assert final.returncode == 0, final.stderr[-3000:]
