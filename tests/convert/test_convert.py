@@ -18,6 +18,7 @@ import mhmoe
 import mhmoe.convert.write as write
 from mhmoe.convert import ConversionError, convert, head_split, main
 from tests.fixtures.training import free_port, fresh_accelerate_state
+from tests.fixtures.warm import cli_env
 
 TINY = dict(
     vocab_size=320,
@@ -666,9 +667,10 @@ def test_continue_tuning_on_a_chat_dataset(tmp_path, chat_tokenizer_dir, chat_da
     assert "chat.jsonl (chat, loss on the assistant turns)" in (out / "README.md").read_text()
 
 
-def test_conversion_entry_script_runs_as_mhmoe_convert(tmp_path, tokenizer_dir):
+def test_conversion_entry_script_runs_as_mhmoe_convert(tmp_path, tokenizer_dir, warm):
     """conversion/convert_llama_to_moh.py (the design's entry point) is mhmoe-convert: the same options (both
-    commands' --help), and a conversion through the script (a fresh process) writes the same tensors as the function
+    commands' --help), and a conversion through the script (its own process, `python SCRIPT`, forked warm: see
+    tests/fixtures/warm.py) writes the same tensors as the function
     the console script runs (mhmoe.convert.cli.main, here in-process: mhmoe-convert itself converts from the wheel in
     tests/test_installed_package.py)."""
     from mhmoe.convert.cli import main as console_main
@@ -683,13 +685,10 @@ def test_conversion_entry_script_runs_as_mhmoe_convert(tmp_path, tokenizer_dir):
         outputs[name] = re.findall(r"--\w+", helps)
     assert outputs["script"] == outputs["console"] and "--head_budget" in outputs["script"]
     flags = ["--input_dir", str(source), "--recipe", "paper", "--disable_tqdm"]
-    subprocess.run(
-        [sys.executable, script, *flags, "--output_dir", str(tmp_path / "script")],
-        capture_output=True,
-        env=env,
-        check=True,
-        timeout=300,
+    done = warm.run(
+        [sys.executable, script, *flags, "--output_dir", str(tmp_path / "script")], env=cli_env(), timeout=300
     )
+    assert done.returncode == 0, done.stderr[-3000:]
     console_main([*flags, "--output_dir", str(tmp_path / "console")])
     script_tensors = load_file(tmp_path / "script" / "model.safetensors")
     console_tensors = load_file(tmp_path / "console" / "model.safetensors")
