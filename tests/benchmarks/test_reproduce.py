@@ -357,7 +357,7 @@ def test_variant_tables():
 
 
 def test_quick_throughput_columns(tmp_path):
-    run.main(["lory_comparison", "--quick", "--seeds", "0", "1", "--out", str(tmp_path)])
+    run.main(["lory_comparison", "--quick", "--seeds", "0", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "reproduce_lory_comparison_quick.json").read_text())
     for cell in data["cells"].values():
         assert all(r["train_tokens_per_second"] > 0 and r["inference_tokens_per_second"] > 0 for r in cell["runs"])

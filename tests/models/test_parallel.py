@@ -9,10 +9,11 @@ model in this (single) process.
 
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.distributed import DistributedConfig
@@ -20,6 +21,9 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace
 
 from mhmoe import MHMoEConfig, MHMoEForCausalLM, MoHLlamaConfig, MoHLlamaForCausalLM, apply_moh
 from tests.causal_lm_tester import MOE, MOH, TINY, randomise_moh_routers
+from tests.fixtures.warm import cli_env
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CASES = {  # every rule of the plans is used by at least one case
     "mh-moe": lambda: MHMoEForCausalLM(
@@ -107,9 +111,13 @@ def _worker(rank: int, folder: str, port: int):
     torch.distributed.destroy_process_group()
 
 
+WORKER = "import sys\nfrom tests.models.test_parallel import _worker\n_worker(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))"
+
+
 @pytest.fixture(scope="module")
-def parallel_runs(tmp_path_factory):
-    """Saves each case, runs it here, then in 2 processes under each mode; returns (reference, parallel) results."""
+def parallel_runs(tmp_path_factory, warm):
+    """Saves each case, runs it here, then in 2 processes (warm children: tests/fixtures/warm.py, as torchrun's
+    workers, each its own process) under each mode; returns (reference, parallel) results."""
     folder = tmp_path_factory.mktemp("parallel")
     reference = {}
     for name, make in CASES.items():
@@ -123,7 +131,11 @@ def parallel_runs(tmp_path_factory):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_worker, args=(str(folder), port), nprocs=2)
+    workers = [
+        warm.popen([sys.executable, "-c", WORKER, str(rank), str(folder), str(port)], env=cli_env(), cwd=ROOT)
+        for rank in range(2)
+    ]
+    assert [worker.wait(600) for worker in workers] == [0, 0]
     parallel = {
         (mode, name): load_file(folder / f"{mode}-{name}.safetensors")
         for mode in MODES
