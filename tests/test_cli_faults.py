@@ -254,26 +254,15 @@ def test_ctrl_c_at_any_moment_is_one_line(inputs, tmp_path, moment, warm):
         if command == "mhmoe-train":
             argv[argv.index("--max_steps") + 1] = "100000"  # still training when the last signal comes
         script = os.path.join(os.path.dirname(sys.executable), command)  # the installed console script
+        how = dict(env=_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if moment == "importing torch":
-            procs[command] = subprocess.Popen(
-                [script, *argv],
-                env=_env(PYTHONUNBUFFERED="1"),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                # SIGINT at its default in the child: an ignored SIGINT is inherited through exec, and some library
-                # run earlier in the same pytest process may have set it so (Python then installs no handler)
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-            )
+            # SIGINT at its default in the child: an ignored SIGINT is inherited through exec, and some library run
+            # earlier in the same pytest process may have set it so (Python then installs no handler)
+            default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+            procs[command] = subprocess.Popen([script, *argv], preexec_fn=default, **how)
             _interrupt_inside_import_torch(procs[command])
         else:
-            procs[command] = warm.popen(
-                [script, *argv],
-                env=_env(PYTHONUNBUFFERED="1"),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            procs[command] = warm.popen([script, *argv], **how)
     if moment != "importing torch":
         time.sleep(float(moment.split()[1]))
         for proc in procs.values():
