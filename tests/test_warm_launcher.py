@@ -62,3 +62,23 @@ def test_shell_client_inside_a_private_mount(warm, tmp_path):
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=cli_env(), capture_output=True, text=True)
     assert done.stdout.split() == ["mounted", "True", "status", "4"], (done.stdout, done.stderr)
     assert not os.listdir(mnt)  # the mount was the namespace's only
+
+
+def test_executable_runs_as_python_for_a_script_that_takes_its_interpreter_from_a_variable(warm, tmp_path):
+    """`warm.executable(folder)` in place of `python`: a heredoc program (`python -`), the status, `timeout`'s SIGTERM
+    passed on to the child, and a form the server does not run (`--version`) as a fresh interpreter."""
+    python = warm.executable(tmp_path)
+    script = (
+        f"\"$PY\" - a b <<'EOF'\nimport os, sys\nprint(sys.argv, os.getpid() != {os.getpid()})\nsys.exit(5)\nEOF\n"
+        'echo "status $?"\n'
+        f"timeout 1 \"$PY\" -c \"import os, time; open('{tmp_path}/pid', 'w').write(str(os.getpid())); time.sleep(60)\"; "
+        'echo "timeout $?"\n'
+        '"$PY" --version\n'
+    )
+    started = time.monotonic()
+    done = subprocess.run(["sh", "-c", script], env=cli_env(PY=str(python)), capture_output=True, text=True)
+    assert done.stdout.split("\n")[:3] == ["['-', 'a', 'b'] True", "status 5", "timeout 124"], done.stderr
+    assert done.stdout.split("\n")[3].startswith("Python 3.") and time.monotonic() - started < 30
+    time.sleep(0.2)  # (the server reaps its children every few ms)
+    with pytest.raises(ProcessLookupError):  # the child got the SIGTERM: it is not left sleeping
+        os.kill(int((tmp_path / "pid").read_text()), 0)

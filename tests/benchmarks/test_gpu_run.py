@@ -135,17 +135,29 @@ def _device_copy(root: Path, corpus: Path) -> Path:
     return root
 
 
-def _call(root: Path, out: Path, stages: str, **env) -> subprocess.CompletedProcess:
-    environment = {
-        **os.environ,
-        "GPU_RUN_DRY": "1",
-        "OUT": str(out),
-        "GPU_RUN_PYTHON": sys.executable,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": "",
-        **env,
-    }
+def _environment(**env) -> dict:
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": "", **env}
     environment.pop(_provenance.PACK_ENV, None)
+    return environment
+
+
+@pytest.fixture
+def device_python(tmp_path):
+    """The interpreter the calls run (GPU_RUN_PYTHON): a warm launcher (tests/fixtures/warm.py) whose server imported
+    the device copy's mhmoe (tmp_path/device/src) under the environment gpu_run.sh exports: its dozen Python commands
+    start in ~0.2 s each instead of ~10 s. A command it cannot take runs a fresh interpreter."""
+    from tests.fixtures.warm import WarmServer
+
+    device = tmp_path / "device"
+    exported = {"PYTHONPATH": f"{device}/.gpu_site:{device}/src", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    server = WarmServer(_environment(**exported))
+    (tmp_path / "bin").mkdir()
+    yield server.executable(tmp_path / "bin")
+    server.close()
+
+
+def _call(root: Path, out: Path, stages: str, python: Path, **env) -> subprocess.CompletedProcess:
+    environment = _environment(GPU_RUN_DRY="1", OUT=str(out), GPU_RUN_PYTHON=str(python), **env)
     return subprocess.run(
         ["bash", str(root / "scripts" / "gpu_run.sh"), *stages.split()],
         cwd=root,
@@ -162,12 +174,16 @@ def _returned(out: Path) -> list[str]:
     return files
 
 
-def test_dry_run_of_both_calls_returns_everything_flat_with_provenance_and_seeds_a_fresh_machine(tmp_path):
+def test_dry_run_of_both_calls_returns_everything_flat_with_provenance_and_seeds_a_fresh_machine(
+    tmp_path, device_python
+):
     corpus = _tiny_corpus(tmp_path / "corpus")
     device = _device_copy(tmp_path / "device", corpus)
     packed = json.loads((device / ".gpu_pack" / "provenance.json").read_text())
 
-    first = _call(device, tmp_path / "out1", "setup probe bench", BENCH_SECTIONS="routing", PROBE_STEPS="1")
+    first = _call(
+        device, tmp_path / "out1", "setup probe bench", device_python, BENCH_SECTIONS="routing", PROBE_STEPS="1"
+    )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert _returned(tmp_path / "out1") == ["gpu_moe.json", "gpu_run.log", "probe_mhmoe_table1_quick.json"]
     log = (tmp_path / "out1" / "gpu_run.log").read_text()
@@ -182,7 +198,7 @@ def test_dry_run_of_both_calls_returns_everything_flat_with_provenance_and_seeds
     assert {"versions", "mixed_precision", "routing_backend", "kernel_fallbacks"} <= set(probe)
 
     # call 2: seed 0 of both cells, in the order given; the bundle is the one file with the runs
-    second = _call(device, tmp_path / "out2", "reproduce", CELLS="mhmoe_h3 smoe", SEEDS="0")
+    second = _call(device, tmp_path / "out2", "reproduce", device_python, CELLS="mhmoe_h3 smoe", SEEDS="0")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert _returned(tmp_path / "out2") == ["gpu_run.log", "runs_mhmoe_table1_quick.json"]
     bundle = json.loads((tmp_path / "out2" / "runs_mhmoe_table1_quick.json").read_text())
@@ -196,10 +212,13 @@ def test_dry_run_of_both_calls_returns_everything_flat_with_provenance_and_seeds
 
     # a fresh machine (no outputs/ left): the returned bundle, carried in .gpu_pack/seed/, is not trained again
     # (which runs a deadline starts next, seed 1 after every seed 0, test_reproduce.py checks in-process)
-    fresh = _device_copy(tmp_path / "fresh", corpus)
+    # (at the same path, as a fresh machine's checkout would be: the warm server's PYTHONPATH names it)
+    device.rename(tmp_path / "used")
+    fresh = _device_copy(tmp_path / "device", corpus)
+    assert not (fresh / "outputs").exists()
     (fresh / ".gpu_pack" / "seed").mkdir()
     shutil.copy(tmp_path / "out2" / "runs_mhmoe_table1_quick.json", fresh / ".gpu_pack" / "seed")
-    third = _call(fresh, tmp_path / "out3", "reproduce", CELLS="smoe mhmoe_h3", SEEDS="0")
+    third = _call(fresh, tmp_path / "out3", "reproduce", device_python, CELLS="smoe mhmoe_h3", SEEDS="0")
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     log = (tmp_path / "out3" / "gpu_run.log").read_text()
     assert "SMoE | seed 0: already in" in log and "MH-MoE h=3 | seed 0: already in" in log and "ppl" not in log
