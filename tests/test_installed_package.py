@@ -5,7 +5,8 @@ The venv reuses the dev environment's packages instead of downloading them: its 
 naming a folder of symlinks to the dev site-packages' entries, without mhmoe's own (the editable install must not
 shadow the wheel) and without the optional extras (accelerate, peft, lm-eval, matplotlib, triton), so it is an
 environment where only the core dependencies are installed. Commands that need the extras get a second folder, with
-symlinks to just those, on PYTHONPATH. Marked `installed` (about two minutes; part of the normal run).
+symlinks to just those, on PYTHONPATH. Commands whose imports are not the point run in warm children of a server that
+imported the wheel's mhmoe once (`wheel_servers`). Marked `installed` (about a minute; part of the normal run).
 """
 
 import importlib.metadata
@@ -149,6 +150,45 @@ def installed(tmp_path_factory):
     )
 
 
+# what the wheel's core install can import (no extra)
+CORE_PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "mhmoe",
+    "mhmoe._plumbing.cli",
+    "mhmoe.models.mhmoe.modeling_mhmoe",
+    "mhmoe.models.moh_llama.modeling_moh_llama",
+    "mhmoe.convert.cli",
+    "mhmoe.hub",
+    "safetensors.torch",
+)
+
+
+@pytest.fixture(scope="module")
+def wheel_servers(installed):
+    """Warm launchers (tests/fixtures/warm.py) whose servers run the venv's interpreter with the wheel's mhmoe imported:
+    "core" in the core-only environment, "extras" with the extras on PYTHONPATH. The commands whose imports are the
+    point (which extras a core install imports, a console script's wrapper and its refusals, loading where mhmoe is
+    blocked) run fresh interpreters instead."""
+    from tests.fixtures.warm import PRELOAD, WarmServer
+
+    servers = {
+        "core": WarmServer(installed["env"], CORE_PRELOAD, python=installed["python"]),
+        "extras": WarmServer(installed["env_extras"], PRELOAD, python=installed["python"]),
+    }
+    yield servers
+    for server in servers.values():
+        server.close()
+
+
+def _check_warm(server, cmd, env, cwd, returncode=0) -> subprocess.CompletedProcess:
+    proc = server.run([str(c) for c in cmd], env=env, cwd=cwd, timeout=600, input="")
+    assert proc.returncode == returncode, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
 def _data_files(folder: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(folder)): p.read_bytes()
@@ -257,12 +297,12 @@ print(json.dumps(dict(sample=tokenizer.decode(out[0], skip_special_tokens=True),
 """
 
 
-def test_console_scripts_from_the_wheel(installed):
+def test_console_scripts_from_the_wheel(installed, wheel_servers):
     """With the extras: mhmoe-demo --quick to the end, the mhmoe-eval command it prints (a local mhmoe_ppl task on
     the model it trained), mhmoe-export of that model, and the export loaded where mhmoe cannot be imported."""
-    work, env = installed["work"], installed["env_extras"]
-    proc = _check(
-        ["mhmoe-demo", "--quick", "--steps", "20", "--skip_recovery", "--output_dir", "demo"], env=env, cwd=work
+    work, env, warm = installed["work"], installed["env_extras"], wheel_servers["extras"]
+    proc = _check_warm(
+        warm, ["mhmoe-demo", "--quick", "--steps", "20", "--skip_recovery", "--output_dir", "demo"], env=env, cwd=work
     )
     summary = json.loads((work / "demo" / "demo_summary.json").read_text())
     assert summary["lm_eval"]["routing"]["activated_heads_pct"] == 75.0 and (work / "demo" / "head_load.png").is_file()
@@ -271,11 +311,11 @@ def test_console_scripts_from_the_wheel(installed):
     printed = next(line for line in proc.stdout.splitlines() if line.startswith("same from the shell: "))
     command = shlex.split(printed.removeprefix("same from the shell: ")) + ["--limit", "4", "--batch_size", "4"]
     assert command[0] == "mhmoe-eval" and "mhmoe_ppl_wikipedia" in command
-    proc = _check(command, env=env, cwd=work)
+    proc = _check_warm(warm, command, env=env, cwd=work)
     assert "Wikipedia (validation)" in proc.stdout and "token_perplexity" in proc.stdout, proc.stdout[-2000:]
     assert "routing statistics: MoE layers" in proc.stdout and "activated heads 75.0%" in proc.stdout
 
-    _check(["mhmoe-export", "demo/model", "exported"], env=env, cwd=work)
+    _check_warm(warm, ["mhmoe-export", "demo/model", "exported"], env=env, cwd=work)
     card = (work / "exported" / "README.md").read_text()  # filled from the wheel's model_cards/mhmoe.md
     assert card.startswith("---\n") and "## Architecture" in card and "{{" not in card
     assert "Trained with `mhmoe-train` for 20 steps" in card and "Not recorded" not in card  # train_summary.json
@@ -329,13 +369,14 @@ def _free_names(code: str) -> set[str]:
     return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)} - bound
 
 
-def test_readme_python_snippets_from_the_wheel(installed):
+def test_readme_python_snippets_from_the_wheel(installed, wheel_servers):
     """Every README Python snippet that needs nothing from the reader runs from the wheel, outside the checkout, with
     only the core dependencies; where a line prints, the comment after it is what it prints."""
     blocks = [code for code in _readme_python_blocks() if not _free_names(code)]
     assert len(blocks) >= 2, "the README's runnable quick-start snippets are gone"
     for index, code in enumerate(blocks):
-        proc = _check([installed["python"], "-c", code], env=installed["env"], cwd=installed["work"])
+        command = [installed["python"], "-c", code]
+        proc = _check_warm(wheel_servers["core"], command, env=installed["env"], cwd=installed["work"])
         expected = [line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(")]
         assert proc.stdout.strip().splitlines() == expected, (index, code)
 
@@ -369,20 +410,21 @@ def _card_usage(card: str) -> str:
     return card.split("## Usage", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_converter_and_paper_cuts_from_the_wheel(installed):
+def test_converter_and_paper_cuts_from_the_wheel(installed, wheel_servers):
     """From the wheel, with only the core dependencies: the converter (`mhmoe-convert` and `python -m mhmoe.convert`)
     writes a self-contained folder whose card's own usage snippet runs non-interactively where mhmoe cannot be
     imported; mhmoe-export of it keeps the converted card and the conversion record; a usage error is one
     line; the Accelerate configs and the eval-tasks folder are found in the installed package."""
-    work, env = installed["work"] / "convert", installed["env"]
+    work, env, warm = installed["work"] / "convert", installed["env"], wheel_servers["core"]
     work.mkdir()
     _tiny_llama(work / "llama")
-    proc = _check(["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"], env=env, cwd=work)
+    command = ["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"]
+    proc = _check_warm(warm, command, env=env, cwd=work)
     # the default recipe calibrates, permutes heads (o_proj sums the heads in another order: float rounding only) and
     # fits the learned router
     assert "recipe fitted, router learned" in proc.stdout, proc.stdout
     assert re.search(r"all heads active: max \|Δlogit\| = \S+ vs source -> OK", proc.stdout), proc.stdout
-    proc = _check([installed["python"], "-m", "mhmoe.convert", "--help"], env=env, cwd=work)
+    proc = _check_warm(warm, [installed["python"], "-m", "mhmoe.convert", "--help"], env=env, cwd=work)
     assert "--input_dir" in proc.stdout
     proc = _check(["mhmoe-convert", "--bogus"], env=env, cwd=work, returncode=2)
     assert proc.stderr.strip() == "mhmoe-convert: error: unrecognized arguments: --bogus (see mhmoe-convert --help)"
@@ -400,7 +442,7 @@ def test_converter_and_paper_cuts_from_the_wheel(installed):
     proc = _check([installed["python"], "-c", check], env={**env, "PYTHONPATH": str(blocked)}, cwd=work)
     assert proc.stdout.split()[0].startswith("transformers_modules.") and proc.stdout.strip().endswith("[1, 2]")
 
-    _check(["mhmoe-export", "moh", "exported"], env=env, cwd=work)
+    _check_warm(warm, ["mhmoe-export", "moh", "exported"], env=env, cwd=work)
     card = (work / "exported" / "README.md").read_text()
     assert "Converted from a local dense checkpoint" in card and "held-out perplexity" in card
     record = (work / "moh" / "moh_conversion.json").read_bytes()
@@ -408,7 +450,7 @@ def test_converter_and_paper_cuts_from_the_wheel(installed):
 
     site_data = installed["site"] / "mhmoe" / "_data"
     code = "from mhmoe._plumbing.resources import data_dir; print(data_dir('examples'))"
-    examples = Path(_check([installed["python"], "-c", code], env=env, cwd=work).stdout.strip())
+    examples = Path(_check_warm(warm, [installed["python"], "-c", code], env=env, cwd=work).stdout.strip())
     assert examples == site_data / "examples" and (examples / "accelerate" / "fsdp.yaml").is_file()
     proc = _check(["mhmoe-eval", "--print_tasks_dir"], env=installed["env_extras"], cwd=work)
     assert Path(proc.stdout.strip()) == site_data / "eval_tasks"
