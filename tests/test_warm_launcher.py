@@ -31,6 +31,11 @@ def test_signals_reach_the_child_and_its_own_handler(warm):
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 130 and proc.stdout.read() == "interrupted\n"
+    proc = warm.popen([sys.executable, "-c", "raise SystemExit(7)"], env=cli_env())
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:  # poll alone sees the exit (a busy-wait loop's form)
+        time.sleep(0.01)
+    assert proc.returncode == 7
     proc = warm.popen([sys.executable, "-c", "import time; time.sleep(60)"], env=cli_env())
     assert proc.poll() is None
     proc.kill()
