@@ -150,22 +150,6 @@ def installed(tmp_path_factory):
     )
 
 
-# what the wheel's core install can import (no extra)
-CORE_PRELOAD = (
-    "torch",
-    "transformers",
-    "transformers.modeling_utils",
-    "transformers.models.llama.modeling_llama",
-    "mhmoe",
-    "mhmoe._plumbing.cli",
-    "mhmoe.models.mhmoe.modeling_mhmoe",
-    "mhmoe.models.moh_llama.modeling_moh_llama",
-    "mhmoe.convert.cli",
-    "mhmoe.hub",
-    "safetensors.torch",
-)
-
-
 @pytest.fixture(scope="module")
 def wheel_servers(installed):
     """Warm launchers (tests/fixtures/warm.py) whose servers run the venv's interpreter with the wheel's mhmoe imported:
@@ -174,8 +158,10 @@ def wheel_servers(installed):
     blocked) run fresh interpreters instead."""
     from tests.fixtures.warm import PRELOAD, WarmServer
 
+    extras = {*OPTIONAL_DISTRIBUTIONS, "datasets"}  # what the core install lacks
+    core = tuple(name for name in PRELOAD if name.split(".")[0] not in extras)
     servers = {
-        "core": WarmServer(installed["env"], CORE_PRELOAD, python=installed["python"]),
+        "core": WarmServer(installed["env"], core, python=installed["python"]),
         "extras": WarmServer(installed["env_extras"], PRELOAD, python=installed["python"]),
     }
     yield servers
