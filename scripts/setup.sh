@@ -18,15 +18,12 @@ fi
 STAMP="$VENV/.mhmoe-install-stamp"
 HASH="$(cat requirements-dev.txt pyproject.toml setup.py | "$VENV/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$HASH" ]; then
-    echo "setup: installing requirements-dev.txt into $VENV (first run: about two minutes)" >&2
+    echo "setup: installing requirements-dev.txt into $VENV (first run: under a minute)" >&2
     # torch through pip: pip's configuration may name a local CPU build (uv reads no pip configuration and would fetch
-    # a multi-GB CUDA build). The rest through uv, which installs in parallel: ~1 min where pip alone takes ~3.
+    # a multi-GB CUDA build). The rest through uv, which installs in parallel: seconds where pip takes minutes.
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile uv==0.13.9 \
         "$(grep '^torch==' requirements-dev.txt)"
-    "$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" --compile-bytecode -r requirements-dev.txt
-    # bytecode for what pip installed, on every core (a file no Python 3 compiles is skipped, as pip skips it)
-    SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    "$VENV/bin/python" -m compileall -qq -j 0 "$SITE" || true
+    "$VENV/bin/python" -m uv pip install --quiet --python "$VENV/bin/python" -r requirements-dev.txt
     echo "$HASH" > "$STAMP"
 else
     echo "setup: $VENV is up to date (requirements unchanged)" >&2
@@ -36,3 +33,7 @@ fi
 source "$VENV/bin/activate"
 # Nothing is downloaded from the Hugging Face Hub: fail fast instead of waiting on lookups.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# Bytecode is compiled when a module is first imported and cached, as Python does by default (nothing is compiled at
+# install: most of the ~21k files are never imported). A machine that sets PYTHONDONTWRITEBYTECODE would recompile
+# every module in every process: ~10 s more per fresh interpreter.
+unset PYTHONDONTWRITEBYTECODE
