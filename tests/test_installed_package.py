@@ -38,16 +38,15 @@ NOT_COPIED = shutil.ignore_patterns(
 )
 
 
-def _check(cmd, env=None, cwd=None, timeout=600, returncode=0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [str(c) for c in cmd],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
+def _check(cmd, env=None, cwd=None, timeout=600, returncode=0, warm=None) -> subprocess.CompletedProcess:
+    """Run `cmd` (in a fresh process, or a warm child of `warm`: see `wheel_servers`) and check its status."""
+    cmd = [str(c) for c in cmd]
+    if warm is None:
+        proc = subprocess.run(
+            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+    else:
+        proc = warm.run(cmd, env=env, cwd=cwd, timeout=timeout, input="")
     assert proc.returncode == returncode, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -169,12 +168,6 @@ def wheel_servers(installed):
         server.close()
 
 
-def _check_warm(server, cmd, env, cwd, returncode=0) -> subprocess.CompletedProcess:
-    proc = server.run([str(c) for c in cmd], env=env, cwd=cwd, timeout=600, input="")
-    assert proc.returncode == returncode, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
 def _data_files(folder: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(folder)): p.read_bytes()
@@ -287,8 +280,11 @@ def test_console_scripts_from_the_wheel(installed, wheel_servers):
     """With the extras: mhmoe-demo --quick to the end, the mhmoe-eval command it prints (a local mhmoe_ppl task on
     the model it trained), mhmoe-export of that model, and the export loaded where mhmoe cannot be imported."""
     work, env, warm = installed["work"], installed["env_extras"], wheel_servers["extras"]
-    proc = _check_warm(
-        warm, ["mhmoe-demo", "--quick", "--steps", "20", "--skip_recovery", "--output_dir", "demo"], env=env, cwd=work
+    proc = _check(
+        ["mhmoe-demo", "--quick", "--steps", "20", "--skip_recovery", "--output_dir", "demo"],
+        env=env,
+        cwd=work,
+        warm=warm,
     )
     summary = json.loads((work / "demo" / "demo_summary.json").read_text())
     assert summary["lm_eval"]["routing"]["activated_heads_pct"] == 75.0 and (work / "demo" / "head_load.png").is_file()
@@ -297,11 +293,11 @@ def test_console_scripts_from_the_wheel(installed, wheel_servers):
     printed = next(line for line in proc.stdout.splitlines() if line.startswith("same from the shell: "))
     command = shlex.split(printed.removeprefix("same from the shell: ")) + ["--limit", "4", "--batch_size", "4"]
     assert command[0] == "mhmoe-eval" and "mhmoe_ppl_wikipedia" in command
-    proc = _check_warm(warm, command, env=env, cwd=work)
+    proc = _check(command, env=env, cwd=work, warm=warm)
     assert "Wikipedia (validation)" in proc.stdout and "token_perplexity" in proc.stdout, proc.stdout[-2000:]
     assert "routing statistics: MoE layers" in proc.stdout and "activated heads 75.0%" in proc.stdout
 
-    _check_warm(warm, ["mhmoe-export", "demo/model", "exported"], env=env, cwd=work)
+    _check(["mhmoe-export", "demo/model", "exported"], env=env, cwd=work, warm=warm)
     card = (work / "exported" / "README.md").read_text()  # filled from the wheel's model_cards/mhmoe.md
     assert card.startswith("---\n") and "## Architecture" in card and "{{" not in card
     assert "Trained with `mhmoe-train` for 20 steps" in card and "Not recorded" not in card  # train_summary.json
@@ -362,7 +358,7 @@ def test_readme_python_snippets_from_the_wheel(installed, wheel_servers):
     assert len(blocks) >= 2, "the README's runnable quick-start snippets are gone"
     for index, code in enumerate(blocks):
         command = [installed["python"], "-c", code]
-        proc = _check_warm(wheel_servers["core"], command, env=installed["env"], cwd=installed["work"])
+        proc = _check(command, env=installed["env"], cwd=installed["work"], warm=wheel_servers["core"])
         expected = [line.split("#", 1)[1].strip() for line in code.splitlines() if line.startswith("print(")]
         assert proc.stdout.strip().splitlines() == expected, (index, code)
 
@@ -405,12 +401,12 @@ def test_converter_and_paper_cuts_from_the_wheel(installed, wheel_servers):
     work.mkdir()
     _tiny_llama(work / "llama")
     command = ["mhmoe-convert", "--input_dir", "llama", "--output_dir", "moh", "--disable_tqdm"]
-    proc = _check_warm(warm, command, env=env, cwd=work)
+    proc = _check(command, env=env, cwd=work, warm=warm)
     # the default recipe calibrates, permutes heads (o_proj sums the heads in another order: float rounding only) and
     # fits the learned router
     assert "recipe fitted, router learned" in proc.stdout, proc.stdout
     assert re.search(r"all heads active: max \|Δlogit\| = \S+ vs source -> OK", proc.stdout), proc.stdout
-    proc = _check_warm(warm, [installed["python"], "-m", "mhmoe.convert", "--help"], env=env, cwd=work)
+    proc = _check([installed["python"], "-m", "mhmoe.convert", "--help"], env=env, cwd=work, warm=warm)
     assert "--input_dir" in proc.stdout
     proc = _check(["mhmoe-convert", "--bogus"], env=env, cwd=work, returncode=2)
     assert proc.stderr.strip() == "mhmoe-convert: error: unrecognized arguments: --bogus (see mhmoe-convert --help)"
@@ -428,7 +424,7 @@ def test_converter_and_paper_cuts_from_the_wheel(installed, wheel_servers):
     proc = _check([installed["python"], "-c", check], env={**env, "PYTHONPATH": str(blocked)}, cwd=work)
     assert proc.stdout.split()[0].startswith("transformers_modules.") and proc.stdout.strip().endswith("[1, 2]")
 
-    _check_warm(warm, ["mhmoe-export", "moh", "exported"], env=env, cwd=work)
+    _check(["mhmoe-export", "moh", "exported"], env=env, cwd=work, warm=warm)
     card = (work / "exported" / "README.md").read_text()
     assert "Converted from a local dense checkpoint" in card and "held-out perplexity" in card
     record = (work / "moh" / "moh_conversion.json").read_bytes()
@@ -436,7 +432,7 @@ def test_converter_and_paper_cuts_from_the_wheel(installed, wheel_servers):
 
     site_data = installed["site"] / "mhmoe" / "_data"
     code = "from mhmoe._plumbing.resources import data_dir; print(data_dir('examples'))"
-    examples = Path(_check_warm(warm, [installed["python"], "-c", code], env=env, cwd=work).stdout.strip())
+    examples = Path(_check([installed["python"], "-c", code], env=env, cwd=work, warm=warm).stdout.strip())
     assert examples == site_data / "examples" and (examples / "accelerate" / "fsdp.yaml").is_file()
     proc = _check(["mhmoe-eval", "--print_tasks_dir"], env=installed["env_extras"], cwd=work)
     assert Path(proc.stdout.strip()) == site_data / "eval_tasks"
