@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests._plumbing.test_trust import _hub_snapshot  # the Hub cache's layout, as the link tests build it
+from tests.fixtures.warm import NO_BYTECODE_UNDER_FSIZE
 from tests.test_cli_faults import BROKEN_TOKENIZERS, _maps_torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -295,7 +296,7 @@ def run_command(
     start = time.monotonic()
     proc = subprocess.Popen(
         full,
-        env=env or subprocess_env(),
+        env={**(env or subprocess_env()), **(NO_BYTECODE_UNDER_FSIZE if fsize is not None else {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -82,10 +82,12 @@ def test_file_size_limit_is_one_line(inputs, tmp_path, capsys, command):
     with EFBIG (Python ignores SIGXFSZ), told in one line, exit status 1."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+    sys.dont_write_bytecode, writes_bytecode = True, sys.dont_write_bytecode  # (see NO_BYTECODE_UNDER_FSIZE)
     try:
         status = _run(command, inputs(command, str(tmp_path / "out")))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        sys.dont_write_bytecode = writes_bytecode
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith(f"{command}: ")]
     assert status == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
@@ -239,13 +241,18 @@ def _interrupt_inside_import_torch(proc) -> None:
     proc.send_signal(signal.SIGINT)
 
 
+def _console_script(command: str) -> str:
+    """The installed console script (beside this interpreter)."""
+    return os.path.join(os.path.dirname(sys.executable), command)
+
+
 @pytest.fixture(scope="module")
 def warm_seconds(inputs, tmp_path_factory, warm):
     """Each command's duration from a warm start, uninterrupted (mhmoe-train: its 2-step run): the clock of the Ctrl-C
     moments after the imports, so that they fall where they are meant to on a fast machine and on a slow one."""
     root, seconds = tmp_path_factory.mktemp("timed"), {}
     for command in COMMANDS:
-        script = os.path.join(os.path.dirname(sys.executable), command)
+        script = _console_script(command)
         start = time.perf_counter()
         done = warm.run([script, *inputs(command, str(root / command))], env=_env(), timeout=300)
         seconds[command] = time.perf_counter() - start
@@ -268,7 +275,7 @@ def test_ctrl_c_at_any_moment_is_one_line(inputs, tmp_path, moment, warm, warm_s
         argv = inputs(command, str(out))
         if command == "mhmoe-train":
             argv[argv.index("--max_steps") + 1] = "100000"  # still training when the last signal comes
-        script = os.path.join(os.path.dirname(sys.executable), command)  # the installed console script
+        script = _console_script(command)
         how = dict(env=_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if moment == "importing torch":
             # SIGINT at its default in the child: an ignored SIGINT is inherited through exec, and some library run
